@@ -1,0 +1,107 @@
+"""Names on disk: checkpoint directories, trackers, temporaries and trash, per layout.
+
+Everything that decides *what a name means* lives here, so the engine, the pruner, the CLI and
+``verify`` agree on it. Pure functions; nothing here touches the disk except ``scan``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+LAYOUTS = ("global_step", "megatron")
+
+#: Megatron-LM's tracker; verl and RLinf read the same name for the global_step layout.
+TRACKER = "latest_checkpointed_iteration.txt"
+#: SkyRL's tracker for the global_step layout, kept in step with ``TRACKER``.
+SKYRL_TRACKER = "latest_ckpt_global_step.txt"
+#: Written inside every checkpoint directory before it is committed.
+MANIFEST = "asyncckpt_manifest.json"
+#: Prefixes of names that are never checkpoints: in-flight writes and half-deleted ones.
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+LOCK_NAME = ".asyncckpt.lock"
+
+_PATTERNS = {
+    "global_step": re.compile(r"^global_step_(\d+)$"),
+    "megatron": re.compile(r"^iter_(\d{7,})$"),
+}
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    return layout
+
+
+def dir_name(layout: str, step: int) -> str:
+    """The committed directory name of ``step``: ``global_step_N`` or ``iter_NNNNNNN``."""
+    check_layout(layout)
+    return f"global_step_{step}" if layout == "global_step" else f"iter_{step:07d}"
+
+
+def parse_dir_name(layout: str, name: str) -> int | None:
+    """The step a committed directory name stands for, or None if it is not one."""
+    m = _PATTERNS[check_layout(layout)].match(name)
+    return int(m.group(1)) if m else None
+
+
+def tmp_name(layout: str, step: int, token: str) -> str:
+    """A temporary directory beside the final one; never matches ``parse_dir_name``."""
+    return f"{TMP_PREFIX}{dir_name(layout, step)}-{token}"
+
+
+def trash_name(name: str, token: str) -> str:
+    return f"{TRASH_PREFIX}{name}-{token}"
+
+
+def tracker_names(layout: str) -> tuple[str, ...]:
+    """Tracker files rewritten after each commit (the first is the one read back)."""
+    return (TRACKER, SKYRL_TRACKER) if check_layout(layout) == "global_step" else (TRACKER,)
+
+
+def is_leftover(name: str) -> bool:
+    """A temporary or trash entry left by a crash; removed at the next start."""
+    return name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)
+
+
+@dataclass(frozen=True)
+class CommittedDir:
+    step: int
+    path: Path
+
+
+def scan(root: str | os.PathLike, layout: str) -> list[CommittedDir]:
+    """Committed checkpoint directories under ``root``, oldest step first.
+
+    A directory counts only if its name parses and it holds a manifest (written before the
+    rename), so a foreign or hand-made directory with a matching name but no manifest is
+    still listed only when it at least has DCP's ``.metadata`` (checkpoints written by other
+    tools can be loaded too).
+    """
+    root = Path(root)
+    out = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        step = parse_dir_name(layout, entry.name)
+        if step is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        p = Path(entry.path)
+        if (p / MANIFEST).exists() or (p / ".metadata").exists():
+            out.append(CommittedDir(step, p))
+    out.sort(key=lambda c: c.step)
+    return out
+
+
+def read_tracker(root: str | os.PathLike) -> int | None:
+    """The step the tracker names, or None if it is missing or not a step number."""
+    try:
+        text = (Path(root) / TRACKER).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
