@@ -1,0 +1,259 @@
+"""``python -m asyncckpt ls | prune ROOT``: inspect and prune any root the engine wrote.
+
+Each subcommand is one function decorated with ``@subcommand``: it adds its parser and sets
+``func`` (``(args, console) -> exit code``). Exit codes: 0 ok, 1 error, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from asyncckpt import layout as L
+from asyncckpt.prune import (
+    PruneRefused,
+    clean_leftovers,
+    detect_layout,
+    disk_usage,
+    list_checkpoints,
+    prune,
+)
+from asyncckpt.retention import (
+    KeepBest,
+    KeepEvery,
+    KeepInterval,
+    KeepLast,
+    RetentionPolicy,
+    Union,
+    plan_prune,
+)
+
+__all__ = ["main", "build_parser", "subcommand"]
+
+_SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def subcommand(add: Callable[[argparse._SubParsersAction], None]) -> Callable:
+    """Register a function that adds one subcommand to the parser (e.g. ``verify``)."""
+    _SUBCOMMANDS.append(add)
+    return add
+
+
+class _UsageError(Exception):
+    """Bad arguments found after parsing; reported with exit code 2."""
+
+
+def _add_root(p: argparse.ArgumentParser) -> None:
+    p.add_argument("root", help="checkpoint root directory")
+    p.add_argument("--layout", choices=("auto", *L.LAYOUTS), default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _layout(args: argparse.Namespace) -> str:
+    if not os.path.isdir(args.root):
+        raise FileNotFoundError(f"no such directory: {args.root}")
+    return detect_layout(args.root) if args.layout == "auto" else args.layout
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(t: float) -> str:
+    return _dt.datetime.fromtimestamp(t).isoformat(sep=" ", timespec="seconds")
+
+
+def _metrics(m: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.6g}" for k, v in sorted(m.items()))
+
+
+def _table(title: str, rows: list[tuple[str, ...]], columns: Sequence[str]) -> Table:
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+@subcommand
+def _add_ls(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ls", help="list committed checkpoints, which are protected, leftovers")
+    _add_root(p)
+    p.set_defaults(func=_run_ls)
+
+
+def _run_ls(args: argparse.Namespace, console: Console) -> int:
+    layout = _layout(args)
+    infos = list_checkpoints(args.root, layout)
+    tracker = L.read_tracker(args.root)
+    protected = plan_prune(infos, None, tracker_step=tracker).keep
+    leftovers = sorted(e for e in os.listdir(args.root) if L.is_leftover(e))
+    usage = disk_usage(args.root, layout)
+    if args.json:
+        out = {
+            "layout": layout,
+            "tracker": tracker,
+            "checkpoints": [
+                {
+                    "step": c.step,
+                    "committed_at": c.committed_at,
+                    "bytes": c.size_bytes,
+                    "metrics": dict(c.metrics),
+                    "run_id": c.run_id,
+                    "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
+                }
+                for c in infos
+            ],
+            "leftovers": leftovers,
+            "usage": usage,
+        }
+        console.print_json(json.dumps(out))
+        return 0
+    rows = [
+        (
+            str(c.step),
+            _when(c.committed_at),
+            _human(c.size_bytes),
+            _metrics(dict(c.metrics)),
+            ", ".join(r for r in protected.get(c.step, []) if r != "KeepAll()"),
+        )
+        for c in infos
+    ]
+    cols = ("step", "committed", "size", "metrics", "protected")
+    console.print(_table(f"{args.root} ({layout})", rows, cols))
+    console.print(
+        f"tracker: {tracker}  committed: {_human(usage['committed_bytes'])}  "
+        f"leftovers: {_human(usage['leftover_bytes'])}  free: {_human(usage['free_bytes'])}"
+    )
+    if tracker is not None and tracker not in {c.step for c in infos}:
+        console.print(
+            f"warning: the tracker names step {tracker}, which is not here", style="yellow"
+        )
+    for name in leftovers:
+        console.print(f"leftover: {name}")
+    return 0
+
+
+@subcommand
+def _add_prune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prune", help="delete checkpoints a retention policy does not keep")
+    _add_root(p)
+    p.add_argument("--keep-last", type=int, metavar="N")
+    p.add_argument("--keep-best", type=int, metavar="N")
+    p.add_argument("--metric", help="metric for --keep-best")
+    p.add_argument("--mode", choices=("min", "max"), default="min")
+    p.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
+    p.add_argument("--keep-interval", type=float, metavar="SECONDS")
+    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    p.add_argument(
+        "--allow-tracker-lag",
+        action="store_true",
+        help="prune even if the tracker does not name the newest checkpoint (no engine running)",
+    )
+    p.add_argument(
+        "--clean-leftovers",
+        action="store_true",
+        help="also remove temporaries and trash (only when no engine writes to ROOT)",
+    )
+    p.set_defaults(func=_run_prune)
+
+
+def _policy(args: argparse.Namespace) -> RetentionPolicy:
+    parts: list[RetentionPolicy] = []
+    try:
+        if args.keep_last is not None:
+            parts.append(KeepLast(args.keep_last))
+        if args.keep_best is not None:
+            if not args.metric:
+                raise _UsageError("--keep-best needs --metric")
+            parts.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
+        elif args.metric:
+            raise _UsageError("--metric is only used with --keep-best")
+        if args.keep_every is not None:
+            parts.append(KeepEvery(args.keep_every))
+        if args.keep_interval is not None:
+            parts.append(KeepInterval(args.keep_interval))
+    except (ValueError, TypeError) as e:
+        raise _UsageError(str(e)) from e
+    if not parts:
+        raise _UsageError(
+            "give a policy: --keep-last, --keep-best, --keep-every or --keep-interval"
+        )
+    return parts[0] if len(parts) == 1 else Union(*parts)
+
+
+def _run_prune(args: argparse.Namespace, console: Console) -> int:
+    policy = _policy(args)
+    layout = _layout(args)
+    result = prune(
+        args.root,
+        layout,
+        policy,
+        dry_run=args.dry_run,
+        allow_tracker_lag=args.allow_tracker_lag,
+    )
+    cleaned = clean_leftovers(args.root) if args.clean_leftovers and not args.dry_run else []
+    verb = "would delete" if args.dry_run else "deleted"
+    if args.json:
+        out = {
+            "policy": repr(policy),
+            "dry_run": args.dry_run,
+            "deleted": result.deleted,
+            "kept": {str(k): v for k, v in result.kept.items()},
+            "errors": {str(k): v for k, v in result.errors.items()},
+            "cleaned": cleaned,
+        }
+        console.print_json(json.dumps(out))
+    else:
+        rows = [(str(s), ", ".join(r)) for s, r in result.kept.items()]
+        console.print(_table(f"kept by {policy!r}", rows, ("step", "why")))
+        console.print(f"{verb}: {', '.join(map(str, result.deleted)) or 'nothing'}")
+        for name in cleaned:
+            console.print(f"removed leftover: {name}")
+        for step, msg in result.errors.items():
+            console.print(f"error deleting step {step}: {msg}", style="red")
+    return 1 if result.errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncckpt", description="Inspect and prune asyncckpt checkpoint roots."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 1 error, 2 bad usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    # markup off: paths, metric names and errors are printed as they are, brackets included.
+    console = Console(width=None if sys.stdout.isatty() else 160, markup=False)
+    err = Console(stderr=True, markup=False)
+    try:
+        return args.func(args, console)
+    except _UsageError as e:
+        parser.print_usage(sys.stderr)
+        err.print(f"error: {e}")
+        return 2
+    except (PruneRefused, OSError, ValueError) as e:
+        err.print(f"error: {e}")
+        return 1

@@ -1,0 +1,279 @@
+"""Pruning on disk: read what is committed, plan with ``retention``, delete through the trash.
+
+Deleting a checkpoint is two steps. First an atomic rename to a trash name in the same root
+(``layout.trash_name``) followed by an fsync of the root: from that moment the checkpoint is out
+of the namespace, so a half-deleted one is never listed, loaded or named by the tracker. Then
+the trash tree is removed without following symlinks (a link inside a checkpoint is unlinked,
+its target survives) and without leaving the root. A crash between the two leaves trash that
+``clean_leftovers`` removes at the next start.
+
+Pruning runs strictly after the commit of the newest checkpoint (invariant 3): ``prune`` refuses
+when the tracker does not name the newest committed checkpoint, because then a commit is still
+in progress or the root is in a state no policy should act on.
+
+Peak disk use: with a policy keeping ``K`` checkpoints (protections included), the root holds at
+most ``K + 1`` committed checkpoints between a commit and the prune that follows it, plus every
+checkpoint still in flight (temporary directories) and trash not yet removed -- i.e. roughly
+``(K + 1 + in_flight) * checkpoint_size``. ``disk_usage`` measures what is actually there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncckpt import layout as L
+from asyncckpt.retention import CheckpointInfo, RetentionPolicy, plan_prune
+
+__all__ = [
+    "PruneRefused",
+    "PruneResult",
+    "read_checkpoint_info",
+    "list_checkpoints",
+    "detect_layout",
+    "trash_and_delete",
+    "clean_leftovers",
+    "prune",
+    "disk_usage",
+]
+
+log = logging.getLogger(__name__)
+
+_READ_TRACKER = object()  # sentinel: "read the tracker from disk"
+
+
+class PruneRefused(RuntimeError):
+    """Pruning would not be safe now (e.g. the tracker lags the newest committed checkpoint)."""
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """``deleted``: steps removed (or that would be, on a dry run); ``kept``: step -> reasons;
+    ``errors``: step -> message for deletions that failed after the trash rename (the trash is
+    removed at the next ``clean_leftovers``)."""
+
+    deleted: list[int]
+    kept: dict[int, list[str]]
+    dry_run: bool = False
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+def _fault_point(name: str) -> None:
+    """Hook for ``asyncckpt.faults`` (added later); a no-op until that module exists."""
+    try:
+        from asyncckpt import faults
+
+        point = faults.point
+    except (ImportError, AttributeError):
+        return
+    point(name)
+
+
+def _tree_size(path: Path) -> int:
+    """Apparent size of the regular files under ``path``, never following symlinks."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path, followlinks=False):
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def read_checkpoint_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
+    """The one disk read behind the policies: a committed directory's manifest.
+
+    ``step`` (from the directory name) wins over the manifest's. A directory without a readable
+    manifest (written by another tool, with only DCP's ``.metadata``) is described from the disk:
+    its mtime as commit time, its measured size, no metrics and no run id.
+    """
+    path = Path(path)
+    try:
+        data = json.loads((path / L.MANIFEST).read_text())
+        info = CheckpointInfo.from_manifest(data, path=path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if step is None:
+            raise ValueError(f"{path} has no readable manifest and no step was given") from None
+        st = os.lstat(path)
+        return CheckpointInfo(step, st.st_mtime, {}, _tree_size(path), None, path)
+    if step is not None and step != info.step:
+        info = dataclasses.replace(info, step=step)
+    return info
+
+
+def list_checkpoints(root: str | os.PathLike, layout: str) -> list[CheckpointInfo]:
+    """Every committed checkpoint under ``root`` (``layout.scan``), oldest first."""
+    return [read_checkpoint_info(c.path, c.step) for c in L.scan(root, layout)]
+
+
+def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:
+    """Which layout ``root`` uses, from its directory names; ``default`` for an empty root."""
+    try:
+        names = [e.name for e in os.scandir(root)]
+    except FileNotFoundError:
+        return default
+    found = [lay for lay in L.LAYOUTS if any(L.parse_dir_name(lay, n) is not None for n in names)]
+    if len(found) > 1:
+        raise ValueError(f"{root} holds directories of several layouts {found}; pass layout=")
+    return found[0] if found else default
+
+
+def _direct_child(root: Path, path: Path) -> Path:
+    """``root/name`` for a direct child of ``root``, refusing anything else (never leave root)."""
+    name = path.name
+    if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"refusing to delete {path}: not a named entry")
+    if path.parent.resolve() != root.resolve():
+        raise ValueError(f"refusing to delete {path}: not a direct child of {root}")
+    return root / name
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``: a link or file is unlinked, a real directory removed without following
+    symlinks (on Linux ``shutil.rmtree`` works on directory file descriptors, so a directory
+    swapped for a link mid-walk cannot redirect it either)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename ``path`` (a direct child of ``root``) to a trash name, fsync ``root``, remove it.
+
+    The rename is the deletion as far as readers go; the removal is only reclaiming space.
+    """
+    root = Path(root)
+    path = _direct_child(root, Path(path))
+    os.lstat(path)  # FileNotFoundError before anything else happens
+    trash = root / L.trash_name(path.name, uuid.uuid4().hex[:12])
+    os.rename(path, trash)
+    _fsync_dir(root)
+    _fault_point("mid_prune")
+    _remove(trash)
+
+
+def clean_leftovers(root: str | os.PathLike) -> list[str]:
+    """Remove temporaries and trash left by a crash; returns the names removed.
+
+    Call it only at start, while holding the root's lock: a temporary of a save in flight looks
+    exactly like a leftover. Failures are logged and skipped (they are retried next start).
+    """
+    root = Path(root)
+    removed = []
+    try:
+        entries = sorted(e.name for e in os.scandir(root) if L.is_leftover(e.name))
+    except FileNotFoundError:
+        return []
+    for name in entries:
+        try:
+            _remove(_direct_child(root, root / name))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("asyncckpt: could not remove leftover %s: %s", root / name, e)
+            continue
+        removed.append(name)
+    return removed
+
+
+def prune(
+    root: str | os.PathLike,
+    layout: str,
+    policy: RetentionPolicy | None,
+    *,
+    tracker_step: int | None | object = _READ_TRACKER,
+    resumed_from: int | None = None,
+    pinned: Iterable[int] = (),
+    in_use: Iterable[int] = (),
+    run_id: str | None = None,
+    scope: str = "all",
+    dry_run: bool = False,
+    allow_tracker_lag: bool = False,
+) -> PruneResult:
+    """Apply ``policy`` to the committed checkpoints under ``root``.
+
+    ``tracker_step`` defaults to the tracker file's value. Refuses (``PruneRefused``) when the
+    tracker does not name the newest committed checkpoint -- a commit may be in progress, and
+    pruning runs strictly after it -- unless ``allow_tracker_lag=True``. Deletions go through
+    ``trash_and_delete``; one that fails is reported in ``errors`` and the rest go on.
+    """
+    root = Path(root)
+    L.check_layout(layout)
+    if tracker_step is _READ_TRACKER:
+        tracker_step = L.read_tracker(root)
+    if tracker_step is not None and not isinstance(tracker_step, int):
+        raise TypeError(f"tracker_step must be an int or None, got {tracker_step!r}")
+    checkpoints = list_checkpoints(root, layout)
+    if checkpoints and not allow_tracker_lag:
+        newest = checkpoints[-1].step
+        if tracker_step != newest:
+            raise PruneRefused(
+                f"tracker names step {tracker_step} but the newest committed checkpoint in "
+                f"{root} is {newest}; refusing to prune until the tracker catches up"
+            )
+    plan = plan_prune(
+        checkpoints,
+        policy,
+        tracker_step=tracker_step,
+        resumed_from=resumed_from,
+        pinned=pinned,
+        in_use=in_use,
+        run_id=run_id,
+        scope=scope,
+    )
+    if dry_run:
+        return PruneResult(list(plan.delete), plan.keep, dry_run=True)
+    paths = {c.step: c.path for c in checkpoints}
+    deleted, errors = [], {}
+    for step in plan.delete:
+        try:
+            trash_and_delete(root, paths[step])
+        except OSError as e:
+            log.warning("asyncckpt: pruning step %s failed: %s", step, e)
+            errors[step] = str(e)
+            continue
+        deleted.append(step)
+    return PruneResult(deleted, plan.keep, errors=errors)
+
+
+def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, int]:
+    """Measured bytes: ``committed`` checkpoints, ``leftovers`` (temporaries in flight or left by a
+    crash, and trash), and the filesystem's ``free`` and ``total`` (``shutil.disk_usage``)."""
+    root = Path(root)
+    layout = layout or detect_layout(root)
+    dirs = L.scan(root, layout)
+    committed = sum(_tree_size(c.path) for c in dirs)
+    leftovers = 0
+    for entry in os.scandir(root):
+        if L.is_leftover(entry.name):
+            p = Path(entry.path)
+            leftovers += _tree_size(p) if entry.is_dir(follow_symlinks=False) else 0
+    du = shutil.disk_usage(root)
+    return {
+        "committed_bytes": committed,
+        "leftover_bytes": leftovers,
+        "checkpoints": len(dirs),
+        "free_bytes": du.free,
+        "total_bytes": du.total,
+    }
