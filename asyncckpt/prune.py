@@ -194,6 +194,8 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
             log.warning("asyncckpt: could not remove leftover %s: %s", root / name, e)
             continue
         removed.append(name)
+    if removed:
+        _fsync_dir(root)
     return removed
 
 

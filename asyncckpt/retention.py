@@ -151,7 +151,7 @@ class KeepLast(RetentionPolicy):
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         steps = sorted({c.step for c in checkpoints})
-        return set(steps[len(steps) - self.n :]) if self.n else set()
+        return set(steps[max(0, len(steps) - self.n) :]) if self.n else set()
 
     def __repr__(self) -> str:
         return f"KeepLast({self.n})"
