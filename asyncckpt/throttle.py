@@ -1,0 +1,371 @@
+"""Throttling of the background writer: priority, cores, threads, I/O priority and write rate.
+
+With optimizer offload the CPU runs the optimizer step, so the checkpoint worker must not take
+cycles, cores or disk bandwidth from it (DESIGN.md invariant 7). The worker is a process, so
+each lever applies to it as a whole:
+
+* ``nice``            -- ``os.nice``: the scheduler prefers the trainer when both want a core.
+* ``cpu_cores``       -- CPU affinity: the worker stays on the *last* cores, the trainer keeps
+                         the first ones (where thread pools usually start).
+* ``compute_threads`` -- torch / OpenMP / MKL pools: one thread cannot fan out over all cores.
+* ``ionice``          -- idle I/O class: the trainer's own reads (data loading) go first.
+* ``io_threads``      -- how many files are written at once (DCP ``FileSystemWriter``).
+* ``write_rate_bytes_per_s`` -- a token bucket (``RateLimiter``) gating ``ThrottledWriter``.
+
+``apply_throttle`` is best-effort: an OS that refuses a lever gets a warning and a note in the
+returned ``AppliedThrottle``, never an exception, since a checkpoint is worth more than a nicety.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("asyncckpt.throttle")
+
+#: Split size for throttled writes: small enough to pace smoothly, large enough to be cheap.
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+#: Bucket size of a RateLimiter, in seconds of rate: absorbs jitter without long bursts.
+DEFAULT_BURST_SECONDS = 0.25
+_MIN_BURST_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ThrottleConfig:
+    """How the checkpoint worker process is throttled. The default changes nothing.
+
+    ``cpu_cores`` is either an explicit set of core ids or a count ``n``: the last ``n`` cores
+    the process may use. ``None`` leaves affinity, threads or rate unchanged.
+    """
+
+    nice: int = 0
+    cpu_cores: Sequence[int] | int | None = None
+    compute_threads: int | None = None
+    io_threads: int = 1
+    write_rate_bytes_per_s: float | None = None
+    ionice: bool = False
+
+    def __post_init__(self) -> None:
+        # bool is an int subclass; nice=True or cpu_cores=True are almost surely mistakes.
+        if not _is_int(self.nice) or not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be an int in 0..19 (added niceness), got {self.nice!r}")
+        cores = self.cpu_cores
+        if cores is not None:
+            if _is_int(cores):
+                if cores < 1:
+                    raise ValueError(f"cpu_cores as a count must be >= 1, got {cores!r}")
+            elif isinstance(cores, (str, bytes)) or not isinstance(cores, Sequence):
+                raise ValueError(
+                    f"cpu_cores must be a sequence of core ids, a count or None, got {cores!r}"
+                )
+            else:
+                ids = tuple(cores)
+                if not ids:
+                    raise ValueError("cpu_cores must not be empty (use None for no pinning)")
+                if not all(_is_int(c) and c >= 0 for c in ids):
+                    raise ValueError(f"cpu_cores must hold core ids >= 0, got {cores!r}")
+                if len(set(ids)) != len(ids):
+                    raise ValueError(f"cpu_cores has duplicates: {cores!r}")
+                # A tuple keeps the frozen config hashable and cheap to pickle to the worker.
+                object.__setattr__(self, "cpu_cores", tuple(sorted(ids)))
+        if self.compute_threads is not None and (
+            not _is_int(self.compute_threads) or self.compute_threads < 1
+        ):
+            raise ValueError(
+                f"compute_threads must be an int >= 1 or None, got {self.compute_threads!r}"
+            )
+        if not _is_int(self.io_threads) or self.io_threads < 1:
+            raise ValueError(f"io_threads must be an int >= 1, got {self.io_threads!r}")
+        rate = self.write_rate_bytes_per_s
+        if rate is not None and (
+            isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1e18
+        ):
+            raise ValueError(
+                f"write_rate_bytes_per_s must be a positive number or None, got {rate!r}"
+            )
+        if not isinstance(self.ionice, bool):
+            raise ValueError(f"ionice must be a bool, got {self.ionice!r}")
+
+    @classmethod
+    def off(cls) -> ThrottleConfig:
+        """No throttling: full priority, all cores, two files written at once."""
+        return cls(io_threads=2)
+
+    @classmethod
+    def for_optimizer_offload(cls, write_rate_bytes_per_s: float | None = None) -> ThrottleConfig:
+        """The preset for ``optimizer_offload=True``: lowest priority, the last core, one thread.
+
+        No rate cap by default: with the idle I/O class and one writer thread the disk is the
+        only thing the worker can saturate, and an optimizer step does not use it.
+        """
+        return cls(
+            nice=19,
+            cpu_cores=1,
+            compute_threads=1,
+            io_threads=1,
+            write_rate_bytes_per_s=write_rate_bytes_per_s,
+            ionice=True,
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def resolve(optimizer_offload: bool, throttle: ThrottleConfig | None) -> ThrottleConfig:
+    """The config the engine hands its worker: an explicit one wins, else the matching preset."""
+    if throttle is not None:
+        if not isinstance(throttle, ThrottleConfig):
+            raise ValueError(f"throttle must be a ThrottleConfig or None, got {throttle!r}")
+        return throttle
+    return ThrottleConfig.for_optimizer_offload() if optimizer_offload else ThrottleConfig.off()
+
+
+@dataclass
+class AppliedThrottle:
+    """What ``apply_throttle`` did in the worker; plain data so it pickles back to the engine.
+
+    ``applied`` maps a lever to the value now in effect; ``failed`` maps it to the reason.
+    """
+
+    pid: int
+    config: ThrottleConfig
+    applied: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def apply_throttle(config: ThrottleConfig) -> AppliedThrottle:
+    """Apply ``config`` to the calling process, best-effort. Call once at worker start."""
+    result = AppliedThrottle(pid=os.getpid(), config=config)
+    proc = psutil.Process()
+
+    def attempt(lever: str, fn: Callable[[], Any]) -> None:
+        try:
+            result.applied[lever] = fn()
+        except Exception as exc:  # any refusal is a warning, never fatal
+            reason = f"{type(exc).__name__}: {exc}"
+            result.failed[lever] = reason
+            log.warning("throttle: could not set %s (%s); continuing without it", lever, reason)
+
+    if config.nice:
+        # os.nice adds to the current value and the kernel clamps at 19; report the result.
+        attempt("nice", lambda: os.nice(config.nice))
+    if config.cpu_cores is not None:
+        attempt("cpu_cores", lambda: _set_affinity(proc, config.cpu_cores))
+    if config.ionice:
+        attempt("ionice", lambda: _set_low_io_priority(proc))
+    if config.compute_threads is not None:
+        _set_threads(config.compute_threads, attempt)
+    # Levers the writer applies itself; recorded so the report shows the whole config.
+    result.applied["io_threads"] = config.io_threads
+    result.applied["write_rate_bytes_per_s"] = config.write_rate_bytes_per_s
+    return result
+
+
+def _set_affinity(proc: psutil.Process, cores: Sequence[int] | int | None) -> list[int]:
+    # cpu_affinity is missing on macOS: the AttributeError is reported as a refused lever.
+    allowed = sorted(proc.cpu_affinity())
+    if _is_int(cores):
+        # The last cores: the trainer's thread pools start from the first ones.
+        wanted = allowed[-cores:]
+        if cores > len(allowed):
+            log.warning("throttle: %d cores asked, only %d allowed", cores, len(allowed))
+    else:
+        wanted = [c for c in cores if c in allowed]
+        if not wanted:
+            raise ValueError(f"none of cores {list(cores)} is allowed (allowed: {allowed})")
+        if len(wanted) < len(cores):
+            log.warning("throttle: cores %s not allowed, using %s", list(cores), wanted)
+    proc.cpu_affinity(wanted)
+    return sorted(proc.cpu_affinity())
+
+
+def _set_low_io_priority(proc: psutil.Process) -> str:
+    if psutil.WINDOWS:
+        proc.ionice(psutil.IOPRIO_VERYLOW)
+        return "verylow"
+    if not hasattr(psutil, "IOPRIO_CLASS_IDLE"):
+        raise NotImplementedError("I/O priority is not supported on this platform")
+    try:
+        proc.ionice(psutil.IOPRIO_CLASS_IDLE)
+        return "idle"
+    except (psutil.Error, OSError) as exc:
+        # Some kernels/containers refuse the idle class; the lowest best-effort level is next.
+        log.info("throttle: idle I/O class refused (%s); trying best-effort 7", exc)
+        proc.ionice(psutil.IOPRIO_CLASS_BE, 7)
+        return "best-effort 7"
+
+
+def _set_threads(n: int, attempt: Callable[[str, Callable[[], Any]], None]) -> None:
+    # The environment first: it reaches OpenMP/MKL runtimes loaded later and child processes.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    import torch  # late: the throttle module itself need not pull in torch
+
+    def intra() -> int:
+        torch.set_num_threads(n)
+        return torch.get_num_threads()
+
+    def interop() -> int:
+        # Only allowed before any inter-op work has run in this process; else it raises.
+        torch.set_num_interop_threads(n)
+        return torch.get_num_interop_threads()
+
+    attempt("compute_threads", intra)
+    attempt("interop_threads", interop)
+
+
+class RateLimiter:
+    """Thread-safe token bucket: ``acquire(n)`` sleeps so bytes stay under ``rate`` per second.
+
+    Requests larger than the bucket are allowed and go into debt, so the caller's chunk size
+    need not fit the bucket: N bytes take at least ``(N - burst) / rate`` seconds in total.
+    ``rate=None`` makes every call a no-op.
+    """
+
+    def __init__(
+        self,
+        rate_bytes_per_s: float | None,
+        burst_bytes: int | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if rate_bytes_per_s is not None and not rate_bytes_per_s > 0:
+            raise ValueError(f"rate_bytes_per_s must be > 0 or None, got {rate_bytes_per_s!r}")
+        if burst_bytes is not None and burst_bytes < 1:
+            raise ValueError(f"burst_bytes must be >= 1, got {burst_bytes!r}")
+        self.rate = rate_bytes_per_s
+        if burst_bytes is None:
+            burst_bytes = int(
+                max(_MIN_BURST_BYTES, (rate_bytes_per_s or 0) * DEFAULT_BURST_SECONDS)
+            )
+        self.burst_bytes = burst_bytes
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._tokens = float(burst_bytes)  # start full: the first burst goes out at once
+        self._last = clock()
+        self.bytes_acquired = 0
+        self.seconds_waited = 0.0
+
+    def acquire(self, nbytes: int) -> float:
+        """Take ``nbytes`` from the bucket, sleeping while in debt. Returns seconds slept."""
+        if self.rate is None or nbytes <= 0:
+            return 0.0
+        # Reserve under the lock, sleep outside it: concurrent writers queue up in debt order
+        # instead of holding the lock while asleep.
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst_bytes, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            self.bytes_acquired += nbytes
+            self.seconds_waited += wait
+        if wait > 0:
+            self._sleep(wait)
+        return wait
+
+
+class ThrottledWriter(io.RawIOBase):
+    """A binary file wrapper that writes in rate-limited chunks and reports every chunk.
+
+    Used as the stream DCP and ``torch.save`` write into: ``tell``, ``fileno`` (for
+    ``os.fsync``), ``flush``, ``seek`` and ``close`` go to the wrapped file. ``on_write`` sees
+    every chunk, in order, after it was written; the memoryview is only valid during the call.
+    Closing this writer closes the wrapped file unless ``close_inner=False``.
+    """
+
+    def __init__(
+        self,
+        inner: io.IOBase | Any,
+        limiter: RateLimiter | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_write: Callable[[memoryview], None] | None = None,
+        close_inner: bool = True,
+    ) -> None:
+        super().__init__()
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
+        self._inner = inner
+        self._limiter = limiter
+        if limiter is not None and limiter.rate is not None:
+            # Chunks no larger than the bucket keep a slow rate smooth instead of stop-and-go.
+            chunk_bytes = min(chunk_bytes, max(limiter.burst_bytes, _MIN_BURST_BYTES))
+        self._chunk = chunk_bytes
+        self._on_write = on_write
+        self._close_inner = close_inner
+        self.bytes_written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError("write to closed ThrottledWriter")
+        view = memoryview(b).cast("B")  # bytes of any buffer (tensor storages, arrays)
+        for start in range(0, len(view), self._chunk):
+            chunk = view[start : start + self._chunk]
+            if self._limiter is not None:
+                self._limiter.acquire(len(chunk))
+            self._write_all(chunk)
+            if self._on_write is not None:
+                self._on_write(chunk)
+        self.bytes_written += len(view)
+        return len(view)
+
+    def _write_all(self, chunk: memoryview) -> None:
+        # A raw (unbuffered) inner file may write less than asked; loop until all is out.
+        while chunk:
+            n = self._inner.write(chunk)
+            if n is None:
+                raise BlockingIOError("inner file is non-blocking and would block")
+            chunk = chunk[n:]
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def seekable(self) -> bool:
+        return self._inner.seekable()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        # Note: overwriting after a seek back makes on_write's stream differ from the file.
+        return self._inner.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self._inner.truncate(size)
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    def isatty(self) -> bool:
+        return self._inner.isatty()
+
+    @property
+    def name(self) -> Any:
+        return getattr(self._inner, "name", None)
+
+    def flush(self) -> None:
+        # IOBase.close() calls flush() once more after the inner file may be closed.
+        if not self.closed and not getattr(self._inner, "closed", False):
+            self._inner.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+            if self._close_inner:
+                self._inner.close()
+        finally:
+            super().close()

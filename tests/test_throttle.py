@@ -1,0 +1,309 @@
+"""Throttling: config validation, presets, the levers applied in a real child process, the
+token bucket and the throttled writer (torch.save round-trip, crc of every byte)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import threading
+import time
+import zlib
+
+import psutil
+import pytest
+import torch
+
+from asyncckpt.throttle import (
+    AppliedThrottle,
+    RateLimiter,
+    ThrottleConfig,
+    ThrottledWriter,
+    apply_throttle,
+    resolve,
+)
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"nice": -1},
+        {"nice": 20},
+        {"nice": True},
+        {"nice": 1.5},
+        {"cpu_cores": 0},
+        {"cpu_cores": -2},
+        {"cpu_cores": []},
+        {"cpu_cores": [0, 0]},
+        {"cpu_cores": [-1]},
+        {"cpu_cores": "01"},
+        {"cpu_cores": [0.5]},
+        {"compute_threads": 0},
+        {"io_threads": 0},
+        {"io_threads": None},
+        {"write_rate_bytes_per_s": 0},
+        {"write_rate_bytes_per_s": -5.0},
+        {"write_rate_bytes_per_s": float("nan")},
+        {"write_rate_bytes_per_s": float("inf")},
+        {"ionice": "yes"},
+    ],
+)
+def test_invalid_config_is_a_clear_value_error(kwargs: dict) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        ThrottleConfig(**kwargs)
+
+
+def test_config_normalises_cores_and_stays_hashable() -> None:
+    cfg = ThrottleConfig(cpu_cores=[3, 1])
+    assert cfg.cpu_cores == (1, 3)
+    assert hash(cfg) == hash(ThrottleConfig(cpu_cores=(1, 3)))
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_presets_and_resolve() -> None:
+    off = ThrottleConfig.off()
+    assert (off.nice, off.cpu_cores, off.compute_threads, off.ionice) == (0, None, None, False)
+    assert off.write_rate_bytes_per_s is None
+
+    opt = ThrottleConfig.for_optimizer_offload()
+    assert opt == ThrottleConfig(nice=19, cpu_cores=1, compute_threads=1, io_threads=1, ionice=True)
+    assert opt.write_rate_bytes_per_s is None
+    assert ThrottleConfig.for_optimizer_offload(5e6).write_rate_bytes_per_s == 5e6
+
+    assert resolve(True, None) == opt
+    assert resolve(False, None) == off
+    mine = ThrottleConfig(nice=3)
+    assert resolve(True, mine) is mine  # an explicit config wins over the preset
+    with pytest.raises(ValueError, match="throttle"):
+        resolve(True, {"nice": 3})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- apply_throttle
+
+
+def _child(config: ThrottleConfig, out: mp.Queue, done: mp.Event) -> None:
+    applied = apply_throttle(config)
+    out.put((applied, torch.get_num_threads()))
+    done.wait(60)  # stay alive so the parent can inspect this process from outside
+
+
+def _run_child(config: ThrottleConfig):
+    """Apply ``config`` in a spawned process; return what it reported and what psutil sees."""
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_child, args=(config, out, done), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # fail fast if the child dies instead of waiting out the timeout
+            try:
+                applied, threads = out.get(timeout=0.5)
+                break
+            except queue.Empty:
+                assert proc.is_alive(), f"child exited with {proc.exitcode}"
+                assert time.monotonic() < deadline, "child did not report in time"
+        ps = psutil.Process(proc.pid)
+        seen = {"nice": ps.nice(), "affinity": sorted(ps.cpu_affinity())}
+        if hasattr(ps, "ionice"):
+            seen["ionice"] = ps.ionice()
+    finally:
+        done.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return applied, threads, seen
+
+
+needs_affinity = pytest.mark.skipif(
+    not hasattr(psutil.Process, "cpu_affinity"), reason="no CPU affinity on this OS"
+)
+
+
+@needs_affinity
+def test_offload_preset_applied_in_child_process() -> None:
+    me = psutil.Process()
+    allowed = sorted(me.cpu_affinity())
+    applied, threads, seen = _run_child(ThrottleConfig.for_optimizer_offload())
+
+    assert isinstance(applied, AppliedThrottle)  # crossed the process boundary by pickle
+    assert applied.pid != os.getpid()
+    assert seen["nice"] == min(19, me.nice() + 19) == applied.applied["nice"]
+    assert seen["affinity"] == allowed[-1:]  # the last allowed core, the trainer keeps the rest
+    assert applied.applied["cpu_cores"] == allowed[-1:]
+    assert threads == 1 == applied.applied["compute_threads"]
+    assert applied.applied["io_threads"] == 1
+    if "ionice" in applied.applied and applied.applied["ionice"] == "idle":
+        assert seen["ionice"].ioclass == psutil.IOPRIO_CLASS_IDLE
+    # What was refused, if anything, says why; nothing else is in there.
+    assert set(applied.failed) <= {"ionice", "interop_threads"}
+    # And the parent is untouched.
+    assert sorted(me.cpu_affinity()) == allowed
+
+
+@needs_affinity
+def test_explicit_cores_are_clamped_to_allowed() -> None:
+    allowed = sorted(psutil.Process().cpu_affinity())
+    applied, _, seen = _run_child(ThrottleConfig(cpu_cores=[allowed[0], 100_000]))
+    assert seen["affinity"] == [allowed[0]] == applied.applied["cpu_cores"]
+
+    applied, _, seen = _run_child(ThrottleConfig(cpu_cores=[100_000], nice=2))
+    assert "cpu_cores" in applied.failed and "100000" in applied.failed["cpu_cores"]
+    assert seen["affinity"] == allowed  # left alone, and the other levers still applied
+    assert seen["nice"] == min(19, psutil.Process().nice() + 2)
+
+
+def test_refused_lever_warns_and_never_raises(monkeypatch, caplog) -> None:
+    def refuse(_: int) -> int:
+        raise PermissionError("not allowed here")
+
+    monkeypatch.setattr(os, "nice", refuse)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.throttle"):
+        applied = apply_throttle(ThrottleConfig(nice=5))
+    assert applied.failed == {"nice": "PermissionError: not allowed here"}
+    assert "nice" not in applied.applied
+    assert any("nice" in r.getMessage() for r in caplog.records)
+    assert pickle.loads(pickle.dumps(applied)) == applied
+
+
+def test_default_config_changes_nothing() -> None:
+    me = psutil.Process()
+    before = (me.nice(), torch.get_num_threads())
+    applied = apply_throttle(ThrottleConfig())
+    assert applied.failed == {}
+    assert set(applied.applied) == {"io_threads", "write_rate_bytes_per_s"}
+    assert (me.nice(), torch.get_num_threads()) == before
+
+
+# --------------------------------------------------------------------------- RateLimiter
+
+
+def test_rate_limiter_lower_bound() -> None:
+    rate, burst, total = 4e6, 250_000, 2_000_000
+    limiter = RateLimiter(rate, burst_bytes=burst)
+    t0 = time.monotonic()
+    for _ in range(total // 100_000):
+        limiter.acquire(100_000)
+    elapsed = time.monotonic() - t0
+    assert elapsed >= (total - burst) / rate * 0.95  # lower bound only: machines are noisy
+    assert limiter.bytes_acquired == total
+
+
+def test_rate_limiter_is_shared_across_threads() -> None:
+    rate, burst = 4e6, 100_000
+    limiter = RateLimiter(rate, burst_bytes=burst)
+
+    def work() -> None:
+        for _ in range(10):
+            limiter.acquire(50_000)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    assert elapsed >= (4 * 10 * 50_000 - burst) / rate * 0.95
+
+
+def test_rate_limiter_debt_with_fake_clock() -> None:
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    limiter = RateLimiter(1000.0, burst_bytes=100, clock=lambda: now[0], sleep=sleep)
+    assert limiter.acquire(100) == 0.0  # the bucket starts full
+    assert limiter.acquire(500) == pytest.approx(0.5)  # larger than the bucket: goes into debt
+    now[0] += 10.0  # idle time refills only up to the burst
+    assert limiter.acquire(100) == 0.0
+    assert limiter.acquire(1) == pytest.approx(0.001)
+    assert slept == pytest.approx([0.5, 0.001])
+
+
+def test_rate_limiter_none_is_a_noop() -> None:
+    def never(_: float) -> None:
+        raise AssertionError("a None rate must never sleep")
+
+    limiter = RateLimiter(None, sleep=never)
+    assert limiter.acquire(10**15) == 0.0
+    with pytest.raises(ValueError):
+        RateLimiter(0)
+    assert RateLimiter(1e9).burst_bytes == int(1e9 * 0.25)  # 0.25 s worth by default
+
+
+# --------------------------------------------------------------------------- ThrottledWriter
+
+
+def test_throttled_writer_torch_save_round_trip_and_crc(tmp_path) -> None:
+    path = tmp_path / "t.pt"
+    t = torch.randn(300_000)  # ~1.2 MB: several chunks
+    seen: list[int] = []
+    crc = 0
+
+    def on_write(chunk: memoryview) -> None:
+        nonlocal crc
+        crc = zlib.crc32(chunk, crc)
+        seen.append(len(chunk))
+
+    limiter = RateLimiter(None)
+    with ThrottledWriter(open(path, "wb"), limiter, chunk_bytes=64 * 1024, on_write=on_write) as w:
+        torch.save(t, w)
+        w.flush()
+        os.fsync(w.fileno())
+        assert w.tell() == w.bytes_written == path.stat().st_size
+    data = path.read_bytes()
+    assert sum(seen) == len(data) and max(seen) <= 64 * 1024
+    assert crc == zlib.crc32(data)
+    assert torch.equal(torch.load(path), t)
+
+
+def test_throttled_writer_forwards_and_paces(tmp_path) -> None:
+    rate, burst = 2e6, 100_000
+    limiter = RateLimiter(rate, burst_bytes=burst)
+    inner = open(tmp_path / "f.bin", "wb")
+    w = ThrottledWriter(inner, limiter)
+    assert w.writable() and w.seekable() and w.fileno() == inner.fileno()
+    assert w.name == inner.name
+    payload = os.urandom(1_000_000)
+    t0 = time.monotonic()
+    assert w.write(payload) == len(payload)
+    assert time.monotonic() - t0 >= (len(payload) - burst) / rate * 0.95
+    w.seek(0)
+    assert w.tell() == 0
+    w.close()
+    assert w.closed and inner.closed
+    assert (tmp_path / "f.bin").read_bytes() == payload
+    with pytest.raises(ValueError):
+        w.write(b"x")
+
+
+def test_throttled_writer_handles_short_writes_and_keeps_inner_open() -> None:
+    class Trickle(io.RawIOBase):
+        """An unbuffered sink that accepts at most 7 bytes per call."""
+
+        def __init__(self) -> None:
+            self.buf = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            part = bytes(memoryview(b)[:7])
+            self.buf += part
+            return len(part)
+
+    sink = Trickle()
+    w = ThrottledWriter(sink, None, chunk_bytes=10, close_inner=False)
+    w.write(memoryview(b"0123456789abcdefghijklmnopqrstuvwxyz"))
+    w.close()
+    assert bytes(sink.buf) == b"0123456789abcdefghijklmnopqrstuvwxyz"
+    assert not sink.closed
