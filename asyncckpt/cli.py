@@ -219,7 +219,8 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
         console.print_json(json.dumps(out))
     else:
         rows = [(str(s), ", ".join(r)) for s, r in result.kept.items()]
-        console.print(_table(f"kept by {policy!r}", rows, ("step", "why")))
+        console.print(f"policy: {policy!r}")
+        console.print(_table("kept", rows, ("step", "why")))
         console.print(f"{verb}: {', '.join(map(str, result.deleted)) or 'nothing'}")
         for name in cleaned:
             console.print(f"removed leftover: {name}")

@@ -417,3 +417,14 @@ def test_sigterm_trigger_replaces_default_action():
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_policies_pickle_for_the_worker_process():
+    """The engine ships the policy to its worker process with each prune request."""
+    import pickle
+
+    p = KeepLast(3) | KeepBest(1, "loss", mode="max") | KeepSteps([5]) | KeepInterval(60.0)
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p and repr(q) == repr(p)
+    cps = [ck(s, loss=float(s)) for s in range(10)]
+    assert q.keep(cps) == p.keep(cps)

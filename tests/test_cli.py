@@ -1,0 +1,186 @@
+"""``python -m asyncckpt ls | prune``: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncckpt import layout as L
+from asyncckpt.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_ckpt(
+    root: Path, step: int, layout: str = "global_step", loss: float | None = None
+) -> Path:
+    """A committed checkpoint as the engine leaves it: one shard and a manifest."""
+    d = root / L.dir_name(layout, step)
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"x" * 2048)
+    manifest = {
+        "step": step,
+        "committed_at": 1_700_000_000.0 + step,
+        "metrics": {} if loss is None else {"loss": loss},
+        "bytes": 2048,
+        "files": {"__0_0.distcp": {"size": 2048, "crc32": 0}},
+        "run_id": "run-a",
+    }
+    (d / L.MANIFEST).write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "ckpts"
+    for s in range(1, 7):
+        make_ckpt(r, s * 10, loss=abs(s - 2) + 0.25)
+    (r / L.TRACKER).write_text("60")
+    (r / L.tmp_name("global_step", 70, "dead")).mkdir()
+    return r
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_table(root, capsys):
+    code, out, _ = run(capsys, "ls", str(root))
+    assert code == 0
+    for s in range(10, 70, 10):
+        assert str(s) in out
+    assert "newest, tracker" in out
+    assert "loss=0.25" in out
+    assert "2.0 KiB" in out
+    assert "leftover: .tmp-global_step_70-dead" in out
+
+
+def test_ls_json_and_megatron(tmp_path, capsys):
+    r = tmp_path / "m"
+    make_ckpt(r, 50, layout="megatron", loss=1.5)
+    make_ckpt(r, 100, layout="megatron")
+    (r / L.TRACKER).write_text("50")
+    code, out, _ = run(capsys, "ls", str(r), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["layout"] == "megatron" and data["tracker"] == 50
+    by_step = {c["step"]: c for c in data["checkpoints"]}
+    assert by_step[50]["protected"] == ["tracker"] and by_step[50]["metrics"] == {"loss": 1.5}
+    assert by_step[100]["protected"] == ["newest"]
+    assert data["usage"]["checkpoints"] == 2
+
+
+def test_prune_dry_run_then_prune(root, capsys):
+    before = set(os.listdir(root))
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "2", "--dry-run")
+    assert code == 0
+    assert "would delete: 10, 20, 30, 40" in out
+    assert set(os.listdir(root)) == before
+
+    code, out, _ = run(
+        capsys, "prune", str(root), "--keep-last", "2", "--keep-best", "1", "--metric", "loss"
+    )
+    assert code == 0
+    assert "deleted: 10, 30, 40" in out
+    assert "KeepLast(2) | KeepBest(1, 'loss')" in out
+    assert {c.step for c in L.scan(root, "global_step")} == {20, 50, 60}
+    assert (root / L.tmp_name("global_step", 70, "dead")).exists()  # only with --clean-leftovers
+
+
+def test_prune_json_keep_every_and_clean(root, capsys):
+    code, out, _ = run(
+        capsys,
+        "prune",
+        str(root),
+        "--keep-every",
+        "20",
+        "--keep-best",
+        "1",
+        "--metric",
+        "loss",
+        "--mode",
+        "max",
+        "--layout",
+        "global_step",
+        "--clean-leftovers",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert data["deleted"] == [10, 30, 50]
+    assert data["kept"]["60"] == [
+        "newest",
+        "tracker",
+        "KeepBest(1, 'loss', mode='max')",
+        "KeepEvery(20)",
+    ]
+    assert data["cleaned"] == [".tmp-global_step_70-dead"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["prune", "ROOT"],  # no policy
+        ["prune", "ROOT", "--keep-best", "1"],  # no metric
+        ["prune", "ROOT", "--keep-last", "2", "--metric", "loss"],
+        ["prune", "ROOT", "--keep-last", "-1"],
+        ["prune", "ROOT", "--keep-last", "two"],
+        ["prune", "ROOT", "--keep-every", "0"],
+        ["ls", "ROOT", "--layout", "weird"],
+    ],
+)
+def test_bad_usage_exits_2(root, capsys, argv):
+    argv = [str(root) if a == "ROOT" else a for a in argv]
+    before = set(os.listdir(root))
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert "usage" in err
+    assert set(os.listdir(root)) == before
+
+
+def test_errors_exit_1(root, tmp_path, capsys):
+    (root / L.TRACKER).write_text("50")  # tracker lags the newest (60)
+    code, _, err = run(capsys, "prune", str(root), "--keep-last", "1")
+    assert code == 1 and "refusing" in err
+    assert len(L.scan(root, "global_step")) == 6
+    code, out, _ = run(capsys, "prune", str(root), "--keep-last", "1", "--allow-tracker-lag")
+    assert code == 0 and "deleted: 10, 20, 30, 40" in out
+    code, _, err = run(capsys, "ls", str(tmp_path / "missing"))
+    assert code == 1 and "no such directory" in err
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "prune" in capsys.readouterr().out
+
+
+def test_python_dash_m(root):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "prune", str(root), "--keep-last", "3", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "would delete: 10, 20, 30" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "prune", str(root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2
