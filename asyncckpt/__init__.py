@@ -1,0 +1,62 @@
+"""asyncckpt: asynchronous save-and-prune checkpointing for PyTorch training loops.
+
+The public surface is re-exported here; everything else is an implementation detail.
+"""
+
+from . import faults
+from .engine import CheckpointEngine, SaveHandle
+from .errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    NoValidCheckpoint,
+    RootLocked,
+    SaveFailed,
+    StagingMemoryError,
+    WorkerDied,
+    WriteTimeout,
+)
+from .manifest import VerifyReport, verify
+from .retention import (
+    CheckpointInfo,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepInterval,
+    KeepLast,
+    KeepSteps,
+    RetentionPolicy,
+    SaveSchedule,
+)
+from .stats import SaveStats
+from .sync import SyncCheckpointEngine
+from .throttle import ThrottleConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointEngine",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CorruptCheckpoint",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepInterval",
+    "KeepLast",
+    "KeepSteps",
+    "NoValidCheckpoint",
+    "RetentionPolicy",
+    "RootLocked",
+    "SaveFailed",
+    "SaveHandle",
+    "SaveSchedule",
+    "SaveStats",
+    "StagingMemoryError",
+    "SyncCheckpointEngine",
+    "ThrottleConfig",
+    "VerifyReport",
+    "WorkerDied",
+    "WriteTimeout",
+    "faults",
+    "verify",
+]

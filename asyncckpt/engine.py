@@ -1,0 +1,864 @@
+"""The front door: ``save`` / ``wait`` / ``load``, the worker's lifecycle, back-pressure.
+
+``_Core`` is the engine proper: synchronous and thread-safe, so that the async
+``CheckpointEngine`` (anyio: asyncio and trio) and the blocking ``SyncCheckpointEngine`` are thin
+facades over one implementation. A reader thread owns the worker's event pipe: it completes
+handles, notices a dead or hung worker, fails what it held, and starts a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch.multiprocessing as tmp
+
+from . import faults
+from . import layout as _layout
+from .errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    NoValidCheckpoint,
+    RootLocked,
+    SaveFailed,
+    WorkerDied,
+    WriteTimeout,
+)
+from .formats import FORMATS, default_format
+from .manifest import read_manifest, verify_dir
+from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
+from .staging import StagingSlot, flatten_state, serialize_objects
+from .stats import SaveStats
+from .throttle import ThrottleConfig, resolve
+from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
+
+log = logging.getLogger("asyncckpt")
+
+#: How long ``start`` waits for a spawned worker to import torch and report ready.
+WORKER_START_TIMEOUT = 180.0
+
+
+class SaveHandle:
+    """What ``save`` returns: completes when the checkpoint has committed (or failed)."""
+
+    def __init__(self, step: int, stats: SaveStats) -> None:
+        self.step = step
+        self.stats = stats
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def committed_sync(self, timeout: float | None = None) -> SaveStats:
+        """Block until committed; raise ``SaveFailed`` with the cause if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"step {self.step} did not commit within {timeout} s")
+        return self._result()
+
+    async def committed(self) -> SaveStats:
+        """Wait (without blocking the event loop) until committed; raise if it failed."""
+        if not self._done.is_set():
+            await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
+        return self._result()
+
+    def _result(self) -> SaveStats:
+        if self._error is not None:
+            self._observed = True
+            raise self._error
+        return self.stats
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        return f"<SaveHandle step={self.step} {state}>"
+
+
+@dataclass
+class _InFlight:
+    handle: SaveHandle
+    slot: int
+    sent_at: float
+    begun_at: float | None = None
+    released: bool = False
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be a non-negative int, not {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step}")
+    return step
+
+
+def _rebuild_error(info: dict[str, Any]) -> BaseException:
+    if info.get("errno") is not None:
+        err: BaseException = OSError(info["errno"], info["message"])
+    else:
+        err = RuntimeError(f"{info['type']}: {info['message']}")
+    err.__notes__ = ["worker traceback:\n" + info.get("traceback", "")]  # type: ignore[attr-defined]
+    return err
+
+
+@dataclass
+class EngineOptions:
+    layout: str = "global_step"
+    format: str | None = None
+    keep: RetentionPolicy | None = None
+    max_in_flight: int = 1
+    optimizer_offload: bool = False
+    throttle: ThrottleConfig | None = None
+    write_timeout: float | None = None
+    on_commit: Callable[[SaveStats], None] | None = None
+    verify_on_load: bool = True
+    prune_scope: str = "all"
+    handle_sigterm: bool = True
+    save_every_steps: int | None = None
+    save_every_seconds: float | None = None
+    rank: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Core:
+    def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
+        self.root = Path(root)
+        self.opts = opts
+        self.layout = _layout.check_layout(opts.layout)
+        self.fmt = opts.format or default_format(self.layout)
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown format {self.fmt!r}; expected one of {FORMATS}")
+        if not isinstance(opts.max_in_flight, int) or opts.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {opts.max_in_flight!r}")
+        if opts.keep is not None and not isinstance(opts.keep, RetentionPolicy):
+            raise TypeError(
+                f"keep must be a retention policy (e.g. KeepLast(3)), not {opts.keep!r}"
+            )
+        if opts.write_timeout is not None and opts.write_timeout <= 0:
+            raise ValueError("write_timeout must be > 0 seconds")
+        self.throttle = resolve(opts.optimizer_offload, opts.throttle)
+        self.run_id = uuid.uuid4().hex[:16]
+        self.schedule = SaveSchedule(opts.save_every_steps, opts.save_every_seconds)
+        self.slots = [StagingSlot(i) for i in range(opts.max_in_flight)]
+        self.slot_owner: dict[int, int | None] = {i: None for i in range(opts.max_in_flight)}
+        self.cond = threading.Condition()
+        self.inflight: dict[int, _InFlight] = {}
+        self.next_job = 0
+        self.pending_error: SaveFailed | None = None
+        self.pinned: set[int] = set()
+        self.resumed_from: int | None = None
+        self.last_prune: Any = None
+        self.started = False
+        self.stopping = False
+        self.proc: Any = None
+        self.jobs_conn: Any = None
+        self.events_conn: Any = None
+        self.worker_ready = threading.Event()
+        self.worker_report: Any = None
+        self.worker_start_error: str | None = None
+        self.arenas_sent: set[int] = set()
+        self.reader: threading.Thread | None = None
+        self.lock_fd: int | None = None
+        self.restarts = 0
+        self._prev_sigterm: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.started:
+            raise CheckpointError("engine already started")
+        self._open_root()
+        from .prune import clean_leftovers
+
+        if self.opts.rank == 0:
+            removed = clean_leftovers(self.root)
+            if removed:
+                log.warning("removed leftovers of an interrupted run in %s: %s", self.root, removed)
+        self.stopping = False
+        self._spawn_worker()
+        self.reader = threading.Thread(
+            target=self._read_events, name="asyncckpt-reader", daemon=True
+        )
+        self.reader.start()
+        self._wait_ready()
+        self.started = True
+
+    def _open_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint root {self.root}: {e}") from e
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint root {self.root} is not a directory")
+        probe = self.root / f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint root {self.root} is not writable: {e}") from e
+        lock_path = self.root / f"{_layout.LOCK_NAME}.rank{self.opts.rank}"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RootLocked(
+                f"another CheckpointEngine (rank {self.opts.rank}) is using {self.root}; "
+                "two engines must not write one root"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.lock_fd = fd
+        # A worker orphaned by a killed trainer exits within a fraction of a second; wait for
+        # it (it holds the worker lock) before cleaning the temporaries it may still touch.
+        wlock = _worker_lock_path(self.root, self.opts.rank)
+        wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise RootLocked(f"a worker process still holds {wlock}") from None
+                    time.sleep(0.05)
+        finally:
+            os.close(wfd)
+
+    def _spawn_worker(self) -> None:
+        ctx = tmp.get_context("spawn")
+        jobs_r, jobs_w = ctx.Pipe(duplex=False)
+        events_r, events_w = ctx.Pipe(duplex=False)
+        config = WorkerConfig(
+            root=str(self.root),
+            layout=self.layout,
+            fmt=self.fmt,
+            rank=self.opts.rank,
+            run_id=self.run_id,
+            throttle=self.throttle,
+            parent_pid=os.getpid(),
+        )
+        proc = ctx.Process(
+            target=worker_main,
+            args=(config, jobs_r, events_w),
+            name=f"asyncckpt-worker-{self.opts.rank}",
+            daemon=True,
+        )
+        self.worker_ready.clear()
+        self.worker_start_error = None
+        with _main_module_hidden():
+            proc.start()
+        jobs_r.close()
+        events_w.close()
+        self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
+        self.arenas_sent = set()
+
+    def _wait_ready(self) -> None:
+        if not self.worker_ready.wait(WORKER_START_TIMEOUT):
+            raise CheckpointError("the checkpoint worker process did not start in time")
+        if self.worker_start_error is not None:
+            raise CheckpointError(self.worker_start_error)
+
+    def stop(self, *, drain: bool = True) -> None:
+        """Wait for staged saves to commit (``drain``), then stop the worker."""
+        if not self.started:
+            return
+        try:
+            if drain:
+                self.drain()
+        finally:
+            self.stopping = True
+            try:
+                self.jobs_conn.send(("stop",))
+            except OSError:
+                pass
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            if self.reader is not None:
+                self.reader.join(5)
+            for slot in self.slots:
+                slot.release()
+            self.jobs_conn.close()
+            self.events_conn.close()
+            if self.lock_fd is not None:
+                os.close(self.lock_fd)
+                self.lock_fd = None
+            self.started = False
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until nothing is in flight (committed or failed)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.inflight, timeout):
+                raise TimeoutError("saves still in flight")
+
+    # ------------------------------------------------------------------ reader thread
+    def _read_events(self) -> None:
+        while not self.stopping:
+            proc, conn = self.proc, self.events_conn
+            try:
+                ready = mpc.wait([conn, proc.sentinel], timeout=0.1)
+            except OSError:
+                ready = [proc.sentinel]
+            if conn in ready:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                if msg is not None:
+                    self._on_event(msg)
+                    continue
+            if (proc.sentinel in ready or conn in ready) and not self.stopping:
+                proc.join(1)
+                self._on_worker_death(proc, None)
+                continue
+            self._check_timeouts()
+
+    def _on_event(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            self.worker_report = msg[2]
+            self.worker_ready.set()
+            return
+        with self.cond:
+            job = self.inflight.get(msg[1]) if msg[1] is not None else None
+            if kind == "begin" and job:
+                job.begun_at = time.monotonic()
+            elif kind == "released" and job:
+                self._release(job)
+            elif kind == "committed" and job:
+                s = job.handle.stats
+                st = msg[2]
+                s.write_seconds, s.commit_seconds = st["write_seconds"], st["commit_seconds"]
+                s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
+                self._release(job)
+                del self.inflight[msg[1]]
+                if self.resumed_from is not None and job.handle.step > self.resumed_from:
+                    self.resumed_from = None  # a newer checkpoint now protects the run
+                self.cond.notify_all()
+            elif kind == "failed" and job:
+                err = SaveFailed(
+                    f"save of step {job.handle.step} failed: {msg[2]['type']}: {msg[2]['message']}"
+                )
+                err.__cause__ = _rebuild_error(msg[2])
+                self._fail(msg[1], err)
+            elif kind == "pruned":
+                self.last_prune = msg[2]
+                if msg[3] is not None:
+                    log.warning(
+                        "pruning failed (nothing committed was lost): %s", msg[3]["message"]
+                    )
+        if kind == "committed" and job:
+            self._report(job.handle.stats)
+            job.handle._finish()
+
+    def _report(self, stats: SaveStats) -> None:
+        log.info(
+            "step %d committed: blocked %.3fs (stage %.3fs, wait %.3fs), write %.2fs, %.1f MB/s",
+            stats.step,
+            stats.blocked_seconds,
+            stats.stage_seconds,
+            stats.wait_seconds,
+            stats.write_seconds,
+            stats.throughput_bytes_per_s / 1e6,
+        )
+        if self.opts.on_commit is not None:
+            try:
+                self.opts.on_commit(stats)
+            except Exception:  # a dashboard bug must not break checkpointing
+                log.exception("on_commit callback raised")
+
+    def _release(self, job: _InFlight) -> None:
+        if not job.released:
+            job.released = True
+            self.slot_owner[job.slot] = None
+            self.cond.notify_all()
+
+    def _fail(self, job_id: int, err: SaveFailed) -> None:
+        # called with self.cond held
+        job = self.inflight.pop(job_id)
+        self._release(job)
+        self.pending_error = err
+        self.cond.notify_all()
+        log.error("%s", err)
+        job.handle._finish(err)
+
+    def _on_worker_death(self, proc: Any, reason: SaveFailed | None) -> None:
+        code = proc.exitcode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if not self.worker_ready.is_set():
+            # Died while starting: restarting would only loop. Fail start/save clearly.
+            self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
+            self.stopping = True
+            self.worker_ready.set()
+            return
+        with self.cond:
+            for job_id, job in list(self.inflight.items()):
+                err = reason or WorkerDied(
+                    f"the checkpoint worker (pid {proc.pid}) died with {how} while writing "
+                    f"step {job.handle.step}; nothing was committed for it"
+                )
+                self._fail(job_id, err)
+        if reason is None:
+            log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
+        self.restarts += 1
+        self._spawn_worker()
+
+    def _check_timeouts(self) -> None:
+        limit = self.opts.write_timeout
+        if limit is None:
+            return
+        now = time.monotonic()
+        with self.cond:
+            late = [j for j in self.inflight.values() if j.begun_at and now - j.begun_at > limit]
+        if late:
+            proc = self.proc
+            err = WriteTimeout(
+                f"writing step {late[0].handle.step} took longer than write_timeout={limit}s; "
+                "the worker was killed and restarted"
+            )
+            proc.kill()
+            proc.join(5)
+            self._on_worker_death(proc, err)
+
+    # ------------------------------------------------------------------ save
+    def check_can_save(self, step: Any) -> int:
+        step = _check_step(step)
+        if not self.started:
+            raise CheckpointError(
+                "the engine is not started: use `async with engine:` / `with engine:`"
+            )
+        err, self.pending_error = self.pending_error, None
+        if err is not None:
+            raise SaveFailed(f"an earlier save failed: {err}") from err.__cause__
+        final = self.root / _layout.dir_name(self.layout, step)
+        if final.exists() or any(j.handle.step == step for j in self.inflight.values()):
+            raise CheckpointError(f"step {step} is already committed or in flight at {final}")
+        return step
+
+    def acquire_slot(self, key_tensors: dict, block: bool = True) -> int | None:
+        from .staging import layout_key
+
+        key = layout_key(key_tensors)
+        with self.cond:
+            while True:
+                free = [i for i, o in self.slot_owner.items() if o is None]
+                if free:
+                    same = [i for i in free if self.slots[i].key == key]
+                    slot = (same or free)[0]
+                    self.slot_owner[slot] = -1  # reserved
+                    return slot
+                if not block:
+                    return None
+                if self.pending_error is not None:
+                    return None
+                self.cond.wait(0.5)
+
+    def unreserve(self, slot: int) -> None:
+        with self.cond:
+            if self.slot_owner[slot] == -1:
+                self.slot_owner[slot] = None
+                self.cond.notify_all()
+
+    def stage_and_send(
+        self,
+        step: int,
+        flat: Any,
+        objects: dict[str, bytes],
+        metrics: dict,
+        slot_idx: int,
+        stats: SaveStats,
+    ) -> SaveHandle:
+        slot = self.slots[slot_idx]
+        pin = any(t.device.type == "cuda" for t in flat.tensors.values())
+        t0 = time.perf_counter()
+        allocated = slot.ensure(flat.tensors, pin)
+        t1 = time.perf_counter()
+        if allocated:
+            stats.alloc_seconds = t1 - t0
+        slot.copy_in(flat.tensors)
+        stats.stage_seconds = time.perf_counter() - t1
+        stats.staged_bytes = slot.nbytes
+        faults.point("after_stage")
+        handle = SaveHandle(step, stats)
+        prune = None
+        if self.opts.keep is not None:
+            prune = PruneRequest(
+                policy=self.opts.keep,
+                resumed_from=self.resumed_from,
+                pinned=tuple(self.pinned),
+                run_id=self.run_id,
+                scope=self.opts.prune_scope,
+            )
+        with self.cond:
+            self.next_job += 1
+            job_id = self.next_job
+            job = SaveJob(
+                job_id=job_id,
+                step=step,
+                arena_ids=list(slot.arena_ids),
+                specs=list(slot.specs),
+                objects=objects,
+                paths=_encode_paths(flat.paths),
+                metrics=dict(metrics),
+                faults=faults.snapshot(),
+                prune=prune,
+            )
+            self.slot_owner[slot_idx] = job_id
+            self.inflight[job_id] = _InFlight(handle, slot_idx, time.monotonic())
+        self._wait_ready()
+        try:
+            self._send_arenas(slot)
+            self.jobs_conn.send(("save", job))
+        except OSError as e:
+            with self.cond:
+                if job_id in self.inflight:
+                    err = WorkerDied(f"could not hand step {step} to the worker: {e}")
+                    self._fail(job_id, err)
+        return handle
+
+    def _send_arenas(self, slot: StagingSlot) -> None:
+        for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
+            if aid not in self.arenas_sent:
+                self.jobs_conn.send(("arena", aid, arena))
+                self.arenas_sent.add(aid)
+
+    def prepare(self, state: Any) -> None:
+        """Allocate (and hand to the worker) every staging slot for this state's layout."""
+        flat = flatten_state(state)
+        pin = any(t.device.type == "cuda" for t in flat.tensors.values())
+        with self.cond:
+            free = [i for i, o in self.slot_owner.items() if o is None]
+        for i in free:
+            self.slots[i].ensure(flat.tensors, pin)
+            if self.started:
+                self._wait_ready()
+                self._send_arenas(self.slots[i])
+
+    # ------------------------------------------------------------------ reading the root
+    def committed(self) -> list[_layout.CommittedDir]:
+        return _layout.scan(self.root, self.layout)
+
+    def load_dir(self, state: Any, directory: Path) -> None:
+        from .formats import dcp
+
+        paths = None
+        if (directory / _layout.MANIFEST).exists():
+            if self.opts.verify_on_load:
+                verify_dir(directory)
+            paths = read_manifest(directory).get("paths")
+        elif self.opts.verify_on_load:
+            warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
+        if self.fmt == "torch_dist" and (directory / "common.pt").exists():
+            from .formats import torch_dist
+
+            torch_dist.load_into(state, directory, paths)
+        else:
+            dcp.load_into(state, directory, paths)
+
+    def load_latest(self, state: Any) -> int | None:
+        candidates = list(reversed(self.committed()))
+        if not candidates:
+            return None
+        errors = []
+        for c in candidates:
+            try:
+                self.load_dir(state, c.path)
+            except Exception as e:  # noqa: BLE001 - fall back to an older checkpoint, loudly
+                errors.append(f"step {c.step}: {e}")
+                msg = f"checkpoint step {c.step} at {c.path} is unusable ({e}); trying an older one"
+                log.error(msg)
+                warnings.warn(msg, stacklevel=3)
+                continue
+            self.resumed_from = c.step
+            return c.step
+        raise NoValidCheckpoint(
+            f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
+        )
+
+    def load(
+        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+    ) -> int:
+        if (step is None) == (path is None):
+            raise ValueError("pass exactly one of step= or path=")
+        if path is not None:
+            directory = Path(path)
+            if not directory.is_dir():
+                raise FileNotFoundError(f"no checkpoint directory at {directory}")
+            if _layout.is_leftover(directory.name):
+                raise CorruptCheckpoint(
+                    f"{directory} is an uncommitted temporary, not a checkpoint"
+                )
+            found = _layout.parse_dir_name(self.layout, directory.name)
+        else:
+            _check_step(step)
+            directory = self.root / _layout.dir_name(self.layout, step)
+            if not directory.is_dir():
+                raise FileNotFoundError(f"step {step} is not committed in {self.root}")
+            found = step
+        self.load_dir(state, directory)
+        if found is not None:
+            self.resumed_from = found
+        return found if found is not None else -1
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        from .prune import list_checkpoints
+
+        return list_checkpoints(self.root, self.layout)
+
+    def install_sigterm(self) -> None:
+        if (
+            not self.opts.handle_sigterm
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        prev = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            # A preemption notice: never throw away staged data. Drain, ask the loop for one
+            # final save, then behave as SIGTERM would have without us.
+            log.warning("SIGTERM: waiting for %d staged save(s) to commit", len(self.inflight))
+            self.schedule.request_preemption_save()
+            try:
+                self.drain(timeout=600)
+            except TimeoutError:
+                log.error("SIGTERM: saves still in flight after 600 s")
+            if callable(prev):
+                prev(signum, frame)
+            elif prev == signal.SIG_DFL and not self.opts.extra.get("sigterm_continue", False):
+                self.stop(drain=False)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        self._prev_sigterm = prev
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def uninstall_sigterm(self) -> None:
+        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._prev_sigterm)
+            self._prev_sigterm = None
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Any:
+    # The spawn start method re-runs the trainer's main script in the child unless it is
+    # guarded by `if __name__ == "__main__"`. The worker needs nothing from it (user objects
+    # reach it already serialised), so hide it for the moment of the spawn.
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+def _worker_lock_path(root: Path, rank: int) -> Path:
+    return root / f"{_layout.LOCK_NAME}.worker{rank}"
+
+
+def _encode_paths(paths: Mapping[str, list]) -> dict[str, list]:
+    return {fqn: [[kind, key] for kind, key in p] for fqn, p in paths.items()}
+
+
+def _prepare_save(step: int, state: Any, metrics: Mapping[str, float] | None):
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError("metrics must be a mapping of name -> number")
+    clean = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"metric names must be str, got {k!r}")
+        try:
+            clean[k] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {k!r} must be a number, got {v!r}") from None
+    flat = flatten_state(state)
+    objects = serialize_objects(flat.objects)
+    return flat, objects, clean
+
+
+class CheckpointEngine:
+    """Asynchronous checkpointing for a training loop (asyncio or trio, via anyio).
+
+    >>> engine = CheckpointEngine("ckpts", layout="global_step", keep=KeepLast(3))
+    >>> async with engine:
+    ...     handle = await engine.save(step, {"model": model, "optim": optim})
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        layout: str = "global_step",
+        *,
+        format: str | None = None,
+        keep: RetentionPolicy | None = None,
+        max_in_flight: int = 1,
+        optimizer_offload: bool = False,
+        throttle: ThrottleConfig | None = None,
+        write_timeout: float | None = None,
+        on_commit: Callable[[SaveStats], None] | None = None,
+        verify_on_load: bool = True,
+        prune_scope: str = "all",
+        handle_sigterm: bool = True,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
+    ) -> None:
+        self._core = _Core(
+            root,
+            EngineOptions(
+                layout=layout,
+                format=format,
+                keep=keep,
+                max_in_flight=max_in_flight,
+                optimizer_offload=optimizer_offload,
+                throttle=throttle,
+                write_timeout=write_timeout,
+                on_commit=on_commit,
+                verify_on_load=verify_on_load,
+                prune_scope=prune_scope,
+                handle_sigterm=handle_sigterm,
+                save_every_steps=save_every_steps,
+                save_every_seconds=save_every_seconds,
+            ),
+        )
+
+    # -------------------------------------------------------------- properties
+    @property
+    def root(self) -> Path:
+        return self._core.root
+
+    @property
+    def layout(self) -> str:
+        return self._core.layout
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._core.proc.pid if self._core.proc is not None else None
+
+    @property
+    def worker_restarts(self) -> int:
+        return self._core.restarts
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await anyio.to_thread.run_sync(self._core.start)
+        self._core.install_sigterm()
+
+    async def aclose(self) -> None:
+        """Wait for every staged save to commit, then stop the worker."""
+        self._core.uninstall_sigterm()
+        await anyio.to_thread.run_sync(self._core.stop)
+
+    async def __aenter__(self) -> CheckpointEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # Staged data is never thrown away, also when the block raises.
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+
+    # -------------------------------------------------------------- saving
+    async def save(
+        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+    ) -> SaveHandle:
+        """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
+        core = self._core
+        step = core.check_can_save(step)
+        flat, objects, clean = _prepare_save(step, state, metrics)
+        stats = SaveStats(step)
+        t0 = time.perf_counter()
+        slot = core.acquire_slot(flat.tensors, block=False)
+        if slot is None:
+            slot = await anyio.to_thread.run_sync(core.acquire_slot, flat.tensors)
+            if slot is None:
+                core.check_can_save(step)  # raises the failure that freed nothing
+        stats.wait_seconds = time.perf_counter() - t0
+        if stats.wait_seconds > 0.001:
+            log.info("save of step %d waited %.3fs for a staging buffer", step, stats.wait_seconds)
+        try:
+            handle = core.stage_and_send(step, flat, objects, clean, slot, stats)
+        except BaseException:
+            core.unreserve(slot)
+            raise
+        core.schedule.mark_saved(step)
+        return handle
+
+    async def wait(self) -> None:
+        """Wait until everything in flight has committed; raise if a save failed."""
+        await anyio.to_thread.run_sync(self._core.drain, abandon_on_cancel=True)
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        err, self._core.pending_error = self._core.pending_error, None
+        if err is not None:
+            raise err
+
+    async def prepare(self, state: Any) -> None:
+        """Allocate the staging arenas now, so the first save stalls no longer than later ones."""
+        self._core.prepare(state)
+
+    def should_save(self, step: int, *, force: bool = False) -> bool:
+        """True when the schedule (every N steps / H seconds / preemption) says to save."""
+        return self._core.schedule.should_save(step, force=force)
+
+    def protect(self, step: int) -> None:
+        """Never prune ``step``, whatever the retention policy."""
+        self._core.pinned.add(_check_step(step))
+
+    # -------------------------------------------------------------- loading
+    async def load_latest(self, state: Any) -> int | None:
+        """Restore the newest good checkpoint into ``state`` in place; None if there is none."""
+        return await anyio.to_thread.run_sync(self._core.load_latest, state)
+
+    async def load(
+        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+    ) -> int:
+        """Restore a given checkpoint (by step, or by directory) into ``state`` in place."""
+        return await anyio.to_thread.run_sync(lambda: self._core.load(state, step=step, path=path))
+
+    async def resume(
+        self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
+    ) -> int | None:
+        """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
+        if mode == "none":
+            return None
+        if mode == "latest":
+            return await self.load_latest(state)
+        if mode == "from_path":
+            if path is None:
+                raise ValueError('resume mode "from_path" needs path=')
+            return await self.load(state, path=path)
+        raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
+
+    def latest_step(self) -> int | None:
+        dirs = self._core.committed()
+        return dirs[-1].step if dirs else None
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        return self._core.list_checkpoints()

@@ -1,0 +1,35 @@
+"""The exceptions asyncckpt raises; all derive from ``CheckpointError``."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every asyncckpt error."""
+
+
+class SaveFailed(CheckpointError):
+    """A save did not commit. ``__cause__`` holds the worker's error where there was one."""
+
+
+class WorkerDied(SaveFailed):
+    """The background worker process died while it held a save; a new worker is started."""
+
+
+class WriteTimeout(SaveFailed):
+    """A write took longer than ``write_timeout``; the hung worker was killed."""
+
+
+class StagingMemoryError(CheckpointError, MemoryError):
+    """Not enough free memory to allocate the staging arenas without swapping."""
+
+
+class RootLocked(CheckpointError):
+    """Another engine holds this checkpoint root."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint failed its manifest checksums or could not be read."""
+
+
+class NoValidCheckpoint(CheckpointError):
+    """No committed checkpoint in the root passed verification."""

@@ -1,0 +1,294 @@
+"""Plain torch.distributed.checkpoint: ``.metadata`` plus ``.distcp`` shards.
+
+The worker writes a *flat* state dict whose keys are the same fully-qualified names DCP would
+produce from the nested state, so ``dcp.load(nested_state, checkpoint_id=dir)`` works without
+asyncckpt. Our writer is DCP's ``FileSystemWriter`` with one change: every byte goes through a
+stream that computes its crc32 on the way (no read-back for the manifest) and honours the
+throttle's rate limit and the ``mid_shard_write`` fault point.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .. import faults
+from ..staging import PathItem, flatten_state, is_stateful
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every single-process save/load that torch.distributed is not initialised;
+    # for us that is the normal case, not news.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class Serialized(bytes):
+    """A leaf already serialised with ``torch.save`` by the trainer; written as is."""
+
+
+class _PassThroughPlanner(DefaultSavePlanner):
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        if isinstance(object, Serialized):
+            return io.BytesIO(object)
+        return super().transform_object(write_item, object)
+
+
+class _ChecksumStream(io.RawIOBase):
+    """A write-only file wrapper that keeps a running crc32 and calls the throttle."""
+
+    def __init__(self, raw: Any, gate: Callable[[int], None] | None) -> None:
+        self._raw = raw
+        self._gate = gate
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self._gate is not None:
+            self._gate(len(view))
+        self._raw.write(view)
+        self.crc = zlib.crc32(view, self.crc)
+        first = self.size == 0
+        self.size += len(view)
+        if first:
+            faults.point("mid_shard_write")
+        return len(view)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        # DCP closes per-item transform streams; only the file itself may be closed, by us.
+        pass
+
+
+class _ChecksummingFileSystem(FileSystem):
+    def __init__(self, crcs: dict[str, tuple[int, int]], gate: Callable[[int], None] | None):
+        super().__init__()
+        self._crcs = crcs
+        self._gate = gate
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as s:
+                yield s
+            return
+        with open(path, mode, buffering=1 << 20) as raw:
+            stream = _ChecksumStream(raw, self._gate)
+            yield stream  # type: ignore[misc]
+            raw.flush()
+            self._crcs[Path(path).name] = (stream.crc, stream.size)
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP's FileSystemWriter whose files are checksummed (and rate-gated) while written.
+
+    ``crcs`` maps each file name written to ``(crc32, size)``; ``.metadata`` is renamed into
+    place by DCP, so its entry is recorded under the temporary name and recomputed by the
+    manifest builder.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        thread_count: int = 1,
+        gate: Callable[[int], None] | None = None,
+        sync_files: bool = False,
+    ) -> None:
+        super().__init__(
+            path,
+            single_file_per_rank=True,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            overwrite=True,
+        )
+        self.crcs: dict[str, tuple[int, int]] = {}
+        self.fs = _ChecksummingFileSystem(self.crcs, gate)
+
+
+def write_flat(
+    flat: Mapping[str, Any],
+    directory: Path,
+    *,
+    thread_count: int = 1,
+    gate: Callable[[int], None] | None = None,
+    process_group: Any = None,
+) -> dict[str, tuple[int, int]]:
+    """Write a flat state dict as DCP shards into ``directory``; returns crcs per file."""
+    writer = ChecksumWriter(directory, thread_count=thread_count, gate=gate)
+    no_dist = process_group is None
+    with _quiet_single_process():
+        dcp.save(
+            dict(flat),
+            storage_writer=writer,
+            planner=_PassThroughPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+    return writer.crcs
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def read_dcp_metadata(directory: str | os.PathLike) -> Any:
+    return FileSystemReader(directory).read_metadata()
+
+
+def _encode_path(path: list[PathItem]) -> list:
+    return [[kind, key] for kind, key in path]
+
+
+def encode_paths(paths: Mapping[str, list[PathItem]]) -> dict[str, list]:
+    """Paths for the manifest (JSON keeps int vs str keys, which DCP's planner_data loses)."""
+    return {fqn: _encode_path(p) for fqn, p in paths.items()}
+
+
+def _paths_from_dcp(metadata: Any) -> dict[str, list[PathItem]]:
+    # A checkpoint written by another tool: DCP's planner_data has the object path, with
+    # dict keys as str and list indices as int.
+    planner_data = metadata.planner_data or {}
+    out = {}
+    for fqn in metadata.state_dict_metadata:
+        obj_path = planner_data.get(fqn, (fqn,))
+        out[fqn] = [("l", k) if isinstance(k, int) else ("d", k) for k in obj_path]
+    return out
+
+
+def unflatten(flat: Mapping[str, Any], paths: Mapping[str, list]) -> dict[str, Any]:
+    """Rebuild the nested state (dicts and lists, original key types) from flat leaves."""
+    root: dict[str, Any] = {}
+    for fqn, value in flat.items():
+        path = paths.get(fqn) or [("d", fqn)]
+        node: Any = root
+        for i, (kind, key) in enumerate(path):
+            last = i == len(path) - 1
+            nxt_kind = None if last else path[i + 1][0]
+            if kind == "l":
+                while len(node) <= key:
+                    node.append(None)
+                if last:
+                    node[key] = value
+                else:
+                    if node[key] is None:
+                        node[key] = [] if nxt_kind == "l" else {}
+                    node = node[key]
+            else:
+                if last:
+                    node[key] = value
+                else:
+                    node = node.setdefault(key, [] if nxt_kind == "l" else {})
+    return root
+
+
+def read_flat(
+    directory: str | os.PathLike,
+    targets: Mapping[str, torch.Tensor] | None = None,
+    *,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Read every entry of a DCP checkpoint into a flat dict.
+
+    Where ``targets`` has a tensor of the same shape and dtype for a key, DCP reads straight
+    into it (in place, no second copy); other tensors are freshly allocated on the CPU.
+    """
+    metadata = read_dcp_metadata(directory)
+    targets = targets or {}
+    flat: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            t = targets.get(fqn)
+            if (
+                isinstance(t, torch.Tensor)
+                and tuple(t.shape) == tuple(md.size)
+                and t.dtype == md.properties.dtype
+                and not t.requires_grad
+            ):
+                flat[fqn] = t
+            else:
+                flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            flat[fqn] = None  # replaced by the unpickled object
+    with _quiet_single_process():
+        dcp.load(
+            flat,
+            storage_reader=FileSystemReader(directory),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
+    return flat
+
+
+def target_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of the caller's state by DCP key (Stateful objects via state_dict())."""
+    try:
+        return flatten_state(state).tensors
+    except (TypeError, ValueError):
+        return {}
+
+
+def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
+    """Restore ``loaded`` into ``target`` in place where possible; returns the merged value.
+
+    Tensors are copied into existing tensors of the same shape; Stateful objects get
+    ``load_state_dict``; dicts are merged key by key (keys only in the checkpoint are added);
+    anything else is replaced.
+    """
+    if is_stateful(target) and isinstance(loaded, Mapping):
+        target.load_state_dict(loaded)
+        return target
+    if isinstance(target, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        if target is loaded:
+            return target
+        if target.shape == loaded.shape:
+            with torch.no_grad():
+                target.copy_(loaded)
+            return target
+        return loaded
+    if isinstance(target, dict) and isinstance(loaded, Mapping):
+        for k, v in loaded.items():
+            target[k] = merge_into(target[k], v, f"{where}.{k}") if k in target else v
+        return target
+    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        for i, v in enumerate(loaded):
+            target[i] = merge_into(target[i], v, f"{where}.{i}")
+        return target
+    return loaded
+
+
+def load_into(state: Any, directory: str | os.PathLike, paths: Mapping[str, list] | None) -> None:
+    """Read the checkpoint in ``directory`` and restore it into ``state`` in place."""
+    flat = read_flat(directory, target_tensors(state))
+    if paths is None:
+        paths = _paths_from_dcp(read_dcp_metadata(directory))
+    loaded = unflatten(flat, paths)
+    if is_stateful(state):
+        state.load_state_dict(loaded)
+    else:
+        merge_into(state, loaded)

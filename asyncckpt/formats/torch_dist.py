@@ -1,0 +1,327 @@
+"""Megatron ``torch_dist`` format: state -> ``metadata.json`` + ``common.pt`` + DCP shards.
+
+What ``megatron.core.dist_checkpointing.save`` (megatron-core 0.16.1, backend ``torch_dist``)
+puts in a checkpoint directory, and what its ``load`` needs back:
+
+- ``metadata.json``: ``json.dump(asdict(CheckpointingConfig("torch_dist", 1)))``, i.e. exactly
+  ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+  "common_backend_version": 1}`` (no newline). Written last: its presence is what
+  ``check_is_distributed_checkpoint`` tests.
+- ``common.pt``: ``torch.save`` of every leaf that is not a ``ShardedTensor``/``ShardedObject``,
+  in the original nesting (megatron's ``extract_matching_values``: empty containers kept, lists
+  compacted). Read back with ``torch.load(weights_only=True)``, so it must hold only types the
+  weights-only unpickler accepts (plus whatever the reader registered as safe globals).
+- DCP shards (``__<rank>_<n>.distcp``) and ``.metadata`` (a pickled DCP ``Metadata`` with
+  ``planner_data=None``). DCP keys: ``ShardedTensor.key`` for tensors, with one chunk per
+  main-replica shard at its ``global_offset``; ``ShardedObject.unique_key``
+  (``<key>/shard_<offset>_<shape>``, e.g. ``rng_state/shard_0_1``) for objects, stored as a
+  bytes item holding ``torch.save([obj.data, ...])`` (a *list*: megatron's loader unpacks it).
+  File names do not matter to the loader; only ``.metadata``'s storage index does.
+
+Plain state dicts (no megatron types) use one convention: a tensor at nested path ``a.b``
+(dict keys and list indices joined by ``.``) becomes the whole, unsharded tensor with DCP key
+``"a.b"`` -- byte for byte what megatron writes for ``ShardedTensor.from_rank_offsets("a.b", t)``
+-- and every other leaf goes to ``common.pt``. So ``dist_checkpointing.load`` restores it from a
+sharded state dict built with ``from_rank_offsets(path, tensor)`` at each tensor's place. A state
+that holds any megatron ``ShardedBase`` is treated exactly as megatron does instead: only
+``ShardedTensor``/``ShardedObject`` go to DCP, plain tensors go to ``common.pt``.
+
+Multi-rank saves (what the worker must wire, one call per rank with the same ``process_group``):
+
+- every rank calls ``write_torch_dist(its_state, same_dir, process_group=pg)``; DCP plans
+  collectively over ``pg`` (gather local plans to rank 0, scatter the global plan back), each
+  rank writes only its own chunks to ``__<plan index>_<n>.distcp``, then rank 0 gathers the
+  write results and alone writes ``.metadata`` (so ``.metadata`` implies all shards landed);
+- ``pg`` must be a side group of the worker (gloo over its own TCPStore), never the trainer's;
+- replicated chunks: megatron shards are filtered to ``is_main_replica`` before planning, and
+  identical plain tensors on several ranks are deduplicated by DCP's global plan;
+- ``common.pt`` and ``metadata.json`` come from rank 0 of ``pg`` only (megatron assumes the
+  common state is identical on all ranks); ``metadata.json`` after ``.metadata``;
+- the commit (fsync of the directory, rename) must wait for every rank's call to return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+    SavePlan,
+    StorageWriter,
+)
+
+CONFIG_FNAME = "metadata.json"
+COMMON_FNAME = "common.pt"
+#: What megatron's ``save_config`` writes for ``torch_dist``; key order matters for the bytes.
+CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+WriterFactory = Callable[[str], StorageWriter]
+#: DCP key -> this rank's pieces under that key: one plain tensor, or megatron ShardedTensors
+#: (several when a rank holds several chunks of one global tensor) or ShardedObjects.
+Sharded = dict[str, list[Any]]
+
+
+def _mcore_mapping() -> Any:
+    """megatron's mapping module if it is already imported, else None.
+
+    A megatron object cannot exist in a process that has not imported megatron, so checking
+    ``sys.modules`` is enough and keeps plain saves free of megatron's slow, noisy import.
+    """
+    return sys.modules.get("megatron.core.dist_checkpointing.mapping")
+
+
+def _has_sharded_base(x: Any, base: type) -> bool:
+    if isinstance(x, dict):
+        return any(_has_sharded_base(v, base) for v in x.values())
+    if isinstance(x, list):
+        return any(_has_sharded_base(v, base) for v in x)
+    return isinstance(x, base)
+
+
+def _split_plain(x: dict | list, path: tuple, flat: Sharded) -> tuple[bool, Any]:
+    """Tensors into ``flat`` keyed by dotted path; returns (had tensors, the rest).
+
+    The rest mirrors megatron's ``dict_utils.extract_matching_values`` so ``common.pt`` is
+    what megatron would write. A list that would come back misaligned from megatron's
+    ``merge`` (tensors and non-tensors mixed) is refused up front.
+    """
+    if isinstance(x, dict):
+        found, rest = False, {}
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                m, r = _split_plain(v, (*path, k), flat)
+                found |= m
+                if r or not v:
+                    rest[k] = r
+            elif isinstance(v, torch.Tensor):
+                _add(flat, (*path, k), v)
+                found = True
+            else:
+                rest[k] = v
+        return found, rest
+    n_match, rest_list = 0, []
+    for i, v in enumerate(x):
+        if isinstance(v, (dict, list)) and v:
+            m, r = _split_plain(v, (*path, i), flat)
+            n_match += m
+            if r:
+                rest_list.append(r)
+        elif isinstance(v, torch.Tensor):
+            _add(flat, (*path, i), v)
+            n_match += 1
+        else:
+            rest_list.append(v)
+    if n_match and rest_list and (n_match != len(x) or len(rest_list) != len(x)):
+        raise ValueError(
+            f"list at {'.'.join(map(str, path)) or '<root>'} mixes tensors and other values "
+            "element-wise; megatron's loader cannot merge it back (use a dict instead)"
+        )
+    return n_match > 0, rest_list
+
+
+def _add(flat: Sharded, path: tuple, t: torch.Tensor) -> None:
+    key = ".".join(map(str, path))
+    if key in flat:
+        raise ValueError(f"two tensors map to the same checkpoint key {key!r}")
+    flat[key] = [t]
+
+
+def split_common(state: dict) -> tuple[Sharded, dict]:
+    """Split ``state`` into (DCP pieces by key, the common state that goes to ``common.pt``).
+
+    Pure: ``state`` is not modified (megatron factories are applied to a copy of the nesting).
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    mapping = _mcore_mapping()
+    if mapping is None or not _has_sharded_base(state, mapping.ShardedBase):
+        flat: Sharded = {}
+        _, common = _split_plain(state, (), flat)
+        return flat, common
+    # Megatron sharded state dict: reuse megatron's own preprocessing so the split is the same.
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        _replace_state_dict_keys_with_sharded_keys,
+    )
+
+    copy, _ = extract_matching_values(state, lambda _: True)  # copies containers, not leaves
+    sharded_part, common = save_preprocess(copy, validate_access_integrity=False)
+    grouped, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, True)
+    return dict(grouped), common
+
+
+def _checkpointable(pieces: list[Any]) -> Any:
+    """megatron ShardedTensors -> the DCP-protocol wrappers megatron itself saves through.
+
+    Not ``mcore_to_pyt_state_dict``: it calls ``torch.distributed.get_rank()``, which needs a
+    default process group the single-process worker does not have.
+    """
+    from megatron.core.dist_checkpointing.strategies.checkpointable import (
+        CheckpointableShardedTensor,
+        LocalShardsContainer,
+    )
+
+    out = []
+    for sh in pieces:
+        if sh.data is None:
+            raise ValueError(f"ShardedTensor {sh.key!r} has no data")
+        if sh.flattened_range is not None:
+            raise ValueError(f"ShardedTensor {sh.key!r}: flattened_range is not supported")
+        data = sh.data.detach().contiguous()
+        if sh.prepend_axis_num:
+            # Same chunk as megatron's legacy path writes: local data unsqueezed to full rank.
+            shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+            sh = dataclasses.replace(
+                sh, data=data.view(shape), local_shape=shape, prepend_axis_num=0
+            )
+        else:
+            sh = dataclasses.replace(sh, data=data)
+        out.append(CheckpointableShardedTensor.from_sh_ten(sh))
+    return out[0] if len(out) == 1 else LocalShardsContainer(out)
+
+
+def _to_dcp(sharded: Sharded) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, pieces in sharded.items():
+        first = pieces[0]
+        if isinstance(first, torch.Tensor):  # plain mode: one whole tensor
+            out[key] = first.detach()
+        elif hasattr(first, "unique_key"):  # ShardedObject
+            # DefaultSavePlanner torch.saves non-tensors: these are megatron's bytes exactly.
+            out[key] = [p.data for p in pieces]
+        else:
+            out[key] = _checkpointable(pieces)
+    return out
+
+
+class _Planner(DefaultSavePlanner):
+    """Flat keys as given; tensor properties recorded as megatron records them.
+
+    Megatron saves detached GPU tensors, so ``.metadata`` says requires_grad=False and
+    pin_memory=False; our sources are pinned staging views, which would say otherwise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for it in plan.items:
+            if it.tensor_data is not None:
+                props = dataclasses.replace(
+                    it.tensor_data.properties, requires_grad=False, pin_memory=False
+                )
+                td = dataclasses.replace(it.tensor_data, properties=props)
+                it = dataclasses.replace(it, tensor_data=td)
+            items.append(it)
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_torch_dist(
+    state: dict,
+    directory: str | os.PathLike,
+    *,
+    writer_factory: WriterFactory | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write ``state`` into ``directory`` (created if missing) as a megatron torch_dist checkpoint.
+
+    Everything that can fail on bad input (splitting, pickling the common state) happens before
+    the first byte is written. ``process_group=None`` is a single-process save (``no_dist``).
+    """
+    directory = Path(directory)
+    sharded, common = split_common(state)
+    dcp_state = _to_dcp(sharded)
+    buf = io.BytesIO()
+    torch.save(common, buf)  # pickling errors surface here, before any file exists
+    is_rank0 = process_group is None or dist.get_rank(process_group) == 0
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if is_rank0:
+        _write_synced(directory / COMMON_FNAME, buf.getvalue())
+    writer = (writer_factory or _default_writer)(str(directory))
+    dcp.save(
+        dcp_state,
+        storage_writer=writer,
+        planner=_Planner(),
+        process_group=process_group,
+        no_dist=process_group is None,
+    )
+    if is_rank0:  # last: megatron treats metadata.json as "this is a complete checkpoint"
+        _write_synced(directory / CONFIG_FNAME, json.dumps(CONFIG).encode())
+
+
+def _default_writer(directory: str) -> StorageWriter:
+    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
+
+
+def read_config(directory: str | os.PathLike) -> dict | None:
+    """``metadata.json`` as a dict, or None when the directory is not a dist checkpoint."""
+    try:
+        return json.loads((Path(directory) / CONFIG_FNAME).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def read_torch_dist(directory: str | os.PathLike, target_state: dict) -> dict:
+    """Load a plain-state checkpoint into ``target_state`` in place and return it.
+
+    Tensors are read into the target's own tensors (shapes and dtypes must match); the other
+    leaves are replaced by those in ``common.pt``. For megatron sharded state dicts use
+    ``megatron.core.dist_checkpointing.load`` (it needs a process group).
+    """
+    directory = Path(directory)
+    if read_config(directory) != CONFIG:
+        raise ValueError(f"{directory} is not a torch_dist checkpoint (bad {CONFIG_FNAME})")
+    sharded, _ = split_common(target_state)
+    if any(not isinstance(p[0], torch.Tensor) for p in sharded.values()):
+        raise TypeError("read_torch_dist takes plain state dicts; use dist_checkpointing.load")
+    dcp.load(
+        {k: p[0] for k, p in sharded.items()},
+        storage_reader=FileSystemReader(str(directory)),
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        no_dist=True,
+    )
+    # weights_only like megatron's loader: what megatron cannot read, we do not read either.
+    common = torch.load(directory / COMMON_FNAME, map_location="cpu", weights_only=True)
+    _assign(target_state, common)
+    return target_state
+
+
+def _assign(target: Any, src: dict | list) -> None:
+    """Write ``src``'s leaves into ``target`` in place (inverse of the split's common part)."""
+    items = src.items() if isinstance(src, dict) else enumerate(src)
+    for k, v in items:
+        cur = target[k] if isinstance(target, list) or k in target else None
+        if isinstance(v, (dict, list)) and v and isinstance(cur, type(v)):
+            _assign(cur, v)
+        else:
+            target[k] = v

@@ -1,0 +1,201 @@
+"""The manifest: a checksum of every file of a checkpoint, and ``verify``.
+
+Written into the temporary directory after every shard is durable and before the commit
+rename, so a committed checkpoint always has one. At load, the checksums catch flipped bytes,
+truncated or deleted shards (invariant 5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import layout as _layout
+from .errors import CorruptCheckpoint
+
+FORMAT_VERSION = 1
+_CHUNK = 8 << 20
+
+
+def crc32_file(path: str | os.PathLike) -> tuple[int, int]:
+    """(crc32, size) of a file, read in large chunks (zlib releases the GIL on them)."""
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return crc, size
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that the names in it (creations, renames) are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build_manifest(
+    directory: Path,
+    *,
+    step: int,
+    layout: str,
+    fmt: str,
+    metrics: dict[str, float] | None,
+    run_id: str,
+    known_crcs: dict[str, tuple[int, int]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Checksum every file under ``directory``; reuse crcs computed while writing."""
+    known_crcs = known_crcs or {}
+    files: dict[str, dict[str, int]] = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_symlink() or not p.is_file():
+            continue
+        rel = p.relative_to(directory).as_posix()
+        if rel == _layout.MANIFEST:
+            continue
+        size = p.stat().st_size
+        known = known_crcs.get(rel)
+        crc = known[0] if known is not None and known[1] == size else crc32_file(p)[0]
+        files[rel] = {"size": size, "crc32": crc}
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "layout": layout,
+        "format": fmt,
+        "committed_at": time.time(),
+        "metrics": dict(metrics or {}),
+        "bytes": sum(f["size"] for f in files.values()),
+        "files": files,
+        "run_id": run_id,
+    }
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    path = directory / _layout.MANIFEST
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / _layout.MANIFEST
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{directory}: no {_layout.MANIFEST}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{path}: unreadable manifest ({e})") from None
+
+
+def check_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
+    """Every problem found comparing the files on disk with the manifest (empty: good)."""
+    directory = Path(directory)
+    problems = []
+    for rel, want in manifest.get("files", {}).items():
+        p = directory / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = p.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{rel}: size {size} != {want['size']} (truncated or grown)")
+            continue
+        crc, _ = crc32_file(p)
+        if crc != want["crc32"]:
+            problems.append(
+                f"{rel}: checksum mismatch (crc32 {crc:#010x} != {want['crc32']:#010x})"
+            )
+    return problems
+
+
+def verify_dir(directory: str | os.PathLike) -> None:
+    """Raise ``CorruptCheckpoint`` naming every problem if the directory fails its manifest."""
+    manifest = read_manifest(directory)
+    problems = check_files(directory, manifest)
+    if problems:
+        raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+
+
+@dataclass
+class CheckpointStatus:
+    step: int
+    path: Path
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    root: Path
+    layout: str
+    checkpoints: list[CheckpointStatus]
+    tracker_step: int | None
+    tracker_problem: str | None
+    leftovers: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checkpoints) and self.tracker_problem is None
+
+
+def detect_layout(root: str | os.PathLike) -> str:
+    """The layout whose names appear in ``root`` (global_step if none do)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    for lay in ("megatron", "global_step"):
+        if any(_layout.parse_dir_name(lay, n) is not None for n in names):
+            return lay
+    return "global_step"
+
+
+def verify(root: str | os.PathLike, layout: str | None = None) -> VerifyReport:
+    """Check every committed checkpoint of ``root`` against its manifest, and the tracker."""
+    root = Path(root)
+    layout = layout or detect_layout(root)
+    statuses = []
+    for c in _layout.scan(root, layout):
+        try:
+            manifest = read_manifest(c.path)
+            problems = check_files(c.path, manifest)
+        except CorruptCheckpoint as e:
+            problems = [str(e)]
+        statuses.append(CheckpointStatus(c.step, c.path, not problems, problems))
+    tracker_step = _layout.read_tracker(root)
+    tracker_problem = None
+    tracker_file = root / _layout.TRACKER
+    if tracker_file.exists() and tracker_step is None:
+        tracker_problem = f"{tracker_file.name} is not a step number"
+    elif tracker_step is not None and tracker_step not in {s.step for s in statuses}:
+        tracker_problem = f"{tracker_file.name} names step {tracker_step}, which is not committed"
+    leftovers = (
+        sorted(n for n in os.listdir(root) if _layout.is_leftover(n)) if root.is_dir() else []
+    )
+    return VerifyReport(root, layout, statuses, tracker_step, tracker_problem, leftovers)
+
+
+def good_steps(statuses: Iterable[CheckpointStatus]) -> list[int]:
+    return [s.step for s in statuses if s.ok]

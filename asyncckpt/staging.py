@@ -1,0 +1,293 @@
+"""Stage: copy the training state into reused shared-memory arenas.
+
+``save`` blocks the training loop only for what happens in this module. The state is flattened
+the way DCP flattens it (so plain ``torch.distributed.checkpoint.load`` finds the same keys),
+tensors are copied into a few large shared-memory arenas allocated once per state layout and
+handed to the worker once, and non-tensor leaves are pickled (which both snapshots them and
+proves they can be written, before anything touches the disk).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+#: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
+ALIGN = 64
+#: An arena holds at most this many bytes, unless one tensor alone is larger.
+ARENA_BYTES = 4 << 30
+#: Staging refuses to allocate if less than this would be left available afterwards.
+MEMORY_HEADROOM = 1 << 30
+
+#: A path from the state's root to a leaf: ("d", key) for a dict key, ("l", i) for a list index.
+PathItem = tuple[str, Any]
+
+
+def is_stateful(obj: Any) -> bool:
+    """DCP's Stateful protocol: ``state_dict()`` and ``load_state_dict()`` (module, optimizer)."""
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _is_terminal(value: Any) -> bool:
+    # Mirrors torch.distributed.checkpoint._traverse.traverse_state_dict: mappings are always
+    # walked; a list only if it holds tensors or walkable containers; anything else is a leaf.
+    if isinstance(value, Mapping):
+        return False
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
+                return False
+            if isinstance(entry, torch.Tensor):
+                return False
+        return True
+    return True
+
+
+@dataclass
+class FlatState:
+    """A state flattened to DCP keys (fully qualified names, "a.b.0.c")."""
+
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    paths: dict[str, list[PathItem]]  # fqn -> path with the original key types
+
+
+def flatten_state(state: Any) -> FlatState:
+    """Flatten a nested state; Stateful objects are replaced by their ``state_dict()``."""
+    if is_stateful(state):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"state must be a dict of named components (or a Stateful object), not {type(state).__name__}"
+        )
+    flat = FlatState({}, {}, {})
+
+    def visit(path: list[PathItem], value: Any) -> None:
+        if is_stateful(value):
+            value = value.state_dict()
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise TypeError(
+                        f"state key {k!r} at {_fqn(path) or '<root>'}: keys must be str or int"
+                    )
+                visit(path + [("d", k)], v)
+        elif not _is_terminal(value):
+            for i, v in enumerate(value):
+                visit(path + [("l", i)], v)
+        else:
+            fqn = _fqn(path)
+            if fqn in flat.paths:
+                raise ValueError(f"two entries of the state flatten to the same key {fqn!r}")
+            flat.paths[fqn] = path
+            if isinstance(value, torch.Tensor):
+                _check_tensor(fqn, value)
+                flat.tensors[fqn] = value
+            else:
+                flat.objects[fqn] = value
+
+    for k, v in state.items():
+        visit([("d", k)], v)
+    return flat
+
+
+def _fqn(path: list[PathItem]) -> str:
+    return ".".join(str(k) for _, k in path)
+
+
+def _check_tensor(fqn: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"{fqn}: only dense (strided) tensors can be staged, not {t.layout}")
+    if t.device.type == "meta":
+        raise TypeError(f"{fqn}: a meta tensor has no data to save")
+    if t.is_quantized:
+        raise TypeError(f"{fqn}: quantized tensors are not supported")
+
+
+def serialize_objects(objects: dict[str, Any]) -> dict[str, bytes]:
+    """Serialise the non-tensor leaves now, the way DCP does (``torch.save``).
+
+    This snapshots them (the loop may mutate them right after ``save`` returns), gives a clear
+    error naming the entry before anything touches the disk, and spares the worker from ever
+    unpickling user objects (whose classes may live in the trainer's ``__main__``).
+    """
+    out = {}
+    for fqn, obj in objects.items():
+        buf = io.BytesIO()
+        try:
+            torch.save(obj, buf)
+        except Exception as e:
+            raise TypeError(
+                f"state entry {fqn!r} ({type(obj).__name__}) cannot be saved: {e}"
+            ) from e
+        out[fqn] = buf.getvalue()
+    return out
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    fqn: str
+    arena: int  # index of the arena within the slot
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
+    """Two states with the same key share staging arenas."""
+    return tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+
+
+def plan_arenas(
+    tensors: dict[str, torch.Tensor], arena_bytes: int = ARENA_BYTES
+) -> tuple[list[TensorSpec], list[int]]:
+    """Place every tensor in an arena; returns the specs and the size of each arena."""
+    specs: list[TensorSpec] = []
+    sizes: list[int] = [0]
+    for fqn, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        offset = -(-sizes[-1] // ALIGN) * ALIGN
+        if offset + nbytes > arena_bytes and sizes[-1] > 0:
+            sizes.append(0)
+            offset = 0
+        specs.append(TensorSpec(fqn, len(sizes) - 1, offset, nbytes, t.dtype, tuple(t.shape)))
+        sizes[-1] = offset + nbytes
+    return specs, [max(s, 1) for s in sizes]
+
+
+def check_memory(nbytes: int) -> None:
+    """Refuse an allocation that would push the machine into swap or the OOM killer."""
+    from .errors import StagingMemoryError
+
+    available = psutil.virtual_memory().available
+    if nbytes + MEMORY_HEADROOM > available:
+        raise StagingMemoryError(
+            f"staging needs {nbytes / 2**30:.2f} GiB of shared memory but only "
+            f"{available / 2**30:.2f} GiB is available (keeping {MEMORY_HEADROOM / 2**30:.1f} GiB "
+            "headroom); lower max_in_flight or free memory"
+        )
+    try:
+        shm_free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return
+    if nbytes > shm_free:
+        raise StagingMemoryError(
+            f"staging needs {nbytes / 2**30:.2f} GiB in /dev/shm but only {shm_free / 2**30:.2f} GiB "
+            "is free there (in a container, raise --shm-size)"
+        )
+
+
+def allocate_arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """One shared-memory byte tensor; page-locked in place for async D2H copies on CUDA."""
+    arena = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    if pin:
+        # Registering the shared pages makes them pinned without a second copy.
+        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
+        if int(rc) != 0:
+            raise RuntimeError(f"cudaHostRegister failed with code {int(rc)}")
+    return arena
+
+
+def unpin_arena(arena: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+
+
+def arena_view(arena: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The typed view of ``spec`` inside the trainer's arena tensor."""
+    raw = arena[spec.offset : spec.offset + spec.nbytes]
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    return raw.view(spec.dtype).view(spec.shape)
+
+
+class StagingSlot:
+    """One checkpoint's worth of arenas, reused for every save with the same layout."""
+
+    _next_id = 0
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.key: tuple | None = None
+        self.arena_ids: list[int] = []
+        self.arenas: list[torch.Tensor] = []
+        self.specs: list[TensorSpec] = []
+        self.views: list[torch.Tensor] = []
+        self.pinned = False
+        self.nbytes = 0
+
+    def ensure(self, tensors: dict[str, torch.Tensor], pin: bool) -> bool:
+        """Allocate arenas for this layout unless they exist; True if newly allocated."""
+        key = layout_key(tensors)
+        if key == self.key and self.arenas and (self.pinned or not pin):
+            return False
+        specs, sizes = plan_arenas(tensors)
+        check_memory(sum(sizes) - self.nbytes)
+        self.release()
+        self.arenas = [allocate_arena(n, pin) for n in sizes]
+        self.pinned = pin
+        self.nbytes = sum(sizes)
+        self.arena_ids = []
+        for _ in sizes:
+            StagingSlot._next_id += 1
+            self.arena_ids.append(StagingSlot._next_id)
+        self.specs = specs
+        self.views = [arena_view(self.arenas[s.arena], s) for s in specs]
+        self.key = key
+        return True
+
+    def release(self) -> None:
+        if self.pinned:
+            for a in self.arenas:
+                unpin_arena(a)
+        self.arenas, self.views, self.specs, self.arena_ids = [], [], [], []
+        self.key, self.pinned, self.nbytes = None, False, 0
+
+    def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy every tensor into its view; returns once the copies have completed."""
+        cuda_tensors = []
+        for view, t in zip(self.views, tensors.values(), strict=True):
+            if t.device.type == "cuda":
+                cuda_tensors.append((view, t))
+            elif t.numel():
+                view.copy_(t.detach())
+        if cuda_tensors:
+            _copy_from_cuda(cuda_tensors)
+
+
+_side_streams: dict[int, Any] = {}
+
+
+def _copy_from_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # Non-blocking D2H copies on a side stream that first waits for the work already queued on
+    # each tensor's current stream (so we copy the values the training step produced), then a
+    # wait on one event per device, not a device-wide synchronize.
+    by_device: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for view, t in pairs:
+        by_device.setdefault(t.device.index or 0, []).append((view, t))
+    events = []
+    for dev, items in by_device.items():
+        with torch.cuda.device(dev):
+            stream = _side_streams.get(dev)
+            if stream is None:
+                stream = _side_streams[dev] = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for view, t in items:
+                    if t.numel():
+                        view.copy_(t.detach(), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+    for ev in events:
+        ev.synchronize()

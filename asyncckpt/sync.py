@@ -1,0 +1,79 @@
+"""The blocking facade for training loops that are not async.
+
+Same engine, same methods; waits block the calling thread instead of awaiting.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .engine import CheckpointEngine, SaveHandle, _prepare_save
+from .stats import SaveStats
+
+
+class SyncCheckpointEngine(CheckpointEngine):
+    """``with SyncCheckpointEngine(root) as engine: engine.save(step, state)``."""
+
+    def __enter__(self) -> SyncCheckpointEngine:
+        self._core.start()
+        self._core.install_sigterm()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for every staged save to commit, then stop the worker."""
+        self._core.uninstall_sigterm()
+        self._core.stop()
+
+    def save(  # type: ignore[override]
+        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+    ) -> SaveHandle:
+        core = self._core
+        step = core.check_can_save(step)
+        flat, objects, clean = _prepare_save(step, state, metrics)
+        stats = SaveStats(step)
+        t0 = time.perf_counter()
+        slot = core.acquire_slot(flat.tensors)
+        if slot is None:
+            core.check_can_save(step)
+        stats.wait_seconds = time.perf_counter() - t0
+        try:
+            handle = core.stage_and_send(step, flat, objects, clean, slot, stats)
+        except BaseException:
+            core.unreserve(slot)
+            raise
+        core.schedule.mark_saved(step)
+        return handle
+
+    def wait(self) -> None:  # type: ignore[override]
+        self._core.drain()
+        self._raise_pending()
+
+    def prepare(self, state: Any) -> None:  # type: ignore[override]
+        self._core.prepare(state)
+
+    def load_latest(self, state: Any) -> int | None:  # type: ignore[override]
+        return self._core.load_latest(state)
+
+    def load(  # type: ignore[override]
+        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+    ) -> int:
+        return self._core.load(state, step=step, path=path)
+
+    def resume(  # type: ignore[override]
+        self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
+    ) -> int | None:
+        if mode == "none":
+            return None
+        if mode == "latest":
+            return self.load_latest(state)
+        if mode == "from_path":
+            if path is None:
+                raise ValueError('resume mode "from_path" needs path=')
+            return self.load(state, path=path)
+        raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
