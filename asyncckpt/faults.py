@@ -14,7 +14,10 @@ or from the environment of a training script it runs as a subprocess::
 Actions: ``kill`` (SIGKILL), ``hang`` (sleep forever), ``enospc`` / ``eio`` (raise ``OSError``),
 ``delay:SECONDS``, ``raise`` (``RuntimeError``). ``after=k`` skips the first k hits. Points set in
 the training process travel to the worker process with every job, so a test can arm a point
-that only the worker reaches.
+that only the worker reaches. Every action but ``delay`` fires once: when a point fires in the
+worker, the worker tells the trainer, which disarms it, so a restarted worker does not fire it
+again. The training process is the source of truth: ``clear()`` there disarms the worker too
+(from its next job on).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 ENV_VAR = "ASYNCCKPT_FAULTS"
 
@@ -49,10 +54,15 @@ class Fault:
     after: int = 0
     seconds: float = 0.0
     hits: int = 0
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 _lock = threading.Lock()
 _faults: dict[str, Fault] = {}
+#: Ids of faults that fired in this process; a snapshot never re-arms them.
+_fired: set[str] = set()
+#: Called with a fault's id just before it fires (the worker tells the trainer).
+_reporter: Callable[[str], None] | None = None
 
 
 def _check(point: str, action: str) -> None:
@@ -118,18 +128,42 @@ def load_env() -> None:
             _faults.update(parsed)
 
 
-def snapshot() -> dict[str, tuple[str, int, float]]:
+def snapshot() -> dict[str, tuple[str, int, float, str]]:
     """The armed points, picklable, to ship to the worker with a job."""
     with _lock:
-        return {p: (f.action, max(f.after - f.hits, 0), f.seconds) for p, f in _faults.items()}
+        return {
+            p: (f.action, max(f.after - f.hits, 0), f.seconds, f.id) for p, f in _faults.items()
+        }
 
 
-def install(snap: dict[str, tuple[str, int, float]]) -> None:
-    """Replace the armed points with a snapshot taken in another process."""
+def install(snap: dict[str, tuple[str, int, float, str]]) -> None:
+    """Adopt the armed points of a snapshot taken in the training process.
+
+    A point the snapshot no longer arms (or arms anew) is dropped; one already armed here keeps
+    its own hit count; one that already fired here is not armed again.
+    """
     with _lock:
-        _faults.clear()
-        for p, (action, after, seconds) in snap.items():
-            _faults[p] = Fault(action, after, seconds)
+        for p in list(_faults):
+            entry = snap.get(p)
+            if entry is None or entry[3] != _faults[p].id:
+                del _faults[p]
+        for p, (action, after, seconds, fid) in snap.items():
+            if p not in _faults and fid not in _fired:
+                _faults[p] = Fault(action, after, seconds, id=fid)
+
+
+def consume(fault_id: str) -> None:
+    """Disarm the fault ``fault_id`` here: it fired in another process (the worker)."""
+    with _lock:
+        for p, f in list(_faults.items()):
+            if f.id == fault_id and f.action != "delay":
+                del _faults[p]
+
+
+def set_reporter(report: Callable[[str], None] | None) -> None:
+    """Call ``report(fault_id)`` whenever a fault fires in this process (the worker sets it)."""
+    global _reporter
+    _reporter = report
 
 
 def point(name: str) -> None:
@@ -145,6 +179,13 @@ def point(name: str) -> None:
             return
         if fault.action != "delay":
             del _faults[name]  # fire once; a delay stays armed
+            _fired.add(fault.id)
+        report = _reporter if fault.action != "delay" else None
+    if report is not None:
+        try:
+            report(fault.id)
+        except Exception:  # noqa: BLE001 - a closed pipe must not stop the fault itself
+            pass
     _perform(name, fault)
 
 
