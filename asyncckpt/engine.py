@@ -341,6 +341,9 @@ class _Core:
             self.worker_report = msg[2]
             self.worker_ready.set()
             return
+        if kind == "fault":  # a fault point fired in the worker: disarm it here too
+            faults.consume(msg[1])
+            return
         with self.cond:
             job = self.inflight.get(msg[1]) if msg[1] is not None else None
             if kind == "begin" and job:
@@ -522,12 +525,13 @@ class _Core:
                 objects=objects,
                 paths=_encode_paths(flat.paths),
                 metrics=dict(metrics),
-                faults=faults.snapshot(),
                 prune=prune,
             )
             self.slot_owner[slot_idx] = job_id
             self.inflight[job_id] = _InFlight(handle, slot_idx, time.monotonic())
         self._wait_ready()
+        # After the wait: a fault that fired in a worker that died is disarmed by now.
+        job.faults = faults.snapshot()
         try:
             self._send_arenas(slot)
             self.jobs_conn.send(("save", job))

@@ -248,7 +248,11 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any) -> None:
         0o644,
     )
     fcntl.flock(lock_fd, fcntl.LOCK_EX)
-    faults.load_env()
+    # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
+    # process armed on import would fire a second time. Firing is reported back so that the
+    # trainer disarms the point and a restarted worker does not fire it again.
+    faults.clear()
+    faults.set_reporter(lambda fault_id: events.send(("fault", fault_id)))
     try:
         Worker(config, jobs, events).run()
     except (EOFError, OSError):
