@@ -97,7 +97,18 @@ def worker_view(arena: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(spec.dtype).view(spec.shape)
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` wrapper (it hides an OSError's errno)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        if isinstance(wrapped, tuple) and wrapped and isinstance(wrapped[0], BaseException):
+            return wrapped[0]
+    return exc
+
+
 def error_info(exc: BaseException) -> dict[str, Any]:
+    exc = root_cause(exc)
     return {
         "type": type(exc).__name__,
         "message": str(exc),
@@ -115,6 +126,17 @@ class Worker:
         self.arenas: dict[int, torch.Tensor] = {}
         self.io_threads = 1
         self.gate = None
+        # DCP's extra writer threads drop their exceptions (the file is left short and the save
+        # "succeeds"): collect them here and fail the save with them.
+        self.thread_errors: list[BaseException] = []
+        previous_hook = threading.excepthook
+
+        def hook(args: Any) -> None:
+            if args.exc_value is not None:
+                self.thread_errors.append(args.exc_value)
+            previous_hook(args)
+
+        threading.excepthook = hook
 
     def run(self) -> None:
         report = self._apply_throttle()
@@ -163,8 +185,11 @@ class Worker:
             for spec in job.specs:
                 arena = self.arenas[job.arena_ids[spec.arena]]
                 flat[spec.fqn] = worker_view(arena, spec)
+            self.thread_errors.clear()
             crcs = self._write_format(flat, tmp, job)
             del flat
+            if self.thread_errors:
+                raise self.thread_errors[0]
             faults.point("after_shard_write")
             for p in tmp.rglob("*"):
                 if p.is_file() and not p.is_symlink():
