@@ -176,6 +176,8 @@ class Worker:
         tmp = self.root / _layout.tmp_name(
             self.config.layout, job.step, f"{job.job_id}-{os.getpid()}"
         )
+        final = self.root / name
+        preexisting = final.exists()
         released = False
         t0 = time.perf_counter()
         try:
@@ -228,6 +230,16 @@ class Worker:
                     fsync_dir(self.root)
                 except OSError:
                     pass  # the next start removes it
+            elif not preexisting and final.exists() and _layout.read_tracker(self.root) != job.step:
+                # Renamed into place, but the tracker was not updated (e.g. ENOSPC writing
+                # it): a failed save must leave nothing behind, so take it out again (through
+                # the trash, so that it is never seen half deleted).
+                try:
+                    from .prune import trash_and_delete
+
+                    trash_and_delete(self.root, final)
+                except OSError:
+                    pass  # it is complete and verified, only the tracker lags it
             if not released:
                 self.events.send(("released", job.job_id))
             self.events.send(("failed", job.job_id, error_info(e)))
