@@ -416,6 +416,9 @@ class _Core:
             self.stopping = True
             self.worker_ready.set()
             return
+        # Before failing the handles: a save made as soon as one fails must wait for the new
+        # worker, not write into the dead one's pipe.
+        self.worker_ready.clear()
         with self.cond:
             for job_id, job in list(self.inflight.items()):
                 err = reason or WorkerDied(
