@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 import torch.multiprocessing as tmp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults
 from . import layout as _layout
@@ -592,7 +593,8 @@ class _Core:
         for c in candidates:
             try:
                 self.load_dir(state, c.path)
-            except Exception as e:  # noqa: BLE001 - fall back to an older checkpoint, loudly
+            # DCP's CheckpointException derives from BaseException, not Exception.
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back, loudly
                 errors.append(f"step {c.step}: {e}")
                 msg = f"checkpoint step {c.step} at {c.path} is unusable ({e}); trying an older one"
                 log.error(msg)
