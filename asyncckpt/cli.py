@@ -1,4 +1,4 @@
-"""``python -m asyncckpt ls | prune ROOT``: inspect and prune any root the engine wrote.
+"""``python -m asyncckpt ls | verify | prune ROOT``: inspect, check and prune any root the engine wrote.
 
 Each subcommand is one function decorated with ``@subcommand``: it adds its parser and sets
 ``func`` (``(args, console) -> exit code``). Exit codes: 0 ok, 1 error, 2 bad usage.
@@ -229,9 +229,66 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
     return 1 if result.errors else 0
 
 
+@subcommand
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every checkpoint against its manifest checksums, and the tracker "
+        "(exit 1 if anything is bad)",
+    )
+    _add_root(p)
+    p.set_defaults(func=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace, console: Console) -> int:
+    from asyncckpt.manifest import verify
+
+    report = verify(args.root, _layout(args))
+    good = [c.step for c in report.checkpoints if c.ok]
+    if args.json:
+        out = {
+            "root": str(report.root),
+            "layout": report.layout,
+            "ok": report.ok,
+            "checkpoints": [
+                {"step": c.step, "path": str(c.path), "ok": c.ok, "problems": c.problems}
+                for c in report.checkpoints
+            ],
+            "tracker": report.tracker_step,
+            "tracker_problem": report.tracker_problem,
+            "newest_good": good[-1] if good else None,
+            "leftovers": report.leftovers,
+        }
+        console.print_json(json.dumps(out))
+        return 0 if report.ok else 1
+    rows = [
+        (str(c.step), "ok" if c.ok else "BAD", "; ".join(c.problems)) for c in report.checkpoints
+    ]
+    console.print(_table(f"{args.root} ({report.layout})", rows, ("step", "status", "problems")))
+    if report.tracker_problem:
+        console.print(f"tracker: BAD: {report.tracker_problem}", style="red")
+    else:
+        console.print(f"tracker: {report.tracker_step}")
+    if report.leftovers:
+        console.print(
+            "leftovers (an engine at work, or a crash; removed at the next start): "
+            + ", ".join(report.leftovers)
+        )
+    bad = len(report.checkpoints) - len(good)
+    if report.ok:
+        console.print(f"OK: {len(good)} checkpoint(s) verified")
+        return 0
+    newest = f"; newest good: step {good[-1]}" if good else "; no good checkpoint"
+    console.print(
+        f"BAD: {bad} of {len(report.checkpoints)} checkpoint(s) failed{newest}", style="red"
+    )
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m asyncckpt", description="Inspect and prune asyncckpt checkpoint roots."
+        prog="python -m asyncckpt",
+        description="Inspect, verify and prune asyncckpt checkpoint roots.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in _SUBCOMMANDS:
