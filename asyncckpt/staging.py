@@ -10,11 +10,13 @@ proves they can be written, before anything touches the disk).
 from __future__ import annotations
 
 import io
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
@@ -256,13 +258,65 @@ class StagingSlot:
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every tensor into its view; returns once the copies have completed."""
         cuda_tensors = []
+        cpu_pairs = []
         for view, t in zip(self.views, tensors.values(), strict=True):
             if t.device.type == "cuda":
                 cuda_tensors.append((view, t))
             elif t.numel():
-                view.copy_(t.detach())
+                src = _as_bytes(t)
+                if src is None:
+                    view.copy_(t.detach())
+                else:
+                    cpu_pairs.append((view.reshape(-1).view(torch.uint8).numpy(), src))
+        if cpu_pairs:
+            _copy_cpu(cpu_pairs)
         if cuda_tensors:
             _copy_from_cuda(cuda_tensors)
+
+
+#: Threads for CPU -> arena copies; None picks one per 8 cores (1 to 8), and the environment
+#: variable ASYNCCKPT_COPY_THREADS overrides both. One memcpy stream already runs near memory
+#: bandwidth, while torch's OpenMP copy on a small, busy machine is 2-3x slower than that (its
+#: threads wait on a core another process holds): measured in benchmarks/README.md.
+CPU_COPY_THREADS: int | None = None
+_COPY_CHUNK = 32 << 20
+_copy_pool: Any = None
+
+
+def cpu_copy_threads() -> int:
+    env = os.environ.get("ASYNCCKPT_COPY_THREADS")
+    if env:
+        return max(1, int(env))
+    if CPU_COPY_THREADS:
+        return max(1, CPU_COPY_THREADS)
+    return max(1, min(8, (os.cpu_count() or 1) // 8))
+
+
+def _as_bytes(t: torch.Tensor) -> Any:
+    """The bytes of a dense CPU tensor as a numpy array (no copy), or None to use torch."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
+    # numpy's copy is a plain memcpy that releases the GIL: one thread, or a few threads over
+    # chunks, without touching torch's global intra-op thread settings.
+    threads = cpu_copy_threads()
+    if threads == 1:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    global _copy_pool
+    if _copy_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-copy")
+    chunks = []
+    for dst, src in pairs:
+        for off in range(0, len(src), _COPY_CHUNK):
+            chunks.append((dst[off : off + _COPY_CHUNK], src[off : off + _COPY_CHUNK]))
+    list(_copy_pool.map(lambda c: np.copyto(c[0], c[1]), chunks))
 
 
 _side_streams: dict[int, Any] = {}
