@@ -93,6 +93,26 @@ def megatron_state(with_data: bool = True) -> dict:
     }
 
 
+MULTI_W = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+
+
+def multirank_state(rank: int) -> dict:
+    """Rank ``rank`` of 2: half of "w", a replica of "r" (rank 0's is the main one), its own
+    ShardedObject shard, and common state that is the same on both ranks."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    return {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", MULTI_W[2 * rank : 2 * rank + 2].clone(), (0, rank, 2)
+        ),
+        "r": ShardedTensor.from_rank_offsets(
+            "r", torch.ones(3, dtype=torch.bfloat16), replica_id=rank
+        ),
+        "rng": ShardedObject("rng", {"rank": rank}, (2,), (rank,)),
+        "iteration": 7,
+    }
+
+
 def megatron_expected() -> dict:
     """What ``dist_checkpointing.load(megatron_state(False), dir)`` must return."""
     from megatron.core.dist_checkpointing.mapping import ShardedBase
@@ -113,7 +133,7 @@ def assert_same(got: Any, want: Any, path: str = "") -> None:
             assert_same(got[k], want[k], f"{path}.{k}")
     elif isinstance(want, (list, tuple)):
         assert type(got) is type(want) and len(got) == len(want), (path, got, want)
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_same(a, b, f"{path}.{i}")
     elif isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), (path, type(got))
@@ -136,7 +156,7 @@ def init_gloo() -> None:
 
 def _load(scenario: str, ckpt: str) -> None:
     from megatron.core import dist_checkpointing as dc
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     assert dc.check_is_distributed_checkpoint(ckpt)
@@ -147,7 +167,8 @@ def _load(scenario: str, ckpt: str) -> None:
         # Same split as megatron: all-tensor subtrees vanish, empty containers stay.
         assert common["iteration"] == 50 and "model" not in common and common["empty"] == {}
         tmeta = dc.load_tensors_metadata(ckpt)
-        assert tmeta["model.bf"].dtype == torch.bfloat16 and tmeta["layers.1"].global_shape == (2, 2)
+        assert tmeta["model.bf"].dtype == torch.bfloat16
+        assert tmeta["layers.1"].global_shape == (2, 2)
         # load_plain_tensors: megatron's "give me every tensor as stored" path.
         assert_same(dc.load_plain_tensors(ckpt)["optimizer.state.0.exp_avg"],
                     state["optimizer"]["state"][0]["exp_avg"])  # fmt: skip
@@ -161,6 +182,19 @@ def _load(scenario: str, ckpt: str) -> None:
         meta = load_sharded_metadata(ckpt)
         assert "rng_state/shard_0_1" in meta and meta["decoder.big"].global_shape == (4, 3)
         assert dc.load_common_state_dict(ckpt)["model"] == {"extra_state": 3}
+    elif scenario == "multirank":  # written by 2 ranks, read back by 1
+        template = {
+            "w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 3)),
+            "r": ShardedTensor.from_rank_offsets("r", torch.empty(3, dtype=torch.bfloat16)),
+            "rng": [ShardedObject("rng", None, (2,), (i,)) for i in range(2)],
+        }
+        want = {
+            "w": MULTI_W,
+            "r": torch.ones(3, dtype=torch.bfloat16),
+            "rng": [{"rank": 0}, {"rank": 1}],
+            "iteration": 7,
+        }
+        assert_same(dc.load(template, ckpt), want)
     else:
         raise ValueError(scenario)
 
@@ -185,7 +219,7 @@ def _fill(template: Any, state: Any) -> Any:
     if isinstance(template, dict):
         return {k: _fill(template[k], state[k]) for k in template}
     if isinstance(template, list):
-        return [_fill(a, b) for a, b in zip(template, state)]
+        return [_fill(a, b) for a, b in zip(template, state, strict=True)]
     if hasattr(template, "data") and isinstance(state, torch.Tensor):
         template.data = state
     return template

@@ -42,14 +42,18 @@ Multi-rank saves (what the worker must wire, one call per rank with the same ``p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
+import pickle
 import sys
-from collections.abc import Callable
+import warnings
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -251,32 +255,68 @@ def write_torch_dist(
     *,
     writer_factory: WriterFactory | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> None:
+) -> dict[str, tuple[int, int]]:
     """Write ``state`` into ``directory`` (created if missing) as a megatron torch_dist checkpoint.
 
     Everything that can fail on bad input (splitting, pickling the common state) happens before
     the first byte is written. ``process_group=None`` is a single-process save (``no_dist``).
+    Returns ``{file name: (crc32, size)}`` for the files written here besides DCP's own.
     """
     directory = Path(directory)
     sharded, common = split_common(state)
     dcp_state = _to_dcp(sharded)
-    buf = io.BytesIO()
-    torch.save(common, buf)  # pickling errors surface here, before any file exists
+    common_pt = common_bytes(common)  # bad common state fails here, before any file exists
     is_rank0 = process_group is None or dist.get_rank(process_group) == 0
 
+    config = json.dumps(CONFIG).encode()
+    crcs = {COMMON_FNAME: _crc(common_pt), CONFIG_FNAME: _crc(config)} if is_rank0 else {}
     directory.mkdir(parents=True, exist_ok=True)
     if is_rank0:
-        _write_synced(directory / COMMON_FNAME, buf.getvalue())
+        _write_synced(directory / COMMON_FNAME, common_pt)
     writer = (writer_factory or _default_writer)(str(directory))
-    dcp.save(
-        dcp_state,
-        storage_writer=writer,
-        planner=_Planner(),
-        process_group=process_group,
-        no_dist=process_group is None,
-    )
+    with _quiet_single_process():
+        dcp.save(
+            dcp_state,
+            storage_writer=writer,
+            planner=_Planner(),
+            process_group=process_group,
+            no_dist=process_group is None,
+        )
     if is_rank0:  # last: megatron treats metadata.json as "this is a complete checkpoint"
-        _write_synced(directory / CONFIG_FNAME, json.dumps(CONFIG).encode())
+        _write_synced(directory / CONFIG_FNAME, config)
+    return crcs
+
+
+def common_bytes(common: dict) -> bytes:
+    """``common.pt``'s bytes, refused (TypeError) unless megatron's loader could read them.
+
+    megatron reads ``common.pt`` with ``torch.load(weights_only=True)`` (plus the safe globals
+    megatron-core registers), so anything else would save fine and fail only at resume.
+    """
+    buf = io.BytesIO()
+    try:
+        torch.save(common, buf)
+        buf.seek(0)
+        _load_weights_only(buf)
+    except Exception as e:
+        raise TypeError(
+            f"the non-tensor state cannot go to common.pt (megatron loads it with "
+            f"torch.load(weights_only=True)): {e}"
+        ) from e
+    return buf.getvalue()
+
+
+def _crc(data: bytes) -> tuple[int, int]:
+    return zlib.crc32(data), len(data)
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns "assuming the intent is to save in a single process" even when no_dist=True
+    # says so; once per save that is noise in the worker's log.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
 
 
 def _default_writer(directory: str) -> StorageWriter:
@@ -304,16 +344,35 @@ def read_torch_dist(directory: str | os.PathLike, target_state: dict) -> dict:
     sharded, _ = split_common(target_state)
     if any(not isinstance(p[0], torch.Tensor) for p in sharded.values()):
         raise TypeError("read_torch_dist takes plain state dicts; use dist_checkpointing.load")
-    dcp.load(
-        {k: p[0] for k, p in sharded.items()},
-        storage_reader=FileSystemReader(str(directory)),
-        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        no_dist=True,
-    )
-    # weights_only like megatron's loader: what megatron cannot read, we do not read either.
-    common = torch.load(directory / COMMON_FNAME, map_location="cpu", weights_only=True)
+    with _quiet_single_process():
+        dcp.load(
+            {k: p[0] for k, p in sharded.items()},
+            storage_reader=FileSystemReader(str(directory)),
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=True,
+        )
+    with open(directory / COMMON_FNAME, "rb") as f:
+        common = _load_weights_only(f)
     _assign(target_state, common)
     return target_state
+
+
+def _load_weights_only(f: BinaryIO) -> Any:
+    """``torch.load(weights_only=True)``, as megatron reads ``common.pt``: what megatron cannot
+    read, we neither write nor read. ``import megatron.core`` registers megatron's safe globals
+    (argparse.Namespace, numpy RNG state, its enums), so a load that needs them is retried
+    once megatron is imported, when it is installed (its import is slow: only on demand)."""
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if "megatron.core" in sys.modules:
+            raise
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            pass
+        f.seek(0)
+        return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def _assign(target: Any, src: dict | list) -> None:
