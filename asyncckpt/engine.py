@@ -39,10 +39,10 @@ from .errors import (
     WorkerDied,
     WriteTimeout,
 )
-from .formats import FORMATS, default_format
+from .formats import FORMAT_ALIASES, FORMATS, default_format
 from .manifest import read_manifest, verify_dir
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
-from .staging import StagingSlot, flatten_state, serialize_objects
+from .staging import StagingSlot
 from .stats import SaveStats
 from .throttle import ThrottleConfig, resolve
 from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
@@ -137,7 +137,13 @@ class EngineOptions:
     handle_sigterm: bool = True
     save_every_steps: int | None = None
     save_every_seconds: float | None = None
-    rank: int = 0
+    rank: int | None = None  # None: torch.distributed's rank if initialised, else 0
+    world_size: int | None = None  # None: torch.distributed's world size, else 1
+    local_rank: int | None = None  # None: $LOCAL_RANK, else rank
+    store: tuple[str, int] | None = None  # where rank 0 hosts the side store (see dist.py)
+    dist_timeout: float = 600.0  # how long workers wait for each other per save
+    storage: str = "shared"  # "shared" or "node_local": which rank prunes
+    legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -147,6 +153,7 @@ class _Core:
         self.opts = opts
         self.layout = _layout.check_layout(opts.layout)
         self.fmt = opts.format or default_format(self.layout)
+        self.fmt = FORMAT_ALIASES.get(self.fmt, self.fmt)
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown format {self.fmt!r}; expected one of {FORMATS}")
         if not isinstance(opts.max_in_flight, int) or opts.max_in_flight < 1:
@@ -158,6 +165,19 @@ class _Core:
         if opts.write_timeout is not None and opts.write_timeout <= 0:
             raise ValueError("write_timeout must be > 0 seconds")
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
+        from . import dist as _dist
+        from .formats import staged
+        from .retention import should_prune
+
+        self.rank, self.world_size, self.local_rank = _dist.detect(
+            opts.rank, opts.world_size, opts.local_rank
+        )
+        opts.rank = self.rank
+        self.prunes_here = should_prune(self.rank, self.local_rank, opts.storage)
+        self.legacy = staged.legacy_ranks(self.rank, self.world_size, opts.legacy_ranks)
+        self.rendezvous = _dist.Rendezvous()
+        self.dist_cfg: Any = None  # dist.DistConfig once started, when world_size > 1
+        self.attempts: dict[int, int] = {}
         self.run_id = uuid.uuid4().hex[:16]
         self.schedule = SaveSchedule(opts.save_every_steps, opts.save_every_seconds)
         self.slots = [StagingSlot(i) for i in range(opts.max_in_flight)]
@@ -166,6 +186,7 @@ class _Core:
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
         self.pending_error: SaveFailed | None = None
+        self.pending_handle: SaveHandle | None = None
         self.pinned: set[int] = set()
         self.resumed_from: int | None = None
         self.last_prune: Any = None
@@ -187,13 +208,32 @@ class _Core:
     def start(self) -> None:
         if self.started:
             raise CheckpointError("engine already started")
-        self._open_root()
         from .prune import clean_leftovers
 
-        if self.opts.rank == 0:
-            removed = clean_leftovers(self.root)
-            if removed:
-                log.warning("removed leftovers of an interrupted run in %s: %s", self.root, removed)
+        def open_and_clean() -> None:
+            self._open_root()
+            if self.opts.rank == 0:
+                removed = clean_leftovers(self.root)
+                if removed:
+                    log.warning(
+                        "removed leftovers of an interrupted run in %s: %s", self.root, removed
+                    )
+
+        if self.world_size > 1:
+            # Rank 0 cleans, then publishes the side store's address (dist.py): the other
+            # ranks touch the root only after that, so the cleanup never races them.
+            self.dist_cfg = self.rendezvous.setup(
+                self.rank,
+                self.world_size,
+                self.local_rank,
+                store=self.opts.store,
+                timeout=self.opts.dist_timeout,
+                before_publish=open_and_clean if self.rank == 0 else None,
+            )
+            if self.rank != 0:
+                open_and_clean()
+        else:
+            open_and_clean()
         self.stopping = False
         self._spawn_worker()
         self.reader = threading.Thread(
@@ -258,6 +298,7 @@ class _Core:
             run_id=self.run_id,
             throttle=self.throttle,
             parent_pid=os.getpid(),
+            dist=self.dist_cfg,
         )
         proc = ctx.Process(
             target=worker_main,
@@ -306,6 +347,7 @@ class _Core:
             if self.lock_fd is not None:
                 os.close(self.lock_fd)
                 self.lock_fd = None
+            self.rendezvous.close()
             self.started = False
 
     def drain(self, timeout: float | None = None) -> None:
@@ -399,11 +441,19 @@ class _Core:
             self.slot_owner[job.slot] = None
             self.cond.notify_all()
 
+    def take_pending_error(self) -> SaveFailed | None:
+        """The last failure, once, unless the caller already saw it on its handle."""
+        err, self.pending_error = self.pending_error, None
+        if err is not None and self.pending_handle is not None and self.pending_handle._observed:
+            return None
+        return err
+
     def _fail(self, job_id: int, err: SaveFailed) -> None:
         # called with self.cond held
         job = self.inflight.pop(job_id)
         self._release(job)
         self.pending_error = err
+        self.pending_handle = job.handle
         self.cond.notify_all()
         log.error("%s", err)
         job.handle._finish(err)
@@ -411,7 +461,9 @@ class _Core:
     def _on_worker_death(self, proc: Any, reason: SaveFailed | None) -> None:
         code = proc.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        if not self.worker_ready.is_set():
+        was_ready = self.worker_ready.is_set()
+        self.worker_ready.clear()  # saves from now on wait for the replacement
+        if not was_ready:
             # Died while starting: restarting would only loop. Fail start/save clearly.
             self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
             self.stopping = True
@@ -456,7 +508,7 @@ class _Core:
             raise CheckpointError(
                 "the engine is not started: use `async with engine:` / `with engine:`"
             )
-        err, self.pending_error = self.pending_error, None
+        err = self.take_pending_error()
         if err is not None:
             raise SaveFailed(f"an earlier save failed: {err}") from err.__cause__
         final = self.root / _layout.dir_name(self.layout, step)
@@ -510,7 +562,7 @@ class _Core:
         faults.point("after_stage")
         handle = SaveHandle(step, stats)
         prune = None
-        if self.opts.keep is not None:
+        if self.opts.keep is not None and self.prunes_here:
             prune = PruneRequest(
                 policy=self.opts.keep,
                 resumed_from=self.resumed_from,
@@ -530,7 +582,10 @@ class _Core:
                 paths=_encode_paths(flat.paths),
                 metrics=dict(metrics),
                 prune=prune,
+                extra=flat.extra,
+                attempt=self.attempts.get(step, 0),
             )
+            self.attempts[step] = job.attempt + 1
             self.slot_owner[slot_idx] = job_id
             self.inflight[job_id] = _InFlight(handle, slot_idx, time.monotonic())
         self._wait_ready()
@@ -554,7 +609,7 @@ class _Core:
 
     def prepare(self, state: Any) -> None:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
-        flat = flatten_state(state)
+        flat = self.prepare_state(state)
         pin = any(t.device.type == "cuda" for t in flat.tensors.values())
         with self.cond:
             free = [i for i, o in self.slot_owner.items() if o is None]
@@ -564,26 +619,31 @@ class _Core:
                 self._wait_ready()
                 self._send_arenas(self.slots[i])
 
+    def prepare_state(self, state: Any) -> Any:
+        """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
+        from .formats import staged
+
+        return staged.prepare(self.fmt, state, legacy=self.legacy)
+
     # ------------------------------------------------------------------ reading the root
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
 
     def load_dir(self, state: Any, directory: Path) -> None:
-        from .formats import dcp
+        from .formats import staged
 
         paths = None
+        fmt = self.fmt
         if (directory / _layout.MANIFEST).exists():
             if self.opts.verify_on_load:
                 verify_dir(directory)
-            paths = read_manifest(directory).get("paths")
+            manifest = read_manifest(directory)
+            paths = manifest.get("paths")
+            fmt = manifest.get("format") or fmt  # the format it was written in
         elif self.opts.verify_on_load:
             warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
-        if self.fmt == "torch_dist" and (directory / "common.pt").exists():
-            from .formats import torch_dist
-
-            torch_dist.load_into(state, directory, paths)
-        else:
-            dcp.load_into(state, directory, paths)
+        # Any world size: each rank reads what its state asks for (DCP reshards).
+        staged.load_into(fmt, state, directory, paths, legacy=self.legacy)
 
     def load_latest(self, state: Any) -> int | None:
         candidates = list(reversed(self.committed()))
@@ -695,7 +755,9 @@ def _encode_paths(paths: Mapping[str, list]) -> dict[str, list]:
     return {fqn: [[kind, key] for kind, key in p] for fqn, p in paths.items()}
 
 
-def _prepare_save(step: int, state: Any, metrics: Mapping[str, float] | None):
+def _prepare_save(
+    step: int, state: Any, metrics: Mapping[str, float] | None, core: _Core | None = None
+):
     if metrics is not None and not isinstance(metrics, Mapping):
         raise TypeError("metrics must be a mapping of name -> number")
     clean = {}
@@ -706,9 +768,13 @@ def _prepare_save(step: int, state: Any, metrics: Mapping[str, float] | None):
             clean[k] = float(v)
         except (TypeError, ValueError):
             raise TypeError(f"metric {k!r} must be a number, got {v!r}") from None
-    flat = flatten_state(state)
-    objects = serialize_objects(flat.objects)
-    return flat, objects, clean
+    if core is not None:
+        flat = core.prepare_state(state)
+    else:
+        from .formats import staged
+
+        flat = staged.prepare("dcp", state)
+    return flat, flat.objects, clean
 
 
 class CheckpointEngine:
@@ -736,6 +802,13 @@ class CheckpointEngine:
         handle_sigterm: bool = True,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        store: tuple[str, int] | None = None,
+        dist_timeout: float = 600.0,
+        storage: str = "shared",
+        legacy_ranks: Any = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -753,6 +826,13 @@ class CheckpointEngine:
                 handle_sigterm=handle_sigterm,
                 save_every_steps=save_every_steps,
                 save_every_seconds=save_every_seconds,
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                store=store,
+                dist_timeout=dist_timeout,
+                storage=storage,
+                legacy_ranks=legacy_ranks,
             ),
         )
 
@@ -799,7 +879,7 @@ class CheckpointEngine:
         """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
         core = self._core
         step = core.check_can_save(step)
-        flat, objects, clean = _prepare_save(step, state, metrics)
+        flat, objects, clean = _prepare_save(step, state, metrics, core)
         stats = SaveStats(step)
         t0 = time.perf_counter()
         slot = core.acquire_slot(flat.tensors, block=False)
@@ -824,7 +904,7 @@ class CheckpointEngine:
         self._raise_pending()
 
     def _raise_pending(self) -> None:
-        err, self._core.pending_error = self._core.pending_error, None
+        err = self._core.take_pending_error()
         if err is not None:
             raise err
 

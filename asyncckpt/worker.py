@@ -9,6 +9,7 @@ it exits by itself if the trainer dies.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -38,6 +39,7 @@ class WorkerConfig:
     run_id: str = ""
     throttle: Any = None  # throttle.ThrottleConfig
     parent_pid: int = 0
+    dist: Any = None  # dist.DistConfig when several ranks save together
 
 
 @dataclass
@@ -51,6 +53,8 @@ class SaveJob:
     metrics: dict[str, float]
     faults: dict = field(default_factory=dict)
     prune: Any = None  # a prune request, run after the commit
+    extra: Any = None  # the format's part of the job (formats.staged.Prepared.extra)
+    attempt: int = 0  # how many earlier jobs this engine sent for the same step
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ class Worker:
 
     def _save(self, job: SaveJob) -> None:
         faults.install(job.faults)
+        if self.config.dist is not None:
+            self._save_multi(job)
+            return
         self.events.send(("begin", job.job_id))
         name = _layout.dir_name(self.config.layout, job.step)
         tmp = self.root / _layout.tmp_name(
@@ -248,14 +255,160 @@ class Worker:
         if job.prune is not None:
             self._prune(job.job_id, job.prune)
 
-    def _write_format(self, flat: dict[str, Any], tmp: Path, job: SaveJob) -> dict:
-        from .formats import dcp
+    def _write_format(
+        self, flat: dict[str, Any], tmp: Path, job: SaveJob, process_group: Any = None
+    ) -> dict:
+        from .formats import staged
 
-        if self.config.fmt == "torch_dist":
-            from .formats import torch_dist
+        objects = {k: v for k, v in flat.items() if isinstance(v, Serialized)}
+        views = {k: v for k, v in flat.items() if not isinstance(v, Serialized)}
+        return staged.write(
+            self.config.fmt,
+            views,
+            objects,
+            job.extra,
+            tmp,
+            rank=self.config.dist.rank if self.config.dist is not None else 0,
+            process_group=process_group,
+            thread_count=self.io_threads,
+            gate=self.gate,
+        )
 
-            return torch_dist.write_flat(flat, tmp, thread_count=self.io_threads, gate=self.gate)
-        return dcp.write_flat(flat, tmp, thread_count=self.io_threads, gate=self.gate)
+    def _save_multi(self, job: SaveJob) -> None:
+        """This rank's part of a save by several ranks (the protocol is described in dist.py).
+
+        Every rank writes its own shards into one shared temporary directory; the workers then
+        agree over their side group, and only if every rank succeeded does rank 0 write the
+        manifest (covering every rank's files), rename and write the tracker, and tell the
+        others. Any failure anywhere fails the save on every rank and commits nothing.
+        """
+        from . import dist as _dist
+
+        cfg = self.config.dist
+        rank = cfg.rank
+        self.events.send(("begin", job.job_id))
+        final = self.root / _layout.dir_name(self.config.layout, job.step)
+        tmp = self.root / _layout.tmp_name(
+            self.config.layout, job.step, f"{cfg.token}-{job.attempt}"
+        )
+        preexisting = final.exists()
+        released = False
+        t0 = time.perf_counter()
+        outcome: tuple[str, Any] | None = None
+        try:
+            with _dist.job_group(cfg, f"{job.step}.{job.attempt}") as pg:
+                crcs: dict = {}
+                local_error: dict | None = None
+                try:
+                    tmp.mkdir(exist_ok=True)
+                    faults.point("before_shard_write")
+                    flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
+                    for spec in job.specs:
+                        arena = self.arenas[job.arena_ids[spec.arena]]
+                        flat[spec.fqn] = worker_view(arena, spec)
+                    self.thread_errors.clear()
+                    crcs = self._write_format(flat, tmp, job, pg)
+                    del flat
+                    if self.thread_errors:
+                        raise self.thread_errors[0]
+                    faults.point("after_shard_write")
+                    mine = [tmp / n for n in crcs]
+                    if rank == 0:
+                        mine += [tmp / ".metadata"]
+                    for p in mine:
+                        if p.is_file() and not p.is_symlink():
+                            fsync_file(p)
+                except BaseException as e:  # noqa: BLE001 - reported to every rank
+                    local_error = error_info(e)
+                self.events.send(("released", job.job_id))
+                released = True
+                t_written = time.perf_counter()
+                # The agreement: every rank's shards are durable, or nobody commits.
+                results = _dist.all_gather(pg, (local_error, crcs, job.paths), cfg.world_size)
+                failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
+                if failed:
+                    outcome = ("failed", _ranks_error(failed))
+                else:
+                    if rank == 0:
+                        outcome = self._commit_multi(job, tmp, final, results, t0, t_written)
+                    outcome = _dist.broadcast(pg, outcome)
+        except BaseException as e:  # noqa: BLE001 - a broken group: a peer died or timed out
+            info = error_info(e)
+            info["message"] = f"rank {rank}: coordination with the other ranks failed: " + str(
+                info["message"]
+            )
+            outcome = ("failed", info)
+            if tmp.exists():
+                with contextlib.suppress(OSError):
+                    remove_tree(tmp)
+        assert outcome is not None
+        if outcome[0] != "committed":
+            if rank == 0:
+                self._undo(tmp, final, preexisting, job.step)
+            if not released:
+                self.events.send(("released", job.job_id))
+            self.events.send(("failed", job.job_id, outcome[1]))
+            return
+        self.events.send(("committed", job.job_id, outcome[1]))
+        faults.point("after_commit")
+        if job.prune is not None:
+            self._prune(job.job_id, job.prune)
+
+    def _commit_multi(
+        self, job: SaveJob, tmp: Path, final: Path, results: list, t0: float, t_written: float
+    ) -> tuple[str, Any]:
+        """Rank 0, after every rank agreed: manifest of all ranks' files, rename, tracker."""
+        try:
+            faults.point("before_metadata")
+            known: dict = {}
+            paths: dict = {}
+            for _, crcs, rank_paths in results:
+                known.update(crcs)
+                for k, v in rank_paths.items():
+                    paths.setdefault(k, v)
+            manifest = build_manifest(
+                tmp,
+                step=job.step,
+                layout=self.config.layout,
+                fmt=self.config.fmt,
+                metrics=job.metrics,
+                run_id=self.config.run_id,
+                known_crcs=known,
+                extra={"paths": paths, "world_size": self.config.dist.world_size},
+            )
+            write_manifest(tmp, manifest)
+            rename_into_place(tmp, final)
+            write_tracker(self.root, self.config.layout, job.step)
+        except BaseException as e:  # noqa: BLE001 - broadcast to every rank
+            info = error_info(e)
+            info["message"] = f"rank 0 (commit): {info['message']}"
+            return ("failed", info)
+        return (
+            "committed",
+            {
+                "write_seconds": t_written - t0,
+                "commit_seconds": time.perf_counter() - t_written,
+                "bytes": manifest["bytes"],
+                "committed_at": manifest["committed_at"],
+                "path": str(final),
+            },
+        )
+
+    def _undo(self, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
+        """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
+        if tmp.exists():
+            try:
+                remove_tree(tmp)
+                fsync_dir(self.root)
+            except OSError:
+                pass  # the next start removes it
+        elif not preexisting and final.exists() and _layout.read_tracker(self.root) != step:
+            try:
+                from .prune import trash_and_delete
+
+                trash_and_delete(self.root, final)
+            except OSError:
+                pass
 
     def _prune(self, job_id: int | None, request: Any) -> None:
         try:
@@ -263,6 +416,23 @@ class Worker:
             self.events.send(("pruned", job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(("pruned", job_id, None, error_info(e)))
+
+
+def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
+    """One error for every rank's handle: each failed rank's error, the root cause first.
+
+    DCP wraps a peer's failure in a ``CheckpointException`` on the ranks that did not fail
+    themselves; an error with an errno (the injected EIO, a full disk) is the likelier cause.
+    """
+    failed = sorted(failed, key=lambda rf: (rf[1].get("errno") is None, rf[0]))
+    first = failed[0][1]
+    message = "; ".join(f"rank {r}: {i['type']}: {i['message']}" for r, i in failed)
+    return {
+        "type": first["type"],
+        "message": f"not committed on any rank: {message}",
+        "errno": first.get("errno"),
+        "traceback": f"rank {failed[0][0]}:\n" + first.get("traceback", ""),
+    }
 
 
 def _watch_parent(parent_pid: int) -> None:

@@ -44,17 +44,19 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 async def train(root: Path, kill_at: int | None) -> None:
     model, optim = make_run()
     state = {"model": model, "optim": optim, "progress": {"step": 0, "losses": []}}
-    engine = CheckpointEngine(
-        root, keep=KeepLast(3) | KeepEvery(20), save_every_steps=SAVE_EVERY
-    )
+    engine = CheckpointEngine(root, keep=KeepLast(3) | KeepEvery(20), save_every_steps=SAVE_EVERY)
     start = await engine.load_latest(state)
     if start is None:
         print("no checkpoint found: starting from scratch", flush=True)
         start = 0
     else:
-        print(f"resumed from step {start} (loss history of {len(state['progress']['losses'])} steps)")
+        print(
+            f"resumed from step {start} (loss history of {len(state['progress']['losses'])} steps)"
+        )
         expected = torch.load(root / f"weights_at_{start}.pt")
-        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values()))
+        same = all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values())
+        )
         print(f"resumed weights equal the weights the killed run had at step {start}: {same}")
         assert same
     async with engine:
@@ -70,7 +72,10 @@ async def train(root: Path, kill_at: int | None) -> None:
                 handle = await engine.save(step, state, metrics={"loss": loss.item()})
                 # Reference copy for the check after resume (not part of checkpointing).
                 torch.save(model.state_dict(), root / f"weights_at_{step}.pt")
-                print(f"step {step:3d} loss {loss.item():.4f} saved (blocked {handle.stats.blocked_seconds * 1e3:.1f} ms)", flush=True)
+                print(
+                    f"step {step:3d} loss {loss.item():.4f} saved (blocked {handle.stats.blocked_seconds * 1e3:.1f} ms)",
+                    flush=True,
+                )
                 if step == kill_at:
                     await handle.committed()
                     print(f"step {step}: simulating a crash (SIGKILL)", flush=True)
@@ -81,7 +86,9 @@ async def train(root: Path, kill_at: int | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=None, help="checkpoint directory (default: a temp dir)")
+    parser.add_argument(
+        "--root", type=Path, default=None, help="checkpoint directory (default: a temp dir)"
+    )
     parser.add_argument("--phase", choices=["all", "train"], default="all")
     parser.add_argument("--kill-at", type=int, default=None)
     args = parser.parse_args()
@@ -92,7 +99,9 @@ def main() -> None:
     print(f"checkpoints in {root}\n--- phase 1: train, killed at step 35")
     cmd = [sys.executable, __file__, "--phase", "train", "--root", str(root)]
     first = subprocess.run([*cmd, "--kill-at", "35"])
-    print(f"--- phase 1 ended with {'SIGKILL' if first.returncode == -signal.SIGKILL else first.returncode}")
+    print(
+        f"--- phase 1 ended with {'SIGKILL' if first.returncode == -signal.SIGKILL else first.returncode}"
+    )
     print("--- phase 2: restart and resume")
     second = subprocess.run(cmd)
     sys.exit(second.returncode)
