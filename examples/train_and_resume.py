@@ -55,7 +55,8 @@ async def train(root: Path, kill_at: int | None) -> None:
         )
         expected = torch.load(root / f"weights_at_{start}.pt")
         same = all(
-            torch.equal(a, b) for a, b in zip(model.state_dict().values(), expected.values())
+            torch.equal(a, b)
+            for a, b in zip(model.state_dict().values(), expected.values(), strict=True)
         )
         print(f"resumed weights equal the weights the killed run had at step {start}: {same}")
         assert same
