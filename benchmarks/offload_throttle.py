@@ -1,0 +1,213 @@
+"""CPU optimizer step (as optimizer offload runs it) while a checkpoint writes in the background.
+
+    python benchmarks/offload_throttle.py [--params-m 100] [--saves 3] [--gap-factor 1.0]
+    torchrun --nproc-per-node 2 benchmarks/offload_throttle.py --quick
+
+A CPU Adam step over a large parameter set (many tensors, like an offloaded optimizer's shard)
+runs in a loop; between steps the CPU idles for ``gap-factor`` x the step time, standing in for
+the GPU's forward and backward. A save of parameters plus Adam state is started and steps keep
+running until it commits. The optimizer step's slowdown while the write runs (against the
+steps right before each save) is reported with the worker's throttle off
+(``ThrottleConfig.off()``) and on (``optimizer_offload=True``), plus the write's duration.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+MODES = ["off", "on"]
+
+
+def build(params_m: float, seed: int) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    g = torch.Generator().manual_seed(seed)
+    total = int(params_m * 1e6)
+    # Mixed sizes: a few big matrices, many medium ones, a tail of small vectors.
+    sizes: list[int] = []
+    for frac, n in ((0.5, 4), (0.4, 40), (0.1, 200)):
+        for _ in range(n):
+            sizes.append(max(1, int(total * frac / n)))
+    sizes[-1] += total - sum(sizes) if sum(sizes) < total else 0
+    params = []
+    for n in sizes:
+        p = torch.randn(n, generator=g).requires_grad_()
+        p.grad = torch.randn(n, generator=g) * 1e-3
+        params.append(p)
+    opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
+    opt.step()  # materialise exp_avg / exp_avg_sq
+    return params, opt
+
+
+def adam_step(opt: torch.optim.Optimizer) -> float:
+    t0 = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def run_mode(mode: str, params, opt, root: Path, args: Any, gap: float) -> dict[str, Any]:
+    import anyio
+
+    from asyncckpt import CheckpointEngine, ThrottleConfig
+
+    kw: dict[str, Any] = {"optimizer_offload": True} if mode == "on" else {}
+    if mode == "off":
+        kw["throttle"] = ThrottleConfig.off()
+    state = {"params": {str(i): p for i, p in enumerate(params)}, "optim": opt}
+    rec: dict[str, Any] = {"quiet": [], "busy": [], "write_seconds": [], "stalls": []}
+    rec["busy_per_save"] = []
+
+    async def main() -> None:
+        async with CheckpointEngine(root, **C.engine_kwargs(**kw)) as engine:
+            rec["worker"] = repr(engine._core.worker_report)
+            await engine.prepare(state)
+            for i in range(args.saves):
+                for _ in range(args.quiet_steps):
+                    rec["quiet"].append(adam_step(opt))
+                    time.sleep(gap)
+                t0 = time.perf_counter()
+                h = await engine.save(i, state)
+                rec["stalls"].append(time.perf_counter() - t0)
+                busy = []
+                while not h.done():
+                    busy.append(adam_step(opt))
+                    time.sleep(gap)
+                await h.committed()
+                rec["write_seconds"].append(time.perf_counter() - t0)
+                rec["busy"].extend(busy)
+                rec["busy_per_save"].append(len(busy))
+
+    anyio.run(main)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = C.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--params-m", type=float, default=100.0, help="millions of fp32 parameters")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--quiet-steps", type=int, default=4)
+    p.add_argument("--gap-factor", type=float, default=1.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.params_m, args.saves, args.quiet_steps = min(args.params_m, 2.0), 1, 2
+    rank = C.init_rank()
+    C.apply_threads(args)
+    base = args.dir / f"offload_throttle{rank.suffix or '_rank0'}"
+    C.rmtree(base)
+    base.mkdir(parents=True)
+    params, opt = build(args.params_m, rank.rank)
+    for _ in range(2):
+        adam_step(opt)
+    step_s = C.med([adam_step(opt) for _ in range(3)])
+    gap = args.gap_factor * step_s
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in params)
+    print(
+        f"[rank {rank.rank}] {args.params_m:.0f}M params, {len(params)} tensors, state "
+        f"{state_bytes / C.GiB:.2f} GiB, Adam step {step_s * 1e3:.0f} ms, gap {gap * 1e3:.0f} ms",
+        flush=True,
+    )
+    modes: dict[str, Any] = {}
+    for m in MODES:
+        C.barrier(rank)
+        gc.collect()
+        root = base / m
+        with C.MemorySampler() as mem:
+            rec = run_mode(m, params, opt, root, args, gap)
+        C.rmtree(root)
+        q, b = rec["quiet"], rec["busy"]
+        rec.update(
+            {
+                "mean_quiet_step_seconds": sum(q) / len(q),
+                "mean_busy_step_seconds": sum(b) / len(b) if b else float("nan"),
+                "slowdown_pct": 100 * ((sum(b) / len(b)) / (sum(q) / len(q)) - 1)
+                if b
+                else float("nan"),
+                "write_seconds_median": C.med(rec["write_seconds"]),
+                "write_throughput_bytes_per_s": state_bytes / C.med(rec["write_seconds"]),
+                "memory": mem.report(),
+            }
+        )
+        modes[m] = rec
+        print(
+            f"[rank {rank.rank}] throttle {m}: Adam step {rec['mean_quiet_step_seconds'] * 1e3:.0f} ms "
+            f"-> {rec['mean_busy_step_seconds'] * 1e3:.0f} ms during the write "
+            f"({rec['slowdown_pct']:+.1f}%), write {rec['write_seconds_median']:.1f}s",
+            flush=True,
+        )
+    C.rmtree(base)
+    on, off = modes["on"]["slowdown_pct"], modes["off"]["slowdown_pct"]
+    report = {
+        "benchmark": "offload_throttle",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rank": rank.rank,
+        "world_size": rank.world,
+        "environment": C.environment("cpu"),
+        "params": sum(p.numel() for p in params),
+        "tensors": len(params),
+        "state_bytes": state_bytes,
+        "adam_step_seconds_calibration": step_s,
+        "gap_seconds": gap,
+        "modes": modes,
+        "targets": {
+            "slowdown_throttle_on_pct": {"target": "<= 10", "measured": on, "met": on <= 10},
+            "slowdown_throttle_off_clearly_larger": {
+                "target": "off > on",
+                "measured": [off, on],
+                "met": off > on,
+            },
+        },
+    }
+    name = f"offload_throttle{args.tag}{rank.suffix}"
+    path = C.write_json(args.out, name, report)
+    C.print_table(
+        f"CPU Adam step during a background save: {report['params'] / 1e6:.0f}M params, "
+        f"{state_bytes / C.GiB:.2f} GiB written, rank {rank.rank}/{rank.world}",
+        ["throttle", "step quiet ms", "step during write ms", "slowdown %", "steps in write"]
+        + ["write s", "write MB/s", "stall s"],
+        [
+            [
+                m,
+                r["mean_quiet_step_seconds"] * 1e3,
+                r["mean_busy_step_seconds"] * 1e3,
+                r["slowdown_pct"],
+                len(r["busy"]),
+                r["write_seconds_median"],
+                r["write_throughput_bytes_per_s"] / 1e6,
+                C.med(r["stalls"]),
+            ]
+            for m, r in modes.items()
+        ],
+    )
+    if not args.no_plot:
+        C.plot_bars(
+            args.out / f"{name}.png",
+            f"CPU Adam step during a background save ({report['params'] / 1e6:.0f}M params)",
+            [
+                (
+                    "Adam step slowdown during write (%)",
+                    ["throttle off", "throttle on"],
+                    [off, on],
+                    10.0,
+                ),
+                (
+                    "write duration (s)",
+                    ["throttle off", "throttle on"],
+                    [modes["off"]["write_seconds_median"], modes["on"]["write_seconds_median"]],
+                    None,
+                ),
+            ],
+        )
+    print(f"wrote {path}")
+    C.barrier(rank)
+    return report
+
+
+if __name__ == "__main__":
+    main()

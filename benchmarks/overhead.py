@@ -1,0 +1,520 @@
+"""Save overhead: how long each method stalls the training loop, and how fast it writes.
+
+    python benchmarks/overhead.py --size-gb 2 --saves 5 [--device cpu|cuda]
+    torchrun --nproc-per-node 2 benchmarks/overhead.py --size-gb 0.5 --saves 3
+
+For one state (a model plus Adam state, many tensors of mixed sizes) it measures asyncckpt,
+torch.save, dcp.save, and dcp.async_save (thread executor with its default per-call stager,
+thread executor with a reused stager, process executor with a reused shared-memory (pinned on
+CUDA) DefaultStager), next to the physical references measured in the same run: a warm copy of
+the same bytes into preallocated (pinned) buffers before every save, and a sequential write +
+fsync of the same bytes to the same disk before every method.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+ALL_METHODS = [
+    "asyncckpt",
+    "dcp.async_save:process+shm-stager",
+    "dcp.async_save:thread+reused-stager",
+    "dcp.async_save:thread",
+    "dcp.save",
+    "torch.save",
+]
+
+
+def _sync_device(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------ methods
+def run_asyncckpt(state: dict, root: Path, saves: int, ref: C.CopyReference, args: Any) -> dict:
+    import anyio
+
+    from asyncckpt import CheckpointEngine
+
+    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    out["engine_stats"] = []
+
+    async def main() -> None:
+        engine = CheckpointEngine(root, **C.engine_kwargs())
+        async with engine:
+            t0 = time.perf_counter()
+            await engine.prepare(state)
+            out["prepare_seconds"] = time.perf_counter() - t0
+            for i in range(saves):
+                C.bump_state(state, i)
+                out["ref_copy"].append(ref.copy())
+                _sync_device(args.device)
+                t0 = time.perf_counter()
+                handle = await engine.save(i, state)
+                stall = time.perf_counter() - t0
+                stats = await handle.committed()
+                commit = time.perf_counter() - t0
+                out["stalls"].append(stall)
+                out["commits"].append(commit)
+                out["bytes"] = stats.bytes
+                out["engine_stats"].append(stats.as_dict())
+                out["rss_after_save"].append(C.tree_rss(C.psutil.Process())[0])
+            out["staged_bytes"] = stats.staged_bytes
+
+    anyio.run(main)
+    return out
+
+
+def run_sync(
+    kind: str, state: dict, root: Path, saves: int, ref: C.CopyReference, args: Any
+) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    for i in range(saves):
+        C.bump_state(state, i)
+        out["ref_copy"].append(ref.copy())
+        d = root / f"step{i}"
+        _sync_device(args.device)
+        t0 = time.perf_counter()
+        if kind == "torch.save":
+            d.mkdir(parents=True)
+            path = d / "state.pt"
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                C.os.fsync(f.fileno())
+            C.fsync_path(d)
+        else:
+            dcp.save(state, checkpoint_id=str(d), no_dist=not _dist_on())
+        dt = time.perf_counter() - t0
+        out["stalls"].append(dt)
+        out["commits"].append(dt)
+        out["bytes"] = C.dir_bytes(d)
+        out["rss_after_save"].append(C.tree_rss(C.psutil.Process())[0])
+        C.rmtree(d)
+    return out
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def run_dcp_async(
+    executor: str, stager_kind: str, state: dict, root: Path, saves: int, ref, args
+) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    cuda = args.device == "cuda"
+    if executor == "process":
+        C.ensure_single_rank_group(args.dir)
+    stager = None
+    if stager_kind != "default":
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=stager_kind == "shm",
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+        )
+    typ = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
+    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    try:
+        for i in range(saves):
+            C.bump_state(state, i)
+            out["ref_copy"].append(ref.copy())
+            d = root / f"step{i}"
+            _sync_device(args.device)
+            t0 = time.perf_counter()
+            fut = dcp.async_save(
+                state,
+                checkpoint_id=str(d),
+                async_checkpointer_type=typ,
+                async_stager=stager,
+                no_dist=not _dist_on(),
+            )
+            stall = time.perf_counter() - t0
+            if hasattr(fut, "upload_completion"):
+                fut = fut.upload_completion
+            fut.result()
+            commit = time.perf_counter() - t0
+            out["stalls"].append(stall)
+            out["commits"].append(commit)
+            out["bytes"] = C.dir_bytes(d)
+            out["rss_after_save"].append(C.tree_rss(C.psutil.Process())[0])
+            C.rmtree(d)
+    finally:
+        if stager is not None:
+            stager.close()
+    return out
+
+
+def run_method(name: str, state: dict, root: Path, saves: int, ref, args) -> dict:
+    if name == "asyncckpt":
+        return run_asyncckpt(state, root, saves, ref, args)
+    if name in ("torch.save", "dcp.save"):
+        return run_sync(name, state, root, saves, ref, args)
+    if name == "dcp.async_save:thread":
+        return run_dcp_async("thread", "default", state, root, saves, ref, args)
+    if name == "dcp.async_save:thread+reused-stager":
+        return run_dcp_async("thread", "reused", state, root, saves, ref, args)
+    if name == "dcp.async_save:process+shm-stager":
+        return run_dcp_async("process", "shm", state, root, saves, ref, args)
+    raise ValueError(f"unknown method {name!r}; expected one of {ALL_METHODS}")
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> dict:
+    p = C.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--size-gb", type=float, default=2.0)
+    p.add_argument("--saves", type=int, default=5)
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_gb, args.saves = min(args.size_gb, 0.03), min(args.saves, 2)
+    rank = C.init_rank()
+    C.apply_threads(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in ALL_METHODS:
+            p.error(f"unknown method {m!r}; expected some of {ALL_METHODS}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if args.device == "cuda":
+        torch.cuda.set_device(rank.rank % torch.cuda.device_count())
+        args.device = f"cuda:{torch.cuda.current_device()}"
+
+    base = args.dir / f"overhead{rank.suffix or '_rank0'}"
+    C.rmtree(base)
+    base.mkdir(parents=True)
+    want = int(args.size_gb * C.GiB)
+    if C.disk_free(base) < 2.5 * want:
+        raise SystemExit(f"not enough free disk in {base} for a {args.size_gb} GiB state")
+
+    t_build = time.perf_counter()
+    state = C.make_state(want, "cuda" if args.device.startswith("cuda") else "cpu", rank.rank)
+    tensors = C.state_tensors(state)
+    nbytes = C.state_nbytes(state)
+    print(
+        f"[rank {rank.rank}] state: {nbytes / C.GiB:.2f} GiB in {len(tensors)} tensors "
+        f"(built in {time.perf_counter() - t_build:.1f}s); writing to {base}",
+        flush=True,
+    )
+    ref = C.CopyReference(tensors)
+    # Reference copies, warm: torch's intra-op threads (parallel) and one thread.
+    par = [ref.copy() for _ in range(5)]
+    one = [ref.copy(threads=1) for _ in range(5)]
+    raw_buf = ref.buf if not ref.cuda else ref.buf  # host bytes of the state
+    results: dict[str, Any] = {}
+    raw_all: list[float] = []
+    for m in methods:
+        C.barrier(rank)
+        raw = C.raw_write(raw_buf, base)
+        raw_all.append(raw)
+        root = base / m.replace(":", "_").replace("+", "_")
+        gc.collect()
+        with C.MemorySampler() as mem:
+            t0 = time.perf_counter()
+            r = run_method(m, state, root, args.saves, ref, args)
+            r["method_seconds"] = time.perf_counter() - t0
+        C.rmtree(root)
+        r["memory"] = mem.report()
+        r["raw_write_seconds_before"] = raw
+        results[m] = r
+        print(
+            f"[rank {rank.rank}] {m}: stall median {C.med(r['stalls']):.3f}s, "
+            f"commit median {C.med(r['commits']):.2f}s",
+            flush=True,
+        )
+    report = build_report(args, rank, nbytes, len(tensors), par, one, raw_all, results)
+    C.rmtree(base)
+    name = f"overhead{args.tag}{rank.suffix}"
+    path = C.write_json(args.out, name, report)
+    print_report(report)
+    if not args.no_plot:
+        plot(report, args.out / f"{name}.png")
+    print(f"wrote {path}")
+    C.barrier(rank)
+    return report
+
+
+def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> dict:
+    copy_par = C.med(par)
+    copy_one = C.med(one)
+    raw_med = C.med(raw_all)
+    refs = {
+        "parallel_copy": {
+            "seconds": C.summary(par),
+            "threads": torch.get_num_threads(),
+            "pinned": args.device.startswith("cuda"),
+        },
+        "single_thread_copy": {"seconds": C.summary(one)},
+        "sequential_write_fsync": {
+            "seconds": C.summary(raw_all),
+            "throughput_bytes_per_s": nbytes / raw_med,
+        },
+    }
+    methods = {}
+    for m, r in results.items():
+        stalls, commits = r["stalls"], r["commits"]
+        async_ = m == "asyncckpt" or m.startswith("dcp.async_save")
+        write_times = [c - s for s, c in zip(stalls, commits, strict=True)] if async_ else commits
+        byts = r.get("bytes", 0)
+        tput = [byts / w for w in write_times if w > 0]
+        paired_ref = C.med(r["ref_copy"])
+        entry = {
+            "kind": "async" if async_ else "sync",
+            "stall_seconds": C.summary(stalls),
+            "stall_first_seconds": stalls[0] if stalls else float("nan"),
+            "stall_later_median_seconds": C.med(stalls[1:]) if len(stalls) > 1 else stalls[0],
+            "stalls": stalls,
+            "commit_seconds": C.summary(commits),
+            "write_throughput_bytes_per_s": C.med(tput),
+            "bytes_written": byts,
+            "ref_copy_seconds_paired": C.summary(r["ref_copy"]),
+            "raw_write_seconds_before": r["raw_write_seconds_before"],
+            "raw_write_throughput_before": nbytes / r["raw_write_seconds_before"],
+            "memory": r["memory"],
+            "rss_after_save": r["rss_after_save"],
+            "method_seconds": r["method_seconds"],
+            "ratio_stall_vs_parallel_copy": C.ratio(C.med(stalls), copy_par),
+            "ratio_stall_vs_paired_copy": C.ratio(C.med(stalls), paired_ref),
+            "ratio_throughput_vs_raw_write": C.ratio(C.med(tput), nbytes / raw_med),
+        }
+        for k in ("prepare_seconds", "staged_bytes", "engine_stats"):
+            if k in r:
+                entry[k] = r[k]
+        if "staged_bytes" in r:
+            entry["staging_bytes_per_state_byte"] = r["staged_bytes"] / nbytes
+        methods[m] = entry
+    comparisons: dict[str, Any] = {}
+    a = methods.get("asyncckpt")
+    if a is not None:
+        st = a["stall_seconds"]["median"]
+        comparisons["asyncckpt_vs_reference"] = {
+            "stall_vs_parallel_copy": C.ratio(st, copy_par),
+            "stall_vs_fastest_copy": C.ratio(st, min(copy_par, copy_one)),
+            "stall_vs_paired_copy": a["ratio_stall_vs_paired_copy"],
+            "throughput_vs_raw_write": a["ratio_throughput_vs_raw_write"],
+        }
+        alts = {}
+        for m, e in methods.items():
+            if m == "asyncckpt":
+                continue
+            alts[m] = {
+                "stall_median": C.ratio(st, e["stall_seconds"]["median"]),
+                "stall_first": C.ratio(a["stall_first_seconds"], e["stall_first_seconds"]),
+                "stall_max": C.ratio(a["stall_seconds"]["max"], e["stall_seconds"]["max"]),
+                "commit_median": C.ratio(
+                    a["commit_seconds"]["median"], e["commit_seconds"]["median"]
+                ),
+                "throughput": C.ratio(
+                    a["write_throughput_bytes_per_s"], e["write_throughput_bytes_per_s"]
+                ),
+                "extra_memory": C.ratio(
+                    a["memory"]["extra_memory_bytes"], e["memory"]["extra_memory_bytes"]
+                ),
+            }
+        comparisons["asyncckpt_vs_alternative"] = alts
+        dcp_async = [m for m in methods if m.startswith("dcp.async_save")]
+        if dcp_async:
+            best = min(dcp_async, key=lambda m: methods[m]["stall_seconds"]["median"])
+            best_first = min(dcp_async, key=lambda m: methods[m]["stall_first_seconds"])
+            comparisons["fastest_dcp_async"] = {
+                "by_median_stall": best,
+                "by_first_stall": best_first,
+                "asyncckpt_stall_ratio": C.ratio(st, methods[best]["stall_seconds"]["median"]),
+                "asyncckpt_first_stall_ratio": C.ratio(
+                    a["stall_first_seconds"], methods[best_first]["stall_first_seconds"]
+                ),
+            }
+        rss = a["rss_after_save"]
+        comparisons["asyncckpt_rss_growth_bytes"] = rss[-1] - rss[0] if rss else 0
+    targets = {}
+    if a is not None:
+        cpu = not args.device.startswith("cuda")
+        lim = 1.25 if cpu else 1.1
+        c = comparisons
+        targets = {
+            "stall_vs_copy": {
+                "target": f"<= {lim}x",
+                "measured": c["asyncckpt_vs_reference"]["stall_vs_parallel_copy"],
+                "met": c["asyncckpt_vs_reference"]["stall_vs_parallel_copy"] <= lim,
+            },
+            "throughput_vs_raw": {
+                "target": ">= 0.8x",
+                "measured": c["asyncckpt_vs_reference"]["throughput_vs_raw_write"],
+                "met": c["asyncckpt_vs_reference"]["throughput_vs_raw_write"] >= 0.8,
+            },
+            "staging_memory": {
+                "target": "<= 1x state per save in flight",
+                "measured": a.get("staging_bytes_per_state_byte", float("nan")),
+                "met": a.get("staging_bytes_per_state_byte", 9.0) <= 1.0 + 1e-3,
+            },
+        }
+        if "fastest_dcp_async" in c:
+            f = c["fastest_dcp_async"]
+            targets["stall_vs_fastest_dcp_async"] = {
+                "target": "<= 1x (median and first save)",
+                "measured": [f["asyncckpt_stall_ratio"], f["asyncckpt_first_stall_ratio"]],
+                "met": f["asyncckpt_stall_ratio"] <= 1.0
+                and f["asyncckpt_first_stall_ratio"] <= 1.0,
+            }
+    return {
+        "benchmark": "overhead",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rank": rank.rank,
+        "world_size": rank.world,
+        "environment": C.environment(args.device),
+        "state_bytes": nbytes,
+        "state_tensors": ntensors,
+        "saves": args.saves,
+        "references": refs,
+        "methods": methods,
+        "comparisons": comparisons,
+        "targets": targets,
+    }
+
+
+def print_report(rep: dict) -> None:
+    gb = rep["state_bytes"] / C.GiB
+    refs = rep["references"]
+    cols = [
+        "method",
+        "stall med s",
+        "min",
+        "max",
+        "first",
+        "commit med s",
+        "write MB/s",
+        "peak RSS GiB",
+        "extra mem GiB",
+        "x copy",
+        "x raw write",
+    ]
+    rows = [
+        [
+            f"ref: parallel copy ({refs['parallel_copy']['threads']} thr)",
+            refs["parallel_copy"]["seconds"]["median"],
+            refs["parallel_copy"]["seconds"]["min"],
+            refs["parallel_copy"]["seconds"]["max"],
+            "",
+            "",
+            "",
+            "",
+            "",
+            1.0,
+            "",
+        ],
+        [
+            "ref: 1-thread copy",
+            refs["single_thread_copy"]["seconds"]["median"],
+            refs["single_thread_copy"]["seconds"]["min"],
+            refs["single_thread_copy"]["seconds"]["max"],
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+        ],
+        [
+            "ref: sequential write+fsync",
+            "",
+            "",
+            "",
+            "",
+            refs["sequential_write_fsync"]["seconds"]["median"],
+            refs["sequential_write_fsync"]["throughput_bytes_per_s"] / 1e6,
+            "",
+            "",
+            "",
+            1.0,
+        ],
+    ]
+    for m, e in rep["methods"].items():
+        rows.append(
+            [
+                m,
+                e["stall_seconds"]["median"],
+                e["stall_seconds"]["min"],
+                e["stall_seconds"]["max"],
+                e["stall_first_seconds"],
+                e["commit_seconds"]["median"],
+                e["write_throughput_bytes_per_s"] / 1e6,
+                e["memory"]["peak_rss_bytes"] / C.GiB,
+                e["memory"]["extra_memory_bytes"] / C.GiB,
+                e["ratio_stall_vs_parallel_copy"],
+                e["ratio_throughput_vs_raw_write"],
+            ]
+        )
+    C.print_table(
+        f"overhead: {gb:.2f} GiB state, {rep['saves']} saves, rank {rep['rank']}/"
+        f"{rep['world_size']}, {rep['environment']['device']}",
+        cols,
+        rows,
+    )
+    if rep["comparisons"].get("asyncckpt_vs_alternative"):
+        alts = rep["comparisons"]["asyncckpt_vs_alternative"]
+        C.print_table(
+            "asyncckpt / alternative (lower is better for stall, commit, memory)",
+            ["alternative", "stall med", "stall first", "stall max", "commit", "throughput"],
+            [
+                [m, x["stall_median"], x["stall_first"], x["stall_max"], x["commit_median"]]
+                + [x["throughput"]]
+                for m, x in alts.items()
+            ],
+        )
+    if rep["targets"]:
+        C.print_table(
+            "targets",
+            ["target", "goal", "measured", "met"],
+            [
+                [k, v["target"], str(v["measured"]), str(v["met"])]
+                for k, v in rep["targets"].items()
+            ],
+        )
+
+
+def plot(rep: dict, path: Path) -> None:
+    refs = rep["references"]
+    names = list(rep["methods"])
+    stall_labels = ["ref: copy"] + names
+    stalls = [refs["parallel_copy"]["seconds"]["median"]]
+    stalls += [rep["methods"][m]["stall_seconds"]["median"] for m in names]
+    firsts = [refs["parallel_copy"]["seconds"]["max"]]
+    firsts += [rep["methods"][m]["stall_first_seconds"] for m in names]
+    tput_labels = ["ref: write+fsync"] + names
+    tputs = [refs["sequential_write_fsync"]["throughput_bytes_per_s"] / 1e6]
+    tputs += [rep["methods"][m]["write_throughput_bytes_per_s"] / 1e6 for m in names]
+    mem = [rep["methods"][m]["memory"]["extra_memory_bytes"] / C.GiB for m in names]
+    C.plot_bars(
+        path,
+        f"Checkpoint overhead, {rep['state_bytes'] / C.GiB:.2f} GiB state "
+        f"({rep['environment']['device']}, rank {rep['rank']})",
+        [
+            ("stall per save, median (s)", stall_labels, stalls, stalls[0]),
+            ("stall of the first save (s)", stall_labels, firsts, None),
+            ("write throughput (MB/s)", tput_labels, tputs, tputs[0] * 0.8),
+            ("extra memory (GiB)", names, mem, rep["state_bytes"] / C.GiB),
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Step-time overhead of checkpointing in a real training loop.
+
+    python benchmarks/training_loop.py [--saves 20] [--every N] [--device cpu|cuda]
+    torchrun --nproc-per-node 2 benchmarks/training_loop.py --quick
+
+A small GPT-like transformer (larger on CUDA) trains on random tokens with AdamW and saves every
+N steps (by default N is chosen so that a write fits between saves). For each method it reports
+the step-time overhead against a run without checkpointing, and the slowdown of the steps that
+run while a write is in the background against the steps of the same run that do not (the GIL
+and CPU dip users see with thread-based async saves).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+ALL_METHODS = [
+    "none",
+    "asyncckpt",
+    "asyncckpt:throttled",
+    "dcp.async_save:thread",
+    "dcp.async_save:process+shm-stager",
+    "none:again",
+]
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        mask = torch.triu(torch.full((seq, seq), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x) + self.pos[: x.shape[1]]
+        h = self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def build(args: Any, device: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyGPT(args.vocab, args.d_model, args.layers, args.heads, args.seq).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt
+
+
+class Trainer:
+    def __init__(self, args: Any, device: str) -> None:
+        self.args = args
+        self.device = device
+        self.model, self.opt = build(args, device)
+        g = torch.Generator().manual_seed(1)
+        self.batches = [
+            torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(device)
+            for _ in range(8)
+        ]
+        self.i = 0
+
+    def step(self) -> float:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        t0 = time.perf_counter()
+        logits = self.model(b[:, :-1])
+        loss = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1)
+        )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.opt}
+
+    def plain_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+
+# ------------------------------------------------------------------------------ one run
+def run_method(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any]:
+    """Train ``warmup + saves * every`` steps, saving every ``every`` steps after warmup."""
+    if method.startswith("asyncckpt"):
+        return _run_asyncckpt(method, tr, root, args)
+    return _run_plain(method, tr, root, args)
+
+
+def _record() -> dict[str, Any]:
+    return {
+        "step_seconds": [],
+        "during_write": [],
+        "save_step": [],
+        "stalls": [],
+        "rss_after_save": [],
+        "worker_rss_after_save": [],
+    }
+
+
+def _run_asyncckpt(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any]:
+    import anyio
+
+    from asyncckpt import CheckpointEngine, ThrottleConfig
+
+    throttle = None
+    if method == "asyncckpt:throttled":
+        throttle = ThrottleConfig(nice=19, cpu_cores=1, compute_threads=1, io_threads=1)
+    rec = _record()
+    rec["throttle"] = repr(throttle)
+
+    async def main() -> None:
+        engine = CheckpointEngine(root, **C.engine_kwargs(throttle=throttle))
+        async with engine:
+            await engine.prepare(tr.state())
+            wproc = C.psutil.Process(engine.worker_pid)
+            handle = None
+            for _ in range(args.warmup):
+                tr.step()
+            for s in range(args.saves * args.every):
+                busy = handle is not None and not handle.done()
+                dt = tr.step()
+                save = (s + 1) % args.every == 0
+                if save:
+                    t0 = time.perf_counter()
+                    handle = await engine.save(s, tr.state())
+                    stall = time.perf_counter() - t0
+                    dt += stall
+                    rec["stalls"].append(stall)
+                    rec["rss_after_save"].append(C.psutil.Process().memory_info().rss)
+                    rec["worker_rss_after_save"].append(wproc.memory_info().rss)
+                rec["step_seconds"].append(dt)
+                rec["during_write"].append(busy)
+                rec["save_step"].append(save)
+            await engine.wait()
+
+    anyio.run(main)
+    return rec
+
+
+def _run_plain(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any]:
+    rec = _record()
+    if method.startswith("none"):
+        for _ in range(args.warmup):
+            tr.step()
+        for _ in range(args.saves * args.every):
+            rec["step_seconds"].append(tr.step())
+            rec["during_write"].append(False)
+            rec["save_step"].append(False)
+        return rec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    cuda = tr.device.startswith("cuda")
+    process = "process" in method
+    stager = None
+    if process:
+        C.ensure_single_rank_group(args.dir)
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=True,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+        )
+    typ = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+    import torch.distributed as dist
+
+    no_dist = not dist.is_initialized()
+    fut = None
+    prev = root
+    try:
+        for _ in range(args.warmup):
+            tr.step()
+        for s in range(args.saves * args.every):
+            busy = fut is not None and not fut.done()
+            dt = tr.step()
+            save = (s + 1) % args.every == 0
+            if save:
+                if fut is not None:
+                    t0 = time.perf_counter()
+                    fut.result()  # back-pressure: one save in flight, like asyncckpt
+                    dt += time.perf_counter() - t0
+                    C.rmtree(prev)
+                t0 = time.perf_counter()
+                prev = root / f"step{s}"
+                fut = dcp.async_save(
+                    tr.plain_state(),
+                    checkpoint_id=str(prev),
+                    async_checkpointer_type=typ,
+                    async_stager=stager,
+                    no_dist=no_dist,
+                )
+                if hasattr(fut, "upload_completion"):
+                    fut = fut.upload_completion
+                stall = time.perf_counter() - t0
+                dt += stall
+                rec["stalls"].append(stall)
+                rec["rss_after_save"].append(C.psutil.Process().memory_info().rss)
+            rec["step_seconds"].append(dt)
+            rec["during_write"].append(busy)
+            rec["save_step"].append(save)
+        if fut is not None:
+            fut.result()
+    finally:
+        if stager is not None:
+            stager.close()
+    return rec
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> dict:
+    p = C.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--saves", type=int, default=20)
+    p.add_argument("--every", type=int, default=0, help="save every N steps (0: auto)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--d-model", type=int, default=0)
+    p.add_argument("--layers", type=int, default=0)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--methods", default=",".join(ALL_METHODS))
+    args = p.parse_args(argv)
+    rank = C.init_rank()
+    C.apply_threads(args)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank.rank % torch.cuda.device_count())
+    device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
+    defaults = (1024, 12, 16) if cuda else (512, 6, 8)
+    if args.quick:
+        defaults = (64, 2, 4)
+        args.vocab, args.seq, args.saves, args.warmup = 512, 32, min(args.saves, 3), 2
+    args.d_model = args.d_model or defaults[0]
+    args.layers = args.layers or defaults[1]
+    args.batch = args.batch or defaults[2]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in ALL_METHODS:
+            p.error(f"unknown method {m!r}; expected some of {ALL_METHODS}")
+
+    base = args.dir / f"training_loop{rank.suffix or '_rank0'}"
+    C.rmtree(base)
+    base.mkdir(parents=True)
+    tr = Trainer(args, device)
+    state_bytes = C.state_nbytes(tr.plain_state())
+    for _ in range(args.warmup):
+        tr.step()  # fills the AdamW state, so the state has its full size
+    state_bytes = C.state_nbytes(tr.plain_state())
+    step_s = C.med([tr.step() for _ in range(5)])
+    host = torch.empty(state_bytes, dtype=torch.uint8)
+    host.fill_(1)
+    raw = C.raw_write(host, base)
+    del host
+    if not args.every:
+        # A write (estimated from a raw write + fsync of the same bytes) fits 3 times over.
+        args.every = max(3, math.ceil(3 * raw / step_s))
+    nparams = sum(p.numel() for p in tr.model.parameters())
+    print(
+        f"[rank {rank.rank}] model {nparams / 1e6:.1f}M params, state {state_bytes / 2**20:.0f} MiB, "
+        f"step {step_s * 1e3:.0f} ms, raw write {raw:.2f}s -> save every {args.every} steps",
+        flush=True,
+    )
+    runs: dict[str, Any] = {}
+    for m in methods:
+        C.barrier(rank)
+        root = base / m.replace(":", "_").replace("+", "_")
+        gc.collect()
+        t0 = time.perf_counter()
+        with C.MemorySampler() as mem:
+            rec = run_method(m, tr, root, args)
+        rec["method_seconds"] = time.perf_counter() - t0
+        rec["memory"] = mem.report()
+        C.rmtree(root)
+        runs[m] = rec
+        print(
+            f"[rank {rank.rank}] {m}: mean step {C.statistics.fmean(rec['step_seconds']) * 1e3:.1f} ms",
+            flush=True,
+        )
+    C.rmtree(base)
+    report = build_report(args, rank, nparams, state_bytes, step_s, raw, runs)
+    name = f"training_loop{args.tag}{rank.suffix}"
+    path = C.write_json(args.out, name, report)
+    print_report(report)
+    if not args.no_plot:
+        plot(report, args.out / f"{name}.png")
+    print(f"wrote {path}")
+    C.barrier(rank)
+    return report
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
+    base_runs = [r for m, r in runs.items() if m.startswith("none")]
+    base_steps = [x for r in base_runs for x in r["step_seconds"]]
+    base_mean = _mean(base_steps)
+    methods = {}
+    for m, r in runs.items():
+        steps = r["step_seconds"]
+        busy = [
+            x
+            for x, b, s in zip(steps, r["during_write"], r["save_step"], strict=True)
+            if b and not s
+        ]
+        quiet = [
+            x
+            for x, b, s in zip(steps, r["during_write"], r["save_step"], strict=True)
+            if not b and not s
+        ]
+        mean = _mean(steps)
+        e = {
+            "steps": len(steps),
+            "saves": len(r["stalls"]),
+            "mean_step_seconds": mean,
+            "median_step_seconds": C.med(steps),
+            "overhead_pct": 100 * (mean / base_mean - 1),
+            "overhead_vs_own_quiet_steps_pct": 100 * (mean / _mean(quiet) - 1)
+            if quiet
+            else float("nan"),
+            "steps_during_write": len(busy),
+            "mean_step_during_write_seconds": _mean(busy),
+            "mean_step_quiet_seconds": _mean(quiet),
+            "during_write_slowdown_pct": 100 * (_mean(busy) / _mean(quiet) - 1)
+            if busy and quiet
+            else float("nan"),
+            "during_write_slowdown_vs_baseline_pct": 100 * (_mean(busy) / base_mean - 1)
+            if busy
+            else float("nan"),
+            "stall_seconds": C.summary(r["stalls"]),
+            "memory": r["memory"],
+            "rss_after_save": r["rss_after_save"],
+            "worker_rss_after_save": r.get("worker_rss_after_save", []),
+            "rss_growth_bytes": (r["rss_after_save"][-1] - r["rss_after_save"][0])
+            if r["rss_after_save"]
+            else 0,
+            "method_seconds": r["method_seconds"],
+            "step_seconds": steps,
+            "during_write": r["during_write"],
+        }
+        if "throttle" in r:
+            e["throttle"] = r["throttle"]
+        methods[m] = e
+    targets = {}
+    for m in ("asyncckpt", "asyncckpt:throttled"):
+        if m in methods:
+            e = methods[m]
+            targets[m] = {
+                "overhead_pct": {
+                    "target": "<= 3",
+                    "measured": e["overhead_pct"],
+                    "met": e["overhead_pct"] <= 3,
+                },
+                "during_write_slowdown_pct": {
+                    "target": "<= 5",
+                    "measured": e["during_write_slowdown_pct"],
+                    "met": e["during_write_slowdown_pct"] <= 5,
+                },
+                "rss_flat": {
+                    "target": "RSS flat across saves",
+                    "measured": e["rss_growth_bytes"],
+                    "met": abs(e["rss_growth_bytes"]) < 64 * C.MiB,
+                },
+            }
+    return {
+        "benchmark": "training_loop",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rank": rank.rank,
+        "world_size": rank.world,
+        "environment": C.environment(args.device),
+        "model_params": nparams,
+        "state_bytes": state_bytes,
+        "step_seconds_calibration": step_s,
+        "raw_write_seconds": raw,
+        "save_every_steps": args.every,
+        "baseline_mean_step_seconds": base_mean,
+        "methods": methods,
+        "targets": targets,
+    }
+
+
+def print_report(rep: dict) -> None:
+    cols = [
+        "method",
+        "mean step ms",
+        "overhead %",
+        "steps in write",
+        "step in write ms",
+        "slowdown in write %",
+        "stall med s",
+        "RSS growth MiB",
+    ]
+    rows = []
+    for m, e in rep["methods"].items():
+        rows.append(
+            [
+                m,
+                e["mean_step_seconds"] * 1e3,
+                e["overhead_pct"],
+                e["steps_during_write"],
+                e["mean_step_during_write_seconds"] * 1e3,
+                e["during_write_slowdown_pct"],
+                e["stall_seconds"]["median"],
+                e["rss_growth_bytes"] / C.MiB,
+            ]
+        )
+    C.print_table(
+        f"training loop: {rep['model_params'] / 1e6:.1f}M params, {rep['state_bytes'] / C.MiB:.0f} MiB "
+        f"state, save every {rep['save_every_steps']} steps, rank {rep['rank']}/{rep['world_size']}",
+        cols,
+        rows,
+    )
+
+
+def plot(rep: dict, path: Path) -> None:
+    names = [m for m in rep["methods"] if not m.startswith("none")]
+    C.plot_bars(
+        path,
+        f"Training-loop overhead ({rep['model_params'] / 1e6:.0f}M params, "
+        f"{rep['state_bytes'] / C.MiB:.0f} MiB state, every {rep['save_every_steps']} steps)",
+        [
+            (
+                "step-time overhead (%)",
+                names,
+                [rep["methods"][m]["overhead_pct"] for m in names],
+                3.0,
+            ),
+            (
+                "slowdown of steps during a write (%)",
+                names,
+                [rep["methods"][m]["during_write_slowdown_pct"] for m in names],
+                5.0,
+            ),
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

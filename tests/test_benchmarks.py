@@ -1,0 +1,111 @@
+"""The benchmarks run (tiny sizes, --quick) and write JSON with every field, and a PNG.
+
+The targets themselves are judged from full-size benchmark output (benchmarks/README.md), not
+here: timings on a shared CI machine say little.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run_bench(script: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / script), "--quick", "--dir", str(tmp_path / "scratch")]
+    cmd += ["--out", str(out), *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removesuffix(".py")
+    assert (out / f"{name}.png").stat().st_size > 1000
+    # written checkpoints are deleted after each method
+    scratch = tmp_path / "scratch"
+    assert not any(p.is_file() and p.suffix != "" for p in scratch.rglob("*.distcp"))
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def has(d: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in d]
+    assert not missing, f"missing {missing} in {sorted(d)}"
+
+
+def test_overhead_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("overhead.py", tmp_path)
+    has(rep, "environment", "state_bytes", "state_tensors", "references", "methods")
+    has(rep, "comparisons", "targets", "rank", "world_size")
+    has(rep["references"], "parallel_copy", "single_thread_copy", "sequential_write_fsync")
+    assert set(rep["methods"]) == {
+        "asyncckpt",
+        "torch.save",
+        "dcp.save",
+        "dcp.async_save:thread",
+        "dcp.async_save:thread+reused-stager",
+        "dcp.async_save:process+shm-stager",
+    }
+    for m, e in rep["methods"].items():
+        has(e, "stall_seconds", "stall_first_seconds", "commit_seconds")
+        has(e, "write_throughput_bytes_per_s", "memory", "ratio_stall_vs_parallel_copy")
+        has(e, "ratio_throughput_vs_raw_write", "rss_after_save")
+        has(e["stall_seconds"], "median", "min", "max")
+        has(e["memory"], "peak_rss_bytes", "extra_memory_bytes")
+        assert e["bytes_written"] > 0, m
+        assert len(e["stalls"]) == rep["saves"]
+    a = rep["methods"]["asyncckpt"]
+    has(a, "prepare_seconds", "staging_bytes_per_state_byte", "engine_stats")
+    c = rep["comparisons"]
+    has(c, "asyncckpt_vs_reference", "asyncckpt_vs_alternative", "fastest_dcp_async")
+    has(c["asyncckpt_vs_reference"], "stall_vs_parallel_copy", "throughput_vs_raw_write")
+    assert len(c["asyncckpt_vs_alternative"]) == 5
+    has(rep["targets"], "stall_vs_copy", "throughput_vs_raw", "staging_memory")
+    has(rep["targets"], "stall_vs_fastest_dcp_async")
+
+
+def test_training_loop_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("training_loop.py", tmp_path)
+    has(rep, "model_params", "state_bytes", "save_every_steps", "baseline_mean_step_seconds")
+    has(rep, "methods", "targets", "environment")
+    has(rep["methods"], "none", "asyncckpt", "asyncckpt:throttled")
+    has(rep["methods"], "dcp.async_save:thread", "dcp.async_save:process+shm-stager")
+    for m, e in rep["methods"].items():
+        has(e, "mean_step_seconds", "overhead_pct", "steps_during_write")
+        has(e, "during_write_slowdown_pct", "stall_seconds", "memory", "rss_growth_bytes")
+        if not m.startswith("none"):
+            assert e["saves"] == rep["args"]["saves"], m
+    has(rep["targets"]["asyncckpt"], "overhead_pct", "during_write_slowdown_pct", "rss_flat")
+
+
+def test_offload_throttle_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("offload_throttle.py", tmp_path)
+    has(rep, "params", "state_bytes", "modes", "targets", "gap_seconds")
+    has(rep["modes"], "off", "on")
+    for e in rep["modes"].values():
+        has(e, "mean_quiet_step_seconds", "mean_busy_step_seconds", "slowdown_pct")
+        has(e, "write_seconds_median", "write_throughput_bytes_per_s", "memory", "worker")
+    has(rep["targets"], "slowdown_throttle_on_pct", "slowdown_throttle_off_clearly_larger")
+
+
+def test_overhead_runs_per_rank_under_torchrun(tmp_path):
+    pytest.importorskip("torch.distributed.run")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--standalone", str(BENCH / "overhead.py"), "--quick", "--no-plot"]
+    cmd += ["--methods", "asyncckpt,dcp.save", "--dir", str(tmp_path / "s"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        rep = json.loads((out / f"overhead_rank{r}.json").read_text())
+        assert rep["rank"] == r and rep["world_size"] == 2
+        has(rep["methods"], "asyncckpt", "dcp.save")
