@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -46,14 +48,11 @@ def write_tracker(root: Path, layout: str, step: int) -> None:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a directory tree without following symlinks (a link is unlinked, never entered)."""
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-        return
-    for entry in os.scandir(path):
-        p = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False):
-            remove_tree(p)
-        else:
-            p.unlink(missing_ok=True)
-    path.rmdir()
+    """Remove ``path`` without following symlinks: a link or file is unlinked, a real
+    directory removed (on Linux ``shutil.rmtree`` walks directory file descriptors, so a
+    directory swapped for a link mid-walk cannot redirect it either)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncckpt import layout as L
+from asyncckpt.commit import remove_tree
+from asyncckpt.errors import CheckpointError
+from asyncckpt.manifest import fsync_dir
 from asyncckpt.retention import CheckpointInfo, RetentionPolicy, plan_prune
 
 __all__ = [
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 _READ_TRACKER = object()  # sentinel: "read the tracker from disk"
 
 
-class PruneRefused(RuntimeError):
+class PruneRefused(CheckpointError):
     """Pruning would not be safe now (e.g. the tracker lags the newest committed checkpoint)."""
 
 
@@ -139,25 +142,6 @@ def _direct_child(root: Path, path: Path) -> Path:
     return root / name
 
 
-def _remove(path: Path) -> None:
-    """Remove ``path``: a link or file is unlinked, a real directory removed without following
-    symlinks (on Linux ``shutil.rmtree`` works on directory file descriptors, so a directory
-    swapped for a link mid-walk cannot redirect it either)."""
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
     """Rename ``path`` (a direct child of ``root``) to a trash name, fsync ``root``, remove it.
 
@@ -168,9 +152,9 @@ def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
     os.lstat(path)  # FileNotFoundError before anything else happens
     trash = root / L.trash_name(path.name, uuid.uuid4().hex[:12])
     os.rename(path, trash)
-    _fsync_dir(root)
+    fsync_dir(root)
     _fault_point("mid_prune")
-    _remove(trash)
+    remove_tree(trash)
 
 
 def clean_leftovers(root: str | os.PathLike) -> list[str]:
@@ -187,7 +171,7 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
         return []
     for name in entries:
         try:
-            _remove(_direct_child(root, root / name))
+            remove_tree(_direct_child(root, root / name))
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -195,7 +179,7 @@ def clean_leftovers(root: str | os.PathLike) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        _fsync_dir(root)
+        fsync_dir(root)
     return removed
 
 
