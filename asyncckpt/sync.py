@@ -35,7 +35,7 @@ class SyncCheckpointEngine(CheckpointEngine):
     ) -> SaveHandle:
         core = self._core
         step = core.check_can_save(step)
-        flat, objects, clean = _prepare_save(step, state, metrics)
+        flat, objects, clean = _prepare_save(step, state, metrics, core)
         stats = SaveStats(step)
         t0 = time.perf_counter()
         slot = core.acquire_slot(flat.tensors)

@@ -4,7 +4,9 @@
 and ``megatron_legacy`` (``--ckpt-format torch``) build on it.
 """
 
-FORMATS = ("dcp", "torch_dist")
+FORMATS = ("dcp", "torch_dist", "megatron_legacy")
+#: Other spellings accepted for ``format=`` ("torch" is Megatron-LM's ``--ckpt-format torch``).
+FORMAT_ALIASES = {"torch": "megatron_legacy", "legacy": "megatron_legacy"}
 
 
 def default_format(layout: str) -> str:

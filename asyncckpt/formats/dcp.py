@@ -139,15 +139,20 @@ def write_flat(
     thread_count: int = 1,
     gate: Callable[[int], None] | None = None,
     process_group: Any = None,
+    planner: Any = None,
 ) -> dict[str, tuple[int, int]]:
-    """Write a flat state dict as DCP shards into ``directory``; returns crcs per file."""
+    """Write a flat state dict as DCP shards into ``directory``; returns crcs per file.
+
+    With a ``process_group``, every rank of it calls this for the same directory: DCP plans
+    across them, each writes its own shards, and rank 0 alone writes ``.metadata``.
+    """
     writer = ChecksumWriter(directory, thread_count=thread_count, gate=gate)
     no_dist = process_group is None
     with _quiet_single_process():
         dcp.save(
             dict(flat),
             storage_writer=writer,
-            planner=_PassThroughPlanner(),
+            planner=planner or _PassThroughPlanner(),
             process_group=process_group,
             no_dist=no_dist,
         )

@@ -1,0 +1,305 @@
+"""Rank coordination on a side group: the workers of all ranks agree on every commit.
+
+Training ranks never run a collective for asyncckpt after ``start``. What happens instead:
+
+- **At start (once).** The engine learns its rank and world size (explicit ``rank=`` /
+  ``world_size=``, else ``torch.distributed`` if it is initialised). Rank 0's *trainer process*
+  hosts a small ``TCPStore`` server of its own (a C++ thread; it outlives worker restarts) and
+  publishes ``host:port:run-token`` under one key of the training group's *store* -- a key
+  ``set``/``get``, not a collective, so no training collective is ever issued or reordered.
+  Without an initialised process group, ``store=(host, port)`` (or ``MASTER_ADDR`` and
+  ``MASTER_PORT + 1``) says where rank 0 hosts it and the token travels through that store.
+  Rank 0 cleans the leftovers of an interrupted run *before* it publishes, so that publication
+  is also the only start-up barrier the other ranks wait on.
+- **Per save.** Every rank's worker joins a fresh gloo group for the job over that store (a
+  ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
+  broken group behind). DCP plans and writes each rank's own shards over that group; the workers
+  then all-gather a success flag with their file checksums (gloo detects a dead peer, and the
+  group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
+  manifest, rename the directory into place and write the tracker, then broadcast the outcome.
+  Any failure anywhere fails every rank's handle with the cause and commits nothing.
+
+``LocalShard`` lets a rank hand DCP only its own piece of a global tensor (a DTensor's local
+shard, a megatron ``ShardedTensor``'s chunk) from plain staging memory, without a device mesh
+or megatron in the worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("asyncckpt")
+
+#: Default time a worker waits for the other ranks' workers (rendezvous, agreement, commit).
+DEFAULT_TIMEOUT = 600.0
+#: The environment variable naming the host the other ranks reach rank 0's store on.
+HOST_ENV = "ASYNCCKPT_STORE_HOST"
+
+_engine_starts = 0  # per process; every rank starts its engines in the same order
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """What a worker needs to join the side group of its job (picklable)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+    port: int
+    token: str
+    timeout: float = DEFAULT_TIMEOUT
+
+
+def detect(
+    rank: int | None, world_size: int | None, local_rank: int | None = None
+) -> tuple[int, int, int]:
+    """(rank, world size, local rank): explicit values win, else torch.distributed, else 0/1."""
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else (0 if world_size == 1 else None)
+        if rank is None:
+            raise ValueError("world_size > 1 needs rank= (or an initialised torch.distributed)")
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if world_size < 1 or rank >= world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return rank, world_size, local_rank
+
+
+def _store_host() -> str:
+    return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+class Rendezvous:
+    """The engine side: rank 0 hosts the side store; every rank learns where it is.
+
+    Holding the ``TCPStore`` server object keeps it alive; ``close`` drops it.
+    """
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    def setup(
+        self,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        *,
+        store: tuple[str, int] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        before_publish: Any = None,
+    ) -> DistConfig:
+        """Agree on (host, port, token). ``before_publish`` runs on rank 0 before the others
+        are let go (the leftover cleanup)."""
+        import torch.distributed as dist
+
+        global _engine_starts
+        _engine_starts += 1
+        key = f"asyncckpt/engine/{_engine_starts}"
+        td = datetime.timedelta(seconds=timeout)
+        initialised = dist.is_available() and dist.is_initialized()
+        if store is None and not initialised:
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not port:
+                raise ValueError(
+                    "a multi-rank engine needs torch.distributed initialised, store=(host, port), "
+                    "or MASTER_ADDR and MASTER_PORT in the environment"
+                )
+            store = (addr, int(port) + 1)
+        if rank == 0:
+            if store is None:
+                host = _store_host()
+                self.server = dist.TCPStore(
+                    host, 0, None, True, td, wait_for_workers=False, use_libuv=True
+                )
+                port = self.server.port
+                publish = dist.distributed_c10d._get_default_store()
+            else:
+                host, port = store
+                self.server = dist.TCPStore(
+                    host, port, None, True, td, wait_for_workers=False, use_libuv=True
+                )
+                publish = self.server
+            token = uuid.uuid4().hex[:12]
+            try:
+                if before_publish is not None:
+                    before_publish()
+            except BaseException as e:
+                # Let the other ranks fail with the cause instead of waiting for a timeout.
+                publish.set(key, f"error:{type(e).__name__}: {e}")
+                raise
+            publish.set(key, f"{host}:{port}:{token}")
+        else:
+            if store is None:
+                raw = dist.distributed_c10d._get_default_store().get(key).decode()
+            else:
+                client = dist.TCPStore(store[0], store[1], None, False, td)
+                raw = client.get(key).decode()
+                del client
+            if raw.startswith("error:"):
+                raise RuntimeError(f"rank 0 could not start its checkpoint engine: {raw[6:]}")
+            host, port_s, token = raw.rsplit(":", 2)
+            port = int(port_s)
+            if store is not None:
+                host = store[0]
+        log.debug("rank %d: side store at %s:%d, run token %s", rank, host, port, token)
+        return DistConfig(rank, world_size, local_rank, host, int(port), token, timeout)
+
+    def close(self) -> None:
+        self.server = None
+
+
+# ------------------------------------------------------------------------------ worker side
+
+
+@contextlib.contextmanager
+def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
+    """A gloo group of every rank's worker for one job; torn down afterwards.
+
+    It is the worker's default group (DCP's collectives need a registered group), created per
+    job so that a dead or restarted worker leaves nothing broken for the next save.
+    """
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=cfg.timeout)
+    client = dist.TCPStore(cfg.host, cfg.port, None, False, td)
+    store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", client)
+    dist.init_process_group(
+        "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def all_gather(pg: Any, obj: Any, world_size: int) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def broadcast(pg: Any, obj: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=pg)
+    return box[0]
+
+
+# ------------------------------------------------------------------------------ local shards
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a rank's local pieces sit in a global tensor: one (offsets, sizes) per piece."""
+
+    global_shape: tuple[int, ...]
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def dtensor_shard_info(t: Any) -> ShardInfo:
+    """The global shape and this rank's chunk of a DTensor (no collective)."""
+    chunk = t.__create_chunk_list__()[0]
+    return ShardInfo(tuple(t.shape), ((tuple(chunk.offsets), tuple(chunk.sizes)),))
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+class LocalShard(torch.Tensor):
+    """A rank's piece(s) of a global tensor, for DCP's save planner (the _Checkpointable protocol).
+
+    The global tensor is ``global_shape``; this rank holds ``pieces[i]`` at ``offsets[i]``.
+    The pieces are plain tensors (views into the worker's staging arena).
+    """
+
+    @staticmethod
+    def __new__(cls, pieces: Sequence[torch.Tensor], info: ShardInfo) -> LocalShard:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(info.global_shape), dtype=pieces[0].dtype
+        )
+        r._pieces = list(pieces)
+        r._offsets = [torch.Size(off) for off, _ in info.chunks]
+        return r
+
+    def __init__(self, pieces: Sequence[torch.Tensor], info: ShardInfo) -> None:
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(f"LocalShard is only a carrier for DCP's planner, not {func}")
+
+    def __create_write_items__(self, fqn: str, obj: Any, index: int | None = None) -> list:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        items = []
+        for i, (piece, off) in enumerate(zip(self._pieces, self._offsets, strict=True)):
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, off, i if len(self._pieces) > 1 else None),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=off, sizes=piece.size()),
+                        properties=TensorProperties.create_from_tensor(piece),
+                        size=self.size(),
+                    ),
+                )
+            )
+        return items
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [
+            ChunkStorageMetadata(offsets=off, sizes=p.size())
+            for p, off in zip(self._pieces, self._offsets, strict=True)
+        ]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        if index.index is not None and index.index < len(self._pieces):
+            if self._offsets[index.index] == index.offset:
+                return self._pieces[index.index]
+        for p, off in zip(self._pieces, self._offsets, strict=True):
+            if off == index.offset:
+                return p
+        raise ValueError(f"{index.fqn}: no local piece at offset {tuple(index.offset)}")
+
+    def __repr__(self) -> str:  # the default repr would try to read data we do not have
+        return (
+            f"LocalShard(global={tuple(self.shape)}, offsets={[tuple(o) for o in self._offsets]})"
+        )

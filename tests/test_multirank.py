@@ -1,0 +1,232 @@
+"""Multi-rank saves under torch.distributed (gloo, one machine): 2 and 4 ranks.
+
+Every rank is a spawned process with its own engine and worker; the ranks init gloo over a
+FileStore in tmp_path. What is checked: each rank writes only its own shards, the commit
+happens once (rank 0) after every rank's shards are durable, the tracker follows, a failure on
+one rank commits nothing anywhere, and loading works at the same and a different world size.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from asyncckpt import layout as L
+
+JOIN_TIMEOUT = 240.0
+ROWS = 8  # rows of the sharded tensor; divisible by 1, 2 and 4 ranks
+
+
+# ------------------------------------------------------------------------------ harness
+
+
+def _entry(fn: Any, rank: int, world: int, store_path: str, args: tuple, results: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        out = fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report it to the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Any, world: int, tmp_path: Path, *args: Any) -> dict[int, Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; their results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = tmp_path / f"store-{os.urandom(4).hex()}"
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, str(store), args, results))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=JOIN_TIMEOUT)
+            if status == "ok":
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    except queue.Empty:
+        errors.append(f"ranks {sorted(set(range(world)) - set(out))} did not finish in time")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert not errors, "\n".join(errors)
+    return out
+
+
+# ------------------------------------------------------------------------------ states
+
+
+def full_weight(step: int) -> torch.Tensor:
+    return torch.arange(ROWS * 3, dtype=torch.float32).reshape(ROWS, 3) + step
+
+
+def make_state(rank: int, world: int, step: int, *, sharded: bool = True) -> dict:
+    """A state with a DTensor sharded over the ranks, a replicated plain tensor, and objects."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    state: dict[str, Any] = {
+        "model": {"bias": torch.full((5,), float(step), dtype=torch.bfloat16)},
+        "step": step,
+        "extra": {"name": "run", "lrs": [0.1, 0.2]},
+    }
+    if sharded:
+        mesh = init_device_mesh("cpu", (world,))
+        local = full_weight(step).chunk(world)[rank].clone()
+        state["model"]["w"] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return state
+
+
+def zero_like_state(state: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def z(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: z(v) for k, v in x.items()}
+        if isinstance(x, DTensor):
+            return DTensor.from_local(
+                torch.zeros_like(x.to_local()), x.device_mesh, x.placements, run_check=False
+            )
+        if isinstance(x, torch.Tensor):
+            return torch.zeros_like(x)
+        return None if not isinstance(x, list) else []
+
+    return z(state)
+
+
+def check_loaded(state: dict, rank: int, world: int, step: int) -> None:
+    w = state["model"]["w"]
+    assert torch.equal(w.to_local(), full_weight(step).chunk(world)[rank]), (rank, w.to_local())
+    assert torch.equal(state["model"]["bias"], torch.full((5,), float(step), dtype=torch.bfloat16))
+    assert state["step"] == step and state["extra"] == {"name": "run", "lrs": [0.1, 0.2]}
+
+
+# ------------------------------------------------------------------------------ rank bodies
+
+
+def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: int | None,
+               fault: str | None) -> dict:  # fmt: skip
+    """Save ``steps``; on ``fail_rank``, arm ``fault`` for the last one. Returns outcomes."""
+    from asyncckpt import KeepLast, SyncCheckpointEngine, faults
+
+    outcomes = {}
+    with SyncCheckpointEngine(root, keep=KeepLast(2), dist_timeout=60) as engine:
+        assert engine._core.world_size == world and engine._core.rank == rank
+        for i, step in enumerate(steps):
+            if fault and rank == fail_rank and i == len(steps) - 1:
+                faults.inject("mid_shard_write", fault)
+            handle = engine.save(step, make_state(rank, world, step))
+            try:
+                handle.committed_sync(timeout=120)
+                outcomes[step] = "committed"
+            except Exception as e:  # noqa: BLE001
+                cause = e.__cause__
+                outcomes[step] = f"failed: {e} | cause: {type(cause).__name__}: {cause}"
+        faults.clear()
+        engine._core.pending_error = None
+        # After a failure the side group is fresh again: the next save commits everywhere.
+        if fault:
+            nxt = steps[-1] + 1
+            engine.save(nxt, make_state(rank, world, nxt)).committed_sync(timeout=120)
+            outcomes[nxt] = "committed"
+    return outcomes
+
+
+def load_latest_on(rank: int, world: int, root: str) -> int | None:
+    from asyncckpt import SyncCheckpointEngine
+
+    # A different world size than the writers: DCP reads this rank's shard of each DTensor.
+    engine = SyncCheckpointEngine(root)
+    state = zero_like_state(make_state(rank, world, 0))
+    step = engine.load_latest(state)
+    check_loaded(state, rank, world, step)
+    return step
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def _assert_clean_root(root: Path, steps: list[int], tracker: int) -> None:
+    assert not [n for n in os.listdir(root) if L.is_leftover(n)], os.listdir(root)
+    assert [c.step for c in L.scan(root, "global_step")] == steps
+    assert L.read_tracker(root) == tracker
+
+
+def test_two_ranks_save_commit_tracker_and_load_at_1_and_2(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_steps, 2, tmp_path, str(root), [10, 20, 30], None, None)
+    assert out == {r: {10: "committed", 20: "committed", 30: "committed"} for r in range(2)}
+    _assert_clean_root(root, [20, 30], 30)  # KeepLast(2), pruned by rank 0 only
+    files = set(os.listdir(root / "global_step_30"))
+    # Each rank wrote its own shard file; rank 0 the metadata; one manifest covers them all.
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", L.MANIFEST} <= files
+    import json
+
+    manifest = json.loads((root / "global_step_30" / L.MANIFEST).read_text())
+    assert set(manifest["files"]) == files - {L.MANIFEST}
+    assert manifest["world_size"] == 2
+    # Same world size.
+    assert run_ranks(load_latest_on, 2, tmp_path, str(root)) == {0: 30, 1: 30}
+    # World size 1, in this process, without torch.distributed: full tensors back (2 -> 1).
+    from asyncckpt import SyncCheckpointEngine
+
+    state = {"model": {"w": torch.zeros(ROWS, 3), "bias": torch.zeros(5, dtype=torch.bfloat16)}}
+    assert SyncCheckpointEngine(root).load_latest(state) == 30
+    assert torch.equal(state["model"]["w"], full_weight(30))
+    assert state["step"] == 30
+    # And the upstream loader, with no asyncckpt involved.
+    import torch.distributed.checkpoint as dcp
+
+    plain = {"model": {"w": torch.zeros(ROWS, 3)}}
+    dcp.load(plain, checkpoint_id=str(root / "global_step_30"), no_dist=True)
+    assert torch.equal(plain["model"]["w"], full_weight(30))
+
+
+def test_four_ranks_save_then_load_on_two(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_steps, 4, tmp_path, str(root), [4], None, None)
+    assert out == {r: {4: "committed"} for r in range(4)}
+    _assert_clean_root(root, [4], 4)
+    files = set(os.listdir(root / "global_step_4"))
+    assert {f"__{r}_0.distcp" for r in range(4)} <= files
+    # 4 -> 2: each of two ranks reads its half of the DTensor from the four writers' shards.
+    assert run_ranks(load_latest_on, 2, tmp_path, str(root)) == {0: 4, 1: 4}
+
+
+@pytest.mark.parametrize("fault", ["eio", "kill"])
+def test_a_failure_on_one_rank_commits_nowhere(tmp_path: Path, fault: str) -> None:
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_steps, 2, tmp_path, str(root), [1, 2], 1, fault)
+    for rank in range(2):
+        assert out[rank][1] == "committed" and out[rank][3] == "committed"
+        assert out[rank][2].startswith("failed"), out
+    if fault == "eio":
+        # Every rank's handle names the cause: rank 1's injected EIO.
+        for rank in range(2):
+            assert "rank 1" in out[rank][2] and "Input/output error" in out[rank][2], out[rank]
+    else:
+        assert "died" in out[1][2]  # its own worker was killed
+        assert "rank 0" in out[0][2] or "coordination" in out[0][2], out[0]
+    # Step 2 never committed (on no rank), step 1 stayed the latest until step 3.
+    _assert_clean_root(root, [1, 3], 3)
+    assert not (root / "global_step_2").exists()
