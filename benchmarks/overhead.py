@@ -35,8 +35,25 @@ ALL_METHODS = [
 
 
 def _sync_device(device: str) -> None:
-    if device == "cuda":
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def _pre_save(out: dict, ref: C.CopyReference, root: Path, args: Any) -> None:
+    """The paired references of one save: a warm copy and a write + fsync of the same bytes.
+
+    The disk of a shared VM changes speed from minute to minute, so each save's throughput is
+    compared with a raw write measured right before it.
+    """
+    out["ref_copy"].append(ref.copy())
+    out["ref_copy_1thread"].append(ref.copy(threads=1))
+    if args.paired_raw:
+        out["raw_write"].append(C.raw_write(ref.buf, root.parent))
+
+
+def _new_record() -> dict[str, Any]:
+    keys = ("stalls", "commits", "ref_copy", "ref_copy_1thread", "raw_write", "rss_after_save")
+    return {k: [] for k in keys}
 
 
 # ------------------------------------------------------------------------------ methods
@@ -45,7 +62,7 @@ def run_asyncckpt(state: dict, root: Path, saves: int, ref: C.CopyReference, arg
 
     from asyncckpt import CheckpointEngine
 
-    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    out = _new_record()
     out["engine_stats"] = []
 
     async def main() -> None:
@@ -56,7 +73,7 @@ def run_asyncckpt(state: dict, root: Path, saves: int, ref: C.CopyReference, arg
             out["prepare_seconds"] = time.perf_counter() - t0
             for i in range(saves):
                 C.bump_state(state, i)
-                out["ref_copy"].append(ref.copy())
+                _pre_save(out, ref, root, args)
                 _sync_device(args.device)
                 t0 = time.perf_counter()
                 handle = await engine.save(i, state)
@@ -79,10 +96,10 @@ def run_sync(
 ) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    out = _new_record()
     for i in range(saves):
         C.bump_state(state, i)
-        out["ref_copy"].append(ref.copy())
+        _pre_save(out, ref, root, args)
         d = root / f"step{i}"
         _sync_device(args.device)
         t0 = time.perf_counter()
@@ -132,11 +149,11 @@ def run_dcp_async(
             )
         )
     typ = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
-    out: dict[str, Any] = {"stalls": [], "commits": [], "ref_copy": [], "rss_after_save": []}
+    out = _new_record()
     try:
         for i in range(saves):
             C.bump_state(state, i)
-            out["ref_copy"].append(ref.copy())
+            _pre_save(out, ref, root, args)
             d = root / f"step{i}"
             _sync_device(args.device)
             t0 = time.perf_counter()
@@ -183,6 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size-gb", type=float, default=2.0)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated")
+    p.add_argument(
+        "--no-paired-raw",
+        dest="paired_raw",
+        action="store_false",
+        help="skip the raw write + fsync before every save (one per method only)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.size_gb, args.saves = min(args.size_gb, 0.03), min(args.saves, 2)
@@ -275,7 +298,10 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
         write_times = [c - s for s, c in zip(stalls, commits, strict=True)] if async_ else commits
         byts = r.get("bytes", 0)
         tput = [byts / w for w in write_times if w > 0]
-        paired_ref = C.med(r["ref_copy"])
+        fastest = [min(a, b) for a, b in zip(r["ref_copy"], r["ref_copy_1thread"], strict=True)]
+        paired_ref = C.med(fastest)
+        raw_tput = [nbytes / x for x in r["raw_write"]]
+        paired_tput = [t / rt for t, rt in zip(tput, raw_tput, strict=False)]
         entry = {
             "kind": "async" if async_ else "sync",
             "stall_seconds": C.summary(stalls),
@@ -284,16 +310,21 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
             "stalls": stalls,
             "commit_seconds": C.summary(commits),
             "write_throughput_bytes_per_s": C.med(tput),
+            "write_throughputs": tput,
             "bytes_written": byts,
             "ref_copy_seconds_paired": C.summary(r["ref_copy"]),
+            "ref_copy_1thread_seconds_paired": C.summary(r["ref_copy_1thread"]),
+            "raw_write_throughputs_paired": raw_tput,
             "raw_write_seconds_before": r["raw_write_seconds_before"],
             "raw_write_throughput_before": nbytes / r["raw_write_seconds_before"],
             "memory": r["memory"],
             "rss_after_save": r["rss_after_save"],
             "method_seconds": r["method_seconds"],
             "ratio_stall_vs_parallel_copy": C.ratio(C.med(stalls), copy_par),
+            "ratio_stall_vs_fastest_copy": C.ratio(C.med(stalls), min(copy_par, copy_one)),
             "ratio_stall_vs_paired_copy": C.ratio(C.med(stalls), paired_ref),
             "ratio_throughput_vs_raw_write": C.ratio(C.med(tput), nbytes / raw_med),
+            "ratio_throughput_vs_paired_raw_write": C.med(paired_tput),
         }
         for k in ("prepare_seconds", "staged_bytes", "engine_stats"):
             if k in r:
@@ -308,8 +339,9 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
         comparisons["asyncckpt_vs_reference"] = {
             "stall_vs_parallel_copy": C.ratio(st, copy_par),
             "stall_vs_fastest_copy": C.ratio(st, min(copy_par, copy_one)),
-            "stall_vs_paired_copy": a["ratio_stall_vs_paired_copy"],
+            "stall_vs_paired_fastest_copy": a["ratio_stall_vs_paired_copy"],
             "throughput_vs_raw_write": a["ratio_throughput_vs_raw_write"],
+            "throughput_vs_paired_raw_write": a["ratio_throughput_vs_paired_raw_write"],
         }
         alts = {}
         for m, e in methods.items():
@@ -349,16 +381,21 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
         cpu = not args.device.startswith("cuda")
         lim = 1.25 if cpu else 1.1
         c = comparisons
+        vs_ref = c["asyncckpt_vs_reference"]
+        stall_x = vs_ref["stall_vs_paired_fastest_copy"]
+        tput_x = vs_ref["throughput_vs_paired_raw_write"]
+        if tput_x != tput_x:  # no paired raw writes
+            tput_x = vs_ref["throughput_vs_raw_write"]
         targets = {
             "stall_vs_copy": {
-                "target": f"<= {lim}x",
-                "measured": c["asyncckpt_vs_reference"]["stall_vs_parallel_copy"],
-                "met": c["asyncckpt_vs_reference"]["stall_vs_parallel_copy"] <= lim,
+                "target": f"<= {lim}x the fastest warm copy (paired, per save)",
+                "measured": stall_x,
+                "met": stall_x <= lim,
             },
             "throughput_vs_raw": {
-                "target": ">= 0.8x",
-                "measured": c["asyncckpt_vs_reference"]["throughput_vs_raw_write"],
-                "met": c["asyncckpt_vs_reference"]["throughput_vs_raw_write"] >= 0.8,
+                "target": ">= 0.8x raw write + fsync (paired, per save)",
+                "measured": tput_x,
+                "met": tput_x >= 0.8,
             },
             "staging_memory": {
                 "target": "<= 1x state per save in flight",
@@ -403,7 +440,7 @@ def print_report(rep: dict) -> None:
         "write MB/s",
         "peak RSS GiB",
         "extra mem GiB",
-        "x copy",
+        "x fastest copy",
         "x raw write",
     ]
     rows = [
@@ -459,8 +496,11 @@ def print_report(rep: dict) -> None:
                 e["write_throughput_bytes_per_s"] / 1e6,
                 e["memory"]["peak_rss_bytes"] / C.GiB,
                 e["memory"]["extra_memory_bytes"] / C.GiB,
-                e["ratio_stall_vs_parallel_copy"],
-                e["ratio_throughput_vs_raw_write"],
+                e["ratio_stall_vs_paired_copy"],
+                e["ratio_throughput_vs_paired_raw_write"]
+                if e["ratio_throughput_vs_paired_raw_write"]
+                == e["ratio_throughput_vs_paired_raw_write"]
+                else e["ratio_throughput_vs_raw_write"],
             ]
         )
     C.print_table(
