@@ -135,6 +135,7 @@ class EngineOptions:
     verify_on_load: bool = True
     prune_scope: str = "all"
     handle_sigterm: bool = True
+    preemption_save: bool = False
     save_every_steps: int | None = None
     save_every_seconds: float | None = None
     rank: int | None = None  # None: torch.distributed's rank if initialised, else 0
@@ -190,6 +191,7 @@ class _Core:
         self.pinned: set[int] = set()
         self.resumed_from: int | None = None
         self.last_prune: Any = None
+        self.preempted = False
         self.started = False
         self.stopping = False
         self.proc: Any = None
@@ -565,7 +567,12 @@ class _Core:
         if self.opts.keep is not None and self.prunes_here:
             prune = PruneRequest(
                 policy=self.opts.keep,
-                resumed_from=self.resumed_from,
+                # The commit of a newer step ends the protection of the resumed-from one.
+                resumed_from=(
+                    self.resumed_from
+                    if self.resumed_from is not None and self.resumed_from >= step
+                    else None
+                ),
                 pinned=tuple(self.pinned),
                 run_id=self.run_id,
                 scope=self.opts.prune_scope,
@@ -708,6 +715,7 @@ class _Core:
             # A preemption notice: never throw away staged data. Drain, ask the loop for one
             # final save, then behave as SIGTERM would have without us.
             log.warning("SIGTERM: waiting for %d staged save(s) to commit", len(self.inflight))
+            self.preempted = True
             self.schedule.request_preemption_save()
             try:
                 self.drain(timeout=600)
@@ -715,7 +723,7 @@ class _Core:
                 log.error("SIGTERM: saves still in flight after 600 s")
             if callable(prev):
                 prev(signum, frame)
-            elif prev == signal.SIG_DFL and not self.opts.extra.get("sigterm_continue", False):
+            elif prev == signal.SIG_DFL and not self.opts.preemption_save:
                 self.stop(drain=False)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
@@ -800,6 +808,7 @@ class CheckpointEngine:
         verify_on_load: bool = True,
         prune_scope: str = "all",
         handle_sigterm: bool = True,
+        preemption_save: bool = False,
         save_every_steps: int | None = None,
         save_every_seconds: float | None = None,
         rank: int | None = None,
@@ -824,6 +833,7 @@ class CheckpointEngine:
                 verify_on_load=verify_on_load,
                 prune_scope=prune_scope,
                 handle_sigterm=handle_sigterm,
+                preemption_save=preemption_save,
                 save_every_steps=save_every_steps,
                 save_every_seconds=save_every_seconds,
                 rank=rank,
@@ -837,6 +847,26 @@ class CheckpointEngine:
         )
 
     # -------------------------------------------------------------- properties
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM (or ``request_preemption_save``) arrived: save once more and stop."""
+        return self._core.preempted
+
+    def request_preemption_save(self) -> None:
+        """The user-set preemption flag: the next ``should_save`` answers yes."""
+        self._core.preempted = True
+        self._core.schedule.request_preemption_save()
+
+    def disk_usage(self) -> dict[str, int]:
+        """Measured bytes of committed checkpoints and leftovers, and the disk's free space.
+
+        Peak use while saving is (kept + in flight) checkpoints: pruning runs only after the
+        new checkpoint committed.
+        """
+        from .prune import disk_usage
+
+        return disk_usage(self.root, self.layout)
+
     @property
     def root(self) -> Path:
         return self._core.root

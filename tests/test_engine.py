@@ -439,3 +439,33 @@ def test_sigterm_waits_for_staged_saves_to_commit(tmp_path):
     assert out.returncode == -signal.SIGTERM, out.stderr
     assert "not reached" not in out.stdout
     assert (tmp_path / "global_step_1").is_dir() and L.read_tracker(tmp_path) == 1
+
+
+def test_preemption_save_after_sigterm(tmp_path):
+    # preemption_save=True: SIGTERM drains, then should_save answers yes once so the loop
+    # writes a final checkpoint and stops by itself.
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch
+        from asyncckpt import SyncCheckpointEngine
+        state = {{"w": torch.zeros(3)}}
+        with SyncCheckpointEngine({str(tmp_path)!r}, save_every_steps=100,
+                                  preemption_save=True) as engine:
+            for step in range(1, 1000):
+                state["w"].fill_(step)
+                if step == 7:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if engine.should_save(step):
+                    engine.save(step, state)
+                    print("saved", step)
+                if engine.preempted:
+                    break
+        print("exited at", step)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "saved 7" in out.stdout and "exited at 7" in out.stdout
+    assert L.read_tracker(tmp_path) == 7
