@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--d-model", type=int, default=0)
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--methods", default=",".join(ALL_METHODS))
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.cuda.set_device(rank.rank % torch.cuda.device_count())
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
-    defaults = (1024, 12, 16) if cuda else (384, 4, 8)
+    defaults = (1024, 12, 16) if cuda else (384, 4, 4)
     if args.quick:
         defaults = (64, 2, 4)
         args.vocab, args.seq, args.saves, args.warmup = 512, 32, min(args.saves, 3), 2
