@@ -443,6 +443,18 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.2)
 
 
+def _skip_torch_save_crc() -> None:
+    # torch.save computes a crc32 of every record it writes; the manifest already checksums
+    # every byte of every file (and is what load verifies), so that pass is pure CPU cost.
+    # Readers do not need it: torch.load accepts archives written without it.
+    try:
+        from torch.utils.serialization import config
+
+        config.save.compute_crc32 = False
+    except (ImportError, AttributeError):
+        pass
+
+
 def worker_main(config: WorkerConfig, jobs: Any, events: Any) -> None:
     """Entry point of the spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -455,6 +467,7 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any) -> None:
         0o644,
     )
     fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    _skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the
     # trainer disarms the point and a restarted worker does not fire it again.
