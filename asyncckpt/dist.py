@@ -70,7 +70,8 @@ def detect(
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
-        rank = dist.get_rank() if initialised else (0 if world_size == 1 else None)
+        # An explicit world_size=1 under torch.distributed: a rank checkpointing on its own.
+        rank = 0 if world_size == 1 else (dist.get_rank() if initialised else None)
         if rank is None:
             raise ValueError("world_size > 1 needs rank= (or an initialised torch.distributed)")
     for name, v in (("rank", rank), ("world_size", world_size)):

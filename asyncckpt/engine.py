@@ -791,6 +791,24 @@ class CheckpointEngine:
     >>> engine = CheckpointEngine("ckpts", layout="global_step", keep=KeepLast(3))
     >>> async with engine:
     ...     handle = await engine.save(step, {"model": model, "optim": optim})
+
+    Formats: ``"dcp"`` (default for ``layout="global_step"``), ``"torch_dist"`` (Megatron
+    dist_checkpointing; default for ``layout="megatron"``; megatron ``ShardedTensor`` /
+    ``ShardedObject`` state dicts are accepted as they are) and ``"megatron_legacy"`` (alias
+    ``"torch"``: Megatron-LM's per-rank ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files, with
+    ``distrib_optim.pt`` for a ``"distrib_optim"`` entry; ``legacy_ranks`` gives tp/pp ranks,
+    else megatron's parallel_state or one directory per rank).
+
+    Multi-rank: under ``torch.distributed`` (or with ``rank=``/``world_size=``) every rank makes
+    its own engine on the same root and calls ``save`` for the same steps. Each rank stages and
+    writes only its own shards (DTensor and megatron shards: the local piece); the workers agree
+    over their own gloo group and rank 0 commits once every rank's shards are durable; any
+    failure fails every rank's handle and commits nothing. ``start`` is the only moment the
+    ranks wait for each other on the trainer side (rank 0 publishes its side store's address
+    under one key of the training group's store; no collective). ``store=(host, port)`` replaces
+    that without an initialised group; ``dist_timeout`` bounds how long workers wait for each
+    other per save; ``storage`` (``"shared"``, or ``"local"`` for node-local disks) picks the
+    rank(s) that prune.
     """
 
     def __init__(

@@ -125,8 +125,9 @@ def check_loaded(state: dict, rank: int, world: int, step: int) -> None:
 
 
 def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: int | None,
-               fault: str | None) -> dict:  # fmt: skip
-    """Save ``steps``; on ``fail_rank``, arm ``fault`` for the last one. Returns outcomes."""
+               fault: str | None, point: str = "mid_shard_write") -> dict:  # fmt: skip
+    """Save ``steps``; on ``fail_rank``, arm ``fault`` at ``point`` for the last one; then one
+    more save. Returns the outcome per step, and the tracker right after the failure."""
     from asyncckpt import KeepLast, SyncCheckpointEngine, faults
 
     outcomes = {}
@@ -134,7 +135,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
         assert engine._core.world_size == world and engine._core.rank == rank
         for i, step in enumerate(steps):
             if fault and rank == fail_rank and i == len(steps) - 1:
-                faults.inject("mid_shard_write", fault)
+                faults.inject(point, fault)
             handle = engine.save(step, make_state(rank, world, step))
             try:
                 handle.committed_sync(timeout=120)
@@ -146,6 +147,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
         engine._core.pending_error = None
         # After a failure the side group is fresh again: the next save commits everywhere.
         if fault:
+            outcomes["tracker_after_failure"] = L.read_tracker(root)
             nxt = steps[-1] + 1
             engine.save(nxt, make_state(rank, world, nxt)).committed_sync(timeout=120)
             outcomes[nxt] = "committed"
@@ -213,17 +215,30 @@ def test_four_ranks_save_then_load_on_two(tmp_path: Path) -> None:
     assert run_ranks(load_latest_on, 2, tmp_path, str(root)) == {0: 4, 1: 4}
 
 
-@pytest.mark.parametrize("fault", ["eio", "kill"])
-def test_a_failure_on_one_rank_commits_nowhere(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(
+    "fault, point, fail_rank",
+    [
+        ("eio", "mid_shard_write", 1),  # a shard write fails on rank 1 only
+        ("kill", "mid_shard_write", 1),  # rank 1's worker dies mid-write
+        ("eio", "before_rename", 0),  # everything durable, rank 0's commit itself fails
+    ],
+    ids=["write-eio-rank1", "worker-killed-rank1", "commit-eio-rank0"],
+)
+def test_a_failure_on_one_rank_commits_nowhere(
+    tmp_path: Path, fault: str, point: str, fail_rank: int
+) -> None:
     root = tmp_path / "ckpt"
-    out = run_ranks(save_steps, 2, tmp_path, str(root), [1, 2], 1, fault)
+    out = run_ranks(save_steps, 2, tmp_path, str(root), [1, 2], fail_rank, fault, point)
     for rank in range(2):
         assert out[rank][1] == "committed" and out[rank][3] == "committed"
         assert out[rank][2].startswith("failed"), out
+        # The previous checkpoint stayed the latest.
+        assert out[rank]["tracker_after_failure"] == 1
     if fault == "eio":
-        # Every rank's handle names the cause: rank 1's injected EIO.
+        # Every rank's handle names the cause: the failing rank's injected EIO.
         for rank in range(2):
-            assert "rank 1" in out[rank][2] and "Input/output error" in out[rank][2], out[rank]
+            assert f"rank {fail_rank}" in out[rank][2], out[rank]
+            assert "Input/output error" in out[rank][2], out[rank]
     else:
         assert "died" in out[1][2]  # its own worker was killed
         assert "rank 0" in out[0][2] or "coordination" in out[0][2], out[0]

@@ -13,6 +13,7 @@ worker.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -101,11 +102,22 @@ def _prepare_dcp(state: Any) -> Prepared:
     return Prepared(tensors, serialize_objects(flat.objects), flat.paths, {"shards": shards})
 
 
+def materialize(x: Any) -> Any:
+    """The state with every Stateful object (module, optimizer) replaced by its state_dict();
+    containers are copied, leaves are not."""
+    if is_stateful(x):
+        x = x.state_dict()
+    if isinstance(x, Mapping):
+        return {k: materialize(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [materialize(v) for v in x]
+    return x
+
+
 def _prepare_torch_dist(state: Any) -> Prepared:
     from . import torch_dist as td
 
-    if is_stateful(state):
-        state = state.state_dict()
+    state = materialize(state)
     if not isinstance(state, dict):
         raise TypeError(f"format torch_dist needs a dict state, not {type(state).__name__}")
     sharded, common = td.split_common(state)
@@ -304,14 +316,16 @@ def load_into(
     if fmt == "torch_dist" and (directory / "common.pt").exists():
         from . import torch_dist as td
 
-        target = state.state_dict() if is_stateful(state) else state
+        # Tensors are read in place into the state's own tensors (a module's state_dict()
+        # tensors are its parameters); the rest is merged back, Stateful objects get
+        # load_state_dict.
+        target = materialize(state)
         mapping = td._mcore_mapping()
         if mapping is not None and td._has_sharded_base(target, mapping.ShardedBase):
             _load_megatron(target, directory)
         else:
             td.read_torch_dist(directory, target)
-        if is_stateful(state):
-            state.load_state_dict(target)
+        dcp.merge_into(state, target)
         return
     dcp.load_into(state, directory, paths)
 
@@ -327,7 +341,17 @@ def _load_megatron(state: dict, directory: Path) -> None:
             "loading a megatron sharded state dict needs torch.distributed initialised "
             "(megatron's loader runs collectives); a gloo group is enough on CPU"
         )
-    loaded = dc.load(state, str(directory))
+
+    def copy(x: Any) -> Any:
+        # megatron's loader rewrites the containers and ShardedTensors it is given; hand it a
+        # copy so the caller's tensors stay where they are and are filled in place below.
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [copy(v) for v in x]
+        return dataclasses.replace(x) if isinstance(x, ShardedBase) else x
+
+    loaded = dc.load(copy(state), str(directory))
 
     def put(target: Any, got: Any) -> Any:
         if isinstance(target, ShardedBase):
