@@ -100,6 +100,15 @@ class ThrottleConfig:
         return cls(io_threads=2)
 
     @classmethod
+    def background(cls) -> ThrottleConfig:
+        """The default: full speed while the CPU is idle, out of the training's way when not.
+
+        nice 10 (the trainer wins any contended core), one compute thread (the worker only
+        copies bytes), one file written at a time (one sequential stream per disk).
+        """
+        return cls(nice=10, compute_threads=1, io_threads=1)
+
+    @classmethod
     def for_optimizer_offload(cls, write_rate_bytes_per_s: float | None = None) -> ThrottleConfig:
         """The preset for ``optimizer_offload=True``: lowest priority, the last core, one thread.
 
@@ -121,12 +130,15 @@ def _is_int(x: object) -> bool:
 
 
 def resolve(optimizer_offload: bool, throttle: ThrottleConfig | None) -> ThrottleConfig:
-    """The config the engine hands its worker: an explicit one wins, else the matching preset."""
+    """The config the engine hands its worker: an explicit one wins, else the matching preset
+    (``for_optimizer_offload`` or the default ``background``)."""
     if throttle is not None:
         if not isinstance(throttle, ThrottleConfig):
             raise ValueError(f"throttle must be a ThrottleConfig or None, got {throttle!r}")
         return throttle
-    return ThrottleConfig.for_optimizer_offload() if optimizer_offload else ThrottleConfig.off()
+    return (
+        ThrottleConfig.for_optimizer_offload() if optimizer_offload else ThrottleConfig.background()
+    )
 
 
 @dataclass

@@ -77,7 +77,9 @@ def test_presets_and_resolve() -> None:
     assert ThrottleConfig.for_optimizer_offload(5e6).write_rate_bytes_per_s == 5e6
 
     assert resolve(True, None) == opt
-    assert resolve(False, None) == off
+    default = ThrottleConfig.background()
+    assert default == ThrottleConfig(nice=10, compute_threads=1, io_threads=1)
+    assert resolve(False, None) == default
     mine = ThrottleConfig(nice=3)
     assert resolve(True, mine) is mine  # an explicit config wins over the preset
     with pytest.raises(ValueError, match="throttle"):
