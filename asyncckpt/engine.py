@@ -143,7 +143,7 @@ class EngineOptions:
     local_rank: int | None = None  # None: $LOCAL_RANK, else rank
     store: tuple[str, int] | None = None  # where rank 0 hosts the side store (see dist.py)
     dist_timeout: float = 600.0  # how long workers wait for each other per save
-    storage: str = "shared"  # "shared" or "node_local": which rank prunes
+    storage: str = "shared"  # "shared" or "local" (node-local disks): which rank(s) prune
     legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -204,6 +204,7 @@ class _Core:
         self.reader: threading.Thread | None = None
         self.lock_fd: int | None = None
         self.restarts = 0
+        self.last_event_at = time.monotonic()  # the worker's last sign of life (write_timeout)
         self._prev_sigterm: Any = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -316,6 +317,7 @@ class _Core:
         events_w.close()
         self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
         self.arenas_sent = set()
+        self.last_event_at = time.monotonic()
 
     def _wait_ready(self) -> None:
         if not self.worker_ready.wait(WORKER_START_TIMEOUT):
@@ -382,6 +384,7 @@ class _Core:
 
     def _on_event(self, msg: tuple) -> None:
         kind = msg[0]
+        self.last_event_at = time.monotonic()
         if kind == "ready":
             self.worker_report = msg[2]
             self.worker_ready.set()
@@ -493,11 +496,25 @@ class _Core:
         now = time.monotonic()
         with self.cond:
             late = [j for j in self.inflight.values() if j.begun_at and now - j.begun_at > limit]
-        if late:
+            queued = [j for j in self.inflight.values() if j.begun_at is None]
+            stuck = None
+            if queued and len(queued) == len(self.inflight):
+                # Nothing is being written, yet a save waits: the worker is stuck elsewhere
+                # (e.g. pruning after the last commit) if it has been silent for the limit.
+                oldest = min(queued, key=lambda j: j.sent_at)
+                if now - max(oldest.sent_at, self.last_event_at) > limit:
+                    stuck = oldest
+        if late or stuck:
             proc = self.proc
+            if late:
+                what = f"writing step {late[0].handle.step} took longer than"
+            else:
+                what = (
+                    f"step {stuck.handle.step} waited for a worker that made no progress "
+                    "(hung outside a write, e.g. pruning) for longer than"
+                )
             err = WriteTimeout(
-                f"writing step {late[0].handle.step} took longer than write_timeout={limit}s; "
-                "the worker was killed and restarted"
+                f"{what} write_timeout={limit}s; the worker was killed and restarted"
             )
             proc.kill()
             proc.join(5)
@@ -542,15 +559,58 @@ class _Core:
                 self.slot_owner[slot] = None
                 self.cond.notify_all()
 
-    def stage_and_send(
-        self,
-        step: int,
-        flat: Any,
-        objects: dict[str, bytes],
-        metrics: dict,
-        slot_idx: int,
-        stats: SaveStats,
-    ) -> SaveHandle:
+    def begin_save(
+        self, step: Any, state: Any, metrics: Mapping[str, float] | None
+    ) -> _PendingSave:
+        """Validate and flatten: every error about the input is raised here, before any write."""
+        step = self.check_can_save(step)
+        clean = _check_metrics(metrics)
+        flat = self.prepare_state(state)
+        return _PendingSave(step, flat, clean, SaveStats(step), time.perf_counter())
+
+    def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
+        """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
+        slot = self.acquire_slot(pending.flat.tensors, block=block)
+        if slot is None:
+            if not block:
+                return False
+            self.check_can_save(pending.step)  # raises the failure that freed nothing
+        pending.slot = slot
+        pending.stats.wait_seconds = time.perf_counter() - pending.started
+        if pending.stats.wait_seconds > 0.001:
+            log.info(
+                "save of step %d waited %.3fs for a staging buffer",
+                pending.step,
+                pending.stats.wait_seconds,
+            )
+        return True
+
+    def finish_save(self, pending: _PendingSave) -> SaveHandle:
+        """Stage into the reserved slot and hand the job to the worker."""
+        assert pending.slot is not None
+        try:
+            handle = self._stage_and_send(pending)
+        except BaseException:
+            self.unreserve(pending.slot)
+            raise
+        self.schedule.mark_saved(pending.step)
+        return handle
+
+    def resume(self, state: Any, mode: str, path: str | os.PathLike | None) -> int | None:
+        """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
+        if mode == "none":
+            return None
+        if mode == "latest":
+            return self.load_latest(state)
+        if mode == "from_path":
+            if path is None:
+                raise ValueError('resume mode "from_path" needs path=')
+            return self.load(state, path=path)
+        raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
+
+    def _stage_and_send(self, pending: _PendingSave) -> SaveHandle:
+        step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
+        objects, metrics = flat.objects, pending.metrics
         slot = self.slots[slot_idx]
         pin = any(t.device.type == "cuda" for t in flat.tensors.values())
         t0 = time.perf_counter()
@@ -763,9 +823,7 @@ def _encode_paths(paths: Mapping[str, list]) -> dict[str, list]:
     return {fqn: [[kind, key] for kind, key in p] for fqn, p in paths.items()}
 
 
-def _prepare_save(
-    step: int, state: Any, metrics: Mapping[str, float] | None, core: _Core | None = None
-):
+def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     if metrics is not None and not isinstance(metrics, Mapping):
         raise TypeError("metrics must be a mapping of name -> number")
     clean = {}
@@ -776,13 +834,19 @@ def _prepare_save(
             clean[k] = float(v)
         except (TypeError, ValueError):
             raise TypeError(f"metric {k!r} must be a number, got {v!r}") from None
-    if core is not None:
-        flat = core.prepare_state(state)
-    else:
-        from .formats import staged
+    return clean
 
-        flat = staged.prepare("dcp", state)
-    return flat, flat.objects, clean
+
+@dataclass
+class _PendingSave:
+    """A save between validation and hand-off: what both facades pass through ``_Core``."""
+
+    step: int
+    flat: Any
+    metrics: dict[str, float]
+    stats: SaveStats
+    started: float
+    slot: int | None = None
 
 
 class CheckpointEngine:
@@ -926,25 +990,10 @@ class CheckpointEngine:
     ) -> SaveHandle:
         """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
         core = self._core
-        step = core.check_can_save(step)
-        flat, objects, clean = _prepare_save(step, state, metrics, core)
-        stats = SaveStats(step)
-        t0 = time.perf_counter()
-        slot = core.acquire_slot(flat.tensors, block=False)
-        if slot is None:
-            slot = await anyio.to_thread.run_sync(core.acquire_slot, flat.tensors)
-            if slot is None:
-                core.check_can_save(step)  # raises the failure that freed nothing
-        stats.wait_seconds = time.perf_counter() - t0
-        if stats.wait_seconds > 0.001:
-            log.info("save of step %d waited %.3fs for a staging buffer", step, stats.wait_seconds)
-        try:
-            handle = core.stage_and_send(step, flat, objects, clean, slot, stats)
-        except BaseException:
-            core.unreserve(slot)
-            raise
-        core.schedule.mark_saved(step)
-        return handle
+        pending = core.begin_save(step, state, metrics)
+        if not core.take_slot(pending, block=False):
+            await anyio.to_thread.run_sync(core.take_slot, pending)
+        return core.finish_save(pending)
 
     async def wait(self) -> None:
         """Wait until everything in flight has committed; raise if a save failed."""
@@ -983,15 +1032,7 @@ class CheckpointEngine:
         self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
     ) -> int | None:
         """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
-        if mode == "none":
-            return None
-        if mode == "latest":
-            return await self.load_latest(state)
-        if mode == "from_path":
-            if path is None:
-                raise ValueError('resume mode "from_path" needs path=')
-            return await self.load(state, path=path)
-        raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
+        return await anyio.to_thread.run_sync(self._core.resume, state, mode, path)
 
     def latest_step(self) -> int | None:
         dirs = self._core.committed()

@@ -6,12 +6,10 @@ Same engine, same methods; waits block the calling thread instead of awaiting.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
-from .engine import CheckpointEngine, SaveHandle, _prepare_save
-from .stats import SaveStats
+from .engine import CheckpointEngine, SaveHandle
 
 
 class SyncCheckpointEngine(CheckpointEngine):
@@ -34,21 +32,9 @@ class SyncCheckpointEngine(CheckpointEngine):
         self, step: int, state: Any, metrics: Mapping[str, float] | None = None
     ) -> SaveHandle:
         core = self._core
-        step = core.check_can_save(step)
-        flat, objects, clean = _prepare_save(step, state, metrics, core)
-        stats = SaveStats(step)
-        t0 = time.perf_counter()
-        slot = core.acquire_slot(flat.tensors)
-        if slot is None:
-            core.check_can_save(step)
-        stats.wait_seconds = time.perf_counter() - t0
-        try:
-            handle = core.stage_and_send(step, flat, objects, clean, slot, stats)
-        except BaseException:
-            core.unreserve(slot)
-            raise
-        core.schedule.mark_saved(step)
-        return handle
+        pending = core.begin_save(step, state, metrics)
+        core.take_slot(pending)
+        return core.finish_save(pending)
 
     def wait(self) -> None:  # type: ignore[override]
         self._core.drain()
@@ -68,12 +54,4 @@ class SyncCheckpointEngine(CheckpointEngine):
     def resume(  # type: ignore[override]
         self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
     ) -> int | None:
-        if mode == "none":
-            return None
-        if mode == "latest":
-            return self.load_latest(state)
-        if mode == "from_path":
-            if path is None:
-                raise ValueError('resume mode "from_path" needs path=')
-            return self.load(state, path=path)
-        raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
+        return self._core.resume(state, mode, path)
