@@ -392,10 +392,37 @@ def environment(device: str) -> dict[str, Any]:
         "ram_bytes": psutil.virtual_memory().total,
         "device": device,
         "load_avg": os.getloadavg(),
+        **package_source(),
     }
     if device == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def package_source() -> dict[str, Any]:
+    """Which asyncckpt was measured: its path, and the repository commit if it is a checkout.
+
+    ``asyncckpt_dirty`` lists uncommitted changes under asyncckpt/ in that checkout (figures for
+    a clean commit: run with PYTHONPATH pointing at an export of it, e.g. ``git archive``).
+    """
+    import subprocess
+
+    import asyncckpt
+
+    pkg = Path(asyncckpt.__file__).resolve().parent
+    out: dict[str, Any] = {"asyncckpt_path": str(pkg)}
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=pkg.parent, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    with contextlib.suppress(Exception):
+        commit = git("rev-parse", "HEAD")
+        if commit and (pkg.parent / ".git").exists():
+            out["git_commit"] = commit
+            out["asyncckpt_dirty"] = git("status", "--porcelain", "--", "asyncckpt").splitlines()
+    return out
 
 
 def disk_free(path: Path) -> int:

@@ -130,14 +130,26 @@ def _m(x) -> str:
 
 
 def training(rep: dict) -> str:
+    cal = rep.get("calibration", {})
+    threads = rep.get("trainer_threads", rep["environment"]["torch_threads"])
     out = [
         f"**training_loop** — {rep['model_params'] / 1e6:.1f}M-parameter transformer, "
-        f"{rep['state_bytes'] / C.MiB:.0f} MiB state, save every {rep['save_every_steps']} steps "
-        f"({rep['args']['saves']} saves), baseline step "
-        f"{rep['baseline_mean_step_seconds'] * 1e3:.0f} ms\n"
+        f"{rep['state_bytes'] / C.MiB:.0f} MiB state, {threads} trainer thread(s), save every "
+        f"{rep['save_every_steps']} steps ({rep['args']['saves']} saves), baseline step "
+        f"{rep['baseline_mean_step_seconds'] * 1e3:.0f} ms, load average at start "
+        f"{rep['environment']['load_avg'][0]:.1f}\n"
     ]
+    if cal:
+        out.append(
+            f"Save interval: calibration save (asyncckpt, default throttle, training running) "
+            f"wrote + committed in {cal['write_plus_commit_seconds']:.2f} s against a "
+            f"{rep['step_seconds_calibration'] * 1e3:.0f} ms step: {cal['rule']} = "
+            f"{cal['auto_every']} ({cal['every_source']} gave {rep['save_every_steps']}).\n"
+        )
     rows = []
     for m, e in rep["methods"].items():
+        wc = e.get("write_commit_seconds", {}).get("median", float("nan"))
+        bp = e.get("backpressure_wait_seconds", {}).get("median", float("nan"))
         rows.append(
             [
                 m,
@@ -146,11 +158,14 @@ def training(rep: dict) -> str:
                 e["steps_during_write"],
                 e["during_write_slowdown_pct"],
                 e["stall_seconds"]["median"],
+                bp,
+                wc,
                 e["rss_growth_bytes"] / C.MiB,
             ]
         )
     cols = ["method", "mean step ms", "overhead %", "steps during a write"]
-    cols += ["slowdown during a write %", "stall median s", "RSS growth MiB"]
+    cols += ["slowdown during a write %", "stall median s", "of which back-pressure s"]
+    cols += ["write+commit median s", "RSS growth MiB"]
     out.append(table(cols, rows))
     out.append("\n" + targets(rep["targets"]))
     return "\n".join(out)

@@ -1,13 +1,15 @@
 """Step-time overhead of checkpointing in a real training loop.
 
-    python benchmarks/training_loop.py [--saves 20] [--every N] [--device cpu|cuda]
+    python benchmarks/training_loop.py [--saves 20] [--every N] [--trainer-threads T]
     torchrun --nproc-per-node 2 benchmarks/training_loop.py --quick
 
 A small GPT-like transformer (larger on CUDA) trains on random tokens with AdamW and saves every
-N steps (by default N is chosen so that a write fits between saves). For each method it reports
-the step-time overhead against a run without checkpointing, and the slowdown of the steps that
-run while a write is in the background against the steps of the same run that do not (the GIL
-and CPU dip users see with thread-based async saves).
+N steps. By default N comes from a measured asyncckpt write of the same state: one calibration
+save (default throttle) while training steps run, N = ceil(--fit x (write + commit seconds) /
+step seconds), at least --min-every, so that a write fits between saves; ``--every`` overrides.
+For each method it reports the step-time overhead against a run without checkpointing, and the
+slowdown of the steps that run while a write is in the background against the steps of the same
+run that do not (the GIL and CPU dip users see with thread-based async saves).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import common as C  # noqa: E402
 ALL_METHODS = [
     "none",
     "asyncckpt",
-    "asyncckpt:throttled",
+    "asyncckpt:offload",
+    "asyncckpt:off",
     "dcp.async_save:thread",
     "dcp.async_save:process+shm-stager",
     "none:again",
@@ -112,26 +115,29 @@ def _record() -> dict[str, Any]:
         "stalls": [],
         "rss_after_save": [],
         "worker_rss_after_save": [],
+        "wait_seconds": [],
+        "stage_seconds": [],
+        "writes": [],
     }
 
 
 def _run_asyncckpt(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any]:
     import anyio
 
-    from asyncckpt import CheckpointEngine, ThrottleConfig
+    from asyncckpt import CheckpointEngine
 
-    throttle = None
-    if method == "asyncckpt:throttled":
-        throttle = ThrottleConfig(nice=19, cpu_cores=1, compute_threads=1, io_threads=1)
+    kw = ASYNCCKPT_ENGINES[method]()
     rec = _record()
-    rec["throttle"] = repr(throttle)
+    rec["engine_kwargs"] = repr(kw)
 
     async def main() -> None:
-        engine = CheckpointEngine(root, **C.engine_kwargs(throttle=throttle))
+        engine = CheckpointEngine(root, **C.engine_kwargs(**kw))
         async with engine:
+            rec["throttle"] = repr(engine._core.throttle)
             await engine.prepare(tr.state())
             wproc = C.psutil.Process(engine.worker_pid)
             handle = None
+            handles = []
             for _ in range(args.warmup):
                 tr.step()
             for s in range(args.saves * args.every):
@@ -141,18 +147,75 @@ def _run_asyncckpt(method: str, tr: Trainer, root: Path, args: Any) -> dict[str,
                 if save:
                     t0 = time.perf_counter()
                     handle = await engine.save(s, tr.state())
+                    handles.append(handle)
                     stall = time.perf_counter() - t0
                     dt += stall
                     rec["stalls"].append(stall)
+                    rec["wait_seconds"].append(handle.stats.wait_seconds)
+                    rec["stage_seconds"].append(handle.stats.stage_seconds)
                     rec["rss_after_save"].append(C.psutil.Process().memory_info().rss)
                     rec["worker_rss_after_save"].append(wproc.memory_info().rss)
                 rec["step_seconds"].append(dt)
                 rec["during_write"].append(busy)
                 rec["save_step"].append(save)
             await engine.wait()
+            for h in handles:
+                st = await h.committed()
+                rec["writes"].append(st.write_seconds + st.commit_seconds)
 
     anyio.run(main)
     return rec
+
+
+def _asyncckpt_engines() -> dict[str, Any]:
+    def off() -> dict[str, Any]:
+        from asyncckpt import ThrottleConfig
+
+        return {"throttle": ThrottleConfig.off()}
+
+    return {
+        "asyncckpt": dict,  # the engine's default throttle (ThrottleConfig.background())
+        "asyncckpt:offload": lambda: {"optimizer_offload": True},
+        "asyncckpt:off": off,  # no throttling (the default before ThrottleConfig.background)
+    }
+
+
+ASYNCCKPT_ENGINES = _asyncckpt_engines()
+
+
+def calibrate_write(tr: Trainer, root: Path) -> dict[str, Any]:
+    """One asyncckpt save (default throttle) of the trainer's state while steps keep running.
+
+    Returns the worker's write + commit seconds: the time a write needs in the conditions the
+    benchmark saves in (training on the trainer's cores), which the save interval must cover.
+    """
+    import anyio
+
+    from asyncckpt import CheckpointEngine
+
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with CheckpointEngine(root, **C.engine_kwargs()) as engine:
+            await engine.prepare(tr.state())
+            t0 = time.perf_counter()
+            h = await engine.save(0, tr.state())
+            steps = 0
+            while not h.done():
+                tr.step()
+                steps += 1
+            st = await h.committed()
+            out.update(
+                wall_seconds=time.perf_counter() - t0,
+                write_seconds=st.write_seconds,
+                commit_seconds=st.commit_seconds,
+                steps_during=steps,
+                throttle=repr(engine._core.throttle),
+            )
+
+    anyio.run(main)
+    C.rmtree(root)
+    return out
 
 
 def _run_plain(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any]:
@@ -231,7 +294,26 @@ def _run_plain(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any
 def main(argv: list[str] | None = None) -> dict:
     p = C.base_parser(__doc__.splitlines()[0])
     p.add_argument("--saves", type=int, default=20)
-    p.add_argument("--every", type=int, default=0, help="save every N steps (0: auto)")
+    p.add_argument(
+        "--every",
+        type=int,
+        default=0,
+        help="save every N steps (0: from a calibration save, see --fit and --min-every)",
+    )
+    p.add_argument(
+        "--fit",
+        type=float,
+        default=1.5,
+        help="auto N: the save interval covers this many measured writes (default %(default)s)",
+    )
+    p.add_argument("--min-every", type=int, default=3, help="auto N: at least this many steps")
+    p.add_argument(
+        "--trainer-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of the trainer (0: --threads, else 1 on CPU, torch's "
+        "default on CUDA); recorded in the JSON",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--d-model", type=int, default=0)
     p.add_argument("--layers", type=int, default=0)
@@ -242,8 +324,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--methods", default=",".join(ALL_METHODS))
     args = p.parse_args(argv)
     rank = C.init_rank()
-    C.apply_threads(args)
     cuda = args.device == "cuda"
+    args.trainer_threads = args.trainer_threads or args.threads or (0 if cuda else 1)
+    if args.trainer_threads:
+        torch.set_num_threads(args.trainer_threads)
+    args.trainer_threads = torch.get_num_threads()
     if cuda:
         torch.cuda.set_device(rank.rank % torch.cuda.device_count())
     device = f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"
@@ -272,13 +357,23 @@ def main(argv: list[str] | None = None) -> dict:
     host.fill_(1)
     raw = C.raw_write(host, base)
     del host
-    if not args.every:
-        # A write (estimated from a raw write + fsync of the same bytes) fits 3 times over.
-        args.every = max(3, math.ceil(3 * raw / step_s))
+    calib = calibrate_write(tr, base / "calibration")
+    write_s = calib["write_seconds"] + calib["commit_seconds"]
+    auto_every = max(args.min_every, math.ceil(args.fit * write_s / step_s))
+    every_source = "--every" if args.every else "calibration"
+    args.every = args.every or auto_every
+    calib.update(
+        write_plus_commit_seconds=write_s,
+        auto_every=auto_every,
+        rule=f"N = max({args.min_every}, ceil({args.fit} x write+commit / step))",
+        every_source=every_source,
+    )
     nparams = sum(p.numel() for p in tr.model.parameters())
     print(
         f"[rank {rank.rank}] model {nparams / 1e6:.1f}M params, state {state_bytes / 2**20:.0f} MiB, "
-        f"step {step_s * 1e3:.0f} ms, raw write {raw:.2f}s -> save every {args.every} steps",
+        f"{args.trainer_threads} trainer thread(s), step {step_s * 1e3:.0f} ms, raw write "
+        f"{raw:.2f}s, calibration save: write+commit {write_s:.2f}s -> {calib['rule']} = "
+        f"{auto_every}; save every {args.every} steps ({every_source})",
         flush=True,
     )
     runs: dict[str, Any] = {}
@@ -299,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     C.rmtree(base)
     report = build_report(args, rank, nparams, state_bytes, step_s, raw, runs)
+    report["calibration"] = calib
     name = f"training_loop{args.tag}{rank.suffix}"
     path = C.write_json(args.out, name, report)
     print_report(report)
@@ -350,6 +446,9 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
             if busy
             else float("nan"),
             "stall_seconds": C.summary(r["stalls"]),
+            "backpressure_wait_seconds": C.summary(r["wait_seconds"]),
+            "stage_seconds": C.summary(r["stage_seconds"]),
+            "write_commit_seconds": C.summary(r["writes"]),
             "memory": r["memory"],
             "rss_after_save": r["rss_after_save"],
             "worker_rss_after_save": r.get("worker_rss_after_save", []),
@@ -364,7 +463,7 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
             e["throttle"] = r["throttle"]
         methods[m] = e
     targets = {}
-    for m in ("asyncckpt", "asyncckpt:throttled"):
+    for m in ("asyncckpt", "asyncckpt:offload"):
         if m in methods:
             e = methods[m]
             targets[m] = {
@@ -395,6 +494,7 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
         "step_seconds_calibration": step_s,
         "raw_write_seconds": raw,
         "save_every_steps": args.every,
+        "trainer_threads": args.trainer_threads,
         "baseline_mean_step_seconds": base_mean,
         "methods": methods,
         "targets": targets,

@@ -77,7 +77,7 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
     rep = run_bench("training_loop.py", tmp_path)
     has(rep, "model_params", "state_bytes", "save_every_steps", "baseline_mean_step_seconds")
     has(rep, "methods", "targets", "environment")
-    has(rep["methods"], "none", "asyncckpt", "asyncckpt:throttled")
+    has(rep["methods"], "none", "asyncckpt", "asyncckpt:offload", "asyncckpt:off")
     has(rep["methods"], "dcp.async_save:thread", "dcp.async_save:process+shm-stager")
     for m, e in rep["methods"].items():
         has(e, "mean_step_seconds", "overhead_pct", "steps_during_write")
@@ -85,16 +85,32 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
         if not m.startswith("none"):
             assert e["saves"] == rep["args"]["saves"], m
     has(rep["targets"]["asyncckpt"], "overhead_pct", "during_write_slowdown_pct", "rss_flat")
+    has(rep["targets"], "asyncckpt:offload")
+    has(rep, "calibration", "trainer_threads")
+    cal = rep["calibration"]
+    has(cal, "write_seconds", "commit_seconds", "auto_every", "rule", "every_source")
+    assert rep["save_every_steps"] == cal["auto_every"] >= rep["args"]["min_every"]
+    assert rep["trainer_threads"] == 1  # --quick on CPU: one trainer thread unless told
+    a = rep["methods"]["asyncckpt"]
+    has(a, "write_commit_seconds", "backpressure_wait_seconds", "stage_seconds")
+    assert a["write_commit_seconds"]["n"] == rep["args"]["saves"]
 
 
 def test_offload_throttle_runs_and_reports_every_field(tmp_path):
     rep = run_bench("offload_throttle.py", tmp_path)
     has(rep, "params", "state_bytes", "modes", "targets", "gap_seconds")
-    has(rep["modes"], "off", "on")
+    has(rep["modes"], "off", "on", "on+cap", "on+pin", "on+cap+pin")
+    has(rep, "write_rate_cap_bytes_per_s", "unpinned_quiet_step_seconds", "trainer_threads")
     for e in rep["modes"].values():
         has(e, "mean_quiet_step_seconds", "mean_busy_step_seconds", "slowdown_pct")
         has(e, "write_seconds_median", "write_throughput_bytes_per_s", "memory", "worker")
+        has(e, "slowdown_vs_unpinned_quiet_pct", "pinning", "throttle")
     has(rep["targets"], "slowdown_throttle_on_pct", "slowdown_throttle_off_clearly_larger")
+    has(rep["targets"], "slowdown_on+cap_pct", "slowdown_on+pin_pct")
+    assert "write_rate_bytes_per_s=" in rep["modes"]["on+cap"]["throttle"]
+    pin = rep["modes"]["on+pin"]["pinning"]
+    has(pin, "worker_cores", "trainer_cores")
+    assert rep["environment"]["load_avg"]
 
 
 def test_overhead_runs_per_rank_under_torchrun(tmp_path):
