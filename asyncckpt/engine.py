@@ -471,6 +471,9 @@ class _Core:
         if not was_ready:
             # Died while starting: restarting would only loop. Fail start/save clearly.
             self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
+            with self.cond:  # a save staged while it started must not wait forever
+                for job_id in list(self.inflight):
+                    self._fail(job_id, WorkerDied(self.worker_start_error))
             self.stopping = True
             self.worker_ready.set()
             return
@@ -498,9 +501,10 @@ class _Core:
             late = [j for j in self.inflight.values() if j.begun_at and now - j.begun_at > limit]
             queued = [j for j in self.inflight.values() if j.begun_at is None]
             stuck = None
-            if queued and len(queued) == len(self.inflight):
+            if queued and len(queued) == len(self.inflight) and self.worker_ready.is_set():
                 # Nothing is being written, yet a save waits: the worker is stuck elsewhere
                 # (e.g. pruning after the last commit) if it has been silent for the limit.
+                # (Not while a new worker starts: its "ready" is the first sign of life.)
                 oldest = min(queued, key=lambda j: j.sent_at)
                 if now - max(oldest.sent_at, self.last_event_at) > limit:
                     stuck = oldest
