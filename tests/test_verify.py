@@ -1,0 +1,284 @@
+"""Corruption of committed checkpoints: detected by the manifest checksums, loudly survived.
+
+Each case damages the newest checkpoint of a root the engine wrote (a flipped byte, a truncated
+or deleted shard, DCP's metadata, the manifest) and checks that ``load_latest`` falls back to
+the previous checkpoint with a warning and an error log, that ``verify`` and
+``python -m asyncckpt verify`` name the damage (exit 1), and that with nothing good left loading
+fails with ``NoValidCheckpoint``. A garbage or dangling tracker is reported by ``verify``;
+loading does not trust the tracker and is not misled by it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncckpt import (
+    CheckpointEngine,
+    NoValidCheckpoint,
+    SyncCheckpointEngine,
+    verify,
+)
+from asyncckpt import layout as L
+from asyncckpt.cli import main
+
+STEPS = (1, 2, 3)
+
+
+def state_at(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(2000, generator=g), "b": torch.randn(3, generator=g)},
+        "optim": {"m": torch.rand(2000, generator=g, dtype=torch.float64)},
+        "step": step,
+    }
+
+
+def blank() -> dict:
+    s = state_at(0)
+    for group in ("model", "optim"):
+        for t in s[group].values():
+            t.zero_()
+    s["step"] = -1
+    return s
+
+
+def assert_state(got: dict, step: int) -> None:
+    want = state_at(step)
+    for group in ("model", "optim"):
+        for k, v in want[group].items():
+            assert torch.equal(got[group][k], v), (group, k)
+    assert got["step"] == step
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("template") / "ckpts"
+    with SyncCheckpointEngine(root) as engine:
+        for s in STEPS:
+            engine.save(s, state_at(s)).committed_sync()
+    return root
+
+
+@pytest.fixture
+def root(template, tmp_path) -> Path:
+    r = tmp_path / "ckpts"
+    shutil.copytree(template, r)
+    return r
+
+
+def shard(root: Path, step: int) -> Path:
+    """The largest data file of a checkpoint."""
+    d = root / L.dir_name("global_step", step)
+    return max(d.glob("*.distcp"), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+CORRUPTIONS = {
+    "flipped_byte": (lambda r: flip_byte(shard(r, 3)), "checksum mismatch"),
+    "flipped_last_byte": (lambda r: flip_byte(shard(r, 3), -1), "checksum mismatch"),
+    "truncated_shard": (lambda r: truncate(shard(r, 3)), "truncated"),
+    "empty_shard": (lambda r: shard(r, 3).write_bytes(b""), "truncated"),
+    "deleted_shard": (lambda r: shard(r, 3).unlink(), "missing"),
+    "deleted_dcp_metadata": (lambda r: (r / "global_step_3" / ".metadata").unlink(), "missing"),
+    "garbage_manifest": (
+        lambda r: (r / "global_step_3" / L.MANIFEST).write_text("{not json"),
+        "unreadable manifest",
+    ),
+    "extra_bytes": (
+        lambda r: shard(r, 3).write_bytes(shard(r, 3).read_bytes() + b"junk"),
+        "grown",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupt_latest_falls_back_loudly(root, case, caplog, capsys):
+    damage, problem = CORRUPTIONS[case]
+    damage(root)
+    # verify: step 3 bad, named with its problem; 1 and 2 fine
+    rep = verify(root)
+    assert not rep.ok
+    status = {c.step: c for c in rep.checkpoints}
+    assert status[1].ok and status[2].ok and not status[3].ok
+    assert any(problem in p for p in status[3].problems), status[3].problems
+    # load_latest: falls back to step 2, with a warning and an error in the log
+    target = blank()
+    with caplog.at_level(logging.ERROR, logger="asyncckpt"):
+        with pytest.warns(UserWarning, match=r"checkpoint step 3 .* is unusable"):
+            step = SyncCheckpointEngine(root).load_latest(target)
+    assert step == 2
+    assert_state(target, 2)
+    assert any(
+        r.levelno == logging.ERROR and "step 3" in r.getMessage() and problem in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    # the CLI: exit 1, names the bad step and the problem
+    code = main(["verify", str(root)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "BAD" in out and problem in out
+    code = main(["verify", "--json", str(root)])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False and report["newest_good"] == 2
+    assert [c["ok"] for c in report["checkpoints"]] == [True, True, False]
+
+
+async def test_fallback_through_the_async_engine(root, anyio_backend, caplog):
+    flip_byte(shard(root, 3))
+    target = blank()
+    with caplog.at_level(logging.ERROR, logger="asyncckpt"):
+        with pytest.warns(UserWarning, match="unusable"):
+            assert await CheckpointEngine(root).load_latest(target) == 2
+    assert_state(target, 2)
+    assert "checksum mismatch" in caplog.text
+
+
+def test_several_bad_falls_back_as_far_as_needed(root):
+    flip_byte(shard(root, 3))
+    truncate(shard(root, 2))
+    target = blank()
+    with pytest.warns(UserWarning) as record:
+        assert SyncCheckpointEngine(root).load_latest(target) == 1
+    assert_state(target, 1)
+    messages = " ".join(str(w.message) for w in record)
+    assert "step 3" in messages and "step 2" in messages
+    assert [c.ok for c in verify(root).checkpoints] == [True, False, False]
+
+
+def test_nothing_good_left_is_a_clear_error(root):
+    for s in STEPS:
+        flip_byte(shard(root, s))
+    with pytest.warns(UserWarning):
+        with pytest.raises(NoValidCheckpoint) as info:
+            SyncCheckpointEngine(root).load_latest(blank())
+    msg = str(info.value)
+    assert str(root) in msg and all(f"step {s}" in msg for s in STEPS)
+    assert main(["verify", str(root)]) == 1
+
+
+def test_an_older_bad_checkpoint_does_not_stop_loading_the_newest(root, recwarn):
+    flip_byte(shard(root, 1))
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 3
+    assert_state(target, 3)
+    assert not [w for w in recwarn if "unusable" in str(w.message)]
+    rep = verify(root)
+    assert [c.ok for c in rep.checkpoints] == [False, True, True] and not rep.ok
+
+
+def test_damage_without_a_manifest_still_falls_back(root):
+    """No checksums to compare (the manifest is gone): DCP's own read error (a
+    ``CheckpointException``, which is a BaseException) must still lead to the fallback."""
+    (root / "global_step_3" / L.MANIFEST).unlink()
+    truncate(shard(root, 3))
+    target = blank()
+    with pytest.warns(UserWarning) as record:
+        assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert_state(target, 2)
+    messages = [str(w.message) for w in record]
+    assert any("no manifest" in m for m in messages)
+    assert any("step 3" in m and "unusable" in m for m in messages)
+    assert not verify(root).ok
+
+
+@pytest.mark.parametrize("text", ["garbage\n", "", "-1\n", "3.5\n"])
+def test_garbage_tracker(root, text, capsys):
+    (root / L.TRACKER).write_text(text)
+    rep = verify(root)
+    assert rep.tracker_problem and "not a step number" in rep.tracker_problem
+    assert all(c.ok for c in rep.checkpoints) and not rep.ok
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 3  # not misled by the tracker
+    assert_state(target, 3)
+    assert main(["verify", str(root)]) == 1
+    assert "tracker: BAD" in capsys.readouterr().out
+
+
+def test_dangling_tracker(root, capsys):
+    (root / L.TRACKER).write_text("7\n")
+    rep = verify(root)
+    assert rep.tracker_problem and "step 7" in rep.tracker_problem
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 3
+    assert main(["verify", str(root)]) == 1
+    assert "names step 7" in capsys.readouterr().out
+
+
+def test_tracker_naming_a_deleted_checkpoint(root):
+    shutil.rmtree(root / "global_step_3")
+    rep = verify(root)
+    assert rep.tracker_step == 3 and "not committed" in rep.tracker_problem
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert_state(target, 2)
+
+
+def test_a_good_root_verifies(root, capsys):
+    rep = verify(root)
+    assert rep.ok and [c.step for c in rep.checkpoints] == list(STEPS)
+    assert rep.tracker_step == 3 and rep.leftovers == []
+    assert main(["verify", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "OK: 3 checkpoint(s) verified" in out and "tracker: 3" in out
+
+
+def test_leftovers_are_reported_not_failed(root, capsys):
+    (root / L.tmp_name("global_step", 4, "dead")).mkdir()
+    rep = verify(root)
+    assert rep.ok and rep.leftovers
+    assert main(["verify", str(root)]) == 0
+    assert "leftovers" in capsys.readouterr().out
+
+
+def test_empty_and_missing_roots(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert verify(empty).ok and verify(empty).checkpoints == []
+    assert main(["verify", str(empty)]) == 0
+    assert SyncCheckpointEngine(empty).load_latest(blank()) is None
+    assert main(["verify", str(tmp_path / "nope")]) == 1
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_megatron_layout_is_detected(tmp_path, capsys):
+    root = tmp_path / "meg"
+    with SyncCheckpointEngine(root, layout="megatron", format="dcp") as engine:
+        engine.save(5, state_at(5)).committed_sync()
+    assert main(["verify", "--json", str(root)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == "megatron" and report["tracker"] == 5
+    flip_byte(shard_meg := max((root / "iter_0000005").glob("*.distcp"), key=os.path.getsize))
+    assert shard_meg.exists()
+    assert main(["verify", str(root)]) == 1
+
+
+def test_cli_as_a_module(root):
+    flip_byte(shard(root, 3))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "verify", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "checksum mismatch" in out.stdout and "newest good: step 2" in out.stdout
