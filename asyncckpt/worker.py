@@ -207,46 +207,10 @@ class Worker:
             self.events.send(("released", job.job_id))
             released = True
             t_written = time.perf_counter()
-            faults.point("before_metadata")
-            manifest = build_manifest(
-                tmp,
-                step=job.step,
-                layout=self.config.layout,
-                fmt=self.config.fmt,
-                metrics=job.metrics,
-                run_id=self.config.run_id,
-                known_crcs=crcs,
-                extra={"paths": job.paths},
-            )
-            write_manifest(tmp, manifest)
-            rename_into_place(tmp, self.root / name)
-            write_tracker(self.root, self.config.layout, job.step)
-            t_done = time.perf_counter()
-            stats = {
-                "write_seconds": t_written - t0,
-                "commit_seconds": t_done - t_written,
-                "bytes": manifest["bytes"],
-                "committed_at": manifest["committed_at"],
-                "path": str(self.root / name),
-            }
+            stats = self._commit(job, tmp, final, crcs, job.paths, {}, t0, t_written)
             self.events.send(("committed", job.job_id, stats))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
-            if tmp.exists():
-                try:
-                    remove_tree(tmp)
-                    fsync_dir(self.root)
-                except OSError:
-                    pass  # the next start removes it
-            elif not preexisting and final.exists() and _layout.read_tracker(self.root) != job.step:
-                # Renamed into place, but the tracker was not updated (e.g. ENOSPC writing
-                # it): a failed save must leave nothing behind, so take it out again (through
-                # the trash, so that it is never seen half deleted).
-                try:
-                    from .prune import trash_and_delete
-
-                    trash_and_delete(self.root, final)
-                except OSError:
-                    pass  # it is complete and verified, only the tracker lags it
+            self._undo(tmp, final, preexisting, job.step)
             if not released:
                 self.events.send(("released", job.job_id))
             self.events.send(("failed", job.job_id, error_info(e)))
@@ -358,41 +322,54 @@ class Worker:
         self, job: SaveJob, tmp: Path, final: Path, results: list, t0: float, t_written: float
     ) -> tuple[str, Any]:
         """Rank 0, after every rank agreed: manifest of all ranks' files, rename, tracker."""
+        known: dict = {}
+        paths: dict = {}
+        for _, crcs, rank_paths in results:
+            known.update(crcs)
+            for k, v in rank_paths.items():
+                paths.setdefault(k, v)
+        extra = {"world_size": self.config.dist.world_size}
         try:
-            faults.point("before_metadata")
-            known: dict = {}
-            paths: dict = {}
-            for _, crcs, rank_paths in results:
-                known.update(crcs)
-                for k, v in rank_paths.items():
-                    paths.setdefault(k, v)
-            manifest = build_manifest(
-                tmp,
-                step=job.step,
-                layout=self.config.layout,
-                fmt=self.config.fmt,
-                metrics=job.metrics,
-                run_id=self.config.run_id,
-                known_crcs=known,
-                extra={"paths": paths, "world_size": self.config.dist.world_size},
-            )
-            write_manifest(tmp, manifest)
-            rename_into_place(tmp, final)
-            write_tracker(self.root, self.config.layout, job.step)
+            stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
         except BaseException as e:  # noqa: BLE001 - broadcast to every rank
             info = error_info(e)
             info["message"] = f"rank 0 (commit): {info['message']}"
             return ("failed", info)
-        return (
-            "committed",
-            {
-                "write_seconds": t_written - t0,
-                "commit_seconds": time.perf_counter() - t_written,
-                "bytes": manifest["bytes"],
-                "committed_at": manifest["committed_at"],
-                "path": str(final),
-            },
+        return ("committed", stats)
+
+    def _commit(
+        self,
+        job: SaveJob,
+        tmp: Path,
+        final: Path,
+        known_crcs: dict,
+        paths: dict,
+        extra: dict,
+        t0: float,
+        t_written: float,
+    ) -> dict[str, Any]:
+        """Manifest (checksums of every file), atomic rename, tracker: the commit proper."""
+        faults.point("before_metadata")
+        manifest = build_manifest(
+            tmp,
+            step=job.step,
+            layout=self.config.layout,
+            fmt=self.config.fmt,
+            metrics=job.metrics,
+            run_id=self.config.run_id,
+            known_crcs=known_crcs,
+            extra={"paths": paths, **extra},
         )
+        write_manifest(tmp, manifest)
+        rename_into_place(tmp, final)
+        write_tracker(self.root, self.config.layout, job.step)
+        return {
+            "write_seconds": t_written - t0,
+            "commit_seconds": time.perf_counter() - t_written,
+            "bytes": manifest["bytes"],
+            "committed_at": manifest["committed_at"],
+            "path": str(final),
+        }
 
     def _undo(self, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
         """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
@@ -403,12 +380,14 @@ class Worker:
             except OSError:
                 pass  # the next start removes it
         elif not preexisting and final.exists() and _layout.read_tracker(self.root) != step:
+            # Renamed into place, but the tracker was not updated (e.g. ENOSPC writing it):
+            # take it out again, through the trash so that it is never seen half deleted.
             try:
                 from .prune import trash_and_delete
 
                 trash_and_delete(self.root, final)
             except OSError:
-                pass
+                pass  # complete and verified; only the tracker lags it
 
     def _prune(self, job_id: int | None, request: Any) -> None:
         try:
