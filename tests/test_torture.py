@@ -103,11 +103,16 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
-def _reap_and_check_gone(pids: set[int], limit: float = ORPHAN_EXIT_LIMIT) -> list[int]:
-    """Wait for ``pids`` (and any orphan re-parented to us) to exit; reap them. Returns those
-    still alive after ``limit`` seconds."""
-    me = psutil.Process()
-    pids = set(pids) | {c.pid for c in me.children()}
+def _children() -> set[int]:
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _reap_and_check_gone(
+    pids: set[int], ours_before: set[int], limit: float = ORPHAN_EXIT_LIMIT
+) -> list[int]:
+    """Wait for ``pids`` (and any orphan re-parented to us since ``ours_before`` was taken) to
+    exit; reap them. Returns those still alive after ``limit`` seconds."""
+    pids = set(pids) | (_children() - ours_before)
     deadline = time.monotonic() + limit
     while True:
         alive = set()
@@ -157,6 +162,9 @@ class Trial:
             env[faults.ENV_VAR] = f"{point}=kill@{after}"
         self.errlog = logdir / f"trial-{n:04d}-{mode.replace(':', '-')}.err"
         self.err = open(self.errlog, "w")  # noqa: SIM115 - closed in finish()
+        # Our own children from before (e.g. multiprocessing's resource tracker) are not the
+        # trainer's orphans.
+        self.children_before = _children()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -267,7 +275,7 @@ class Trial:
             self.kill_trainer()
             self.proc.wait()
             self.events.append({"event": "hung"})
-        self.leftover_pids = _reap_and_check_gone(self.known_pids)
+        self.leftover_pids = _reap_and_check_gone(self.known_pids, self.children_before)
         self.reader.join(ORPHAN_EXIT_LIMIT)
         while True:
             try:
