@@ -144,7 +144,8 @@ def training(rep: dict) -> str:
             f"Save interval: calibration save (asyncckpt, default throttle, training running) "
             f"wrote + committed in {cal['write_plus_commit_seconds']:.2f} s against a "
             f"{rep['step_seconds_calibration'] * 1e3:.0f} ms step: {cal['rule']} = "
-            f"{cal['auto_every']} ({cal['every_source']} gave {rep['save_every_steps']}).\n"
+            f"{cal['auto_every']}; used: every {rep['save_every_steps']} steps "
+            f"({cal['every_source']}).\n"
         )
     rows = []
     for m, e in rep["methods"].items():
@@ -172,10 +173,19 @@ def training(rep: dict) -> str:
 
 
 def offload(rep: dict) -> str:
+    threads = rep.get("trainer_threads", rep["environment"]["torch_threads"])
     out = [
         f"**offload_throttle** — CPU Adam over {rep['params'] / 1e6:.0f}M parameters in "
-        f"{rep['tensors']} tensors, {rep['state_bytes'] / C.GiB:.2f} GiB written per save, idle gap "
-        f"{rep['gap_seconds'] * 1e3:.0f} ms between steps\n"
+        f"{rep['tensors']} tensors on {threads} thread(s), {rep['state_bytes'] / C.GiB:.2f} GiB "
+        f"written per save, idle gap {rep['gap_seconds'] * 1e3:.0f} ms between steps, load "
+        f"average at start {rep['environment']['load_avg'][0]:.1f}"
+        + (
+            f", +cap = {rep['write_rate_cap_bytes_per_s'] / 1e6:.0f} MB/s "
+            f"({rep['write_rate_cap_source']})"
+            if "write_rate_cap_bytes_per_s" in rep
+            else ""
+        )
+        + "\n"
     ]
     rows = []
     for m, r in rep["modes"].items():
@@ -185,12 +195,13 @@ def offload(rep: dict) -> str:
                 r["mean_quiet_step_seconds"] * 1e3,
                 r["mean_busy_step_seconds"] * 1e3,
                 r["slowdown_pct"],
+                r.get("slowdown_vs_unpinned_quiet_pct", float("nan")),
                 len(r["busy"]),
                 r["write_seconds_median"],
             ]
         )
-    cols = ["throttle", "Adam step ms", "during a write ms", "slowdown %", "steps in write"]
-    cols += ["write s"]
+    cols = ["throttle", "Adam step ms", "during a write ms", "slowdown %"]
+    cols += ["vs unpinned quiet %", "steps in write", "write s"]
     out.append(table(cols, rows))
     out.append("\n" + targets(rep["targets"]))
     return "\n".join(out)
