@@ -42,7 +42,7 @@ from .errors import (
 from .formats import FORMAT_ALIASES, FORMATS, default_format
 from .manifest import read_manifest, verify_dir
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
-from .staging import StagingSlot
+from .staging import StagingSlot, layout_key
 from .stats import SaveStats
 from .throttle import ThrottleConfig, resolve
 from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
@@ -539,10 +539,8 @@ class _Core:
             raise CheckpointError(f"step {step} is already committed or in flight at {final}")
         return step
 
-    def acquire_slot(self, key_tensors: dict, block: bool = True) -> int | None:
-        from .staging import layout_key
-
-        key = layout_key(key_tensors)
+    def acquire_slot(self, key: tuple, block: bool = True) -> int | None:
+        """A free staging slot, preferring one already laid out for ``key``."""
         with self.cond:
             while True:
                 free = [i for i, o in self.slot_owner.items() if o is None]
@@ -570,11 +568,12 @@ class _Core:
         step = self.check_can_save(step)
         clean = _check_metrics(metrics)
         flat = self.prepare_state(state)
-        return _PendingSave(step, flat, clean, SaveStats(step), time.perf_counter())
+        key = layout_key(flat.tensors)
+        return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
-        slot = self.acquire_slot(pending.flat.tensors, block=block)
+        slot = self.acquire_slot(pending.key, block=block)
         if slot is None:
             if not block:
                 return False
@@ -618,7 +617,7 @@ class _Core:
         slot = self.slots[slot_idx]
         pin = any(t.device.type == "cuda" for t in flat.tensors.values())
         t0 = time.perf_counter()
-        allocated = slot.ensure(flat.tensors, pin)
+        allocated = slot.ensure(flat.tensors, pin, pending.key)
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
@@ -650,7 +649,7 @@ class _Core:
                 arena_ids=list(slot.arena_ids),
                 specs=list(slot.specs),
                 objects=objects,
-                paths=_encode_paths(flat.paths),
+                paths=flat.paths,
                 metrics=dict(metrics),
                 prune=prune,
                 extra=flat.extra,
@@ -823,10 +822,6 @@ def _worker_lock_path(root: Path, rank: int) -> Path:
     return root / f"{_layout.LOCK_NAME}.worker{rank}"
 
 
-def _encode_paths(paths: Mapping[str, list]) -> dict[str, list]:
-    return {fqn: [[kind, key] for kind, key in p] for fqn, p in paths.items()}
-
-
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     if metrics is not None and not isinstance(metrics, Mapping):
         raise TypeError("metrics must be a mapping of name -> number")
@@ -847,6 +842,7 @@ class _PendingSave:
 
     step: int
     flat: Any
+    key: tuple  # staging.layout_key of the tensors: which slot layout fits
     metrics: dict[str, float]
     stats: SaveStats
     started: float

@@ -228,9 +228,9 @@ class StagingSlot:
         self.pinned = False
         self.nbytes = 0
 
-    def ensure(self, tensors: dict[str, torch.Tensor], pin: bool) -> bool:
+    def ensure(self, tensors: dict[str, torch.Tensor], pin: bool, key: tuple | None = None) -> bool:
         """Allocate arenas for this layout unless they exist; True if newly allocated."""
-        key = layout_key(tensors)
+        key = layout_key(tensors) if key is None else key
         if key == self.key and self.arenas and (self.pinned or not pin):
             return False
         specs, sizes = plan_arenas(tensors)
