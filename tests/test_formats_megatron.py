@@ -160,7 +160,7 @@ def _has_megatron() -> bool:
 
 
 _RANK_WRITER = """
-import sys, torch.distributed as dist
+import os, sys, torch.distributed as dist
 rank, store, d_mcore, d_plain = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
 import megatron_helpers as mh
@@ -168,7 +168,10 @@ from asyncckpt.formats.torch_dist import write_torch_dist
 write_torch_dist(mh.multirank_state(rank), d_mcore, process_group=dist.group.WORLD)
 write_torch_dist(mh.plain_state(), d_plain, process_group=dist.group.WORLD)
 dist.destroy_process_group()
-print("OK", rank)
+print("OK", rank, flush=True)
+# gloo's store threads can abort C++ teardown at interpreter exit ("terminate called without
+# an active exception") after all the work is done; skip that teardown.
+os._exit(0)
 """
 
 
