@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,6 @@ class EngineOptions:
     dist_timeout: float = 600.0  # how long workers wait for each other per save
     storage: str = "shared"  # "shared" or "local" (node-local disks): which rank(s) prune
     legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _Core:

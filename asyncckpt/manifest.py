@@ -11,7 +11,6 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,7 +194,3 @@ def verify(root: str | os.PathLike, layout: str | None = None) -> VerifyReport:
         sorted(n for n in os.listdir(root) if _layout.is_leftover(n)) if root.is_dir() else []
     )
     return VerifyReport(root, layout, statuses, tracker_step, tracker_problem, leftovers)
-
-
-def good_steps(statuses: Iterable[CheckpointStatus]) -> list[int]:
-    return [s.step for s in statuses if s.ok]
