@@ -33,6 +33,12 @@ MiB = 1 << 20
 
 
 # ----------------------------------------------------------------------------- arguments
+def timing_row(label: str, seconds: dict[str, float], width: int) -> list:
+    """A table row of median/min/max seconds, padded with empty cells to ``width`` columns."""
+    row: list = [label, seconds["median"], seconds["min"], seconds["max"]]
+    return row + [""] * (width - len(row))
+
+
 def base_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -443,33 +443,15 @@ def print_report(rep: dict) -> None:
         "x fastest copy",
         "x raw write",
     ]
+    parallel = C.timing_row(
+        f"ref: parallel copy ({refs['parallel_copy']['threads']} thr)",
+        refs["parallel_copy"]["seconds"],
+        len(cols),
+    )
+    parallel[cols.index("x fastest copy")] = 1.0
     rows = [
-        [
-            f"ref: parallel copy ({refs['parallel_copy']['threads']} thr)",
-            refs["parallel_copy"]["seconds"]["median"],
-            refs["parallel_copy"]["seconds"]["min"],
-            refs["parallel_copy"]["seconds"]["max"],
-            "",
-            "",
-            "",
-            "",
-            "",
-            1.0,
-            "",
-        ],
-        [
-            "ref: 1-thread copy",
-            refs["single_thread_copy"]["seconds"]["median"],
-            refs["single_thread_copy"]["seconds"]["min"],
-            refs["single_thread_copy"]["seconds"]["max"],
-            "",
-            "",
-            "",
-            "",
-            "",
-            "",
-            "",
-        ],
+        parallel,
+        C.timing_row("ref: 1-thread copy", refs["single_thread_copy"]["seconds"], len(cols)),
         [
             "ref: sequential write+fsync",
             "",

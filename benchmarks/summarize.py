@@ -31,31 +31,15 @@ def overhead(rep: dict) -> str:
         f"{rep['saves']} saves, {rep['environment']['device']}, "
         f"load average at start {rep['environment']['load_avg'][0]:.1f}\n",
     ]
+    cols = ["method", "stall median s", "min", "max", "first save", "commit s"]
+    cols += ["write MB/s", "extra mem GiB", "stall / copy", "MB/s / raw write"]
     rows = [
-        [
+        C.timing_row(
             f"reference: parallel copy ({refs['parallel_copy']['threads']} threads)",
-            refs["parallel_copy"]["seconds"]["median"],
-            refs["parallel_copy"]["seconds"]["min"],
-            refs["parallel_copy"]["seconds"]["max"],
-            "",
-            "",
-            "",
-            "",
-            "",
-            "",
-        ],
-        [
-            "reference: 1-thread copy",
-            refs["single_thread_copy"]["seconds"]["median"],
-            refs["single_thread_copy"]["seconds"]["min"],
-            refs["single_thread_copy"]["seconds"]["max"],
-            "",
-            "",
-            "",
-            "",
-            "",
-            "",
-        ],
+            refs["parallel_copy"]["seconds"],
+            len(cols),
+        ),
+        C.timing_row("reference: 1-thread copy", refs["single_thread_copy"]["seconds"], len(cols)),
         [
             "reference: sequential write + fsync",
             "",
@@ -87,8 +71,6 @@ def overhead(rep: dict) -> str:
                 tx,
             ]
         )
-    cols = ["method", "stall median s", "min", "max", "first save", "commit s"]
-    cols += ["write MB/s", "extra mem GiB", "stall / copy", "MB/s / raw write"]
     out.append(table(cols, rows))
     alts = rep["comparisons"].get("asyncckpt_vs_alternative", {})
     if alts:
