@@ -24,6 +24,14 @@ def new_token() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def write_synced(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` and fsync it (the directory is fsynced by the commit)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:
     """Atomically publish ``tmp_dir`` as ``final_dir`` (which must not exist)."""
     fsync_dir(tmp_dir)

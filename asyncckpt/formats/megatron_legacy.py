@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..commit import write_synced
+
 MODEL_FNAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FNAME = "distrib_optim.pt"
 
@@ -42,10 +44,7 @@ def _save_synced(obj: Any, path: Path) -> None:
     # Serialise in memory first: a pickling error must not leave a half-written file behind.
     buf = io.BytesIO()
     torch.save(obj, buf)
-    with open(path, "wb") as f:
-        f.write(buf.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, buf.getbuffer())
 
 
 def write_legacy(

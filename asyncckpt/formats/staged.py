@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..commit import write_synced
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor
 from ..staging import flatten_state, is_stateful, serialize_objects
 from . import FORMAT_ALIASES as ALIASES
@@ -209,15 +210,6 @@ def _assemble(views: Mapping[str, torch.Tensor], shards: Mapping[str, Any]) -> d
     return flat
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    import os
-
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write(
     fmt: str,
     views: Mapping[str, torch.Tensor],
@@ -252,7 +244,7 @@ def write(
         flat = {k: Serialized(v) for k, v in objects.items()}
         flat.update(_assemble(views, shards))
         if rank == 0:
-            _write_synced(directory / td.COMMON_FNAME, extra["common"])
+            write_synced(directory / td.COMMON_FNAME, extra["common"])
         crcs = dcp.write_flat(
             flat,
             directory,
@@ -262,7 +254,7 @@ def write(
             planner=_TorchDistPlanner(),
         )
         if rank == 0:  # last, as megatron does: "this is a complete checkpoint"
-            _write_synced(directory / td.CONFIG_FNAME, json.dumps(td.CONFIG).encode())
+            write_synced(directory / td.CONFIG_FNAME, json.dumps(td.CONFIG).encode())
         return crcs
     if fmt == "megatron_legacy":
         from . import megatron_legacy as legacy

@@ -67,6 +67,8 @@ from torch.distributed.checkpoint import (
     StorageWriter,
 )
 
+from ..commit import write_synced
+
 CONFIG_FNAME = "metadata.json"
 COMMON_FNAME = "common.pt"
 #: What megatron's ``save_config`` writes for ``torch_dist``; key order matters for the bytes.
@@ -242,13 +244,6 @@ class _Planner(DefaultSavePlanner):
         return self.plan
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_torch_dist(
     state: dict,
     directory: str | os.PathLike,
@@ -272,7 +267,7 @@ def write_torch_dist(
     crcs = {COMMON_FNAME: _crc(common_pt), CONFIG_FNAME: _crc(config)} if is_rank0 else {}
     directory.mkdir(parents=True, exist_ok=True)
     if is_rank0:
-        _write_synced(directory / COMMON_FNAME, common_pt)
+        write_synced(directory / COMMON_FNAME, common_pt)
     writer = (writer_factory or _default_writer)(str(directory))
     with _quiet_single_process():
         dcp.save(
@@ -283,7 +278,7 @@ def write_torch_dist(
             no_dist=process_group is None,
         )
     if is_rank0:  # last: megatron treats metadata.json as "this is a complete checkpoint"
-        _write_synced(directory / CONFIG_FNAME, config)
+        write_synced(directory / CONFIG_FNAME, config)
     return crcs
 
 
