@@ -4,7 +4,7 @@ The public surface is re-exported here; everything else is an implementation det
 """
 
 from . import faults
-from .engine import CheckpointEngine, SaveHandle
+from .engine import CheckpointEngine, PauseHooks, SaveHandle
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -44,6 +44,7 @@ __all__ = [
     "KeepInterval",
     "KeepLast",
     "KeepSteps",
+    "PauseHooks",
     "NoValidCheckpoint",
     "RetentionPolicy",
     "RootLocked",

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from .manifest import read_manifest, verify_dir
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
-from .throttle import ThrottleConfig, resolve
+from .throttle import ThrottleConfig, WritePause, resolve
 from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
 
 log = logging.getLogger("asyncckpt")
@@ -165,6 +165,8 @@ class _Core:
         if opts.write_timeout is not None and opts.write_timeout <= 0:
             raise ValueError("write_timeout must be > 0 seconds")
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
+        # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
+        self.write_pause = WritePause(tmp.get_context("spawn"))
         from . import dist as _dist
         from .formats import staged
         from .retention import should_prune
@@ -304,7 +306,7 @@ class _Core:
         )
         proc = ctx.Process(
             target=worker_main,
-            args=(config, jobs_r, events_w),
+            args=(config, jobs_r, events_w, self.write_pause),
             name=f"asyncckpt-worker-{self.opts.rank}",
             daemon=True,
         )
@@ -401,6 +403,7 @@ class _Core:
                 s = job.handle.stats
                 st = msg[2]
                 s.write_seconds, s.commit_seconds = st["write_seconds"], st["commit_seconds"]
+                s.paused_seconds = st.get("paused_seconds", 0.0)
                 s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
                 self._release(job)
                 del self.inflight[msg[1]]
@@ -848,6 +851,35 @@ class _PendingSave:
     slot: int | None = None
 
 
+class PauseHooks:
+    """Step pre/post hooks on an optimizer that open and close a ``pause_writes`` region."""
+
+    def __init__(self, pause: WritePause, optimizer: Any) -> None:
+        self._pause = pause
+        self._open = False
+        self._handles = [
+            optimizer.register_step_pre_hook(self._enter),
+            optimizer.register_step_post_hook(self._exit),
+        ]
+
+    def _enter(self, *_: Any) -> None:
+        if self._open:  # the previous step raised before its post hook: close that region
+            self._pause.exit()
+        self._pause.enter()
+        self._open = True
+
+    def _exit(self, *_: Any) -> None:
+        if self._open:
+            self._open = False
+            self._pause.exit()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._exit()
+
+
 class CheckpointEngine:
     """Asynchronous checkpointing for a training loop (asyncio or trio, via anyio).
 
@@ -1015,6 +1047,37 @@ class CheckpointEngine:
     def protect(self, step: int) -> None:
         """Never prune ``step``, whatever the retention policy."""
         self._core.pinned.add(_check_step(step))
+
+    @contextlib.contextmanager
+    def pause_writes(self) -> Iterator[None]:
+        """Hold the background write while the block runs (an optimizer step on the CPU, say).
+
+        The worker finishes the piece it is writing (at most 1 MiB) and waits until the block
+        ends, but no longer than the throttle's ``max_pause_seconds`` per block, so a
+        checkpoint always completes. Cheap (two counters in shared memory), nestable, usable
+        from any thread, and a no-op with ``ThrottleConfig(max_pause_seconds=0)``.
+        """
+        pause = self._core.write_pause
+        pause.enter()
+        try:
+            yield
+        finally:
+            pause.exit()
+
+    def pause_writes_during(self, optimizer: Any) -> PauseHooks:
+        """``pause_writes`` around every ``optimizer.step()``, via the optimizer's step hooks.
+
+        For optimizer offload: ``engine.pause_writes_during(optimizer)`` once, after creating
+        both. Returns a handle whose ``remove()`` takes the hooks off again.
+        """
+        if not (
+            hasattr(optimizer, "register_step_pre_hook")
+            and hasattr(optimizer, "register_step_post_hook")
+        ):
+            raise TypeError(
+                f"pause_writes_during needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        return PauseHooks(self._core.write_pause, optimizer)
 
     # -------------------------------------------------------------- loading
     async def load_latest(self, state: Any) -> int | None:

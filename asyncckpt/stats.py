@@ -19,6 +19,8 @@ class SaveStats:
     write_seconds: float = 0.0
     #: seconds for manifest, rename and tracker
     commit_seconds: float = 0.0
+    #: seconds of ``write_seconds`` the worker held its writes for ``pause_writes`` regions
+    paused_seconds: float = 0.0
     #: bytes written (all files of the checkpoint)
     bytes: int = 0
     #: bytes staged (tensor data)

@@ -11,6 +11,11 @@ each lever applies to it as a whole:
 * ``ionice``          -- idle I/O class: the trainer's own reads (data loading) go first.
 * ``io_threads``      -- how many files are written at once (DCP ``FileSystemWriter``).
 * ``write_rate_bytes_per_s`` -- a token bucket (``RateLimiter``) gating ``ThrottledWriter``.
+* ``direct_io``       -- ``O_DIRECT`` shard files (``directio.py``): no page-cache copy and no
+                         kernel writeback outside the worker, so the other levers cover it all.
+* pause hint          -- ``WritePause``: the trainer marks its optimizer step (or any CPU-heavy
+                         region) and the worker holds its writes between 1 MiB pieces until
+                         the region ends (at most ``max_pause_seconds`` per region).
 
 ``apply_throttle`` is best-effort: an OS that refuses a lever gets a warning and a note in the
 returned ``AppliedThrottle``, never an exception, since a checkpoint is worth more than a nicety.
@@ -52,6 +57,8 @@ class ThrottleConfig:
     io_threads: int = 1
     write_rate_bytes_per_s: float | None = None
     ionice: bool = False
+    direct_io: bool = False
+    max_pause_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         # bool is an int subclass; nice=True or cpu_cores=True are almost surely mistakes.
@@ -93,27 +100,35 @@ class ThrottleConfig:
             )
         if not isinstance(self.ionice, bool):
             raise ValueError(f"ionice must be a bool, got {self.ionice!r}")
+        if not isinstance(self.direct_io, bool):
+            raise ValueError(f"direct_io must be a bool, got {self.direct_io!r}")
+        mp = self.max_pause_seconds
+        if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp < 1e9:
+            raise ValueError(f"max_pause_seconds must be a number >= 0, got {mp!r}")
 
     @classmethod
     def off(cls) -> ThrottleConfig:
-        """No throttling: full priority, all cores, two files written at once."""
-        return cls(io_threads=2)
+        """No throttling: full priority, all cores, two files written at once, page cache."""
+        return cls(io_threads=2, max_pause_seconds=0.0)
 
     @classmethod
     def background(cls) -> ThrottleConfig:
         """The default: full speed while the CPU is idle, out of the training's way when not.
 
         nice 10 (the trainer wins any contended core), one compute thread (the worker only
-        copies bytes), one file written at a time (one sequential stream per disk).
+        copies bytes), one file written at a time (one sequential stream per disk), ``O_DIRECT``
+        (no page-cache copy, no writeback by kernel threads outside the worker).
         """
-        return cls(nice=10, compute_threads=1, io_threads=1)
+        return cls(nice=10, compute_threads=1, io_threads=1, direct_io=True)
 
     @classmethod
     def for_optimizer_offload(cls, write_rate_bytes_per_s: float | None = None) -> ThrottleConfig:
         """The preset for ``optimizer_offload=True``: lowest priority, the last core, one thread.
 
         No rate cap by default: with the idle I/O class and one writer thread the disk is the
-        only thing the worker can saturate, and an optimizer step does not use it.
+        only thing the worker can saturate, and an optimizer step does not use it. Pair it with
+        ``engine.pause_writes_during(optimizer)`` so the worker also steps aside for the
+        optimizer's memory bandwidth.
         """
         return cls(
             nice=19,
@@ -122,6 +137,7 @@ class ThrottleConfig:
             io_threads=1,
             write_rate_bytes_per_s=write_rate_bytes_per_s,
             ionice=True,
+            direct_io=True,
         )
 
 
@@ -179,6 +195,7 @@ def apply_throttle(config: ThrottleConfig) -> AppliedThrottle:
     # Levers the writer applies itself; recorded so the report shows the whole config.
     result.applied["io_threads"] = config.io_threads
     result.applied["write_rate_bytes_per_s"] = config.write_rate_bytes_per_s
+    result.applied["direct_io"] = config.direct_io
     return result
 
 
@@ -286,6 +303,93 @@ class RateLimiter:
         if wait > 0:
             self._sleep(wait)
         return wait
+
+
+class WritePause:
+    """The trainer's "CPU busy, hold the writes" hint, in shared memory the worker can read.
+
+    Two counters: ``depth`` (regions open now; the trainer's threads may nest them) and
+    ``entries`` (regions ever entered, so the worker can tell one long region from the next).
+    Only the trainer writes them, under its own lock; the worker only reads. Created in the
+    trainer with a spawn context and handed to the worker process when it starts.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._counts = ctx.RawArray("q", 2)  # [depth, entries]
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._counts[1] += 1
+            self._counts[0] += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._counts[0] = max(0, self._counts[0] - 1)
+
+    @property
+    def active(self) -> bool:
+        return self._counts[0] > 0
+
+    @property
+    def entries(self) -> int:
+        return self._counts[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"counts": self._counts}  # the lock is the trainer's own
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._counts = state["counts"]
+        self._lock = threading.Lock()
+
+
+class Pacer:
+    """Called by the worker before each piece it writes: the rate cap, then the pause hint.
+
+    A region the trainer keeps open longer than ``max_pause_seconds`` stops holding the writes
+    (for the rest of that region), so a checkpoint always finishes and back-pressure cannot
+    turn into a deadlock; ``max_pause_seconds=0`` ignores the hint.
+    """
+
+    POLL_SECONDS = 0.001
+
+    def __init__(
+        self,
+        limiter: RateLimiter | None,
+        pause: WritePause | None,
+        max_pause_seconds: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._limiter = limiter
+        self._pause = pause if max_pause_seconds > 0 else None
+        self._max_pause = max_pause_seconds
+        self._clock = clock
+        self._sleep = sleep
+        self._given_up_on = -1  # the region (by entry count) whose pause ran out
+        self.paused_seconds = 0.0
+
+    def __call__(self, nbytes: int) -> None:
+        if self._limiter is not None:
+            self._limiter.acquire(nbytes)
+        pause = self._pause
+        if pause is None or not pause.active:
+            return
+        t0 = start = self._clock()
+        region = pause.entries
+        while pause.active:
+            now = self._clock()
+            if pause.entries != region:  # the trainer moved on to a new region: wait anew
+                region, start = pause.entries, now
+            elif region == self._given_up_on:
+                break
+            elif now - start >= self._max_pause:
+                self._given_up_on = region
+                log.info("pause hint held the writes %.1f s; writing on", self._max_pause)
+                break
+            self._sleep(self.POLL_SECONDS)
+        self.paused_seconds += self._clock() - t0
 
 
 class ThrottledWriter(io.RawIOBase):

@@ -122,14 +122,17 @@ def error_info(exc: BaseException) -> dict[str, Any]:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, jobs: Any, events: Any) -> None:
+    def __init__(self, config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:
         self.config = config
+        self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
         self.io_threads = 1
-        self.gate = None
+        self.direct_io = False
+        self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
+        self.paused_at_start = 0.0
         # DCP's extra writer threads drop their exceptions (the file is left short and the save
         # "succeeds"): collect them here and fail the save with them.
         self.thread_errors: list[BaseException] = []
@@ -160,18 +163,22 @@ class Worker:
                 return
 
     def _apply_throttle(self) -> Any:
+        from .throttle import Pacer, RateLimiter, apply_throttle
+
         cfg = self.config.throttle
         if cfg is None:
             torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
             return None
-        from .throttle import RateLimiter, apply_throttle
-
         report = apply_throttle(cfg)
         self.io_threads = cfg.io_threads
-        if cfg.write_rate_bytes_per_s:
-            limiter = RateLimiter(cfg.write_rate_bytes_per_s)
-            self.gate = limiter.acquire
+        self.direct_io = cfg.direct_io
+        limiter = RateLimiter(cfg.write_rate_bytes_per_s) if cfg.write_rate_bytes_per_s else None
+        if limiter is not None or (self.pause is not None and cfg.max_pause_seconds > 0):
+            self.pacer = Pacer(limiter, self.pause, cfg.max_pause_seconds)
         return report
+
+    def _paused_seconds(self) -> float:
+        return self.pacer.paused_seconds if self.pacer is not None else 0.0
 
     def _save(self, job: SaveJob) -> None:
         faults.install(job.faults)
@@ -187,6 +194,7 @@ class Worker:
         preexisting = final.exists()
         released = False
         t0 = time.perf_counter()
+        self.paused_at_start = self._paused_seconds()
         try:
             tmp.mkdir()
             faults.point("before_shard_write")
@@ -235,7 +243,8 @@ class Worker:
             rank=self.config.dist.rank if self.config.dist is not None else 0,
             process_group=process_group,
             thread_count=self.io_threads,
-            gate=self.gate,
+            gate=self.pacer,
+            direct_io=self.direct_io,
         )
 
     def _save_multi(self, job: SaveJob) -> None:
@@ -258,6 +267,7 @@ class Worker:
         preexisting = final.exists()
         released = False
         t0 = time.perf_counter()
+        self.paused_at_start = self._paused_seconds()
         outcome: tuple[str, Any] | None = None
         try:
             with _dist.job_group(cfg, f"{job.step}.{job.attempt}") as pg:
@@ -364,6 +374,7 @@ class Worker:
         rename_into_place(tmp, final)
         write_tracker(self.root, self.config.layout, job.step)
         return {
+            "paused_seconds": self._paused_seconds() - self.paused_at_start,
             "write_seconds": t_written - t0,
             "commit_seconds": time.perf_counter() - t_written,
             "bytes": manifest["bytes"],
@@ -434,7 +445,7 @@ def _skip_torch_save_crc() -> None:
         pass
 
 
-def worker_main(config: WorkerConfig, jobs: Any, events: Any) -> None:
+def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:
     """Entry point of the spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -453,6 +464,6 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any) -> None:
     faults.clear()
     faults.set_reporter(lambda fault_id: events.send(("fault", fault_id)))
     try:
-        Worker(config, jobs, events).run()
+        Worker(config, jobs, events, pause).run()
     except (EOFError, OSError):
         pass  # the trainer closed the pipe; temporaries are removed at the next start

@@ -1,7 +1,7 @@
 """CPU optimizer step (as optimizer offload runs it) while a checkpoint writes in the background.
 
     python benchmarks/offload_throttle.py [--params-m 100] [--saves 3] [--gap-factor 1.0]
-        [--modes off,on,on+cap,on+pin,on+cap+pin] [--write-rate-mb 0] [--cap-steps 6]
+        [--modes off,on,on+pause] [--write-rate-mb 0] [--cap-steps 6]
     torchrun --nproc-per-node 2 benchmarks/offload_throttle.py --quick
 
 A CPU Adam step over a large parameter set (many tensors, like an offloaded optimizer's shard)
@@ -12,6 +12,11 @@ steps right before each save) is reported, plus the write's duration, for these 
 
 * ``off``        -- ``ThrottleConfig.off()``: no throttling.
 * ``on``         -- ``optimizer_offload=True``: the engine's ``for_optimizer_offload()`` preset.
+* ``on+pause``   -- the preset and ``engine.pause_writes_during(optimizer)``: the worker holds
+  its writes while ``optimizer.step()`` runs and writes in the gaps (the recommended set-up
+  for optimizer offload).
+
+Not run by default (``--modes``), kept to show what did not help on the 2-core VM:
 * ``on+cap``     -- the preset with a write-rate cap: ``--write-rate-mb``, or (0) the state
   size over ``--cap-steps`` optimizer iterations (step + gap), so the write still finishes
   within that many steps.
@@ -40,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-MODES = ["off", "on", "on+cap", "on+pin", "on+cap+pin"]
+MODES = ["off", "on", "on+pause", "on+cap", "on+pin", "on+cap+pin"]
+DEFAULT_MODES = ["off", "on", "on+pause"]
 
 
 def build(params_m: float, seed: int) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
@@ -117,6 +123,9 @@ def run_mode(mode: str, params, opt, root: Path, args: Any, gap: float, cap: flo
             rec["worker"] = repr(engine._core.worker_report)
             rec["throttle"] = repr(engine._core.throttle)
             await engine.prepare(state)
+            if "pause" in mode:
+                engine.pause_writes_during(opt)
+            rec["paused_seconds"] = []
             pin = pinned_away_from(engine.worker_pid) if "pin" in mode else contextlib.nullcontext()
             with pin as info:
                 rec["pinning"] = info
@@ -135,6 +144,7 @@ def run_mode(mode: str, params, opt, root: Path, args: Any, gap: float, cap: flo
                     st = await h.committed()
                     rec["write_seconds"].append(time.perf_counter() - t0)
                     rec["worker_write_seconds"].append(st.write_seconds + st.commit_seconds)
+                    rec["paused_seconds"].append(st.paused_seconds)
                     rec["busy"].extend(busy)
                     rec["busy_per_save"].append(len(busy))
 
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--quiet-steps", type=int, default=4)
     p.add_argument("--gap-factor", type=float, default=1.0)
-    p.add_argument("--modes", default=",".join(MODES), help="some of %(default)s")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"some of {','.join(MODES)}")
     p.add_argument(
         "--write-rate-mb",
         type=float,
@@ -232,7 +242,11 @@ def main(argv: list[str] | None = None) -> dict:
     on = modes["on"]["slowdown_pct"] if "on" in modes else nan
     off = modes["off"]["slowdown_pct"] if "off" in modes else nan
     targets: dict[str, Any] = {
-        "slowdown_throttle_on_pct": {"target": "<= 10", "measured": on, "met": on <= 10},
+        "slowdown_throttle_on_pct": {
+            "target": "<= 10 (preset alone)",
+            "measured": on,
+            "met": on <= 10,
+        },
         "slowdown_throttle_off_clearly_larger": {
             "target": "off > on",
             "measured": [off, on],

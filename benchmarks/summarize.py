@@ -117,7 +117,9 @@ def training(rep: dict) -> str:
     out = [
         f"**training_loop** — {rep['model_params'] / 1e6:.1f}M-parameter transformer, "
         f"{rep['state_bytes'] / C.MiB:.0f} MiB state, {threads} trainer thread(s), save every "
-        f"{rep['save_every_steps']} steps ({rep['args']['saves']} saves), baseline step "
+        f"{rep['save_every_steps']} steps ({rep['args']['saves']} saves"
+        + (f" in {rep['rounds']} interleaved rounds" if rep.get("rounds", 1) > 1 else "")
+        + "), baseline step "
         f"{rep['baseline_mean_step_seconds'] * 1e3:.0f} ms, load average at start "
         f"{rep['environment']['load_avg'][0]:.1f}\n"
     ]
@@ -180,10 +182,11 @@ def offload(rep: dict) -> str:
                 r.get("slowdown_vs_unpinned_quiet_pct", float("nan")),
                 len(r["busy"]),
                 r["write_seconds_median"],
+                C.med(r["paused_seconds"]) if r.get("paused_seconds") else float("nan"),
             ]
         )
     cols = ["throttle", "Adam step ms", "during a write ms", "slowdown %"]
-    cols += ["vs unpinned quiet %", "steps in write", "write s"]
+    cols += ["vs unpinned quiet %", "steps in write", "write s", "writes held s"]
     out.append(table(cols, rows))
     out.append("\n" + targets(rep["targets"]))
     return "\n".join(out)

@@ -1,19 +1,23 @@
 """Step-time overhead of checkpointing in a real training loop.
 
-    python benchmarks/training_loop.py [--saves 20] [--every N] [--trainer-threads T]
+    python benchmarks/training_loop.py [--saves 20] [--rounds 4] [--every N] [--trainer-threads T]
     torchrun --nproc-per-node 2 benchmarks/training_loop.py --quick
 
 A small GPT-like transformer (larger on CUDA) trains on random tokens with AdamW and saves every
 N steps. By default N comes from a measured asyncckpt write of the same state: one calibration
 save (default throttle) while training steps run, N = ceil(--fit x (write + commit seconds) /
 step seconds), at least --min-every, so that a write fits between saves; ``--every`` overrides.
-For each method it reports the step-time overhead against a run without checkpointing, and the
-slowdown of the steps that run while a write is in the background against the steps of the same
-run that do not (the GIL and CPU dip users see with thread-based async saves).
+The saves are split into ``--rounds`` rounds with the methods interleaved in each, so every
+method is compared with a no-checkpoint run of the same minutes (the overhead is the mean of
+the per-round ratios). For each method it reports the step-time overhead against a run without
+checkpointing, and the slowdown of the steps that run while a write is in the background
+against the steps of the same run that do not (the GIL and CPU dip users see with thread-based
+async saves).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import sys
@@ -326,6 +330,12 @@ def main(argv: list[str] | None = None) -> dict:
         "default on CUDA); recorded in the JSON",
     )
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="split the saves into this many rounds, methods interleaved per round",
+    )
     p.add_argument("--d-model", type=int, default=0)
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--heads", type=int, default=8)
@@ -347,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         defaults = (64, 2, 4)
         args.vocab, args.seq, args.saves, args.warmup = 512, 32, min(args.saves, 3), 2
+        args.rounds = min(args.rounds, 2)
     args.d_model = args.d_model or defaults[0]
     args.layers = args.layers or defaults[1]
     args.batch = args.batch or defaults[2]
@@ -387,22 +398,32 @@ def main(argv: list[str] | None = None) -> dict:
         f"{auto_every}; save every {args.every} steps ({every_source})",
         flush=True,
     )
+    # Rounds: every method runs saves/rounds saves per round, methods interleaved, so each
+    # method's steps sit next to a no-checkpoint run of the same minutes (this VM drifts by
+    # 5-10% over a few minutes, more than the 3% being measured).
+    rounds = max(1, min(args.rounds, args.saves))
+    per_round = math.ceil(args.saves / rounds)
+    round_args = copy.copy(args)
+    round_args.saves = per_round
     runs: dict[str, Any] = {}
-    for m in methods:
-        C.barrier(rank)
-        root = base / m.replace(":", "_").replace("+", "_")
-        gc.collect()
-        t0 = time.perf_counter()
-        with C.MemorySampler() as mem:
-            rec = run_method(m, tr, root, args)
-        rec["method_seconds"] = time.perf_counter() - t0
-        rec["memory"] = mem.report()
-        C.rmtree(root)
-        runs[m] = rec
-        print(
-            f"[rank {rank.rank}] {m}: mean step {C.statistics.fmean(rec['step_seconds']) * 1e3:.1f} ms",
-            flush=True,
-        )
+    for r in range(rounds):
+        for m in methods:
+            C.barrier(rank)
+            root = base / m.replace(":", "_").replace("+", "_")
+            gc.collect()
+            t0 = time.perf_counter()
+            with C.MemorySampler() as mem:
+                rec = run_method(m, tr, root, round_args)
+            rec["method_seconds"] = time.perf_counter() - t0
+            rec["memory"] = mem.report()
+            C.rmtree(root)
+            _merge_round(runs.setdefault(m, {"rounds": []}), rec)
+            print(
+                f"[rank {rank.rank}] round {r + 1}/{rounds} {m}: mean step "
+                f"{C.statistics.fmean(rec['step_seconds']) * 1e3:.1f} ms",
+                flush=True,
+            )
+    args.rounds, args.saves_per_round, args.saves = rounds, per_round, rounds * per_round
     C.rmtree(base)
     report = build_report(args, rank, nparams, state_bytes, step_s, raw, runs)
     report["calibration"] = calib
@@ -416,6 +437,21 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def _merge_round(run: dict[str, Any], rec: dict[str, Any]) -> None:
+    """Append one round's record to a method's run (lists concatenated, memory per round)."""
+    run["rounds"].append(
+        {"mean_step_seconds": _mean(rec["step_seconds"]), "memory": rec.pop("memory")}
+    )
+    for k, v in rec.items():
+        if isinstance(v, list):
+            run.setdefault(k, []).extend(v)
+        elif isinstance(v, (int, float)) and k.endswith("seconds"):
+            run[k] = run.get(k, 0.0) + v
+        else:
+            run[k] = v
+    run["memory"] = run["rounds"][0]["memory"] | {"per_round": [x["memory"] for x in run["rounds"]]}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -424,6 +460,11 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
     base_runs = [r for m, r in runs.items() if m.startswith("none")]
     base_steps = [x for r in base_runs for x in r["step_seconds"]]
     base_mean = _mean(base_steps)
+    n_rounds = len(next(iter(runs.values()))["rounds"])
+    # Per round: the mean step of the no-checkpoint runs of that round.
+    base_by_round = [
+        _mean([r["rounds"][i]["mean_step_seconds"] for r in base_runs]) for i in range(n_rounds)
+    ]
     methods = {}
     for m, r in runs.items():
         steps = r["step_seconds"]
@@ -438,12 +479,20 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
             if not b and not s
         ]
         mean = _mean(steps)
+        by_round = [
+            100 * (x["mean_step_seconds"] / b - 1)
+            for x, b in zip(r["rounds"], base_by_round, strict=True)
+        ]
         e = {
             "steps": len(steps),
             "saves": len(r["stalls"]),
             "mean_step_seconds": mean,
             "median_step_seconds": C.med(steps),
-            "overhead_pct": 100 * (mean / base_mean - 1),
+            # Paired: each round against that round's no-checkpoint runs, then averaged.
+            # Paired: each round against that round's no-checkpoint runs, then averaged.
+            "overhead_pct": _mean(by_round),
+            "overhead_pooled_pct": 100 * (mean / base_mean - 1),
+            "overhead_by_round_pct": by_round,
             "overhead_vs_own_quiet_steps_pct": 100 * (mean / _mean(quiet) - 1)
             if quiet
             else float("nan"),
@@ -507,6 +556,8 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
         "save_every_steps": args.every,
         "trainer_threads": args.trainer_threads,
         "baseline_mean_step_seconds": base_mean,
+        "baseline_mean_step_seconds_by_round": base_by_round,
+        "rounds": n_rounds,
         "methods": methods,
         "targets": targets,
     }

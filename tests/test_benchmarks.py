@@ -97,9 +97,13 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
 
 
 def test_offload_throttle_runs_and_reports_every_field(tmp_path):
-    rep = run_bench("offload_throttle.py", tmp_path)
+    modes = "off,on,on+pause,on+cap,on+pin,on+cap+pin"
+    rep = run_bench("offload_throttle.py", tmp_path, "--modes", modes)
     has(rep, "params", "state_bytes", "modes", "targets", "gap_seconds")
-    has(rep["modes"], "off", "on", "on+cap", "on+pin", "on+cap+pin")
+    has(rep["modes"], *modes.split(","))
+    # with the pause hook the worker reports how long it held its writes (>= 0 per save)
+    assert len(rep["modes"]["on+pause"]["paused_seconds"]) == rep["args"]["saves"]
+    assert all(x >= 0 for x in rep["modes"]["on+pause"]["paused_seconds"])
     has(rep, "write_rate_cap_bytes_per_s", "unpinned_quiet_step_seconds", "trainer_threads")
     for e in rep["modes"].values():
         has(e, "mean_quiet_step_seconds", "mean_busy_step_seconds", "slowdown_pct")

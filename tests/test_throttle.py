@@ -19,9 +19,11 @@ import torch
 
 from asyncckpt.throttle import (
     AppliedThrottle,
+    Pacer,
     RateLimiter,
     ThrottleConfig,
     ThrottledWriter,
+    WritePause,
     apply_throttle,
     resolve,
 )
@@ -51,6 +53,10 @@ from asyncckpt.throttle import (
         {"write_rate_bytes_per_s": float("nan")},
         {"write_rate_bytes_per_s": float("inf")},
         {"ionice": "yes"},
+        {"direct_io": 1},
+        {"max_pause_seconds": -1},
+        {"max_pause_seconds": "2"},
+        {"max_pause_seconds": float("nan")},
     ],
 )
 def test_invalid_config_is_a_clear_value_error(kwargs: dict) -> None:
@@ -72,13 +78,16 @@ def test_presets_and_resolve() -> None:
     assert off.write_rate_bytes_per_s is None
 
     opt = ThrottleConfig.for_optimizer_offload()
-    assert opt == ThrottleConfig(nice=19, cpu_cores=1, compute_threads=1, io_threads=1, ionice=True)
+    assert opt == ThrottleConfig(
+        nice=19, cpu_cores=1, compute_threads=1, io_threads=1, ionice=True, direct_io=True
+    )
     assert opt.write_rate_bytes_per_s is None
     assert ThrottleConfig.for_optimizer_offload(5e6).write_rate_bytes_per_s == 5e6
 
     assert resolve(True, None) == opt
     default = ThrottleConfig.background()
-    assert default == ThrottleConfig(nice=10, compute_threads=1, io_threads=1)
+    assert default == ThrottleConfig(nice=10, compute_threads=1, io_threads=1, direct_io=True)
+    assert not off.direct_io and off.max_pause_seconds == 0  # "off" ignores the pause hint
     assert resolve(False, None) == default
     mine = ThrottleConfig(nice=3)
     assert resolve(True, mine) is mine  # an explicit config wins over the preset
@@ -178,7 +187,7 @@ def test_default_config_changes_nothing() -> None:
     before = (me.nice(), torch.get_num_threads())
     applied = apply_throttle(ThrottleConfig())
     assert applied.failed == {}
-    assert set(applied.applied) == {"io_threads", "write_rate_bytes_per_s"}
+    assert set(applied.applied) == {"io_threads", "write_rate_bytes_per_s", "direct_io"}
     assert (me.nice(), torch.get_num_threads()) == before
 
 
@@ -309,3 +318,190 @@ def test_throttled_writer_handles_short_writes_and_keeps_inner_open() -> None:
     w.close()
     assert bytes(sink.buf) == b"0123456789abcdefghijklmnopqrstuvwxyz"
     assert not sink.closed
+
+
+# --------------------------------------------------------------------------- pause hint
+
+
+class _FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.on_sleep = None  # called after each sleep: lets a test change the hint mid-wait
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep(self.now)
+
+
+def _pacer(pause, max_pause: float, t: _FakeTime, limiter=None) -> Pacer:
+    return Pacer(limiter, pause, max_pause, clock=t.clock, sleep=t.sleep)
+
+
+def test_write_pause_counts_nested_regions_and_pickles_to_a_spawned_child() -> None:
+    pause = WritePause(mp.get_context("spawn"))
+    assert not pause.active and pause.entries == 0
+    pause.enter()
+    pause.enter()
+    pause.exit()
+    assert pause.active and pause.entries == 2
+    pause.exit()
+    pause.exit()  # an extra exit never goes negative
+    assert not pause.active
+    # The worker gets it at spawn time and sees the trainer's updates (shared memory).
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    pause.enter()
+    proc = ctx.Process(target=_report_pause, args=(pause, out), daemon=True)
+    proc.start()
+    try:
+        assert out.get(timeout=120) == (True, 3)
+        pause.exit()
+        assert out.get(timeout=60) == (False, 3)
+    finally:
+        proc.join(30)
+
+
+def _report_pause(pause: WritePause, out) -> None:
+    out.put((pause.active, pause.entries))
+    deadline = time.monotonic() + 60
+    while pause.active and time.monotonic() < deadline:
+        time.sleep(0.005)
+    out.put((pause.active, pause.entries))
+
+
+def test_pacer_waits_until_the_region_ends() -> None:
+    t = _FakeTime()
+    pause = WritePause(mp.get_context("spawn"))
+    pacer = _pacer(pause, 5.0, t)
+    pacer(1 << 20)  # no region: no wait
+    assert t.now == 0 and pacer.paused_seconds == 0
+    pause.enter()
+    t.on_sleep = lambda now: pause.exit() if now >= 0.3 else None
+    pacer(1 << 20)
+    assert not pause.active
+    assert 0.3 <= t.now < 0.31
+    assert pacer.paused_seconds == pytest.approx(t.now)
+
+
+def test_pacer_gives_up_on_a_region_longer_than_max_pause() -> None:
+    t = _FakeTime()
+    pause = WritePause(mp.get_context("spawn"))
+    pacer = _pacer(pause, 0.5, t)
+    pause.enter()
+    pacer(1)
+    assert t.now == pytest.approx(0.5, abs=0.002)  # waited max_pause, then wrote on
+    pacer(1)
+    pacer(1)
+    assert t.now == pytest.approx(0.5, abs=0.002)  # same region: no second wait
+    pause.exit()
+    pause.enter()  # a new region holds the writes again
+    pacer(1)
+    assert t.now == pytest.approx(1.0, abs=0.004)
+    assert pacer.paused_seconds == pytest.approx(1.0, abs=0.004)
+
+
+def test_pacer_waits_anew_for_back_to_back_regions() -> None:
+    t = _FakeTime()
+    pause = WritePause(mp.get_context("spawn"))
+    pacer = _pacer(pause, 0.5, t)
+    pause.enter()
+
+    def next_region(now: float) -> None:
+        if now >= 0.4 and pause.entries == 1:
+            pause.exit()
+            pause.enter()  # the next optimizer step starts before the worker looked
+        elif now >= 0.7:
+            pause.exit()
+
+    t.on_sleep = next_region
+    pacer(1)
+    # 0.4 s in region 1, then region 2 gets its own 0.5 s allowance and ends at 0.7 s.
+    assert t.now == pytest.approx(0.7, abs=0.002)
+    assert not pause.active
+
+
+def test_pacer_zero_max_pause_ignores_the_hint_and_rate_still_applies() -> None:
+    t = _FakeTime()
+    pause = WritePause(mp.get_context("spawn"))
+    pause.enter()
+    limiter = RateLimiter(1000.0, burst_bytes=1000, clock=t.clock, sleep=t.sleep)
+    pacer = _pacer(pause, 0.0, t, limiter)
+    pacer(1000)
+    pacer(1000)  # in debt: the rate cap sleeps, the pause hint does not
+    assert t.now == pytest.approx(1.0)
+    assert pacer.paused_seconds == 0
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _big_state() -> dict:
+    return {"w": torch.randn(4 << 20), "step": 1}  # 16 MiB: 16 pieces for the pacer
+
+
+@pytest.mark.anyio
+async def test_pause_writes_holds_the_background_write(tmp_path) -> None:
+    import anyio
+
+    from asyncckpt import CheckpointEngine
+
+    throttle = ThrottleConfig(max_pause_seconds=60)
+    async with CheckpointEngine(tmp_path, throttle=throttle) as engine:
+        await engine.prepare(_big_state())
+        with engine.pause_writes():
+            handle = await engine.save(1, _big_state())
+            await anyio.sleep(1.0)
+            assert not handle.done()  # held: nothing committed while the region is open
+            assert engine.latest_step() is None
+        stats = await handle.committed()
+    assert stats.paused_seconds >= 0.8
+    assert stats.paused_seconds <= stats.write_seconds
+
+
+def test_pause_writes_never_holds_a_save_longer_than_max_pause(tmp_path) -> None:
+    from asyncckpt import SyncCheckpointEngine
+
+    throttle = ThrottleConfig(max_pause_seconds=0.3)
+    with SyncCheckpointEngine(tmp_path, throttle=throttle) as engine:
+        with engine.pause_writes():  # a region that outlasts the save
+            stats = engine.save(1, _big_state()).committed_sync(timeout=60)
+            assert engine.latest_step() == 1
+        assert 0.25 <= stats.paused_seconds < 5
+
+
+def test_pause_writes_during_hooks_the_optimizer_step(tmp_path) -> None:
+    from asyncckpt import SyncCheckpointEngine
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.SGD([p], lr=0.1)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        pause = engine._core.write_pause
+        seen: list[bool] = []
+        hooks = engine.pause_writes_during(opt)
+        opt.register_step_pre_hook(lambda *a: seen.append(pause.active))  # runs after ours
+        opt.step()
+        assert seen == [True] and not pause.active and pause.entries == 1
+
+        # A step that raises leaves its region open; the next step closes it first.
+        def boom(*a):
+            raise RuntimeError("boom")
+
+        h = opt.register_step_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        assert pause.active
+        h.remove()
+        opt.step()
+        assert not pause.active and pause.entries == 3
+
+        hooks.remove()
+        assert not pause.active
+        opt.step()
+        assert pause.entries == 3  # unhooked
+        with pytest.raises(TypeError, match="Optimizer"):
+            engine.pause_writes_during(object())

@@ -9,6 +9,7 @@ throttle's rate limit and the ``mid_shard_write`` fault point.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
+from ..directio import DirectFile, open_for_write
 from ..staging import PathItem, flatten_state, is_stateful
 
 
@@ -35,6 +37,10 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+#: Largest piece a shard stream hands to the file (and to the throttle) at once.
+PIECE_BYTES = 1 << 20
 
 
 class Serialized(bytes):
@@ -49,28 +55,43 @@ class _PassThroughPlanner(DefaultSavePlanner):
 
 
 class _ChecksumStream(io.RawIOBase):
-    """A write-only file wrapper that keeps a running crc32 and calls the throttle."""
+    """A write-only file wrapper that keeps a running crc32 and paces the writer.
 
-    def __init__(self, raw: Any, gate: Callable[[int], None] | None) -> None:
+    Large writes (a tensor's storage) are cut into ``PIECE_BYTES`` pieces: the crc32 of a piece
+    reads it from cache right after the copy into the file, and ``pace`` (the throttle's rate
+    limit and pause hint) gets a say between pieces instead of once per tensor.
+    """
+
+    def __init__(self, raw: Any, pace: Callable[[int], None] | None) -> None:
         self._raw = raw
-        self._gate = gate
+        self._pace = pace
         self.crc = 0
         self.size = 0
+        # The first I/O error: torch.save replaces an error raised inside it with its own
+        # "unexpected pos" RuntimeError, so create_stream re-raises this one instead.
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self._gate is not None:
-            self._gate(len(view))
-        self._raw.write(view)
-        self.crc = zlib.crc32(view, self.crc)
-        first = self.size == 0
-        self.size += len(view)
-        if first:
-            faults.point("mid_shard_write")
-        return len(view)
+        n = len(view)
+        for start in range(0, n, PIECE_BYTES):
+            piece = view[start : start + PIECE_BYTES]
+            if self._pace is not None:
+                self._pace(len(piece))
+            try:
+                _write_all(self._raw, piece)
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
+            self.crc = zlib.crc32(piece, self.crc)
+            first = self.size == 0
+            self.size += len(piece)
+            if first:
+                faults.point("mid_shard_write")
+        return n
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -86,11 +107,25 @@ class _ChecksumStream(io.RawIOBase):
         pass
 
 
+def _write_all(raw: Any, piece: memoryview) -> None:
+    while piece:
+        n = raw.write(piece)
+        if n is None:
+            raise BlockingIOError("shard file is non-blocking and would block")
+        piece = piece[n:]
+
+
 class _ChecksummingFileSystem(FileSystem):
-    def __init__(self, crcs: dict[str, tuple[int, int]], gate: Callable[[int], None] | None):
+    def __init__(
+        self,
+        crcs: dict[str, tuple[int, int]],
+        pace: Callable[[int], None] | None,
+        direct_io: bool,
+    ):
         super().__init__()
         self._crcs = crcs
-        self._gate = gate
+        self._pace = pace
+        self._direct_io = direct_io
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
@@ -98,15 +133,24 @@ class _ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as s:
                 yield s
             return
-        with open(path, mode, buffering=1 << 20) as raw:
-            stream = _ChecksumStream(raw, self._gate)
+        raw = open_for_write(path, direct=self._direct_io)
+        stream = _ChecksumStream(raw, self._pace)
+        try:
             yield stream  # type: ignore[misc]
             raw.flush()
-            self._crcs[Path(path).name] = (stream.crc, stream.size)
+            raw.close()  # a DirectFile writes its last partial block here
+        except BaseException as exc:
+            with contextlib.suppress(OSError):  # the file is thrown away with the save
+                raw.abort() if isinstance(raw, DirectFile) else raw.close()
+            if stream.error is not None and exc is not stream.error:
+                raise stream.error from exc  # the disk's error, not torch's wrapper of it
+            raise
+        self._crcs[Path(path).name] = (stream.crc, stream.size)
 
 
 class ChecksumWriter(FileSystemWriter):
-    """DCP's FileSystemWriter whose files are checksummed (and rate-gated) while written.
+    """DCP's FileSystemWriter whose files are checksummed (and paced) while written, with
+    ``O_DIRECT`` where ``direct_io`` asks for it and the filesystem allows it.
 
     ``crcs`` maps each file name written to ``(crc32, size)``; ``.metadata`` is renamed into
     place by DCP, so its entry is recorded under the temporary name and recomputed by the
@@ -119,6 +163,7 @@ class ChecksumWriter(FileSystemWriter):
         *,
         thread_count: int = 1,
         gate: Callable[[int], None] | None = None,
+        direct_io: bool = False,
         sync_files: bool = False,
     ) -> None:
         super().__init__(
@@ -129,7 +174,7 @@ class ChecksumWriter(FileSystemWriter):
             overwrite=True,
         )
         self.crcs: dict[str, tuple[int, int]] = {}
-        self.fs = _ChecksummingFileSystem(self.crcs, gate)
+        self.fs = _ChecksummingFileSystem(self.crcs, gate, direct_io)
 
 
 def write_flat(
@@ -138,6 +183,7 @@ def write_flat(
     *,
     thread_count: int = 1,
     gate: Callable[[int], None] | None = None,
+    direct_io: bool = False,
     process_group: Any = None,
     planner: Any = None,
 ) -> dict[str, tuple[int, int]]:
@@ -146,7 +192,7 @@ def write_flat(
     With a ``process_group``, every rank of it calls this for the same directory: DCP plans
     across them, each writes its own shards, and rank 0 alone writes ``.metadata``.
     """
-    writer = ChecksumWriter(directory, thread_count=thread_count, gate=gate)
+    writer = ChecksumWriter(directory, thread_count=thread_count, gate=gate, direct_io=direct_io)
     no_dist = process_group is None
     with _quiet_single_process():
         dcp.save(

@@ -221,6 +221,7 @@ def write(
     process_group: Any = None,
     thread_count: int = 1,
     gate: Callable[[int], None] | None = None,
+    direct_io: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written.
 
@@ -236,7 +237,12 @@ def write(
         flat: dict[str, Any] = {k: Serialized(v) for k, v in objects.items()}
         flat.update(_assemble(views, shards))
         return dcp.write_flat(
-            flat, directory, thread_count=thread_count, gate=gate, process_group=process_group
+            flat,
+            directory,
+            thread_count=thread_count,
+            gate=gate,
+            direct_io=direct_io,
+            process_group=process_group,
         )
     if fmt == "torch_dist":
         from . import torch_dist as td
@@ -250,6 +256,7 @@ def write(
             directory,
             thread_count=thread_count,
             gate=gate,
+            direct_io=direct_io,
             process_group=process_group,
             planner=_TorchDistPlanner(),
         )
