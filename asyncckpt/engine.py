@@ -302,6 +302,7 @@ class _Core:
             run_id=self.run_id,
             throttle=self.throttle,
             parent_pid=os.getpid(),
+            local_rank=self.local_rank,
             dist=self.dist_cfg,
         )
         proc = ctx.Process(

@@ -274,13 +274,16 @@ class StagingSlot:
             _copy_from_cuda(cuda_tensors)
 
 
-#: Threads for CPU -> arena copies; None picks one per 8 cores (1 to 8), and the environment
-#: variable ASYNCCKPT_COPY_THREADS overrides both. One memcpy stream already runs near memory
-#: bandwidth, while torch's OpenMP copy on a small, busy machine is 2-3x slower than that (its
-#: threads wait on a core another process holds): measured in benchmarks/README.md.
+#: Threads for CPU -> arena copies; None uses as many as the trainer's torch intra-op pool
+#: (the cores it computes on, idle while ``save`` blocks it), at most 8; the environment
+#: variable ASYNCCKPT_COPY_THREADS overrides both. The copies are numpy memcpys of 32 MiB
+#: chunks handed out by a small thread pool: a thread that loses its core to another process
+#: delays one chunk, not the whole copy (torch's OpenMP copy waits for its slowest thread,
+#: 2-3x slower than one memcpy stream on a small, busy machine: benchmarks/README.md).
 CPU_COPY_THREADS: int | None = None
 _COPY_CHUNK = 32 << 20
 _copy_pool: Any = None
+_copy_pool_threads = 0
 
 
 def cpu_copy_threads() -> int:
@@ -289,7 +292,7 @@ def cpu_copy_threads() -> int:
         return max(1, int(env))
     if CPU_COPY_THREADS:
         return max(1, CPU_COPY_THREADS)
-    return max(1, min(8, (os.cpu_count() or 1) // 8))
+    return max(1, min(8, torch.get_num_threads()))
 
 
 def _as_bytes(t: torch.Tensor) -> Any:
@@ -307,11 +310,14 @@ def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
         for dst, src in pairs:
             np.copyto(dst, src)
         return
-    global _copy_pool
-    if _copy_pool is None:
+    global _copy_pool, _copy_pool_threads
+    if _copy_pool is None or _copy_pool_threads != threads:
         from concurrent.futures import ThreadPoolExecutor
 
+        if _copy_pool is not None:
+            _copy_pool.shutdown(wait=False)
         _copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-copy")
+        _copy_pool_threads = threads
     chunks = []
     for dst, src in pairs:
         for off in range(0, len(src), _COPY_CHUNK):

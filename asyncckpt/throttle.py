@@ -48,7 +48,8 @@ class ThrottleConfig:
     """How the checkpoint worker process is throttled. The default changes nothing.
 
     ``cpu_cores`` is either an explicit set of core ids or a count ``n``: the last ``n`` cores
-    the process may use. ``None`` leaves affinity, threads or rate unchanged.
+    the process may use (on a node with several ranks, each local rank's worker the ``n``
+    before the next rank's: ``worker_cores``). ``None`` leaves affinity, threads or rate unchanged.
     """
 
     nice: int = 0
@@ -115,11 +116,13 @@ class ThrottleConfig:
     def background(cls) -> ThrottleConfig:
         """The default: full speed while the CPU is idle, out of the training's way when not.
 
-        nice 10 (the trainer wins any contended core), one compute thread (the worker only
-        copies bytes), one file written at a time (one sequential stream per disk), ``O_DIRECT``
-        (no page-cache copy, no writeback by kernel threads outside the worker).
+        nice 19 (the worker runs at full speed on an idle core, and the trainer wins any core
+        both want), one compute thread (the worker only copies bytes), one file written at a
+        time (one sequential stream per disk), ``O_DIRECT`` (no page-cache copy, no writeback
+        by kernel threads outside the worker). No core pinning: the default makes no
+        assumption about which cores the trainer and its data loaders use.
         """
-        return cls(nice=10, compute_threads=1, io_threads=1, direct_io=True)
+        return cls(nice=19, compute_threads=1, io_threads=1, direct_io=True)
 
     @classmethod
     def for_optimizer_offload(cls, write_rate_bytes_per_s: float | None = None) -> ThrottleConfig:
@@ -170,8 +173,11 @@ class AppliedThrottle:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def apply_throttle(config: ThrottleConfig) -> AppliedThrottle:
-    """Apply ``config`` to the calling process, best-effort. Call once at worker start."""
+def apply_throttle(config: ThrottleConfig, local_rank: int = 0) -> AppliedThrottle:
+    """Apply ``config`` to the calling process, best-effort. Call once at worker start.
+
+    ``local_rank`` picks which block of cores a ``cpu_cores`` count means (``worker_cores``).
+    """
     result = AppliedThrottle(pid=os.getpid(), config=config)
     proc = psutil.Process()
 
@@ -187,7 +193,7 @@ def apply_throttle(config: ThrottleConfig) -> AppliedThrottle:
         # os.nice adds to the current value and the kernel clamps at 19; report the result.
         attempt("nice", lambda: os.nice(config.nice))
     if config.cpu_cores is not None:
-        attempt("cpu_cores", lambda: _set_affinity(proc, config.cpu_cores))
+        attempt("cpu_cores", lambda: _set_affinity(proc, config.cpu_cores, local_rank))
     if config.ionice:
         attempt("ionice", lambda: _set_low_io_priority(proc))
     if config.compute_threads is not None:
@@ -199,12 +205,29 @@ def apply_throttle(config: ThrottleConfig) -> AppliedThrottle:
     return result
 
 
-def _set_affinity(proc: psutil.Process, cores: Sequence[int] | int | None) -> list[int]:
+def worker_cores(allowed: Sequence[int], count: int, local_rank: int = 0) -> list[int]:
+    """The ``count`` cores a worker takes when ``cpu_cores`` is a count: counted from the end
+    of the allowed set, each local rank its own block (rank 0 the last ``count`` cores, rank 1
+    the ``count`` before them, ...), so the workers of several GPUs on one node do not all
+    pile onto the last core. Wraps around when the node has fewer cores than ranks x count.
+    """
+    cores = sorted(allowed)
+    if not cores:
+        raise ValueError("no allowed cores")
+    n = min(count, len(cores))
+    end = len(cores) - (local_rank * n) % len(cores)
+    picked = [cores[(end - n + i) % len(cores)] for i in range(n)]
+    return sorted(picked)
+
+
+def _set_affinity(
+    proc: psutil.Process, cores: Sequence[int] | int | None, local_rank: int = 0
+) -> list[int]:
     # cpu_affinity is missing on macOS: the AttributeError is reported as a refused lever.
     allowed = sorted(proc.cpu_affinity())
     if _is_int(cores):
         # The last cores: the trainer's thread pools start from the first ones.
-        wanted = allowed[-cores:]
+        wanted = worker_cores(allowed, cores, local_rank)
         if cores > len(allowed):
             log.warning("throttle: %d cores asked, only %d allowed", cores, len(allowed))
     else:

@@ -39,6 +39,7 @@ class WorkerConfig:
     run_id: str = ""
     throttle: Any = None  # throttle.ThrottleConfig
     parent_pid: int = 0
+    local_rank: int = 0  # which block of cores a throttle's cpu_cores count means
     dist: Any = None  # dist.DistConfig when several ranks save together
 
 
@@ -169,7 +170,7 @@ class Worker:
         if cfg is None:
             torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
             return None
-        report = apply_throttle(cfg)
+        report = apply_throttle(cfg, self.config.local_rank)
         self.io_threads = cfg.io_threads
         self.direct_io = cfg.direct_io
         limiter = RateLimiter(cfg.write_rate_bytes_per_s) if cfg.write_rate_bytes_per_s else None

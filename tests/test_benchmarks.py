@@ -86,7 +86,11 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
             assert e["saves"] == rep["args"]["saves"], m
     has(rep["targets"]["asyncckpt"], "overhead_pct", "during_write_slowdown_pct", "rss_flat")
     has(rep["targets"], "asyncckpt:offload")
-    has(rep, "calibration", "trainer_threads")
+    has(rep, "calibration", "trainer_threads", "rounds", "baseline_mean_step_seconds_by_round")
+    assert rep["rounds"] == 2  # --quick: 2 interleaved rounds
+    for m, e in rep["methods"].items():
+        has(e, "overhead_pct", "overhead_pooled_pct", "overhead_by_round_pct")
+        assert len(e["overhead_by_round_pct"]) == rep["rounds"], m
     cal = rep["calibration"]
     has(cal, "write_seconds", "commit_seconds", "auto_every", "rule", "every_source")
     assert rep["save_every_steps"] == cal["auto_every"] >= rep["args"]["min_every"]

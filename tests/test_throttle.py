@@ -26,6 +26,7 @@ from asyncckpt.throttle import (
     WritePause,
     apply_throttle,
     resolve,
+    worker_cores,
 )
 
 # --------------------------------------------------------------------------- config
@@ -86,7 +87,7 @@ def test_presets_and_resolve() -> None:
 
     assert resolve(True, None) == opt
     default = ThrottleConfig.background()
-    assert default == ThrottleConfig(nice=10, compute_threads=1, io_threads=1, direct_io=True)
+    assert default == ThrottleConfig(nice=19, compute_threads=1, io_threads=1, direct_io=True)
     assert not off.direct_io and off.max_pause_seconds == 0  # "off" ignores the pause hint
     assert resolve(False, None) == default
     mine = ThrottleConfig(nice=3)
@@ -505,3 +506,15 @@ def test_pause_writes_during_hooks_the_optimizer_step(tmp_path) -> None:
         assert pause.entries == 3  # unhooked
         with pytest.raises(TypeError, match="Optimizer"):
             engine.pause_writes_during(object())
+
+
+def test_worker_cores_give_each_local_rank_its_own_block() -> None:
+    cores = list(range(8))
+    assert worker_cores(cores, 1) == [7]
+    assert [worker_cores(cores, 1, r) for r in range(4)] == [[7], [6], [5], [4]]
+    assert [worker_cores(cores, 2, r) for r in range(4)] == [[6, 7], [4, 5], [2, 3], [0, 1]]
+    assert worker_cores(cores, 1, 8) == [7]  # more ranks than cores: wraps around
+    assert worker_cores([3, 1, 9], 5) == [1, 3, 9]  # more asked than allowed: all of them
+    assert worker_cores([0, 1], 1, 1) == [0]  # 2 cores, 2 ranks: one each
+    with pytest.raises(ValueError):
+        worker_cores([], 1)
