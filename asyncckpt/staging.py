@@ -318,11 +318,24 @@ def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
             _copy_pool.shutdown(wait=False)
         _copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-copy")
         _copy_pool_threads = threads
-    chunks = []
+    # Tasks of about _COPY_CHUNK bytes: big tensors cut into slices, small ones batched, so
+    # a state of thousands of small tensors costs tens of tasks, not thousands.
+    tasks: list[list[tuple[Any, Any]]] = [[]]
+    filled = 0
     for dst, src in pairs:
         for off in range(0, len(src), _COPY_CHUNK):
-            chunks.append((dst[off : off + _COPY_CHUNK], src[off : off + _COPY_CHUNK]))
-    list(_copy_pool.map(lambda c: np.copyto(c[0], c[1]), chunks))
+            piece = (dst[off : off + _COPY_CHUNK], src[off : off + _COPY_CHUNK])
+            if filled >= _COPY_CHUNK:
+                tasks.append([])
+                filled = 0
+            tasks[-1].append(piece)
+            filled += len(piece[1])
+    list(_copy_pool.map(_copy_batch, tasks))
+
+
+def _copy_batch(batch: list[tuple[Any, Any]]) -> None:
+    for dst, src in batch:
+        np.copyto(dst, src)
 
 
 _side_streams: dict[int, Any] = {}

@@ -140,6 +140,7 @@ def training(rep: dict) -> str:
                 m,
                 e["mean_step_seconds"] * 1e3,
                 e["overhead_pct"],
+                e.get("overhead_vs_own_quiet_steps_pct", float("nan")),
                 e["steps_during_write"],
                 e["during_write_slowdown_pct"],
                 e["stall_seconds"]["median"],
@@ -148,7 +149,7 @@ def training(rep: dict) -> str:
                 e["rss_growth_bytes"] / C.MiB,
             ]
         )
-    cols = ["method", "mean step ms", "overhead %", "steps during a write"]
+    cols = ["method", "mean step ms", "overhead A/B %", "overhead paired %", "steps during a write"]
     cols += ["slowdown during a write %", "stall median s", "of which back-pressure s"]
     cols += ["write+commit median s", "RSS growth MiB"]
     out.append(table(cols, rows))

@@ -534,9 +534,18 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs) -> dict:
     for m in ("asyncckpt", "asyncckpt:offload"):
         if m in methods:
             e = methods[m]
+            paired = e["overhead_vs_own_quiet_steps_pct"]
             targets[m] = {
+                # Paired: every step of the run against the same run's steps with no write in
+                # flight, seconds apart; immune to the machine's drift between runs.
+                "overhead_paired_pct": {
+                    "target": "<= 3 (vs the same run's steps with no write in flight)",
+                    "measured": paired,
+                    "met": paired <= 3,
+                },
+                # A/B: against the no-checkpoint runs of the same round, minutes apart.
                 "overhead_pct": {
-                    "target": "<= 3",
+                    "target": "<= 3 (vs the no-checkpoint runs of the same rounds)",
                     "measured": e["overhead_pct"],
                     "met": e["overhead_pct"] <= 3,
                 },

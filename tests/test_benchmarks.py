@@ -84,7 +84,8 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
         has(e, "during_write_slowdown_pct", "stall_seconds", "memory", "rss_growth_bytes")
         if not m.startswith("none"):
             assert e["saves"] == rep["args"]["saves"], m
-    has(rep["targets"]["asyncckpt"], "overhead_pct", "during_write_slowdown_pct", "rss_flat")
+    has(rep["targets"]["asyncckpt"], "overhead_pct", "overhead_paired_pct")
+    has(rep["targets"]["asyncckpt"], "during_write_slowdown_pct", "rss_flat")
     has(rep["targets"], "asyncckpt:offload")
     has(rep, "calibration", "trainer_threads", "rounds", "baseline_mean_step_seconds_by_round")
     assert rep["rounds"] == 2  # --quick: 2 interleaved rounds
