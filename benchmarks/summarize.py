@@ -167,7 +167,7 @@ def offload(rep: dict) -> str:
         + (
             f", +cap = {rep['write_rate_cap_bytes_per_s'] / 1e6:.0f} MB/s "
             f"({rep['write_rate_cap_source']})"
-            if "write_rate_cap_bytes_per_s" in rep
+            if "write_rate_cap_bytes_per_s" in rep and any("cap" in m for m in rep["modes"])
             else ""
         )
         + "\n"
