@@ -621,9 +621,15 @@ def plot(rep: dict, path: Path) -> None:
         f"{rep['state_bytes'] / C.MiB:.0f} MiB state, every {rep['save_every_steps']} steps)",
         [
             (
-                "step-time overhead (%)",
+                "step-time overhead, A/B (%)",
                 names,
                 [rep["methods"][m]["overhead_pct"] for m in names],
+                3.0,
+            ),
+            (
+                "step-time overhead, paired (%)",
+                names,
+                [rep["methods"][m]["overhead_vs_own_quiet_steps_pct"] for m in names],
                 3.0,
             ),
             (
