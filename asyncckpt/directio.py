@@ -8,13 +8,17 @@ process: less memory traffic for the training to compete with, no writeback work
 no page-cache growth. ``O_DIRECT`` wants aligned addresses, offsets and lengths; the bounce
 buffer provides all three, and the last partial block is written padded and then truncated.
 
-Where ``O_DIRECT`` is refused (tmpfs, some network filesystems, macOS) ``open_for_write`` falls
-back to a plain buffered file: the checkpoint is the same bytes either way.
+Where ``O_DIRECT`` is refused (tmpfs before Linux 6.6, some network filesystems, macOS)
+``open_for_write`` falls back to a plain buffered file, and a ``DirectFile`` whose write is
+refused (EINVAL: a stricter alignment, FUSE) clears ``O_DIRECT`` and goes on through the page
+cache: the checkpoint is the same bytes either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import io
 import logging
 import mmap
@@ -55,6 +59,7 @@ class DirectFile(io.RawIOBase):
         self._fill = 0
         self._size = 0
         self._failed = False
+        self.direct = True  # False once a refused write made it fall back to the page cache
 
     def writable(self) -> bool:
         return True
@@ -92,10 +97,27 @@ class DirectFile(io.RawIOBase):
         # retry the aligned remainder so the kernel reports the real error.
         off = 0
         while off < length:
-            written = os.write(self._fd, self._view[off:length])
-            if written <= 0 or written % ALIGN:
+            try:
+                written = os.write(self._fd, self._view[off:length])
+            except OSError as exc:
+                # Some filesystems accept O_DIRECT at open and refuse the write (a stricter
+                # alignment, FUSE): go on through the page cache rather than fail the save.
+                if exc.errno != errno.EINVAL or not self._drop_o_direct():
+                    raise
+                continue
+            if written <= 0 or (self.direct and written % ALIGN):
                 raise OSError(errno.EIO, f"short O_DIRECT write to {self.name} ({written} bytes)")
             off += written
+
+    def _drop_o_direct(self) -> bool:
+        """Clear O_DIRECT on the open file; False if it was already cleared."""
+        if not self.direct:
+            return False
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        self.direct = False
+        log.info("O_DIRECT write refused for %s; writing through the page cache", self.name)
+        return True
 
     def flush(self) -> None:
         # Whole blocks are already on their way; the tail is written by close (it needs padding).
@@ -117,10 +139,13 @@ class DirectFile(io.RawIOBase):
                 os.ftruncate(self._fd, self._size)
         finally:
             self._fill = 0
-            self._view.release()
-            self._buf.close()
             os.close(self._fd)
             super().close()
+            # A failed write's traceback may still hold a slice of the buffer; then the mmap is
+            # freed with the last reference instead of here.
+            with contextlib.suppress(BufferError):
+                self._view.release()
+                self._buf.close()
 
 
 def open_for_write(path: str | os.PathLike, *, direct: bool) -> io.RawIOBase | io.BufferedWriter:

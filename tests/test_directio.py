@@ -142,3 +142,44 @@ def test_dcp_shards_written_with_o_direct_load_with_plain_dcp(tmp_path: Path) ->
     out = {"a": torch.zeros(333, 7), "b": torch.zeros(5000, dtype=torch.int64)}
     dcp.load(out, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     assert torch.equal(out["a"], flat["a"]) and torch.equal(out["b"], flat["b"])
+
+
+@needs_o_direct
+def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    import fcntl
+
+    real_write = os.write
+    refused = []
+
+    def picky_write(fd, data):
+        # Like a filesystem that takes O_DIRECT at open but refuses the write itself.
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    path = tmp_path / "shard"
+    f = _direct_or_skip(path, buffer_bytes=ALIGN)
+    monkeypatch.setattr(directio.os, "write", picky_write)
+    payload = bytes(range(256)) * 40 + b"tail"  # 2.5 blocks: full blocks, then a padded tail
+    f.write(payload)
+    f.close()
+    assert refused == [ALIGN] and not f.direct
+    assert path.read_bytes() == payload
+
+
+@needs_o_direct
+def test_other_write_errors_are_not_swallowed(tmp_path: Path, monkeypatch) -> None:
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    f = _direct_or_skip(tmp_path / "shard", buffer_bytes=ALIGN)
+    monkeypatch.setattr(directio.os, "write", full)
+    with pytest.raises(OSError) as info:
+        f.write(b"x" * ALIGN)
+    assert info.value.errno == errno.ENOSPC
+    fd = f.fileno()
+    f.abort()  # with the error's traceback still holding a slice of the bounce buffer
+    assert f.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the descriptor is closed, not leaked
