@@ -233,24 +233,15 @@ def write(
     fmt = ALIASES.get(fmt, fmt)
     extra = extra or {}
     shards = extra.get("shards", {})
-    if fmt == "dcp":
+    if fmt in ("dcp", "torch_dist"):
         flat: dict[str, Any] = {k: Serialized(v) for k, v in objects.items()}
         flat.update(_assemble(views, shards))
-        return dcp.write_flat(
-            flat,
-            directory,
-            thread_count=thread_count,
-            gate=gate,
-            direct_io=direct_io,
-            process_group=process_group,
-        )
-    if fmt == "torch_dist":
-        from . import torch_dist as td
+        megatron = fmt == "torch_dist"
+        if megatron:
+            from . import torch_dist as td
 
-        flat = {k: Serialized(v) for k, v in objects.items()}
-        flat.update(_assemble(views, shards))
-        if rank == 0:
-            write_synced(directory / td.COMMON_FNAME, extra["common"])
+            if rank == 0:
+                write_synced(directory / td.COMMON_FNAME, extra["common"])
         crcs = dcp.write_flat(
             flat,
             directory,
@@ -258,9 +249,9 @@ def write(
             gate=gate,
             direct_io=direct_io,
             process_group=process_group,
-            planner=_TorchDistPlanner(),
+            planner=_TorchDistPlanner() if megatron else None,  # None: write_flat's default
         )
-        if rank == 0:  # last, as megatron does: "this is a complete checkpoint"
+        if megatron and rank == 0:  # last, as megatron does: "this is a complete checkpoint"
             write_synced(directory / td.CONFIG_FNAME, json.dumps(td.CONFIG).encode())
         return crcs
     if fmt == "megatron_legacy":
