@@ -69,6 +69,13 @@ def blank(n: int = 1000) -> dict:
     return s
 
 
+def assert_loads_latest(engine, step: int, n: int = 1000) -> None:
+    """The engine's newest good checkpoint is ``step`` and restores exactly ``state_at(step)``."""
+    got = blank(n)
+    assert engine.load_latest(got) == step
+    assert_state(got, step, n)
+
+
 def leftovers(root: Path) -> list[str]:
     return sorted(n for n in os.listdir(root) if L.is_leftover(n))
 
@@ -264,9 +271,7 @@ def test_every_point_is_reached(tmp_path):
         engine.save(step, state_at(step)).committed_sync()
     with SyncCheckpointEngine(tmp_path) as engine:
         assert leftovers(tmp_path) == []
-        got = blank()
-        assert engine.load_latest(got) == step
-        assert_state(got, step)
+        assert_loads_latest(engine, step)
 
 
 # ------------------------------------------------------------------------------ ENOSPC / EIO
@@ -299,9 +304,7 @@ def test_errors_at_every_write_point(tmp_path, action, code):
         engine.save(step, state_at(step)).committed_sync()
         eventually(lambda: committed(root) == [2, 3])
     with SyncCheckpointEngine(root) as engine:
-        got = blank()
-        assert engine.load_latest(got) == 3
-        assert_state(got, 3)
+        assert_loads_latest(engine, 3)
 
 
 def test_an_error_in_any_writer_thread_fails_the_save(tmp_path):
@@ -373,9 +376,7 @@ def test_real_disk_full_on_a_small_filesystem(small_tmpfs):
         engine.save(3, state_at(3, n)).committed_sync()
         eventually(lambda: committed(root) == [2, 3])
     with SyncCheckpointEngine(root) as engine:
-        got = blank(n)
-        assert engine.load_latest(got) == 3
-        assert_state(got, 3, n)
+        assert_loads_latest(engine, 3, n)
 
 
 # ------------------------------------------------------------------------------ hangs
@@ -395,9 +396,7 @@ def test_a_hung_write_fails_with_write_timeout_and_the_next_save_works(tmp_path)
     eventually(lambda: committed(tmp_path) == [3, 4])
     with SyncCheckpointEngine(tmp_path) as engine:  # the killed workers' temporaries: removed
         assert leftovers(tmp_path) == []
-        got = blank()
-        assert engine.load_latest(got) == 4
-        assert_state(got, 4)
+        assert_loads_latest(engine, 4)
 
 
 def test_a_worker_hung_outside_a_write_is_caught_too(tmp_path):
@@ -411,9 +410,7 @@ def test_a_worker_hung_outside_a_write_is_caught_too(tmp_path):
         engine.save(3, state_at(3)).committed_sync()
     with SyncCheckpointEngine(tmp_path) as engine:
         assert leftovers(tmp_path) == []  # the half-pruned step 1 (trash) was removed
-        got = blank()
-        assert engine.load_latest(got) == 3
-        assert_state(got, 3)
+        assert_loads_latest(engine, 3)
 
 
 # ------------------------------------------------------------------------------ worker death
@@ -453,9 +450,7 @@ def test_worker_killed_during_a_save(tmp_path):
     newest = step - 1
     with SyncCheckpointEngine(tmp_path) as engine:
         assert leftovers(tmp_path) == []
-        got = blank()
-        assert engine.load_latest(got) == newest
-        assert_state(got, newest)
+        assert_loads_latest(engine, newest)
     assert verify(tmp_path).ok
 
 
@@ -473,9 +468,7 @@ def test_worker_killed_between_saves(tmp_path):
         assert engine.worker_restarts == 2
         eventually(lambda: committed(tmp_path) == [2, 3])
     with SyncCheckpointEngine(tmp_path) as engine:
-        got = blank()
-        assert engine.load_latest(got) == 3
-        assert_state(got, 3)
+        assert_loads_latest(engine, 3)
 
 
 def test_a_kill_fault_at_a_worker_point_fires_once(tmp_path):
