@@ -10,7 +10,8 @@ each lever applies to it as a whole:
 * ``compute_threads`` -- torch / OpenMP / MKL pools: one thread cannot fan out over all cores.
 * ``ionice``          -- idle I/O class: the trainer's own reads (data loading) go first.
 * ``io_threads``      -- how many files are written at once (DCP ``FileSystemWriter``).
-* ``write_rate_bytes_per_s`` -- a token bucket (``RateLimiter``) gating ``ThrottledWriter``.
+* ``write_rate_bytes_per_s`` -- a token bucket (``RateLimiter``), applied by the worker's
+                         ``Pacer`` before every piece of a shard it writes.
 * ``direct_io``       -- ``O_DIRECT`` shard files (``directio.py``): no page-cache copy and no
                          kernel writeback outside the worker, so the other levers cover it all.
 * pause hint          -- ``WritePause``: the trainer marks its optimizer step (or any CPU-heavy
@@ -415,6 +416,15 @@ class Pacer:
         self.paused_seconds += self._clock() - t0
 
 
+def write_all(raw: Any, chunk: memoryview) -> None:
+    """Write all of ``chunk``: a raw (unbuffered) file may write less than asked."""
+    while chunk:
+        n = raw.write(chunk)
+        if n is None:
+            raise BlockingIOError("file is non-blocking and would block")
+        chunk = chunk[n:]
+
+
 class ThrottledWriter(io.RawIOBase):
     """A binary file wrapper that writes in rate-limited chunks and reports every chunk.
 
@@ -457,19 +467,11 @@ class ThrottledWriter(io.RawIOBase):
             chunk = view[start : start + self._chunk]
             if self._limiter is not None:
                 self._limiter.acquire(len(chunk))
-            self._write_all(chunk)
+            write_all(self._inner, chunk)
             if self._on_write is not None:
                 self._on_write(chunk)
         self.bytes_written += len(view)
         return len(view)
-
-    def _write_all(self, chunk: memoryview) -> None:
-        # A raw (unbuffered) inner file may write less than asked; loop until all is out.
-        while chunk:
-            n = self._inner.write(chunk)
-            if n is None:
-                raise BlockingIOError("inner file is non-blocking and would block")
-            chunk = chunk[n:]
 
     def tell(self) -> int:
         return self._inner.tell()

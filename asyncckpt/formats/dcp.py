@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .. import faults
 from ..directio import DirectFile, open_for_write
 from ..staging import PathItem, flatten_state, is_stateful
+from ..throttle import write_all
 
 
 @contextmanager
@@ -82,7 +83,7 @@ class _ChecksumStream(io.RawIOBase):
             if self._pace is not None:
                 self._pace(len(piece))
             try:
-                _write_all(self._raw, piece)
+                write_all(self._raw, piece)
             except OSError as exc:
                 self.error = self.error or exc
                 raise
@@ -105,14 +106,6 @@ class _ChecksumStream(io.RawIOBase):
     def close(self) -> None:
         # DCP closes per-item transform streams; only the file itself may be closed, by us.
         pass
-
-
-def _write_all(raw: Any, piece: memoryview) -> None:
-    while piece:
-        n = raw.write(piece)
-        if n is None:
-            raise BlockingIOError("shard file is non-blocking and would block")
-        piece = piece[n:]
 
 
 class _ChecksummingFileSystem(FileSystem):
