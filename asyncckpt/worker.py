@@ -133,7 +133,6 @@ class Worker:
         self.io_threads = 1
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
-        self.paused_at_start = 0.0
         # DCP's extra writer threads drop their exceptions (the file is left short and the save
         # "succeeds"): collect them here and fail the save with them.
         self.thread_errors: list[BaseException] = []
@@ -178,6 +177,10 @@ class Worker:
             self.pacer = Pacer(limiter, self.pause, cfg.max_pause_seconds)
         return report
 
+    def _reset_paused(self) -> None:
+        if self.pacer is not None:
+            self.pacer.paused_seconds = 0.0  # counted per save, reported with its commit
+
     def _paused_seconds(self) -> float:
         return self.pacer.paused_seconds if self.pacer is not None else 0.0
 
@@ -195,7 +198,7 @@ class Worker:
         preexisting = final.exists()
         released = False
         t0 = time.perf_counter()
-        self.paused_at_start = self._paused_seconds()
+        self._reset_paused()
         try:
             tmp.mkdir()
             faults.point("before_shard_write")
@@ -268,7 +271,7 @@ class Worker:
         preexisting = final.exists()
         released = False
         t0 = time.perf_counter()
-        self.paused_at_start = self._paused_seconds()
+        self._reset_paused()
         outcome: tuple[str, Any] | None = None
         try:
             with _dist.job_group(cfg, f"{job.step}.{job.attempt}") as pg:
@@ -375,7 +378,7 @@ class Worker:
         rename_into_place(tmp, final)
         write_tracker(self.root, self.config.layout, job.step)
         return {
-            "paused_seconds": self._paused_seconds() - self.paused_at_start,
+            "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
             "commit_seconds": time.perf_counter() - t_written,
             "bytes": manifest["bytes"],
