@@ -74,21 +74,21 @@ def flatten_state(state: Any) -> FlatState:
         )
     flat = FlatState({}, {}, {})
 
-    def visit(path: list[PathItem], value: Any) -> None:
+    def visit(path: list[PathItem], fqn: str, value: Any) -> None:
+        # ``fqn`` is the path's keys joined by dots, carried along rather than re-joined per leaf.
         if is_stateful(value):
             value = value.state_dict()
         if isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(
-                        f"state key {k!r} at {_fqn(path) or '<root>'}: keys must be str or int"
+                        f"state key {k!r} at {fqn or '<root>'}: keys must be str or int"
                     )
-                visit(path + [("d", k)], v)
+                visit(path + [("d", k)], f"{fqn}.{k}" if path else str(k), v)
         elif not _is_terminal(value):
             for i, v in enumerate(value):
-                visit(path + [("l", i)], v)
+                visit(path + [("l", i)], f"{fqn}.{i}" if path else str(i), v)
         else:
-            fqn = _fqn(path)
             if fqn in flat.paths:
                 raise ValueError(f"two entries of the state flatten to the same key {fqn!r}")
             flat.paths[fqn] = path
@@ -98,13 +98,8 @@ def flatten_state(state: Any) -> FlatState:
             else:
                 flat.objects[fqn] = value
 
-    for k, v in state.items():
-        visit([("d", k)], v)
+    visit([], "", state)
     return flat
-
-
-def _fqn(path: list[PathItem]) -> str:
-    return ".".join(str(k) for _, k in path)
 
 
 def _check_tensor(fqn: str, t: torch.Tensor) -> None:
@@ -225,6 +220,7 @@ class StagingSlot:
         self.arenas: list[torch.Tensor] = []
         self.specs: list[TensorSpec] = []
         self.views: list[torch.Tensor] = []
+        self.dst_bytes: list[Any] = []  # each view's bytes as a numpy array, for CPU copies
         self.pinned = False
         self.nbytes = 0
 
@@ -245,6 +241,7 @@ class StagingSlot:
             self.arena_ids.append(StagingSlot._next_id)
         self.specs = specs
         self.views = [arena_view(self.arenas[s.arena], s) for s in specs]
+        self.dst_bytes = [_bytes_of_view(v) for v in self.views]
         self.key = key
         return True
 
@@ -253,25 +250,28 @@ class StagingSlot:
             for a in self.arenas:
                 unpin_arena(a)
         self.arenas, self.views, self.specs, self.arena_ids = [], [], [], []
+        self.dst_bytes = []
         self.key, self.pinned, self.nbytes = None, False, 0
 
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy every tensor into its view; returns once the copies have completed."""
-        cuda_tensors = []
-        cpu_pairs = []
-        for view, t in zip(self.views, tensors.values(), strict=True):
-            if t.device.type == "cuda":
-                cuda_tensors.append((view, t))
-            elif t.numel():
-                src = _as_bytes(t)
-                if src is None:
-                    view.copy_(t.detach())
-                else:
-                    cpu_pairs.append((view.reshape(-1).view(torch.uint8).numpy(), src))
-        if cpu_pairs:
-            _copy_cpu(cpu_pairs)
-        if cuda_tensors:
-            _copy_from_cuda(cuda_tensors)
+        """Copy every tensor into its view; returns once the copies have completed.
+
+        CPU tensors go to the copy pool batch by batch while this thread is still walking the
+        state, so the per-tensor bookkeeping overlaps the copying instead of adding to it.
+        """
+        cuda_pairs = []
+        with _CpuCopier(cpu_copy_threads()) as copier:
+            for view, dst, t in zip(self.views, self.dst_bytes, tensors.values(), strict=True):
+                if t.device.type == "cuda":
+                    cuda_pairs.append((view, t))
+                elif t.numel():
+                    src = _as_bytes(t)
+                    if src is None:
+                        view.copy_(t.detach())
+                    else:
+                        copier.add(dst, src)
+        if cuda_pairs:
+            _copy_from_cuda(cuda_pairs)
 
 
 #: Threads for CPU -> arena copies; None uses as many as the trainer's torch intra-op pool
@@ -302,14 +302,12 @@ def _as_bytes(t: torch.Tensor) -> Any:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
-    # numpy's copy is a plain memcpy that releases the GIL: one thread, or a few threads over
-    # chunks, without touching torch's global intra-op thread settings.
-    threads = cpu_copy_threads()
-    if threads == 1:
-        for dst, src in pairs:
-            np.copyto(dst, src)
-        return
+def _bytes_of_view(view: torch.Tensor) -> Any:
+    """The flat uint8 numpy array over an arena view (computed once per layout)."""
+    return view.reshape(-1).view(torch.uint8).numpy()
+
+
+def _pool(threads: int) -> Any:
     global _copy_pool, _copy_pool_threads
     if _copy_pool is None or _copy_pool_threads != threads:
         from concurrent.futures import ThreadPoolExecutor
@@ -318,19 +316,59 @@ def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
             _copy_pool.shutdown(wait=False)
         _copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-copy")
         _copy_pool_threads = threads
-    # Tasks of about _COPY_CHUNK bytes: big tensors cut into slices, small ones batched, so
-    # a state of thousands of small tensors costs tens of tasks, not thousands.
-    tasks: list[list[tuple[Any, Any]]] = [[]]
-    filled = 0
-    for dst, src in pairs:
+    return _copy_pool
+
+
+class _CpuCopier:
+    """Copies (dst, src) byte arrays, in tasks of about ``_COPY_CHUNK`` bytes.
+
+    numpy's copy is a plain memcpy that releases the GIL: one thread copies inline; more hand
+    tasks to a small pool as soon as each is full (big tensors cut into slices, small ones
+    batched, so thousands of small tensors cost tens of tasks, not thousands). Leaving the
+    ``with`` block waits for every task, also when the block raised, so nothing is still
+    writing into the arena once the caller sees an error.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.pool = _pool(threads) if threads > 1 else None
+        self.batch: list[tuple[Any, Any]] = []
+        self.filled = 0
+        self.futures: list[Any] = []
+
+    def add(self, dst: Any, src: Any) -> None:
+        if self.pool is None:
+            np.copyto(dst, src)
+            return
         for off in range(0, len(src), _COPY_CHUNK):
-            piece = (dst[off : off + _COPY_CHUNK], src[off : off + _COPY_CHUNK])
-            if filled >= _COPY_CHUNK:
-                tasks.append([])
-                filled = 0
-            tasks[-1].append(piece)
-            filled += len(piece[1])
-    list(_copy_pool.map(_copy_batch, tasks))
+            self.batch.append((dst[off : off + _COPY_CHUNK], src[off : off + _COPY_CHUNK]))
+            self.filled += min(_COPY_CHUNK, len(src) - off)
+            if self.filled >= _COPY_CHUNK:
+                self._submit()
+
+    def _submit(self) -> None:
+        if self.batch:
+            self.futures.append(self.pool.submit(_copy_batch, self.batch))
+        self.batch, self.filled = [], 0
+
+    def __enter__(self) -> _CpuCopier:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._submit()
+        from concurrent.futures import wait
+
+        wait(self.futures)
+        if exc_type is None:
+            for f in self.futures:
+                f.result()  # re-raise a copy's error
+
+
+def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
+    """Copy every (dst, src) byte array pair with the configured copy threads."""
+    with _CpuCopier(cpu_copy_threads()) as copier:
+        for dst, src in pairs:
+            copier.add(dst, src)
 
 
 def _copy_batch(batch: list[tuple[Any, Any]]) -> None:

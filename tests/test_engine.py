@@ -350,6 +350,9 @@ async def test_bad_input_gets_a_clear_error_before_anything_is_written(tmp_path,
             await engine.save(1, {"w": torch.ones(1), "fn": lambda x: x})
         with pytest.raises(TypeError):
             await engine.save(1, [torch.ones(1)])
+        for bad_key in ({1.5: torch.ones(1)}, {"m": {(1, 2): torch.ones(1)}}):
+            with pytest.raises(TypeError, match="keys must be str or int"):
+                await engine.save(1, bad_key)
         with pytest.raises(TypeError, match="metric"):
             await engine.save(1, {"w": torch.ones(1)}, metrics={"loss": "low"})
         assert not any(n.startswith(("global_step", L.TMP_PREFIX)) for n in os.listdir(tmp_path))
