@@ -351,6 +351,11 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
                 continue
             alts[m] = {
                 "stall_median": C.ratio(st, e["stall_seconds"]["median"]),
+                # Each method's stall over the copy measured right before each of its saves:
+                # cancels the drift of a shared machine between the minutes the methods ran in.
+                "stall_median_paired": C.ratio(
+                    a["ratio_stall_vs_paired_copy"], e["ratio_stall_vs_paired_copy"]
+                ),
                 "stall_first": C.ratio(a["stall_first_seconds"], e["stall_first_seconds"]),
                 "stall_max": C.ratio(a["stall_seconds"]["max"], e["stall_seconds"]["max"]),
                 "commit_median": C.ratio(
@@ -372,6 +377,7 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
                 "by_median_stall": best,
                 "by_first_stall": best_first,
                 "asyncckpt_stall_ratio": C.ratio(st, methods[best]["stall_seconds"]["median"]),
+                "asyncckpt_stall_ratio_paired": alts[best]["stall_median_paired"],
                 "asyncckpt_first_stall_ratio": C.ratio(
                     a["stall_first_seconds"], methods[best_first]["stall_first_seconds"]
                 ),
@@ -407,10 +413,16 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
         }
         if "fastest_dcp_async" in c:
             f = c["fastest_dcp_async"]
+            # The median is judged on the paired ratio (both stalls over their own paired
+            # copies); the raw ratio of medians is reported next to it.
             targets["stall_vs_fastest_dcp_async"] = {
-                "target": "<= 1x (median and first save)",
-                "measured": [f["asyncckpt_stall_ratio"], f["asyncckpt_first_stall_ratio"]],
-                "met": f["asyncckpt_stall_ratio"] <= 1.0
+                "target": "<= 1x (median paired, median raw, first save)",
+                "measured": [
+                    f["asyncckpt_stall_ratio_paired"],
+                    f["asyncckpt_stall_ratio"],
+                    f["asyncckpt_first_stall_ratio"],
+                ],
+                "met": f["asyncckpt_stall_ratio_paired"] <= 1.0
                 and f["asyncckpt_first_stall_ratio"] <= 1.0,
             }
     return {
@@ -497,9 +509,18 @@ def print_report(rep: dict) -> None:
         alts = rep["comparisons"]["asyncckpt_vs_alternative"]
         C.print_table(
             "asyncckpt / alternative (lower is better for stall, commit, memory)",
-            ["alternative", "stall med", "stall first", "stall max", "commit", "throughput"],
             [
-                [m, x["stall_median"], x["stall_first"], x["stall_max"], x["commit_median"]]
+                "alternative",
+                "stall med",
+                "med paired",
+                "stall first",
+                "stall max",
+                "commit",
+                "throughput",
+            ],
+            [
+                [m, x["stall_median"], x["stall_median_paired"], x["stall_first"], x["stall_max"]]
+                + [x["commit_median"]]
                 + [x["throughput"]]
                 for m, x in alts.items()
             ],

@@ -77,10 +77,18 @@ def overhead(rep: dict) -> str:
         out.append("\nasyncckpt / alternative (< 1: asyncckpt is lower):\n")
         out.append(
             table(
-                ["alternative", "stall median", "first stall", "max stall", "commit", "MB/s"],
                 [
-                    [m, x["stall_median"], x["stall_first"], x["stall_max"], x["commit_median"]]
-                    + [x["throughput"]]
+                    "alternative",
+                    "stall median",
+                    "median, paired",
+                    "first stall",
+                    "max stall",
+                    "commit",
+                    "MB/s",
+                ],
+                [
+                    [m, x["stall_median"], x.get("stall_median_paired", float("nan"))]
+                    + [x["stall_first"], x["stall_max"], x["commit_median"], x["throughput"]]
                     for m, x in alts.items()
                 ],
             )

@@ -69,6 +69,10 @@ def test_overhead_runs_and_reports_every_field(tmp_path):
     has(c, "asyncckpt_vs_reference", "asyncckpt_vs_alternative", "fastest_dcp_async")
     has(c["asyncckpt_vs_reference"], "stall_vs_parallel_copy", "throughput_vs_raw_write")
     assert len(c["asyncckpt_vs_alternative"]) == 5
+    for x in c["asyncckpt_vs_alternative"].values():
+        has(x, "stall_median", "stall_median_paired", "stall_first", "throughput")
+    has(c["fastest_dcp_async"], "asyncckpt_stall_ratio", "asyncckpt_stall_ratio_paired")
+    assert len(rep["targets"]["stall_vs_fastest_dcp_async"]["measured"]) == 3
     has(rep["targets"], "stall_vs_copy", "throughput_vs_raw", "staging_memory")
     has(rep["targets"], "stall_vs_fastest_dcp_async")
 
