@@ -24,7 +24,6 @@ returned ``AppliedThrottle``, never an exception, since a checkpoint is worth mo
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import threading
@@ -37,8 +36,6 @@ import psutil
 
 log = logging.getLogger("asyncckpt.throttle")
 
-#: Split size for throttled writes: small enough to pace smoothly, large enough to be cheap.
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 #: Bucket size of a RateLimiter, in seconds of rate: absorbs jitter without long bursts.
 DEFAULT_BURST_SECONDS = 0.25
 _MIN_BURST_BYTES = 64 * 1024
@@ -423,90 +420,3 @@ def write_all(raw: Any, chunk: memoryview) -> None:
         if n is None:
             raise BlockingIOError("file is non-blocking and would block")
         chunk = chunk[n:]
-
-
-class ThrottledWriter(io.RawIOBase):
-    """A binary file wrapper that writes in rate-limited chunks and reports every chunk.
-
-    Used as the stream DCP and ``torch.save`` write into: ``tell``, ``fileno`` (for
-    ``os.fsync``), ``flush``, ``seek`` and ``close`` go to the wrapped file. ``on_write`` sees
-    every chunk, in order, after it was written; the memoryview is only valid during the call.
-    Closing this writer closes the wrapped file unless ``close_inner=False``.
-    """
-
-    def __init__(
-        self,
-        inner: io.IOBase | Any,
-        limiter: RateLimiter | None = None,
-        *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        on_write: Callable[[memoryview], None] | None = None,
-        close_inner: bool = True,
-    ) -> None:
-        super().__init__()
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
-        self._inner = inner
-        self._limiter = limiter
-        if limiter is not None and limiter.rate is not None:
-            # Chunks no larger than the bucket keep a slow rate smooth instead of stop-and-go.
-            chunk_bytes = min(chunk_bytes, max(limiter.burst_bytes, _MIN_BURST_BYTES))
-        self._chunk = chunk_bytes
-        self._on_write = on_write
-        self._close_inner = close_inner
-        self.bytes_written = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        if self.closed:
-            raise ValueError("write to closed ThrottledWriter")
-        view = memoryview(b).cast("B")  # bytes of any buffer (tensor storages, arrays)
-        for start in range(0, len(view), self._chunk):
-            chunk = view[start : start + self._chunk]
-            if self._limiter is not None:
-                self._limiter.acquire(len(chunk))
-            write_all(self._inner, chunk)
-            if self._on_write is not None:
-                self._on_write(chunk)
-        self.bytes_written += len(view)
-        return len(view)
-
-    def tell(self) -> int:
-        return self._inner.tell()
-
-    def seekable(self) -> bool:
-        return self._inner.seekable()
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        # Note: overwriting after a seek back makes on_write's stream differ from the file.
-        return self._inner.seek(offset, whence)
-
-    def truncate(self, size: int | None = None) -> int:
-        return self._inner.truncate(size)
-
-    def fileno(self) -> int:
-        return self._inner.fileno()
-
-    def isatty(self) -> bool:
-        return self._inner.isatty()
-
-    @property
-    def name(self) -> Any:
-        return getattr(self._inner, "name", None)
-
-    def flush(self) -> None:
-        # IOBase.close() calls flush() once more after the inner file may be closed.
-        if not self.closed and not getattr(self._inner, "closed", False):
-            self._inner.flush()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            self.flush()
-            if self._close_inner:
-                self._inner.close()
-        finally:
-            super().close()

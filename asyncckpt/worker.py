@@ -247,7 +247,7 @@ class Worker:
             rank=self.config.dist.rank if self.config.dist is not None else 0,
             process_group=process_group,
             thread_count=self.io_threads,
-            gate=self.pacer,
+            pace=self.pacer,
             direct_io=self.direct_io,
         )
 

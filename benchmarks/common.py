@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -81,6 +82,7 @@ def init_rank() -> Rank:
     Each rank then benchmarks its own state into its own subdirectory and writes its own
     report; nothing is aggregated across ranks (keep it simple).
     """
+    package_source()  # which code is measured: read now, before a long run, not at its end
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 
@@ -398,13 +400,14 @@ def environment(device: str) -> dict[str, Any]:
         "ram_bytes": psutil.virtual_memory().total,
         "device": device,
         "load_avg": os.getloadavg(),
-        **package_source(),
+        **dict(package_source()),
     }
     if device == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
 
 
+@functools.cache
 def package_source() -> dict[str, Any]:
     """Which asyncckpt was measured: its path, and the repository commit if it is a checkout.
 

@@ -183,3 +183,16 @@ def test_other_write_errors_are_not_swallowed(tmp_path: Path, monkeypatch) -> No
     assert f.closed
     with pytest.raises(OSError):
         os.fstat(fd)  # the descriptor is closed, not leaked
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_shard_writes_are_paced_piece_by_piece(tmp_path: Path, direct: bool) -> None:
+    # The worker's Pacer (rate cap + pause hint) gets a say before every piece of every file,
+    # and the pieces it is told of add up to exactly what was written.
+    from asyncckpt.formats.dcp import PIECE_BYTES, write_flat
+
+    paced: list[int] = []
+    flat = {"big": torch.randn(3 * PIECE_BYTES // 4 + 123), "small": torch.arange(7)}
+    crcs = write_flat(flat, tmp_path / "ckpt", pace=paced.append, direct_io=direct)
+    assert max(paced) <= PIECE_BYTES and len(paced) >= 4
+    assert sum(paced) == sum(size for _, size in crcs.values())

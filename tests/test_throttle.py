@@ -1,5 +1,5 @@
 """Throttling: config validation, presets, the levers applied in a real child process, the
-token bucket and the throttled writer (torch.save round-trip, crc of every byte)."""
+token bucket, the pause hint and short writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pickle
 import queue
 import threading
 import time
-import zlib
 
 import psutil
 import pytest
@@ -22,11 +21,11 @@ from asyncckpt.throttle import (
     Pacer,
     RateLimiter,
     ThrottleConfig,
-    ThrottledWriter,
     WritePause,
     apply_throttle,
     resolve,
     worker_cores,
+    write_all,
 )
 
 # --------------------------------------------------------------------------- config
@@ -252,53 +251,10 @@ def test_rate_limiter_none_is_a_noop() -> None:
     assert RateLimiter(1e9).burst_bytes == int(1e9 * 0.25)  # 0.25 s worth by default
 
 
-# --------------------------------------------------------------------------- ThrottledWriter
+# --------------------------------------------------------------------------- write_all
 
 
-def test_throttled_writer_torch_save_round_trip_and_crc(tmp_path) -> None:
-    path = tmp_path / "t.pt"
-    t = torch.randn(300_000)  # ~1.2 MB: several chunks
-    seen: list[int] = []
-    crc = 0
-
-    def on_write(chunk: memoryview) -> None:
-        nonlocal crc
-        crc = zlib.crc32(chunk, crc)
-        seen.append(len(chunk))
-
-    limiter = RateLimiter(None)
-    with ThrottledWriter(open(path, "wb"), limiter, chunk_bytes=64 * 1024, on_write=on_write) as w:
-        torch.save(t, w)
-        w.flush()
-        os.fsync(w.fileno())
-        assert w.tell() == w.bytes_written == path.stat().st_size
-    data = path.read_bytes()
-    assert sum(seen) == len(data) and max(seen) <= 64 * 1024
-    assert crc == zlib.crc32(data)
-    assert torch.equal(torch.load(path), t)
-
-
-def test_throttled_writer_forwards_and_paces(tmp_path) -> None:
-    rate, burst = 2e6, 100_000
-    limiter = RateLimiter(rate, burst_bytes=burst)
-    inner = open(tmp_path / "f.bin", "wb")
-    w = ThrottledWriter(inner, limiter)
-    assert w.writable() and w.seekable() and w.fileno() == inner.fileno()
-    assert w.name == inner.name
-    payload = os.urandom(1_000_000)
-    t0 = time.monotonic()
-    assert w.write(payload) == len(payload)
-    assert time.monotonic() - t0 >= (len(payload) - burst) / rate * 0.95
-    w.seek(0)
-    assert w.tell() == 0
-    w.close()
-    assert w.closed and inner.closed
-    assert (tmp_path / "f.bin").read_bytes() == payload
-    with pytest.raises(ValueError):
-        w.write(b"x")
-
-
-def test_throttled_writer_handles_short_writes_and_keeps_inner_open() -> None:
+def test_write_all_finishes_short_writes() -> None:
     class Trickle(io.RawIOBase):
         """An unbuffered sink that accepts at most 7 bytes per call."""
 
@@ -314,11 +270,16 @@ def test_throttled_writer_handles_short_writes_and_keeps_inner_open() -> None:
             return len(part)
 
     sink = Trickle()
-    w = ThrottledWriter(sink, None, chunk_bytes=10, close_inner=False)
-    w.write(memoryview(b"0123456789abcdefghijklmnopqrstuvwxyz"))
-    w.close()
-    assert bytes(sink.buf) == b"0123456789abcdefghijklmnopqrstuvwxyz"
-    assert not sink.closed
+    payload = b"0123456789abcdefghijklmnopqrstuvwxyz"
+    write_all(sink, memoryview(payload))
+    assert bytes(sink.buf) == payload
+
+    class WouldBlock(Trickle):
+        def write(self, b):
+            return None
+
+    with pytest.raises(BlockingIOError):
+        write_all(WouldBlock(), memoryview(payload))
 
 
 # --------------------------------------------------------------------------- pause hint

@@ -155,7 +155,7 @@ class ChecksumWriter(FileSystemWriter):
         path: str | os.PathLike,
         *,
         thread_count: int = 1,
-        gate: Callable[[int], None] | None = None,
+        pace: Callable[[int], None] | None = None,
         direct_io: bool = False,
         sync_files: bool = False,
     ) -> None:
@@ -167,7 +167,7 @@ class ChecksumWriter(FileSystemWriter):
             overwrite=True,
         )
         self.crcs: dict[str, tuple[int, int]] = {}
-        self.fs = _ChecksummingFileSystem(self.crcs, gate, direct_io)
+        self.fs = _ChecksummingFileSystem(self.crcs, pace, direct_io)
 
 
 def write_flat(
@@ -175,7 +175,7 @@ def write_flat(
     directory: Path,
     *,
     thread_count: int = 1,
-    gate: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
     direct_io: bool = False,
     process_group: Any = None,
     planner: Any = None,
@@ -185,7 +185,7 @@ def write_flat(
     With a ``process_group``, every rank of it calls this for the same directory: DCP plans
     across them, each writes its own shards, and rank 0 alone writes ``.metadata``.
     """
-    writer = ChecksumWriter(directory, thread_count=thread_count, gate=gate, direct_io=direct_io)
+    writer = ChecksumWriter(directory, thread_count=thread_count, pace=pace, direct_io=direct_io)
     no_dist = process_group is None
     with _quiet_single_process():
         dcp.save(

@@ -220,7 +220,7 @@ def write(
     rank: int = 0,
     process_group: Any = None,
     thread_count: int = 1,
-    gate: Callable[[int], None] | None = None,
+    pace: Callable[[int], None] | None = None,
     direct_io: bool = False,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written.
@@ -246,7 +246,7 @@ def write(
             flat,
             directory,
             thread_count=thread_count,
-            gate=gate,
+            pace=pace,
             direct_io=direct_io,
             process_group=process_group,
             planner=_TorchDistPlanner() if megatron else None,  # None: write_flat's default
