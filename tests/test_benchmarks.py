@@ -92,6 +92,9 @@ def test_training_loop_runs_and_reports_every_field(tmp_path):
     has(rep["targets"]["asyncckpt"], "during_write_slowdown_pct", "rss_flat")
     has(rep["targets"], "asyncckpt:offload")
     has(rep, "calibration", "trainer_threads", "rounds", "baseline_mean_step_seconds_by_round")
+    soak = rep["rss_soak"]
+    has(soak, "trainer_rss", "worker_rss", "trainer_growth_bytes", "worker_growth_bytes")
+    assert len(soak["trainer_rss"]) == len(soak["worker_rss"]) == rep["args"]["saves"]
     assert rep["rounds"] == 2  # --quick: 2 interleaved rounds
     for m, e in rep["methods"].items():
         has(e, "overhead_pct", "overhead_pooled_pct", "overhead_by_round_pct")
