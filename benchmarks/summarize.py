@@ -148,6 +148,7 @@ def training(rep: dict) -> str:
                 m,
                 e["mean_step_seconds"] * 1e3,
                 e["overhead_pct"],
+                e.get("overhead_sem_pct", float("nan")),
                 e.get("overhead_vs_own_quiet_steps_pct", float("nan")),
                 e["steps_during_write"],
                 e["during_write_slowdown_pct"],
@@ -157,10 +158,20 @@ def training(rep: dict) -> str:
                 e["rss_growth_bytes"] / C.MiB,
             ]
         )
-    cols = ["method", "mean step ms", "overhead A/B %", "overhead paired %", "steps during a write"]
-    cols += ["slowdown during a write %", "stall median s", "of which back-pressure s"]
-    cols += ["write+commit median s", "RSS growth MiB"]
+    cols = ["method", "mean step ms", "overhead A/B %", "± SEM", "overhead paired %"]
+    cols += ["steps during a write", "slowdown during a write %", "stall median s"]
+    cols += ["of which back-pressure s", "write+commit median s", "RSS change in a round MiB"]
     out.append(table(cols, rows))
+    soak = rep.get("rss_soak")
+    if soak:
+        mib = [x / C.MiB for x in soak["trainer_rss"]]
+        wmib = [x / C.MiB for x in soak["worker_rss"]]
+        out.append(
+            f"\nRSS soak ({soak['saves']} saves on one engine, {soak['seconds']:.0f} s): trainer "
+            f"{min(mib):.0f}-{max(mib):.0f} MiB ({soak['trainer_growth_bytes'] / C.MiB:+.1f} MiB "
+            f"first to last save), worker {min(wmib):.0f}-{max(wmib):.0f} MiB "
+            f"({soak['worker_growth_bytes'] / C.MiB:+.1f} MiB).\n"
+        )
     out.append("\n" + targets(rep["targets"]))
     return "\n".join(out)
 

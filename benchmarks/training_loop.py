@@ -548,6 +548,10 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs, soak=None)
             "median_step_seconds": C.med(steps),
             # Paired: each round against that round's no-checkpoint runs, then averaged.
             "overhead_pct": _mean(by_round),
+            # Standard error of that mean: how far the rounds' spread leaves it uncertain.
+            "overhead_sem_pct": C.statistics.stdev(by_round) / math.sqrt(len(by_round))
+            if len(by_round) > 1
+            else float("nan"),
             "overhead_pooled_pct": 100 * (mean / base_mean - 1),
             "overhead_by_round_pct": by_round,
             "overhead_vs_own_quiet_steps_pct": 100 * (mean / _mean(quiet) - 1)
@@ -638,6 +642,7 @@ def print_report(rep: dict) -> None:
         "method",
         "mean step ms",
         "overhead %",
+        "± sem",
         "steps in write",
         "step in write ms",
         "slowdown in write %",
@@ -651,6 +656,7 @@ def print_report(rep: dict) -> None:
                 m,
                 e["mean_step_seconds"] * 1e3,
                 e["overhead_pct"],
+                e["overhead_sem_pct"],
                 e["steps_during_write"],
                 e["mean_step_during_write_seconds"] * 1e3,
                 e["during_write_slowdown_pct"],
