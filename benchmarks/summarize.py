@@ -199,14 +199,16 @@ def offload(rep: dict) -> str:
                 r["mean_quiet_step_seconds"] * 1e3,
                 r["mean_busy_step_seconds"] * 1e3,
                 r["slowdown_pct"],
+                r.get("slowdown_median_pct", float("nan")),
                 r.get("slowdown_vs_unpinned_quiet_pct", float("nan")),
                 len(r["busy"]),
                 r["write_seconds_median"],
                 C.med(r["paused_seconds"]) if r.get("paused_seconds") else float("nan"),
             ]
         )
-    cols = ["throttle", "Adam step ms", "during a write ms", "slowdown %"]
-    cols += ["vs unpinned quiet %", "steps in write", "write s", "writes held s"]
+    cols = ["throttle", "Adam step ms", "during a write ms", "slowdown % (means)"]
+    cols += ["slowdown % (medians)", "vs unpinned quiet %", "steps in write", "write s"]
+    cols += ["writes held s"]
     out.append(table(cols, rows))
     out.append("\n" + targets(rep["targets"]))
     return "\n".join(out)

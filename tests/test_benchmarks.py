@@ -119,6 +119,7 @@ def test_offload_throttle_runs_and_reports_every_field(tmp_path):
     has(rep, "write_rate_cap_bytes_per_s", "unpinned_quiet_step_seconds", "trainer_threads")
     for e in rep["modes"].values():
         has(e, "mean_quiet_step_seconds", "mean_busy_step_seconds", "slowdown_pct")
+        has(e, "slowdown_median_pct")
         has(e, "write_seconds_median", "write_throughput_bytes_per_s", "memory", "worker")
         has(e, "slowdown_vs_unpinned_quiet_pct", "pinning", "throttle")
     has(rep["targets"], "slowdown_throttle_on_pct", "slowdown_throttle_off_clearly_larger")
