@@ -364,13 +364,6 @@ class _CpuCopier:
                 f.result()  # re-raise a copy's error
 
 
-def _copy_cpu(pairs: list[tuple[Any, Any]]) -> None:
-    """Copy every (dst, src) byte array pair with the configured copy threads."""
-    with _CpuCopier(cpu_copy_threads()) as copier:
-        for dst, src in pairs:
-            copier.add(dst, src)
-
-
 def _copy_batch(batch: list[tuple[Any, Any]]) -> None:
     for dst, src in batch:
         np.copyto(dst, src)

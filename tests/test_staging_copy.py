@@ -10,7 +10,7 @@ from asyncckpt import staging
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_copy_cpu_copies_every_byte(monkeypatch, threads: int) -> None:
+def test_cpu_copier_copies_every_byte(monkeypatch, threads: int) -> None:
     monkeypatch.setattr(staging, "_COPY_CHUNK", 1000)  # many slices and batches
     monkeypatch.setattr(staging, "CPU_COPY_THREADS", threads)
     monkeypatch.delenv("ASYNCCKPT_COPY_THREADS", raising=False)
@@ -18,7 +18,10 @@ def test_copy_cpu_copies_every_byte(monkeypatch, threads: int) -> None:
     sizes = [1, 7, 999, 1000, 1001, 4321, 10, 0, 25_000, 3]
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     dsts = [np.zeros(n, dtype=np.uint8) for n in sizes]
-    staging._copy_cpu([(d, s) for d, s in zip(dsts, srcs, strict=True) if len(s)])
+    with staging._CpuCopier(staging.cpu_copy_threads()) as copier:
+        for d, s in zip(dsts, srcs, strict=True):
+            if len(s):
+                copier.add(d, s)
     for d, s in zip(dsts, srcs, strict=True):
         assert np.array_equal(d, s)
 
