@@ -1016,6 +1016,18 @@ class CheckpointEngine:
         with anyio.CancelScope(shield=True):
             await self.aclose()
 
+    def __enter__(self) -> CheckpointEngine:
+        # A plain `with` would otherwise fail with a bare AttributeError (or, worse, run the
+        # loop without a worker): say which engine a sync loop wants.
+        raise TypeError(
+            "CheckpointEngine is async: use `async with engine:`; a loop that is not async "
+            "uses SyncCheckpointEngine (same arguments): `with SyncCheckpointEngine(root) as "
+            "engine: engine.save(step, state)`"
+        )
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:  # pragma: no cover
+        pass
+
     # -------------------------------------------------------------- saving
     async def save(
         self, step: int, state: Any, metrics: Mapping[str, float] | None = None

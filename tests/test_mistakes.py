@@ -1,0 +1,21 @@
+"""A user's mistakes get clear errors before anything is written (issue 11)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncckpt import CheckpointEngine, SyncCheckpointEngine
+
+
+def test_sync_with_on_the_async_engine_points_to_the_sync_engine(tmp_path):
+    engine = CheckpointEngine(tmp_path / "ckpts")
+    with pytest.raises(TypeError, match="SyncCheckpointEngine"):
+        with engine:
+            pass
+    assert not (tmp_path / "ckpts").exists()  # nothing started, nothing written
+
+
+def test_sync_engine_still_works_as_a_context_manager(tmp_path):
+    with SyncCheckpointEngine(tmp_path / "ckpts", handle_sigterm=False) as engine:
+        engine.save(1, {"x": 1})
+    assert engine.latest_step() == 1
