@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import layout as _layout
 from .errors import CorruptCheckpoint
+from .paths import check_local_root
 
 if TYPE_CHECKING:
     from .progress import Progress
@@ -229,7 +230,7 @@ def verify(
     ``asyncckpt.progress.Progress``) is told the bytes to read, each chunk read and each
     checkpoint checked; without it nothing is reported.
     """
-    root = Path(root)
+    root = check_local_root(root)  # an s3:// URL is not an empty local directory
     layout = layout or detect_layout(root)
     dirs = _layout.scan(root, layout)
     manifests: list[dict[str, Any] | CorruptCheckpoint] = []

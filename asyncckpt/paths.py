@@ -14,9 +14,25 @@ __all__ = ["URL_RE", "is_url", "check_local_root"]
 URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
+_MANGLED_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]+:$")
+
+
 def is_url(root: str | os.PathLike) -> bool:
-    """Whether ``root`` names a URL (``s3://bucket/run``, ``gs://...``) rather than a path."""
-    return bool(URL_RE.match(os.fspath(root))) if isinstance(root, (str, os.PathLike)) else False
+    """Whether ``root`` names a URL (``s3://bucket/run``, ``gs://...``) rather than a path.
+
+    A ``Path`` built from a URL has lost a slash (``Path("s3://b/run")`` is ``s3:/b/run``): a
+    relative ``Path`` whose first part is a scheme of two or more characters and a colon counts
+    too (a one-letter one looks like a Windows drive and is left alone)."""
+    if isinstance(root, str):
+        return bool(URL_RE.match(root))
+    if isinstance(root, os.PathLike):
+        path = Path(root)
+        if URL_RE.match(os.fspath(root)):
+            return True
+        return (
+            not path.is_absolute() and bool(path.parts) and bool(_MANGLED_RE.match(path.parts[0]))
+        )
+    return False
 
 
 def check_local_root(root: str | os.PathLike) -> Path:

@@ -171,6 +171,17 @@ def test_check_local_root_accepts_paths(tmp_path):
     assert check_local_root(str(tmp_path / "a:b")) == tmp_path / "a:b"
     assert check_local_root("relative/dir") == Path("relative/dir")
     assert check_local_root("c:/odd") == Path("c:/odd")  # no '//': not a URL
+    assert check_local_root(Path("c:/odd")) == Path("c:/odd")  # a drive letter, maybe
+
+
+def test_a_path_made_from_a_url_is_refused_too():
+    from asyncckpt import UnsupportedStorage, verify
+    from asyncckpt.paths import check_local_root
+
+    with pytest.raises(UnsupportedStorage, match="object storage"):
+        check_local_root(Path("s3://bucket/run"))  # Path() made it s3:/bucket/run
+    with pytest.raises(UnsupportedStorage, match="gs://b"):
+        verify("gs://b/run")
 
 
 @pytest.mark.parametrize("command", [["ls"], ["verify"], ["prune", "--keep-last", "1"]])
