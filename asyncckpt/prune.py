@@ -337,8 +337,7 @@ def _keep_one_that_verifies(
             progress.checkpoint_done(step, not problems)
             progress.end()
         if problems:
-            corrupt[step] = problems
-            log.warning("asyncckpt: step %s fails its manifest: %s", step, "; ".join(problems))
+            corrupt[step] = problems  # reported by the caller (warnings, CLI, JSON)
         return not problems
 
     for step in sorted(plan.keep, reverse=True):
