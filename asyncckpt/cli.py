@@ -84,7 +84,7 @@ def _no_checkpoints(root: str, layout: str) -> str:
     return msg
 
 
-def _progress(console: Console) -> RichProgress:
+def _progress() -> RichProgress:
     """A bar on stderr while a terminal shows it; nothing at all otherwise."""
     return RichProgress(Console(stderr=True, markup=False, soft_wrap=True))
 
@@ -145,7 +145,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
 
     layout = _layout(args)
     infos = list_checkpoints(args.root, layout)
-    with _progress(console) as bar:
+    with _progress() as bar:
         report = verify(args.root, layout, quick=not args.verify, progress=bar)
     problems: dict[int, list[str]] = {c.step: c.problems for c in report.checkpoints}
     tracker = L.read_tracker(args.root)
@@ -283,7 +283,7 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
     layout = _layout(args)
     if args.keep_best is not None:
         _check_metric(args.root, layout, args.metric)
-    with _progress(console) as bar:
+    with _progress() as bar:
         result = prune(
             args.root,
             layout,
@@ -338,7 +338,7 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.manifest import verify
 
     layout = _layout(args)
-    with _progress(console) as bar:
+    with _progress() as bar:
         report = verify(args.root, layout, progress=bar)
     good = [c.step for c in report.checkpoints if c.ok]
     if args.json:
