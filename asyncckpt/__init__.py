@@ -3,8 +3,11 @@
 The public surface is re-exported here; everything else is an implementation detail.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from . import faults
-from .engine import CheckpointEngine, PauseHooks, SaveHandle
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -12,6 +15,7 @@ from .errors import (
     RootLocked,
     SaveFailed,
     StagingMemoryError,
+    UnsupportedStorage,
     WorkerDied,
     WriteTimeout,
 )
@@ -28,8 +32,36 @@ from .retention import (
     SaveSchedule,
 )
 from .stats import SaveStats
-from .sync import SyncCheckpointEngine
 from .throttle import ThrottleConfig
+
+if TYPE_CHECKING:
+    from .engine import CheckpointEngine, PauseHooks, SaveHandle
+    from .sync import SyncCheckpointEngine
+
+# The engines import torch (seconds); they load on first use (PEP 562), so ``import asyncckpt``
+# and the CLI's ``--help`` stay fast. ``from asyncckpt import CheckpointEngine`` works as before.
+_LAZY = {
+    "CheckpointEngine": ".engine",
+    "PauseHooks": ".engine",
+    "SaveHandle": ".engine",
+    "SyncCheckpointEngine": ".sync",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -60,4 +92,5 @@ __all__ = [
     "WriteTimeout",
     "faults",
     "verify",
+    "UnsupportedStorage",
 ]

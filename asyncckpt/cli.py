@@ -2,6 +2,10 @@
 
 Each subcommand is one function decorated with ``@subcommand``: it adds its parser and sets
 ``func`` (``(args, console) -> exit code``). Exit codes: 0 ok, 1 error, 2 bad usage.
+
+Nothing here imports torch (``python -m asyncckpt --help`` answers at once): the CLI reads
+manifests and file checksums only. Long reads show a progress bar on stderr when it is a
+terminal (``asyncckpt.progress.RichProgress``); pipes and files get none.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from rich.console import Console
 from rich.table import Table
 
 from asyncckpt import layout as L
+from asyncckpt.errors import CheckpointError
+from asyncckpt.paths import check_local_root
+from asyncckpt.progress import RichProgress
 from asyncckpt.prune import (
-    PruneRefused,
     clean_leftovers,
     detect_layout,
     disk_usage,
@@ -50,16 +56,37 @@ class _UsageError(Exception):
     """Bad arguments found after parsing; reported with exit code 2."""
 
 
+class _Failure(Exception):
+    """A clear error about the root or its contents; reported with exit code 1."""
+
+
 def _add_root(p: argparse.ArgumentParser) -> None:
-    p.add_argument("root", help="checkpoint root directory")
+    p.add_argument("root", help="checkpoint root directory (a local or mounted path)")
     p.add_argument("--layout", choices=("auto", *L.LAYOUTS), default="auto")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _layout(args: argparse.Namespace) -> str:
-    if not os.path.isdir(args.root):
-        raise FileNotFoundError(f"no such directory: {args.root}")
+    root = check_local_root(args.root)  # an s3:// URL is refused, not taken for a directory
+    if not root.exists():
+        raise _Failure(f"no such directory: {args.root}")
+    if not root.is_dir():
+        raise _Failure(f"not a directory: {args.root}")
     return detect_layout(args.root) if args.layout == "auto" else args.layout
+
+
+def _no_checkpoints(root: str, layout: str) -> str:
+    """Why a root shows no checkpoint, with a hint when the other layout's names are there."""
+    msg = f"no checkpoints found in {root} (layout {layout})"
+    others = [lay for lay in L.LAYOUTS if lay != layout and L.scan(root, lay)]
+    if others:
+        msg += f"; it holds {others[0]} checkpoints (pass --layout {others[0]})"
+    return msg
+
+
+def _progress() -> RichProgress:
+    """A bar on stderr while a terminal shows it; nothing at all otherwise."""
+    return RichProgress(Console(stderr=True, markup=False, soft_wrap=True))
 
 
 def _human(n: int) -> str:
@@ -90,14 +117,37 @@ def _table(title: str, rows: list[tuple[str, ...]], columns: Sequence[str]) -> T
 
 @subcommand
 def _add_ls(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ls", help="list committed checkpoints, which are protected, leftovers")
+    p = sub.add_parser(
+        "ls",
+        help="list committed checkpoints, which are protected, leftovers",
+        description="List committed checkpoints: step, commit time, size, metrics, status, "
+        "what protects them. The status column ('ok' or 'CORRUPT: reason') compares every "
+        "file's size with the manifest by default (fast, reads no data: catches missing and "
+        "truncated shards); --verify also reads every byte and checks the crc32 (as `verify`).",
+    )
     _add_root(p)
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every file's crc32, not only its size (reads the whole root)",
+    )
     p.set_defaults(func=_run_ls)
 
 
+def _status(problems: list[str] | None) -> str:
+    if problems is None:
+        return "?"
+    return "ok" if not problems else "CORRUPT: " + "; ".join(problems)
+
+
 def _run_ls(args: argparse.Namespace, console: Console) -> int:
+    from asyncckpt.manifest import verify
+
     layout = _layout(args)
     infos = list_checkpoints(args.root, layout)
+    with _progress() as bar:
+        report = verify(args.root, layout, quick=not args.verify, progress=bar)
+    problems: dict[int, list[str]] = {c.step: c.problems for c in report.checkpoints}
     tracker = L.read_tracker(args.root)
     protected = plan_prune(infos, None, tracker_step=tracker).keep
     leftovers = sorted(e for e in os.listdir(args.root) if L.is_leftover(e))
@@ -114,11 +164,14 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
                     "metrics": dict(c.metrics),
                     "run_id": c.run_id,
                     "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
+                    "status": _status(problems.get(c.step)),
+                    "problems": problems.get(c.step, []),
                 }
                 for c in infos
             ],
             "leftovers": leftovers,
             "usage": usage,
+            "checked": "sizes" if report.quick else "crc32",
         }
         console.print_json(json.dumps(out))
         return 0
@@ -128,12 +181,16 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
             _when(c.committed_at),
             _human(c.size_bytes),
             _metrics(dict(c.metrics)),
+            _status(problems.get(c.step)),
             ", ".join(r for r in protected.get(c.step, []) if r != "KeepAll()"),
         )
         for c in infos
     ]
-    cols = ("step", "committed", "size", "metrics", "protected")
+    checked = "sizes" if report.quick else "crc32"
+    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
+    if not infos:
+        console.print(_no_checkpoints(args.root, layout))
     console.print(
         f"tracker: {tracker}  committed: {_human(usage['committed_bytes'])}  "
         f"leftovers: {_human(usage['leftover_bytes'])}  free: {_human(usage['free_bytes'])}"
@@ -149,7 +206,15 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
 
 @subcommand
 def _add_prune(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prune", help="delete checkpoints a retention policy does not keep")
+    p = sub.add_parser(
+        "prune",
+        help="delete checkpoints a retention policy does not keep",
+        description="Delete the checkpoints a retention policy does not keep (never the newest, "
+        "nor the one the tracker names). Before deleting anything, the kept checkpoints are "
+        "checked against their manifests (every byte, newest first, until one verifies); if "
+        "none does, the newest one that verifies is kept too ('newest that verifies'), and if "
+        "nothing verifies nothing is deleted. --no-verify skips that read.",
+    )
     _add_root(p)
     p.add_argument("--keep-last", type=int, metavar="N")
     p.add_argument("--keep-best", type=int, metavar="N")
@@ -167,6 +232,11 @@ def _add_prune(sub: argparse._SubParsersAction) -> None:
         "--clean-leftovers",
         action="store_true",
         help="also remove temporaries and trash (only when no engine writes to ROOT)",
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="do not read the kept checkpoints to make sure one verifies before deleting",
     )
     p.set_defaults(func=_run_prune)
 
@@ -195,16 +265,38 @@ def _policy(args: argparse.Namespace) -> RetentionPolicy:
     return parts[0] if len(parts) == 1 else Union(*parts)
 
 
+def _check_metric(root: str, layout: str, metric: str) -> None:
+    """``--keep-best --metric NAME`` where no checkpoint reports NAME would keep nothing by it:
+    certainly a typo (``val_loss`` for ``loss``); say which metrics there are instead."""
+    infos = list_checkpoints(root, layout)
+    if not infos or any(metric in c.metrics for c in infos):
+        return
+    present = sorted({k for c in infos for k in c.metrics})
+    have = ", ".join(present) if present else "none (no checkpoint reports any metric)"
+    raise _Failure(
+        f"no checkpoint in {root} reports the metric {metric!r} (--metric); metrics found: {have}"
+    )
+
+
 def _run_prune(args: argparse.Namespace, console: Console) -> int:
     policy = _policy(args)
     layout = _layout(args)
-    result = prune(
-        args.root,
-        layout,
-        policy,
-        dry_run=args.dry_run,
-        allow_tracker_lag=args.allow_tracker_lag,
-    )
+    if args.keep_best is not None:
+        _check_metric(args.root, layout, args.metric)
+    with _progress() as bar:
+        result = prune(
+            args.root,
+            layout,
+            policy,
+            dry_run=args.dry_run,
+            allow_tracker_lag=args.allow_tracker_lag,
+            verify=not args.no_verify,
+            progress=bar,
+            warn=False,  # printed below, on stderr
+        )
+    err = Console(stderr=True, markup=False, soft_wrap=True)
+    for message in result.warnings.values():
+        err.print(f"warning: {message}", style="yellow")
     cleaned = clean_leftovers(args.root) if args.clean_leftovers and not args.dry_run else []
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
@@ -215,6 +307,8 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
             "kept": {str(k): v for k, v in result.kept.items()},
             "errors": {str(k): v for k, v in result.errors.items()},
             "cleaned": cleaned,
+            "corrupt": {str(k): v for k, v in result.corrupt.items()},
+            "warnings": list(result.warnings.values()),
         }
         console.print_json(json.dumps(out))
     else:
@@ -243,7 +337,9 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _run_verify(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.manifest import verify
 
-    report = verify(args.root, _layout(args))
+    layout = _layout(args)
+    with _progress() as bar:
+        report = verify(args.root, layout, progress=bar)
     good = [c.step for c in report.checkpoints if c.ok]
     if args.json:
         out = {
@@ -260,7 +356,11 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
             "leftovers": report.leftovers,
         }
         console.print_json(json.dumps(out))
+        if not report.checkpoints:
+            raise _Failure(_no_checkpoints(args.root, layout))
         return 0 if report.ok else 1
+    if not report.checkpoints:
+        raise _Failure(_no_checkpoints(args.root, layout))
     rows = [
         (str(c.step), "ok" if c.ok else "BAD", "; ".join(c.problems)) for c in report.checkpoints
     ]
@@ -305,13 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     # markup off: paths, metric names and errors are printed as they are, brackets included.
     console = Console(width=None if sys.stdout.isatty() else 160, markup=False)
-    err = Console(stderr=True, markup=False)
+    err = Console(stderr=True, markup=False, soft_wrap=True)
     try:
         return args.func(args, console)
     except _UsageError as e:
         parser.print_usage(sys.stderr)
         err.print(f"error: {e}")
         return 2
-    except (PruneRefused, OSError, ValueError) as e:
+    except (_Failure, CheckpointError, OSError, ValueError) as e:
         err.print(f"error: {e}")
         return 1

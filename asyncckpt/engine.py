@@ -192,6 +192,7 @@ class _Core:
         self.pinned: set[int] = set()
         self.resumed_from: int | None = None
         self.last_prune: Any = None
+        self.prune_warned: set[str] = set()  # keys of the prune warnings already shown
         self.preempted = False
         self.started = False
         self.stopping = False
@@ -419,6 +420,10 @@ class _Core:
                 self._fail(msg[1], err)
             elif kind == "pruned":
                 self.last_prune = msg[2]
+                # The worker's warnings (a policy's metric missing, ...): once each, here.
+                from .prune import report_warnings
+
+                report_warnings(msg[2], self.prune_warned, stacklevel=1)
                 if msg[3] is not None:
                     log.warning(
                         "pruning failed (nothing committed was lost): %s", msg[3]["message"]

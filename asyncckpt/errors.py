@@ -33,3 +33,7 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
+
+
+class UnsupportedStorage(CheckpointError, ValueError):
+    """The root is not a local (or mounted) directory, e.g. an ``s3://`` URL."""

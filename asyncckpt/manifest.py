@@ -11,19 +11,28 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import layout as _layout
 from .errors import CorruptCheckpoint
+from .paths import check_local_root
+
+if TYPE_CHECKING:
+    from .progress import Progress
 
 FORMAT_VERSION = 1
 _CHUNK = 8 << 20
 
 
-def crc32_file(path: str | os.PathLike) -> tuple[int, int]:
-    """(crc32, size) of a file, read in large chunks (zlib releases the GIL on them)."""
+def crc32_file(
+    path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None
+) -> tuple[int, int]:
+    """(crc32, size) of a file, read in large chunks (zlib releases the GIL on them).
+
+    ``on_bytes(n)`` is called after each chunk (progress bars)."""
     crc = 0
     size = 0
     with open(path, "rb", buffering=0) as f:
@@ -32,6 +41,8 @@ def crc32_file(path: str | os.PathLike) -> tuple[int, int]:
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
             size += n
+            if on_bytes is not None:
+                on_bytes(n)
     return crc, size
 
 
@@ -111,8 +122,17 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path}: unreadable manifest ({e})") from None
 
 
-def check_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
-    """Every problem found comparing the files on disk with the manifest (empty: good)."""
+def check_files(
+    directory: str | os.PathLike,
+    manifest: dict[str, Any],
+    *,
+    quick: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Every problem found comparing the files on disk with the manifest (empty: good).
+
+    ``quick=True`` checks that every file exists with its size and reads nothing (a truncated
+    or missing shard, not a flipped byte); ``on_bytes`` is passed to ``crc32_file``."""
     directory = Path(directory)
     problems = []
     for rel, want in manifest.get("files", {}).items():
@@ -124,7 +144,9 @@ def check_files(directory: str | os.PathLike, manifest: dict[str, Any]) -> list[
         if size != want["size"]:
             problems.append(f"{rel}: size {size} != {want['size']} (truncated or grown)")
             continue
-        crc, _ = crc32_file(p)
+        if quick:
+            continue
+        crc, _ = crc32_file(p, on_bytes)
         if crc != want["crc32"]:
             problems.append(
                 f"{rel}: checksum mismatch (crc32 {crc:#010x} != {want['crc32']:#010x})"
@@ -138,6 +160,28 @@ def verify_dir(directory: str | os.PathLike) -> None:
     problems = check_files(directory, manifest)
     if problems:
         raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+
+
+def check_dir(
+    directory: str | os.PathLike,
+    *,
+    quick: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
+    """``verify_dir`` as a list of problems (empty: the directory matches its manifest)."""
+    try:
+        manifest = read_manifest(directory)
+    except CorruptCheckpoint as e:
+        return [str(e)]
+    return check_files(directory, manifest, quick=quick, on_bytes=on_bytes)
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> int:
+    """Bytes a full check of this manifest reads."""
+    try:
+        return sum(int(f["size"]) for f in manifest.get("files", {}).values())
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return 0
 
 
 @dataclass
@@ -156,6 +200,8 @@ class VerifyReport:
     tracker_step: int | None
     tracker_problem: str | None
     leftovers: list[str]
+    #: True when only sizes were compared (``verify(..., quick=True)``), no checksum read.
+    quick: bool = False
 
     @property
     def ok(self) -> bool:
@@ -171,18 +217,52 @@ def detect_layout(root: str | os.PathLike) -> str:
     return "global_step"
 
 
-def verify(root: str | os.PathLike, layout: str | None = None) -> VerifyReport:
-    """Check every committed checkpoint of ``root`` against its manifest, and the tracker."""
-    root = Path(root)
+def verify(
+    root: str | os.PathLike,
+    layout: str | None = None,
+    *,
+    quick: bool = False,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Check every committed checkpoint of ``root`` against its manifest, and the tracker.
+
+    ``quick=True`` compares sizes only (reads no data). ``progress`` (an
+    ``asyncckpt.progress.Progress``) is told the bytes to read, each chunk read and each
+    checkpoint checked; without it nothing is reported.
+    """
+    root = check_local_root(root)  # an s3:// URL is not an empty local directory
     layout = layout or detect_layout(root)
-    statuses = []
-    for c in _layout.scan(root, layout):
+    dirs = _layout.scan(root, layout)
+    manifests: list[dict[str, Any] | CorruptCheckpoint] = []
+    for c in dirs:
         try:
-            manifest = read_manifest(c.path)
-            problems = check_files(c.path, manifest)
+            manifests.append(read_manifest(c.path))
         except CorruptCheckpoint as e:
-            problems = [str(e)]
+            manifests.append(e)
+    sizes = [0 if quick or isinstance(m, Exception) else manifest_bytes(m) for m in manifests]
+    if progress is not None:
+        progress.begin(f"verifying {root}", sum(sizes), len(dirs))
+    statuses = []
+    for c, manifest, size in zip(dirs, manifests, sizes, strict=True):
+        read = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal read
+            read += n
+            if progress is not None:
+                progress.advance(n)
+
+        if isinstance(manifest, CorruptCheckpoint):
+            problems = [str(manifest)]
+        else:
+            problems = check_files(c.path, manifest, quick=quick, on_bytes=on_bytes)
         statuses.append(CheckpointStatus(c.step, c.path, not problems, problems))
+        if progress is not None:
+            if size > read:  # files missing or of the wrong size: not read, but done
+                progress.advance(size - read)
+            progress.checkpoint_done(c.step, not problems)
+    if progress is not None:
+        progress.end()
     tracker_step = _layout.read_tracker(root)
     tracker_problem = None
     tracker_file = root / _layout.TRACKER
@@ -193,4 +273,6 @@ def verify(root: str | os.PathLike, layout: str | None = None) -> VerifyReport:
     leftovers = (
         sorted(n for n in os.listdir(root) if _layout.is_leftover(n)) if root.is_dir() else []
     )
-    return VerifyReport(root, layout, statuses, tracker_step, tracker_problem, leftovers)
+    return VerifyReport(
+        root, layout, statuses, tracker_step, tracker_problem, leftovers, quick=quick
+    )

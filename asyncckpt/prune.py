@@ -11,6 +11,15 @@ Pruning runs strictly after the commit of the newest checkpoint (invariant 3): `
 when the tracker does not name the newest committed checkpoint, because then a commit is still
 in progress or the root is in a state no policy should act on.
 
+Pruning never leaves a root without a checkpoint that verifies against its manifest: before
+deleting anything, ``prune`` checks the kept checkpoints newest first until one verifies; if
+none does, it also keeps the newest deletion candidate that verifies (reason
+``"newest that verifies"``), and if nothing in the root verifies it refuses to delete anything.
+A checkpoint in ``trusted`` counts as verified without reading it: the engine's worker trusts
+the checkpoint the tracker names, which it committed itself a moment earlier after checksumming
+every byte as it wrote them -- reading it back at every prune would cost a full read of the
+newest checkpoint per save. The CLI trusts nothing and reads (``--no-verify`` skips the check).
+
 Peak disk use: with a policy keeping ``K`` checkpoints (protections included), the root holds at
 most ``K + 1`` committed checkpoints between a commit and the prune that follows it, plus every
 checkpoint still in flight (temporary directories) and trash not yet removed -- i.e. roughly
@@ -26,15 +35,26 @@ import os
 import shutil
 import stat
 import uuid
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncckpt import layout as L
 from asyncckpt.commit import remove_tree
 from asyncckpt.errors import CheckpointError
-from asyncckpt.manifest import fsync_dir
-from asyncckpt.retention import CheckpointInfo, RetentionPolicy, plan_prune
+from asyncckpt.manifest import check_dir, fsync_dir, manifest_bytes, read_manifest
+from asyncckpt.retention import (
+    CheckpointInfo,
+    MissingMetricWarning,
+    PrunePlan,
+    RetentionPolicy,
+    plan_prune,
+)
+
+if TYPE_CHECKING:
+    from asyncckpt.progress import Progress
 
 __all__ = [
     "PruneRefused",
@@ -45,8 +65,12 @@ __all__ = [
     "trash_and_delete",
     "clean_leftovers",
     "prune",
+    "report_warnings",
     "disk_usage",
 ]
+
+#: The reason given to a checkpoint kept only because no kept one verifies.
+NEWEST_THAT_VERIFIES = "newest that verifies"
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +85,37 @@ class PruneRefused(CheckpointError):
 class PruneResult:
     """``deleted``: steps removed (or that would be, on a dry run); ``kept``: step -> reasons;
     ``errors``: step -> message for deletions that failed after the trash rename (the trash is
-    removed at the next ``clean_leftovers``)."""
+    removed at the next ``clean_leftovers``); ``warnings``: key -> message, things the user must
+    hear (a policy's metric missing from checkpoints, a kept checkpoint that fails its manifest);
+    ``corrupt``: step -> problems of the checkpoints found failing their manifest."""
 
     deleted: list[int]
     kept: dict[int, list[str]]
     dry_run: bool = False
     errors: dict[int, str] = field(default_factory=dict)
+    warnings: dict[str, str] = field(default_factory=dict)
+    corrupt: dict[int, list[str]] = field(default_factory=dict)
+
+
+def report_warnings(
+    result: PruneResult | None, seen: set[str] | None = None, *, stacklevel: int = 2
+) -> list[str]:
+    """Warn (``warnings.warn`` and the ``asyncckpt`` logger) for each of ``result.warnings``
+    whose key is not in ``seen``; adds the keys to ``seen``. Returns the messages emitted.
+
+    The engine calls it with its own ``seen`` set when the worker's report arrives, so each
+    policy/metric is warned about once per engine, in the trainer's process."""
+    out = []
+    for key, message in (getattr(result, "warnings", None) or {}).items():
+        if seen is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        category = UserWarning if key.startswith("corrupt:") else MissingMetricWarning
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+        logging.getLogger("asyncckpt").warning("%s", message)
+        out.append(message)
+    return out
 
 
 def _fault_point(name: str) -> None:
@@ -196,6 +245,10 @@ def prune(
     scope: str = "all",
     dry_run: bool = False,
     allow_tracker_lag: bool = False,
+    verify: bool = True,
+    trusted: Iterable[int] = (),
+    progress: Progress | None = None,
+    warn: bool = True,
 ) -> PruneResult:
     """Apply ``policy`` to the committed checkpoints under ``root``.
 
@@ -203,6 +256,11 @@ def prune(
     tracker does not name the newest committed checkpoint -- a commit may be in progress, and
     pruning runs strictly after it -- unless ``allow_tracker_lag=True``. Deletions go through
     ``trash_and_delete``; one that fails is reported in ``errors`` and the rest go on.
+
+    Before deleting anything, at least one kept checkpoint must verify against its manifest
+    (see the module docstring): ``trusted`` steps count as verified unread, ``verify=False``
+    skips the check, ``progress`` is told about the bytes read. ``warn=False`` leaves the
+    result's ``warnings`` to the caller (the worker: the engine reports them in the trainer).
     """
     root = Path(root)
     L.check_layout(layout)
@@ -228,8 +286,17 @@ def prune(
         run_id=run_id,
         scope=scope,
     )
+    notes = dict(plan.warnings)
+    corrupt: dict[int, list[str]] = {}
+    if verify and plan.delete:
+        plan = _keep_one_that_verifies(root, plan, checkpoints, set(trusted), corrupt, progress)
+        notes.update(_corrupt_notes(plan, corrupt))
+    if warn:
+        report_warnings(PruneResult([], {}, warnings=notes))
     if dry_run:
-        return PruneResult(list(plan.delete), plan.keep, dry_run=True)
+        return PruneResult(
+            list(plan.delete), plan.keep, dry_run=True, warnings=notes, corrupt=corrupt
+        )
     paths = {c.step: c.path for c in checkpoints}
     deleted, errors = [], {}
     for step in plan.delete:
@@ -240,7 +307,68 @@ def prune(
             errors[step] = str(e)
             continue
         deleted.append(step)
-    return PruneResult(deleted, plan.keep, errors=errors)
+    return PruneResult(deleted, plan.keep, errors=errors, warnings=notes, corrupt=corrupt)
+
+
+def _keep_one_that_verifies(
+    root: Path,
+    plan: PrunePlan,
+    checkpoints: list[CheckpointInfo],
+    trusted: set[int],
+    corrupt: dict[int, list[str]],
+    progress: Progress | None,
+) -> PrunePlan:
+    """``plan``, or ``plan`` keeping also the newest deletion candidate that verifies when no
+    kept checkpoint does; ``PruneRefused`` when nothing verifies. Fills ``corrupt``."""
+    paths = {c.step: c.path for c in checkpoints}
+
+    def verifies(step: int) -> bool:
+        if step in trusted:
+            return True
+        path = paths[step]
+        if progress is not None:
+            try:
+                total = manifest_bytes(read_manifest(path))
+            except CheckpointError:
+                total = 0
+            progress.begin(f"verifying step {step}", total, 1)
+        problems = check_dir(path, on_bytes=progress.advance if progress is not None else None)
+        if progress is not None:
+            progress.checkpoint_done(step, not problems)
+            progress.end()
+        if problems:
+            corrupt[step] = problems  # reported by the caller (warnings, CLI, JSON)
+        return not problems
+
+    for step in sorted(plan.keep, reverse=True):
+        if verifies(step):
+            return plan
+    for step in sorted(plan.delete, reverse=True):
+        if verifies(step):
+            keep = dict(plan.keep)
+            keep[step] = [NEWEST_THAT_VERIFIES]
+            delete = [s for s in plan.delete if s != step]
+            return PrunePlan(dict(sorted(keep.items())), delete, plan.warnings)
+    details = "; ".join(f"step {s}: {p[0]}" for s, p in sorted(corrupt.items())[-3:])
+    raise PruneRefused(
+        f"no checkpoint in {root} verifies against its manifest ({details}); refusing to delete "
+        "any (verify=False, or --no-verify on the command line, prunes without this check)"
+    )
+
+
+def _corrupt_notes(plan: PrunePlan, corrupt: dict[int, list[str]]) -> dict[str, str]:
+    """Warnings for kept checkpoints found failing their manifest."""
+    rescued = [s for s, why in plan.keep.items() if NEWEST_THAT_VERIFIES in why]
+    out = {}
+    for step, problems in sorted(corrupt.items()):
+        if step not in plan.keep:
+            continue
+        also = f"; also keeping step {rescued[0]}, the newest that verifies" if rescued else ""
+        out[f"corrupt:{step}"] = (
+            f"step {step} (kept: {', '.join(plan.keep[step])}) fails its manifest: "
+            f"{'; '.join(problems)}{also}"
+        )
+    return out
 
 
 def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, int]:

@@ -33,6 +33,8 @@ __all__ = [
     "KeepInterval",
     "KeepSteps",
     "KeepAll",
+    "MissingMetricWarning",
+    "metric_warnings",
     "PrunePlan",
     "protected_steps",
     "plan_prune",
@@ -42,6 +44,12 @@ __all__ = [
 ]
 
 SCOPES = ("all", "run")
+
+
+class MissingMetricWarning(UserWarning):
+    """A policy ranks by a metric that some committed checkpoints do not report."""
+
+
 STORAGES = ("shared", "local")
 
 
@@ -100,6 +108,11 @@ class RetentionPolicy:
     def explain(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, list[str]]:
         return {step: [repr(self)] for step in sorted(self.keep(checkpoints))}
 
+    def missing_metrics(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        """Metric names this policy ranks by that at least one of ``checkpoints`` lacks, where
+        that changes what it keeps (``KeepBest(..., missing="drop")``). Empty: nothing to say."""
+        return set()
+
     def __or__(self, other: RetentionPolicy) -> Union:
         if not isinstance(other, RetentionPolicy):
             return NotImplemented
@@ -135,6 +148,12 @@ class Union(RetentionPolicy):
                 have = out.setdefault(step, [])
                 have.extend(r for r in reasons if r not in have)
         return dict(sorted(out.items()))
+
+    def missing_metrics(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        out: set[str] = set()
+        for p in self.policies:
+            out |= p.missing_metrics(checkpoints)
+        return out
 
     def __repr__(self) -> str:
         return " | ".join(repr(p) for p in self.policies) if self.policies else "Union()"
@@ -196,6 +215,13 @@ class KeepBest(RetentionPolicy):
         if self.missing == "keep":
             out |= {c.step for c in by_step.values() if self.metric not in c.metrics}
         return out
+
+    def missing_metrics(self, checkpoints: Sequence[CheckpointInfo]) -> set[str]:
+        # With missing="keep" an absent metric only keeps more; with "drop" it can cost the best
+        # checkpoint (e.g. KeepBest(1, "val_loss") while saves report {"loss": ...}).
+        if self.missing == "keep":
+            return set()
+        return {self.metric} if any(self.metric not in c.metrics for c in checkpoints) else set()
 
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"
@@ -283,12 +309,50 @@ class KeepAll(RetentionPolicy):
 # -- planning -----------------------------------------------------------------------------------
 
 
+def _leaves(policy: RetentionPolicy) -> list[RetentionPolicy]:
+    if isinstance(policy, Union):
+        return [leaf for p in policy.policies for leaf in _leaves(p)]
+    return [policy]
+
+
+def metric_warnings(
+    policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]
+) -> dict[str, str]:
+    """One message per (policy, metric) whose metric some checkpoints lack: key -> message.
+
+    The key (``"KeepBest(1, 'val_loss')/val_loss"``) lets a caller warn once per policy and
+    metric however often it prunes; the message names the steps and the metrics that do exist.
+    """
+    if policy is None:
+        return {}
+    cps = sorted(checkpoints, key=lambda c: c.step)
+    present = sorted({k for c in cps for k in c.metrics})
+    out: dict[str, str] = {}
+    for leaf in _leaves(policy):
+        for metric in sorted(leaf.missing_metrics(cps)):
+            key = f"{leaf!r}/{metric}"
+            if key in out:
+                continue
+            lacking = [c.step for c in cps if metric not in c.metrics]
+            shown = ", ".join(map(str, lacking[:10])) + (", ..." if len(lacking) > 10 else "")
+            have = ", ".join(repr(m) for m in present) if present else "none"
+            out[key] = (
+                f"{leaf!r}: metric {metric!r} is missing from {len(lacking)} of {len(cps)} "
+                f"checkpoint(s) (step(s) {shown}); this policy does not keep those, so it may "
+                f"delete your best checkpoint. Metrics the checkpoints report: {have}. Pass "
+                f"{metric!r} in save(metrics=...), fix the name, or use missing='keep'."
+            )
+    return out
+
+
 @dataclass(frozen=True)
 class PrunePlan:
-    """``keep``: step -> reasons (protections first, then policies); ``delete``: ascending."""
+    """``keep``: step -> reasons (protections first, then policies); ``delete``: ascending;
+    ``warnings``: ``metric_warnings`` of the policy on the candidates (key -> message)."""
 
     keep: dict[int, list[str]]
     delete: list[int]
+    warnings: dict[str, str] = field(default_factory=dict)
 
 
 def protected_steps(
@@ -365,7 +429,11 @@ def plan_prune(
         if step in reasons:
             keep.setdefault(step, []).extend(reasons[step])
     delete = [s for s in steps if s not in keep]
-    return PrunePlan(keep=dict(sorted(keep.items())), delete=delete)
+    return PrunePlan(
+        keep=dict(sorted(keep.items())),
+        delete=delete,
+        warnings=metric_warnings(policy, candidates),
+    )
 
 
 def should_prune(rank: int, local_rank: int, storage: str) -> bool:

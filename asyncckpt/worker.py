@@ -71,14 +71,21 @@ class PruneRequest:
     def run(self, root: Path, config: WorkerConfig) -> Any:
         from .prune import prune
 
+        # The tracker names the checkpoint this worker has just committed (prune refuses
+        # otherwise), checksummed as it was written: trusted, not read back at every save.
+        # Warnings travel in the report; the engine shows them in the trainer's process.
+        tracker = _layout.read_tracker(root)
         return prune(
             root,
             config.layout,
             self.policy,
+            tracker_step=tracker,
             resumed_from=self.resumed_from,
             pinned=self.pinned,
             run_id=self.run_id,
             scope=self.scope,
+            trusted=() if tracker is None else (tracker,),
+            warn=False,
         )
 
 

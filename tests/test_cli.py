@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def make_ckpt(
         "committed_at": 1_700_000_000.0 + step,
         "metrics": {} if loss is None else {"loss": loss},
         "bytes": 2048,
-        "files": {"__0_0.distcp": {"size": 2048, "crc32": 0}},
+        "files": {"__0_0.distcp": {"size": 2048, "crc32": zlib.crc32(b"x" * 2048)}},
         "run_id": "run-a",
     }
     (d / L.MANIFEST).write_text(json.dumps(manifest))

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import types
+import zlib
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def make_ckpt(
         "committed_at": 1_700_000_000.0 + step,
         "metrics": metrics or {},
         "bytes": len(payload),
-        "files": {"__0_0.distcp": {"size": len(payload), "crc32": 0}},
+        "files": {"__0_0.distcp": {"size": len(payload), "crc32": zlib.crc32(payload)}},
         "run_id": run_id,
     }
     (d / L.MANIFEST).write_text(json.dumps(manifest))

@@ -254,7 +254,8 @@ def test_empty_and_missing_roots(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert verify(empty).ok and verify(empty).checkpoints == []
-    assert main(["verify", str(empty)]) == 0
+    assert main(["verify", str(empty)]) == 1  # nothing to verify is not "OK"
+    assert f"no checkpoints found in {empty} (layout global_step)" in capsys.readouterr().err
     assert SyncCheckpointEngine(empty).load_latest(blank()) is None
     assert main(["verify", str(tmp_path / "nope")]) == 1
     assert "no such directory" in capsys.readouterr().err

@@ -1,0 +1,86 @@
+"""Progress of long reads (``verify``, the check ``prune`` makes before deleting).
+
+The library stays quiet: ``verify(root)`` and ``prune(...)`` report nothing unless given a
+``Progress``. The CLI passes a ``RichProgress``, a bar on stderr that shows only on a terminal
+(disabled in pipes, files and tests) and disappears when done, so output stays clean.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Progress", "RichProgress"]
+
+
+class Progress:
+    """Receives progress; every method is a no-op here (subclass what you need).
+
+    Order of calls: ``begin`` once per run of checks with the bytes and checkpoints it will read,
+    then ``advance`` as bytes are read (about every 8 MiB, and once per checkpoint to make up
+    the bytes of files found missing or of the wrong size), ``checkpoint_done`` after each
+    checkpoint, and ``end``.
+    """
+
+    def begin(self, description: str, total_bytes: int, total_checkpoints: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def checkpoint_done(self, step: int, ok: bool) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class RichProgress(Progress):
+    """A rich progress bar on ``console`` (default: stderr); off unless it is a terminal.
+
+    Use as a context manager around the calls that report to it.
+    """
+
+    def __init__(self, console: Any = None, *, transient: bool = True) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+        from rich.progress import Progress as _Bar
+
+        self.console = console if console is not None else Console(stderr=True)
+        self._bar = _Bar(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=transient,
+            disable=not self.console.is_terminal,
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> RichProgress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.stop()
+
+    def begin(self, description: str, total_bytes: int, total_checkpoints: int) -> None:
+        if self._task is not None:
+            self._bar.remove_task(self._task)
+        self._task = self._bar.add_task(description, total=max(total_bytes, 1))
+
+    def advance(self, nbytes: int) -> None:
+        if self._task is not None:
+            self._bar.advance(self._task, nbytes)
+
+    def end(self) -> None:
+        if self._task is not None:
+            self._bar.remove_task(self._task)
+            self._task = None
