@@ -149,7 +149,9 @@ class EngineOptions:
 
 class _Core:
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
-        self.root = Path(root)
+        from .paths import check_local_root
+
+        self.root = check_local_root(root)  # a URL is refused, not written to a dir "s3:"
         self.opts = opts
         self.layout = _layout.check_layout(opts.layout)
         self.fmt = opts.format or default_format(self.layout)

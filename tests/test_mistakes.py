@@ -19,3 +19,14 @@ def test_sync_engine_still_works_as_a_context_manager(tmp_path):
     with SyncCheckpointEngine(tmp_path / "ckpts", handle_sigterm=False) as engine:
         engine.save(1, {"x": 1})
     assert engine.latest_step() == 1
+
+
+@pytest.mark.parametrize("root", ["s3://bucket/run", "gs://bucket/run", "hf://org/repo"])
+def test_url_roots_are_refused_before_anything_is_written(tmp_path, monkeypatch, root):
+    from asyncckpt import CheckpointError, UnsupportedStorage
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedStorage, match="object storage is not supported") as e:
+        SyncCheckpointEngine(root, handle_sigterm=False)
+    assert isinstance(e.value, CheckpointError)
+    assert list(tmp_path.iterdir()) == []  # no local directory named "s3:"
