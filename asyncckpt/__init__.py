@@ -8,13 +8,16 @@ from .engine import CheckpointEngine, PauseHooks, SaveHandle
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
+    NotACheckpointRoot,
     NoValidCheckpoint,
     RootLocked,
     SaveFailed,
     StagingMemoryError,
+    StateMismatch,
     WorkerDied,
     WriteTimeout,
 )
+from .loadcheck import LoadReport
 from .manifest import VerifyReport, verify
 from .retention import (
     CheckpointInfo,
@@ -60,4 +63,7 @@ __all__ = [
     "WriteTimeout",
     "faults",
     "verify",
+    "StateMismatch",
+    "NotACheckpointRoot",
+    "LoadReport",
 ]

@@ -33,3 +33,16 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
+
+
+class StateMismatch(CheckpointError, ValueError):
+    """The load target does not fit the checkpoint (shapes, dtypes, missing or extra keys).
+
+    A mistake in the caller's state, not damage: ``load_latest`` raises it at once instead of
+    falling back to an older checkpoint, and nothing in the target has been changed.
+    """
+
+
+class NotACheckpointRoot(CheckpointError, ValueError):
+    """The path given as a checkpoint root is not one (a checkpoint directory, a file, or a root
+    of the other layout)."""
