@@ -329,25 +329,31 @@ def check(
 METADATA_FILES = frozenset({".metadata", "metadata.json", "common.pt"})
 
 
+def _raised_in_load_state_dict(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_state_dict":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def read_error(directory: Path, e: BaseException) -> CheckpointError:
     """Our error for a failure while reading a checkpoint that passed the check.
 
-    What torch raises when the target and the data disagree after all (a ``load_state_dict``
-    that refuses, a container that does not merge) is the caller's mismatch; anything else
-    (DCP's ``CheckpointException``, a truncated zip, an unpickling error, an I/O error) means
-    the data could not be read.
+    A ``load_state_dict`` that refuses what was read (an optimizer's param groups, say) is the
+    caller's mismatch; anything else (DCP's ``CheckpointException``, a truncated zip, an
+    unpickling or I/O error) means the data could not be read.
     """
-    msg = str(e).strip()
-    if isinstance(e, (KeyError, IndexError, TypeError, ValueError)) or msg.startswith(
-        "Error(s) in loading state_dict"
-    ):
+    if _raised_in_load_state_dict(e):
         return StateMismatch(f"the load target does not fit {directory}: {type(e).__name__}: {e}")
-    first = msg.splitlines()[0] if msg else type(e).__name__
-    if "CheckpointException" in type(e).__name__:
-        # DCP's message is a traceback per rank; its last line names the real error.
-        lines = [ln for ln in msg.splitlines() if ln.strip()]
-        first = lines[-1] if lines else first
-    return CorruptCheckpoint(f"{directory}: cannot read the checkpoint ({first})")
+    msg = str(e).strip()
+    lines = [ln for ln in msg.splitlines() if ln.strip()]
+    # DCP's message is a traceback per rank: its last line names the real error.
+    first = (lines[-1] if "CheckpointException" in type(e).__name__ else lines[0]) if lines else ""
+    return CorruptCheckpoint(
+        f"{directory}: cannot read the checkpoint ({first or type(e).__name__})"
+    )
 
 
 #: Loads of checkpoints at least this large show a progress bar (on a terminal).

@@ -89,7 +89,8 @@ def quiet(caplog):
 
 def assert_nothing_said(record, caplog) -> None:
     assert not [str(w.message) for w in record], [str(w.message) for w in record]
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    ours = [r for r in caplog.records if r.name.startswith("asyncckpt")]
+    assert not [r for r in ours if r.levelno >= logging.WARNING], caplog.text
 
 
 # ------------------------------------------------------------------ item 4: the pre-check
@@ -349,3 +350,83 @@ def test_a_file_is_not_a_root(tmp_path):
     f.write_text("x")
     with pytest.raises(NotACheckpointRoot, match="not a directory"):
         SyncCheckpointEngine(f).load_latest(blank())
+
+
+def test_an_optimizer_that_refuses_the_state_is_a_mismatch(tmp_path):
+    """What only ``load_state_dict`` notices (param groups of another size) is the caller's
+    mistake too: StateMismatch, not corruption, and no fallback."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"optim": opt}).committed_sync()
+    other = torch.nn.Linear(3, 2)
+    two_groups = torch.optim.SGD([{"params": [other.weight]}, {"params": [other.bias]}], lr=0.1)
+    with pytest.raises(StateMismatch, match="global_step_1"):
+        SyncCheckpointEngine(tmp_path).load_latest({"optim": two_groups})
+
+
+def test_progress_bar_on_a_terminal(root, monkeypatch):
+    import sys
+
+    from asyncckpt import loadcheck
+
+    shown = []
+    real_enter = loadcheck.Progress.__enter__
+
+    def enter(self):
+        out = real_enter(self)
+        shown.append(self._bar is not None)
+        return out
+
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 1)
+    monkeypatch.setattr(loadcheck.Progress, "__enter__", enter)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert shown == [True]
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 1 << 40)
+    assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert shown == [True, False]
+
+
+def test_loading_while_another_process_prunes(root, quiet):
+    """A real race: a thread commits copies of a checkpoint and prunes the older ones (rename
+    to trash, then delete, as the pruner does) while this thread loads in a loop."""
+    import threading
+    import time
+
+    from asyncckpt.prune import trash_and_delete
+
+    source = root / "global_step_2"
+    stop = threading.Event()
+    errors = []
+
+    def commit_and_prune() -> None:
+        step = 3
+        try:
+            while not stop.is_set():
+                tmp = root / L.tmp_name("global_step", step, "t")
+                shutil.copytree(source, tmp)
+                os.rename(tmp, root / L.dir_name("global_step", step))
+                for old in L.scan(root, "global_step")[:-1]:
+                    if old.step > 2:
+                        trash_and_delete(root, old.path)
+                step += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    pruner = threading.Thread(target=commit_and_prune)
+    pruner.start()
+    loads = 0
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            target = blank()
+            assert SyncCheckpointEngine(root).load_latest(target) >= 2
+            assert torch.equal(target["model"]["w"], state_at(2)["model"]["w"])
+            loads += 1
+    finally:
+        stop.set()
+        pruner.join()
+    assert not errors and loads > 5
+    assert_nothing_said(*quiet)
