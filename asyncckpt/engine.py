@@ -763,7 +763,10 @@ class _Core:
         """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
         problems = []
         for rel, want in files.items():
-            problems += check_files(directory, {"files": {rel: want}})
+            try:
+                problems += check_files(directory, {"files": {rel: want}})
+            except OSError as e:  # gone between the check and the read, or unreadable
+                problems.append(f"{rel}: {e}")
             progress.verified(int(want.get("size", 0)))
         if problems:
             if not directory.is_dir():

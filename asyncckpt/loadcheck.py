@@ -213,6 +213,12 @@ def compare(
         problems.append(
             f"unexpected in the checkpoint (not in the target): {_listing(report.unexpected)}"
         )
+        if not ckpt.open_takes_tensors and any(_under(k, target.open) for k in report.unexpected):
+            problems[-1] += (
+                " (format torch_dist reads only the tensors the target names, so an empty "
+                "container of the target, such as a fresh optimizer's state, cannot take them; "
+                "create that state first, e.g. with one optimizer step)"
+            )
     if problems:
         hint = ""
         if not mismatched:

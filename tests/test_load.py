@@ -430,3 +430,24 @@ def test_loading_while_another_process_prunes(root, quiet):
         pruner.join()
     assert not errors and loads > 5
     assert_nothing_said(*quiet)
+
+
+def test_torch_dist_refuses_to_silently_skip_a_fresh_optimizers_state(tmp_path):
+    """torch_dist reads only the tensors the target names: a fresh optimizer (empty state)
+    would resume without its moments. Loud, not silent."""
+    from asyncckpt.formats import torch_dist as td
+    from asyncckpt.formats.staged import materialize
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    td.write_torch_dist(materialize({"model": model, "optim": opt}), tmp_path / "iter_0000001")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters())
+    before = model2.weight.detach().clone()
+    engine = SyncCheckpointEngine(tmp_path, layout="megatron")
+    with pytest.raises(StateMismatch, match=r"optim\.state\.0\.exp_avg.*torch_dist"):
+        engine.load_latest({"model": model2, "optim": opt2})
+    assert torch.equal(model2.weight, before)
