@@ -432,6 +432,7 @@ def test_loading_while_another_process_prunes(root, quiet):
     assert_nothing_said(*quiet)
 
 
+@pytest.mark.filterwarnings("ignore:.*has no manifest")
 def test_torch_dist_refuses_to_silently_skip_a_fresh_optimizers_state(tmp_path):
     """torch_dist reads only the tensors the target names: a fresh optimizer (empty state)
     would resume without its moments. Loud, not silent."""
