@@ -11,14 +11,17 @@ from . import faults
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
+    NotACheckpointRoot,
     NoValidCheckpoint,
     RootLocked,
     SaveFailed,
     StagingMemoryError,
+    StateMismatch,
     UnsupportedStorage,
     WorkerDied,
     WriteTimeout,
 )
+from .loadcheck import LoadReport
 from .manifest import VerifyReport, verify
 from .retention import (
     CheckpointInfo,
@@ -93,4 +96,7 @@ __all__ = [
     "faults",
     "verify",
     "UnsupportedStorage",
+    "StateMismatch",
+    "NotACheckpointRoot",
+    "LoadReport",
 ]

@@ -33,14 +33,17 @@ from . import layout as _layout
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
+    NotACheckpointRoot,
     NoValidCheckpoint,
     RootLocked,
     SaveFailed,
+    StateMismatch,
     WorkerDied,
     WriteTimeout,
 )
 from .formats import FORMAT_ALIASES, FORMATS, default_format
-from .manifest import read_manifest, verify_dir
+from .loadcheck import LoadReport, Vanished
+from .manifest import check_files, read_manifest
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
@@ -193,6 +196,7 @@ class _Core:
         self.pending_handle: SaveHandle | None = None
         self.pinned: set[int] = set()
         self.resumed_from: int | None = None
+        self.last_load_report: LoadReport | None = None
         self.last_prune: Any = None
         self.prune_warned: set[str] = set()  # keys of the prune warnings already shown
         self.preempted = False
@@ -609,16 +613,18 @@ class _Core:
         self.schedule.mark_saved(pending.step)
         return handle
 
-    def resume(self, state: Any, mode: str, path: str | os.PathLike | None) -> int | None:
+    def resume(
+        self, state: Any, mode: str, path: str | os.PathLike | None, strict: bool = True
+    ) -> int | None:
         """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
         if mode == "none":
             return None
         if mode == "latest":
-            return self.load_latest(state)
+            return self.load_latest(state, strict)
         if mode == "from_path":
             if path is None:
                 raise ValueError('resume mode "from_path" needs path=')
-            return self.load(state, path=path)
+            return self.load(state, path=path, strict=strict)
         raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
 
     def _stage_and_send(self, pending: _PendingSave) -> SaveHandle:
@@ -709,45 +715,192 @@ class _Core:
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
 
-    def load_dir(self, state: Any, directory: Path) -> None:
+    def load_dir(self, state: Any, directory: Path, strict: bool = True) -> LoadReport:
+        """Restore one checkpoint directory into ``state``: check, verify, then read.
+
+        The target is compared with the checkpoint's metadata before anything is read into
+        it (``StateMismatch``: nothing changed). Unreadable data is a ``CorruptCheckpoint``, a
+        directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
+        errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
+        """
+        from . import loadcheck
         from .formats import staged
 
         paths = None
         fmt = self.fmt
+        files: dict[str, Any] = {}
         if (directory / _layout.MANIFEST).exists():
-            if self.opts.verify_on_load:
-                verify_dir(directory)
             manifest = read_manifest(directory)
             paths = manifest.get("paths")
             fmt = manifest.get("format") or fmt  # the format it was written in
+            if self.opts.verify_on_load:
+                files = dict(manifest.get("files", {}))
+        elif not directory.is_dir():
+            raise loadcheck.Vanished(f"{directory} went away before it was read")
         elif self.opts.verify_on_load:
             warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
-        # Any world size: each rank reads what its state asks for (DCP reshards).
-        staged.load_into(fmt, state, directory, paths, legacy=self.legacy)
-
-    def load_latest(self, state: Any) -> int | None:
-        candidates = list(reversed(self.committed()))
-        if not candidates:
-            return None
-        errors = []
-        for c in candidates:
+        nbytes = sum(int(f.get("size", 0)) for f in files.values())
+        with loadcheck.Progress(directory, nbytes) as progress:
+            # The metadata the check trusts is verified first (all of a legacy file: the check
+            # reads it); the bulk of the data after the check, so a mismatch fails fast.
+            first = (
+                set(files)
+                if fmt == "megatron_legacy"
+                else {r for r in files if r in loadcheck.METADATA_FILES}
+            )
+            self._verify(directory, {r: files[r] for r in first}, progress)
+            report = loadcheck.check(fmt, state, directory, strict=strict, legacy=self.legacy)
+            self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
+            progress.reading()
             try:
-                self.load_dir(state, c.path)
-            # DCP's CheckpointException derives from BaseException, not Exception.
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back, loudly
-                errors.append(f"step {c.step}: {e}")
-                msg = f"checkpoint step {c.step} at {c.path} is unusable ({e}); trying an older one"
-                log.error(msg)
-                warnings.warn(msg, stacklevel=3)
-                continue
-            self.resumed_from = c.step
-            return c.step
+                if report.missing or report.unexpected:  # strict=False, and something to skip
+                    self._load_partial(fmt, state, directory, paths, report)
+                else:
+                    # Any world size: each rank reads what its state asks for (DCP reshards).
+                    staged.load_into(fmt, state, directory, paths, legacy=self.legacy)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
+                if isinstance(e, CheckpointError):
+                    raise
+                if not directory.is_dir():
+                    raise loadcheck.Vanished(f"{directory} went away while it was read") from e
+                raise loadcheck.read_error(directory, e) from e
+        return report
+
+    def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
+        """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
+        problems = []
+        for rel, want in files.items():
+            try:
+                problems += check_files(directory, {"files": {rel: want}})
+            except OSError as e:  # gone between the check and the read, or unreadable
+                problems.append(f"{rel}: {e}")
+            progress.verified(int(want.get("size", 0)))
+        if problems:
+            if not directory.is_dir():
+                raise Vanished(f"{directory} went away while it was verified")
+            raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+
+    def _load_partial(
+        self, fmt: str, state: Any, directory: Path, paths: Any, report: LoadReport
+    ) -> None:
+        """strict=False: read into a copy of the target's containers without the missing keys,
+        then hand each part back cut to the target's keys (missing ones keep their value,
+        unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
+        from .formats import dcp, staged
+        from .loadcheck import restrict, without
+
+        like = staged.materialize(state)
+        sub = without(like, set(report.missing))
+        staged.load_into(fmt, sub, directory, paths, legacy=self.legacy)
+        dcp.merge_into(state, restrict(sub, like))
+
+    def _check_root(self) -> bool:
+        """False (loudly) when the root does not exist; raise when it is not a root at all."""
+        root = self.root
+        if not root.exists():
+            msg = (
+                f"checkpoint root {root.absolute()} does not exist: nothing to load, starting "
+                "from scratch (check the path if a checkpoint was expected)"
+            )
+            log.warning(msg)
+            warnings.warn(msg, stacklevel=4)
+            return False
+        if not root.is_dir():
+            raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
+        looks_like_one = any(
+            _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
+        )
+        if (
+            (root / ".metadata").exists()
+            or (root / _layout.MANIFEST).exists()
+            # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
+            or (looks_like_one and any(root.iterdir()) and not self.committed())
+        ):
+            raise NotACheckpointRoot(
+                f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
+                f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
+            )
+        return True
+
+    def _check_other_layout(self) -> None:
+        """No checkpoint of our layout: refuse a root that holds the other layout's."""
+        for other in _layout.LAYOUTS:
+            found = _layout.scan(self.root, other) if other != self.layout else []
+            if found:
+                names = ", ".join(c.path.name for c in found[-3:])
+                raise NotACheckpointRoot(
+                    f"{self.root} holds {other}-layout checkpoints ({names}) but this engine's "
+                    f"layout is {self.layout!r}; pass layout={other!r}"
+                )
+
+    def _loaded(self, report: LoadReport, step: int | None, directory: Path) -> None:
+        report.step, report.path = step, directory
+        self.last_load_report = report
+        if step is not None:
+            self.resumed_from = step
+        if report.missing or report.unexpected:
+            log.warning(
+                "loaded %s with strict=False: kept the target's own %s (not in the checkpoint); "
+                "did not load %s (not in the target)",
+                directory,
+                report.missing or "-",
+                report.unexpected or "-",
+            )
+        if report.missing_objects:
+            log.warning(
+                "loaded %s: the checkpoint has no %s; the target keeps its own value(s)",
+                directory,
+                report.missing_objects,
+            )
+
+    def load_latest(self, state: Any, strict: bool = True) -> int | None:
+        if not self._check_root():
+            return None
+        errors: list[str] = []
+        tried: set[Path] = set()
+        # A checkpoint pruned under our feet (another process's engine) is skipped quietly;
+        # if every one we saw went, newer ones committed meanwhile: look again, a few times.
+        for _ in range(3):
+            candidates = [c for c in reversed(self.committed()) if c.path not in tried]
+            if not tried and not candidates:
+                self._check_other_layout()
+            vanished = False
+            for c in candidates:
+                tried.add(c.path)
+                try:
+                    report = self.load_dir(state, c.path, strict)
+                except StateMismatch:
+                    raise  # the caller's mistake: an older checkpoint would not fit either
+                # DCP's CheckpointException derives from BaseException, not Exception.
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back
+                    if isinstance(e, Vanished) or not c.path.is_dir():
+                        log.debug("checkpoint step %d at %s was pruned while read", c.step, c.path)
+                        vanished = True
+                        continue
+                    errors.append(f"step {c.step}: {e}")
+                    msg = (
+                        f"checkpoint step {c.step} at {c.path} is unusable ({e}); "
+                        "trying an older one"
+                    )
+                    log.error(msg)
+                    warnings.warn(msg, stacklevel=3)
+                    continue
+                self._loaded(report, c.step, c.path)
+                return c.step
+            if not vanished or errors:
+                break
+        if not errors:
+            return None
         raise NoValidCheckpoint(
             f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
         )
 
     def load(
-        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+        self,
+        state: Any,
+        step: int | None = None,
+        path: str | os.PathLike | None = None,
+        strict: bool = True,
     ) -> int:
         if (step is None) == (path is None):
             raise ValueError("pass exactly one of step= or path=")
@@ -766,9 +919,8 @@ class _Core:
             if not directory.is_dir():
                 raise FileNotFoundError(f"step {step} is not committed in {self.root}")
             found = step
-        self.load_dir(state, directory)
-        if found is not None:
-            self.resumed_from = found
+        report = self.load_dir(state, directory, strict)
+        self._loaded(report, found, directory)
         return found if found is not None else -1
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
@@ -1100,21 +1252,57 @@ class CheckpointEngine:
         return PauseHooks(self._core.write_pause, optimizer)
 
     # -------------------------------------------------------------- loading
-    async def load_latest(self, state: Any) -> int | None:
-        """Restore the newest good checkpoint into ``state`` in place; None if there is none."""
-        return await anyio.to_thread.run_sync(self._core.load_latest, state)
+    async def load_latest(self, state: Any, *, strict: bool = True) -> int | None:
+        """Restore the newest good checkpoint into ``state`` in place; None if there is none.
+
+        The whole target is checked against the checkpoint first: a shape or dtype that
+        differs, or (``strict=True``) a tensor missing from the checkpoint or one the target
+        does not declare, raises ``StateMismatch`` naming the keys, with nothing changed and
+        no fallback to an older checkpoint (that is the caller's mistake, not damage). With
+        ``strict=False`` the matching keys are loaded and the others skipped; what was skipped
+        is logged and kept in ``last_load_report``. Empty containers in the target (a fresh
+        optimizer's state) take whatever the checkpoint has under them.
+
+        A damaged checkpoint falls back to the next older one, loudly; one pruned by another
+        process while it is read is skipped quietly. A root that does not exist warns and
+        returns None (a fresh job's first start); a path that is a checkpoint directory, or a
+        root of the other layout, raises ``NotACheckpointRoot``.
+        """
+        return await anyio.to_thread.run_sync(lambda: self._core.load_latest(state, strict))
 
     async def load(
-        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+        self,
+        state: Any,
+        step: int | None = None,
+        path: str | os.PathLike | None = None,
+        *,
+        strict: bool = True,
     ) -> int:
-        """Restore a given checkpoint (by step, or by directory) into ``state`` in place."""
-        return await anyio.to_thread.run_sync(lambda: self._core.load(state, step=step, path=path))
+        """Restore a given checkpoint (by step, or by directory) into ``state`` in place.
+
+        Checked first like ``load_latest``; raises asyncckpt's errors (``StateMismatch``,
+        ``CorruptCheckpoint``: all ``CheckpointError``) with torch's error as the cause.
+        """
+        return await anyio.to_thread.run_sync(
+            lambda: self._core.load(state, step=step, path=path, strict=strict)
+        )
 
     async def resume(
-        self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
+        self,
+        state: Any,
+        mode: str = "latest",
+        path: str | os.PathLike | None = None,
+        *,
+        strict: bool = True,
     ) -> int | None:
         """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
-        return await anyio.to_thread.run_sync(self._core.resume, state, mode, path)
+        return await anyio.to_thread.run_sync(lambda: self._core.resume(state, mode, path, strict))
+
+    @property
+    def last_load_report(self) -> LoadReport | None:
+        """What the last successful load did not restore one to one (``LoadReport``: step,
+        path, ``missing``, ``unexpected`` and ``missing_objects`` keys); None before any."""
+        return self._core.last_load_report
 
     def latest_step(self) -> int | None:
         dirs = self._core.committed()

@@ -37,3 +37,16 @@ class NoValidCheckpoint(CheckpointError):
 
 class UnsupportedStorage(CheckpointError, ValueError):
     """The root is not a local (or mounted) directory, e.g. an ``s3://`` URL."""
+
+
+class StateMismatch(CheckpointError, ValueError):
+    """The load target does not fit the checkpoint (shapes, dtypes, missing or extra keys).
+
+    A mistake in the caller's state, not damage: ``load_latest`` raises it at once instead of
+    falling back to an older checkpoint, and nothing in the target has been changed.
+    """
+
+
+class NotACheckpointRoot(CheckpointError, ValueError):
+    """The path given as a checkpoint root is not one (a checkpoint directory, a file, or a root
+    of the other layout)."""

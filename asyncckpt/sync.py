@@ -43,15 +43,25 @@ class SyncCheckpointEngine(CheckpointEngine):
     def prepare(self, state: Any) -> None:  # type: ignore[override]
         self._core.prepare(state)
 
-    def load_latest(self, state: Any) -> int | None:  # type: ignore[override]
-        return self._core.load_latest(state)
+    def load_latest(self, state: Any, *, strict: bool = True) -> int | None:  # type: ignore[override]
+        return self._core.load_latest(state, strict)
 
     def load(  # type: ignore[override]
-        self, state: Any, step: int | None = None, path: str | os.PathLike | None = None
+        self,
+        state: Any,
+        step: int | None = None,
+        path: str | os.PathLike | None = None,
+        *,
+        strict: bool = True,
     ) -> int:
-        return self._core.load(state, step=step, path=path)
+        return self._core.load(state, step=step, path=path, strict=strict)
 
     def resume(  # type: ignore[override]
-        self, state: Any, mode: str = "latest", path: str | os.PathLike | None = None
+        self,
+        state: Any,
+        mode: str = "latest",
+        path: str | os.PathLike | None = None,
+        *,
+        strict: bool = True,
     ) -> int | None:
-        return self._core.resume(state, mode, path)
+        return self._core.resume(state, mode, path, strict)

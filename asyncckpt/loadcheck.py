@@ -1,0 +1,420 @@
+"""Before a load writes anything: does the target fit the checkpoint? (invariant 11)
+
+Pure comparisons of the caller's state with what a checkpoint holds (DCP's ``.metadata``, or
+the tensors of a Megatron legacy file), by DCP key. A shape or dtype that differs, a tensor the
+checkpoint lacks or one the target does not declare is the caller's mistake, not damage:
+``check`` raises ``StateMismatch`` naming every such key before a single byte of the target is
+overwritten.
+
+Rules (``strict`` as in ``Module.load_state_dict``):
+
+- a tensor key in both with another shape or dtype: always an error;
+- ``missing`` (tensor in the target, not in the checkpoint) and ``unexpected`` (tensor in the
+  checkpoint, not in the target): errors with ``strict=True``; with ``strict=False`` they are
+  skipped (the target keeps its value, the checkpoint's is not loaded) and reported;
+- an empty container (or None) in the target accepts whatever the checkpoint holds under its
+  key: a fresh optimizer has an empty ``state`` and must load a stepped optimizer's state;
+  likewise a non-tensor entry in the checkpoint covers target tensors under its key (it
+  replaces that whole container);
+- non-tensor leaves are pragmatic: those only in the checkpoint are loaded (new fields of an
+  older target), those only in the target are reported in ``missing_objects``, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from .staging import _is_terminal, is_stateful
+
+#: How many keys of each kind a StateMismatch message names before "... and N more".
+MAX_LISTED = 20
+
+
+@dataclass
+class LoadReport:
+    """What a load did not restore one to one; ``engine.last_load_report`` after each load.
+
+    ``missing``: tensor keys of the target that the checkpoint lacks (kept as they were);
+    ``unexpected``: tensor keys of the checkpoint that the target lacks (not loaded);
+    ``missing_objects``: non-tensor keys of the target that the checkpoint lacks (kept).
+    """
+
+    step: int | None = None
+    path: Path | None = None
+    strict: bool = True
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    missing_objects: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """True when every key of the target was restored and nothing was left out."""
+        return not (self.missing or self.unexpected or self.missing_objects)
+
+
+#: A tensor's (shape, dtype); None for a non-tensor entry.
+Entry = tuple[tuple[int, ...], torch.dtype] | None
+
+
+@dataclass
+class Entries:
+    """One side of the comparison: every leaf by DCP key, and the open containers."""
+
+    leaves: dict[str, Entry] = field(default_factory=dict)
+    #: Keys of empty containers / None in the target: anything under them is accepted.
+    open: set[str] = field(default_factory=set)
+    #: Whether the non-tensor leaves are known (torch_dist keeps them outside ``.metadata``).
+    objects_known: bool = True
+    #: Whether tensors under an empty container of the target are read (not by torch_dist).
+    open_takes_tensors: bool = True
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: v for k, v in self.leaves.items() if v is not None}
+
+
+def _entry(value: Any) -> Entry:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    return None
+
+
+def walk(state: Any) -> Entries:
+    """The leaves of a nested state by DCP key, as ``staging.flatten_state`` names them.
+
+    Stateful objects count through their ``state_dict()``. Mirrors DCP's traversal: mappings
+    are walked, a list only if it holds tensors or containers, anything else is a leaf.
+    """
+    out = Entries()
+
+    def visit(fqn: str, value: Any, top: bool) -> None:
+        if is_stateful(value):
+            value = value.state_dict()
+        if isinstance(value, Mapping):
+            if not value and not top:
+                out.open.add(fqn)
+            for k, v in value.items():
+                visit(f"{fqn}.{k}" if not top else str(k), v, False)
+        elif isinstance(value, list) and not value:
+            out.open.add(fqn)
+        elif not _is_terminal(value):
+            for i, v in enumerate(value):
+                visit(f"{fqn}.{i}" if not top else str(i), v, False)
+        elif value is None and not top:
+            out.open.add(fqn)
+        elif not top:
+            out.leaves[fqn] = _entry(value)
+
+    visit("", state, True)
+    return out
+
+
+def dcp_entries(metadata: Any, *, objects_known: bool = True) -> Entries:
+    """What a DCP checkpoint holds, from its ``Metadata`` (``FileSystemReader.read_metadata``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = Entries(objects_known=objects_known)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            out.leaves[fqn] = (tuple(md.size), md.properties.dtype)
+        else:
+            out.leaves[fqn] = None
+    return out
+
+
+def legacy_entries(
+    directory: str | os.PathLike,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    distrib_optim_key: str = "distrib_optim",
+) -> Entries:
+    """What this rank's Megatron legacy files hold, read memory-mapped (tensor data untouched)."""
+    from .formats import megatron_legacy as lg
+
+    rank_dir = Path(directory) / lg.legacy_rank_dir(tp_rank, pp_rank, pp_size)
+
+    def load(p: Path) -> Any:
+        # Same trust as Megatron-LM's loader (and read_legacy): weights_only=False.
+        return torch.load(p, map_location="cpu", mmap=True, weights_only=False)
+
+    state = load(rank_dir / lg.MODEL_FNAME)
+    optim = rank_dir / lg.DISTRIB_OPTIM_FNAME
+    if isinstance(state, dict) and optim.exists():
+        state[distrib_optim_key] = load(optim)
+    return walk(state)
+
+
+def _under(key: str, prefixes: set[str]) -> bool:
+    """True when ``key`` lies strictly inside one of ``prefixes`` (dotted DCP keys)."""
+    if not prefixes:
+        return False
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in prefixes for i in range(1, len(parts)))
+
+
+def _fmt_entry(e: Entry) -> str:
+    if e is None:
+        return "a non-tensor value"
+    shape, dtype = e
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def _listing(keys: list[str]) -> str:
+    shown = ", ".join(keys[:MAX_LISTED])
+    return shown + (f", ... and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED else "")
+
+
+def compare(
+    target: Entries, ckpt: Entries, *, strict: bool = True, where: str = "the checkpoint"
+) -> LoadReport:
+    """Compare the target with a checkpoint; raise ``StateMismatch`` if it does not fit."""
+    report = LoadReport(strict=strict)
+    ckpt_objects = {k for k, v in ckpt.leaves.items() if v is None}
+    mismatched: list[str] = []
+    for key, want in target.leaves.items():
+        if key in ckpt.leaves:
+            found = ckpt.leaves[key]
+            if want is not None and found != want:
+                # A tensor against another shape/dtype, or against a non-tensor value.
+                mismatched.append(
+                    f"{key}: target {_fmt_entry(want)}, checkpoint {_fmt_entry(found)}"
+                )
+            continue
+        if _under(key, ckpt_objects):
+            continue  # the checkpoint replaces this whole container
+        if want is not None:
+            report.missing.append(key)
+        elif ckpt.objects_known:
+            report.missing_objects.append(key)
+    for key, found in ckpt.leaves.items():
+        if found is None or key in target.leaves:
+            continue
+        if ckpt.open_takes_tensors and key in target.open:
+            continue
+        if not (ckpt.open_takes_tensors and _under(key, target.open)):
+            report.unexpected.append(key)
+    problems = []
+    if mismatched:
+        problems.append(
+            f"{len(mismatched)} tensor(s) differ: " + "; ".join(mismatched[:MAX_LISTED])
+        )
+        if len(mismatched) > MAX_LISTED:
+            problems[-1] += f"; ... and {len(mismatched) - MAX_LISTED} more"
+    if strict and report.missing:
+        problems.append(f"missing from the checkpoint (in the target): {_listing(report.missing)}")
+    if strict and report.unexpected:
+        problems.append(
+            f"unexpected in the checkpoint (not in the target): {_listing(report.unexpected)}"
+        )
+        if not ckpt.open_takes_tensors and any(_under(k, target.open) for k in report.unexpected):
+            problems[-1] += (
+                " (format torch_dist reads only the tensors the target names, so an empty "
+                "container of the target, such as a fresh optimizer's state, cannot take them; "
+                "create that state first, e.g. with one optimizer step)"
+            )
+    if problems:
+        hint = ""
+        if not mismatched:
+            hint = " (strict=False loads the matching keys and skips these)"
+        raise StateMismatch(
+            f"the load target does not fit {where}; nothing was loaded{hint}: "
+            + " | ".join(problems)
+        )
+    return report
+
+
+def has_sharded_base(state: Any) -> bool:
+    """True when the state holds megatron ShardedTensor/ShardedObject (megatron checks those)."""
+    import sys
+
+    mapping = sys.modules.get("megatron.core.dist_checkpointing.mapping")
+    if mapping is None:
+        return False
+
+    def any_sharded(x: Any) -> bool:
+        if is_stateful(x):
+            x = x.state_dict()
+        if isinstance(x, Mapping):
+            return any(any_sharded(v) for v in x.values())
+        if isinstance(x, list):
+            return any(any_sharded(v) for v in x)
+        return isinstance(x, mapping.ShardedBase)
+
+    return any_sharded(state)
+
+
+# ------------------------------------------------------------------ strict=False loading
+
+
+def without(like: Any, drop: set[str]) -> Any:
+    """A copy of the containers of ``like`` (a materialized state) without the leaves in
+    ``drop``; leaves are shared, not copied (tensors are read into in place)."""
+
+    def go(x: Any, fqn: str, top: bool) -> Any:
+        if isinstance(x, Mapping):
+            out = {}
+            for k, v in x.items():
+                key = str(k) if top else f"{fqn}.{k}"
+                if key not in drop:
+                    out[k] = go(v, key, False)
+            return out
+        if isinstance(x, list) and x and not _is_terminal(x):
+            return [go(v, str(i) if top else f"{fqn}.{i}", False) for i, v in enumerate(x)]
+        return x
+
+    return go(like, "", True)
+
+
+def restrict(loaded: Any, like: Any) -> Any:
+    """``loaded`` cut to the keys of ``like``: entries ``like`` lacks are dropped, entries
+    ``loaded`` lacks are taken from ``like``; an empty container in ``like`` takes all."""
+    if isinstance(like, Mapping) and like and isinstance(loaded, Mapping):
+        return {k: restrict(loaded[k], v) if k in loaded else v for k, v in like.items()}
+    if isinstance(like, list) and like and not _is_terminal(like) and isinstance(loaded, list):
+        return [restrict(loaded[i], v) if i < len(loaded) else v for i, v in enumerate(like)]
+    return loaded
+
+
+class Vanished(CheckpointError, FileNotFoundError):
+    """The checkpoint directory went away while it was being read (pruned by its engine):
+    ``load_latest`` skips it quietly and tries the next older one."""
+
+
+def check(
+    fmt: str,
+    state: Any,
+    directory: str | os.PathLike,
+    *,
+    strict: bool = True,
+    legacy: Any = None,
+) -> LoadReport:
+    """Compare ``state`` with the checkpoint in ``directory`` before anything is read into it.
+
+    Raises ``StateMismatch`` (the target does not fit), ``CorruptCheckpoint`` (the checkpoint's
+    metadata cannot be read) or ``Vanished``. A state holding megatron ShardedTensors is left
+    to megatron's loader, which validates it itself.
+    """
+    from .formats.dcp import read_dcp_metadata
+
+    directory = Path(directory)
+    where = str(directory)
+    try:
+        if fmt == "megatron_legacy":
+            from .formats.staged import LegacyRanks
+
+            r = legacy or LegacyRanks()
+            ckpt = legacy_entries(directory, r.tp_rank, r.pp_rank, r.pp_size, r.distrib_optim_key)
+        elif (directory / ".metadata").exists():
+            if has_sharded_base(state):
+                return LoadReport(strict=strict)
+            # torch_dist keeps the non-tensor leaves in common.pt, and reads only the tensors
+            # the target names: nothing under an empty container of the target would load.
+            torch_dist = fmt == "torch_dist" and (directory / "common.pt").exists()
+            ckpt = dcp_entries(read_dcp_metadata(directory), objects_known=not torch_dist)
+            if torch_dist:
+                ckpt.open_takes_tensors = False
+        else:
+            return LoadReport(strict=strict)  # nothing to compare with; the read will say why
+    except StateMismatch:
+        raise
+    except Exception as e:
+        if not directory.is_dir():
+            raise Vanished(f"{directory} went away while it was read") from e
+        raise CorruptCheckpoint(f"{directory}: cannot read the checkpoint's metadata: {e}") from e
+    return compare(walk(state), ckpt, strict=strict, where=where)
+
+
+#: Small files that describe a checkpoint (DCP, torch_dist): verified before the check.
+METADATA_FILES = frozenset({".metadata", "metadata.json", "common.pt"})
+
+
+def _raised_in_load_state_dict(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_state_dict":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def read_error(directory: Path, e: BaseException) -> CheckpointError:
+    """Our error for a failure while reading a checkpoint that passed the check.
+
+    A ``load_state_dict`` that refuses what was read (an optimizer's param groups, say) is the
+    caller's mismatch; anything else (DCP's ``CheckpointException``, a truncated zip, an
+    unpickling or I/O error) means the data could not be read.
+    """
+    if _raised_in_load_state_dict(e):
+        return StateMismatch(f"the load target does not fit {directory}: {type(e).__name__}: {e}")
+    msg = str(e).strip()
+    lines = [ln for ln in msg.splitlines() if ln.strip()]
+    # DCP's message is a traceback per rank: its last line names the real error.
+    first = (lines[-1] if "CheckpointException" in type(e).__name__ else lines[0]) if lines else ""
+    return CorruptCheckpoint(
+        f"{directory}: cannot read the checkpoint ({first or type(e).__name__})"
+    )
+
+
+#: Loads of checkpoints at least this large show a progress bar (on a terminal).
+PROGRESS_MIN_BYTES = 1 << 30
+
+
+class Progress:
+    """A minimal rich progress bar for verifying and reading a large checkpoint.
+
+    Shown only when stderr is a terminal and the checkpoint holds at least
+    ``PROGRESS_MIN_BYTES``; otherwise every method does nothing.
+    """
+
+    def __init__(self, directory: Path, nbytes: int) -> None:
+        self.directory = directory
+        self.nbytes = nbytes
+        self._bar: Any = None
+        self._verify: Any = None
+        self._read: Any = None
+
+    def __enter__(self) -> Progress:
+        import sys
+
+        if self.nbytes >= PROGRESS_MIN_BYTES and sys.stderr.isatty():
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
+
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
+            self._bar.start()
+            name = self.directory.name
+            self._verify = self._bar.add_task(f"verify {name}", total=self.nbytes)
+        return self
+
+    def verified(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._verify, nbytes)
+
+    def reading(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._verify, completed=self.nbytes)
+            self._read = self._bar.add_task(f"read {self.directory.name}", total=None)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,454 @@
+"""Loading (issue 11): a target that does not fit is refused before anything is written, with
+``strict=`` as in ``load_state_dict``; a checkpoint pruned while a reader loads is skipped
+quietly; load errors are asyncckpt's own ``Exception``s; path mistakes are loud."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncckpt import (
+    CheckpointEngine,
+    CheckpointError,
+    CorruptCheckpoint,
+    NotACheckpointRoot,
+    StateMismatch,
+    SyncCheckpointEngine,
+)
+from asyncckpt import layout as L
+
+pytestmark = pytest.mark.anyio
+
+STEPS = (1, 2)
+
+
+def state_at(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
+        "optim": {"m": torch.randn(4, 3, generator=g, dtype=torch.float64)},
+        "step": step,
+    }
+
+
+def blank() -> dict:
+    s = state_at(0)
+    for group in ("model", "optim"):
+        for t in s[group].values():
+            t.fill_(7)
+    s["step"] = -1
+    return s
+
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    out = {}
+    for group in ("model", "optim"):
+        for k, t in state[group].items():
+            out[f"{group}.{k}"] = t.clone()
+    return out
+
+
+def assert_unchanged(state: dict, before: dict[str, torch.Tensor]) -> None:
+    after = tensors_of(state)
+    assert after.keys() == before.keys()
+    for k, t in before.items():
+        assert after[k].shape == t.shape and after[k].dtype == t.dtype, k
+        assert torch.equal(after[k], t), k
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("template") / "ckpts"
+    with SyncCheckpointEngine(root) as engine:
+        for s in STEPS:
+            engine.save(s, state_at(s)).committed_sync()
+    return root
+
+
+@pytest.fixture
+def root(template, tmp_path) -> Path:
+    r = tmp_path / "ckpts"
+    shutil.copytree(template, r)
+    return r
+
+
+@pytest.fixture
+def quiet(caplog):
+    """Collects warnings and asyncckpt's log records of WARNING and above."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            yield record, caplog
+
+
+def assert_nothing_said(record, caplog) -> None:
+    assert not [str(w.message) for w in record], [str(w.message) for w in record]
+    ours = [r for r in caplog.records if r.name.startswith("asyncckpt")]
+    assert not [r for r in ours if r.levelno >= logging.WARNING], caplog.text
+
+
+# ------------------------------------------------------------------ item 4: the pre-check
+
+
+@pytest.mark.parametrize(
+    "change, key, want, found",
+    [
+        (lambda s: s["model"].update(w=torch.full((5, 3), 7.0)), "model.w", "(5, 3)", "(4, 3)"),
+        (
+            lambda s: s["optim"].update(m=torch.full((4, 3), 7.0)),  # float32 vs float64
+            "optim.m",
+            "float32",
+            "float64",
+        ),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_mismatch_raises_changes_nothing_and_does_not_fall_back(
+    root, quiet, change, key, want, found
+):
+    target = blank()
+    change(target)
+    before = tensors_of(target)
+    with pytest.raises(StateMismatch) as info:
+        SyncCheckpointEngine(root).load_latest(target)
+    msg = str(info.value)
+    assert key in msg and want in msg and found in msg, msg
+    assert isinstance(info.value, CheckpointError)
+    assert_unchanged(target, before)
+    assert target["step"] == -1
+    assert_nothing_said(*quiet)  # not "unusable", no fallback to step 1
+
+
+def test_mismatch_in_a_module_changes_no_parameter(tmp_path, quiet):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"model": model}).committed_sync()
+    other = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 5))  # wider head
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(StateMismatch, match=r"model\.1\.weight.*\(5, 4\).*\(2, 4\)"):
+        SyncCheckpointEngine(tmp_path).load_latest({"model": other})
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, before[k]), k  # model.0 was not loaded either
+    assert_nothing_said(*quiet)
+
+
+def test_missing_key_strict_raises_lenient_loads_the_rest(root):
+    target = blank()
+    target["model"]["extra"] = torch.full((2,), 7.0)
+    before = tensors_of(target)
+    engine = SyncCheckpointEngine(root)
+    with pytest.raises(StateMismatch, match=r"missing.*model\.extra"):
+        engine.load_latest(target)
+    assert_unchanged(target, before)
+    assert engine.load_latest(target, strict=False) == 2
+    want = state_at(2)
+    assert torch.equal(target["model"]["w"], want["model"]["w"])
+    assert torch.equal(target["optim"]["m"], want["optim"]["m"])
+    assert torch.equal(target["model"]["extra"], torch.full((2,), 7.0))  # kept
+    assert target["step"] == 2
+    report = engine.last_load_report
+    assert report.missing == ["model.extra"] and report.unexpected == [] and report.step == 2
+
+
+def test_unexpected_key_strict_raises_lenient_skips_it(root):
+    target = blank()
+    del target["model"]["b"]
+    before = tensors_of(target)
+    engine = SyncCheckpointEngine(root)
+    with pytest.raises(StateMismatch, match=r"unexpected.*model\.b"):
+        engine.load_latest(target)
+    assert_unchanged(target, before)
+    assert engine.load(target, step=1, strict=False) == 1
+    assert torch.equal(target["model"]["w"], state_at(1)["model"]["w"])
+    assert "b" not in target["model"]  # not added
+    assert engine.last_load_report.unexpected == ["model.b"]
+
+
+def test_lenient_load_into_modules(tmp_path):
+    """strict=False with Stateful objects: the module gets a complete state dict."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"model": model}).committed_sync()
+    bigger = torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)
+    )
+    extra = bigger[2].weight.detach().clone()
+    engine = SyncCheckpointEngine(tmp_path)
+    with pytest.raises(StateMismatch, match=r"model\.2\.weight"):
+        engine.load_latest({"model": bigger})
+    assert engine.load_latest({"model": bigger}, strict=False) == 1
+    assert torch.equal(bigger[0].weight, model[0].weight)
+    assert torch.equal(bigger[1].bias, model[1].bias)
+    assert torch.equal(bigger[2].weight, extra)
+    assert sorted(engine.last_load_report.missing) == ["model.2.bias", "model.2.weight"]
+    smaller = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    assert engine.load_latest({"model": smaller}, strict=False) == 1
+    assert torch.equal(smaller[0].weight, model[0].weight)
+    assert sorted(engine.last_load_report.unexpected) == ["model.1.bias", "model.1.weight"]
+
+
+def test_a_fresh_optimizer_loads_a_stepped_one_strictly(tmp_path, quiet):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"model": model, "optim": opt}).committed_sync()
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    engine = SyncCheckpointEngine(tmp_path)
+    assert engine.load_latest({"model": model2, "optim": opt2}) == 1
+    assert torch.equal(model2.weight, model.weight)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys()
+    for k in s1:
+        for name in s1[k]:
+            assert torch.equal(s1[k][name], s2[k][name]), (k, name)
+    assert engine.last_load_report.exact
+    assert_nothing_said(*quiet)
+
+
+@pytest.mark.parametrize(
+    "fmt, layout", [("torch_dist", "megatron"), ("megatron_legacy", "megatron")]
+)
+def test_megatron_formats_check_before_writing(tmp_path, quiet, fmt, layout):
+    with SyncCheckpointEngine(tmp_path, layout=layout, format=fmt) as engine:
+        for s in STEPS:
+            engine.save(s, state_at(s)).committed_sync()
+    engine = SyncCheckpointEngine(tmp_path, layout=layout, format=fmt)
+    target = blank()
+    target["model"]["w"] = torch.full((5, 3), 7.0)
+    before = tensors_of(target)
+    with pytest.raises(StateMismatch, match=r"model\.w.*\(5, 3\).*\(4, 3\)"):
+        engine.load_latest(target)
+    assert_unchanged(target, before)
+    assert_nothing_said(*quiet)
+    target["model"]["extra"] = torch.zeros(2)
+    target["model"]["w"] = torch.zeros(4, 3)
+    with pytest.raises(StateMismatch, match=r"missing.*model\.extra"):
+        engine.load_latest(target)
+    assert engine.load_latest(target, strict=False) == 2
+    assert torch.equal(target["model"]["w"], state_at(2)["model"]["w"])
+    assert torch.equal(target["model"]["extra"], torch.zeros(2))
+    assert engine.last_load_report.missing == ["model.extra"]
+
+
+# ------------------------------------------------------------------ item 8: pruned mid-load
+
+
+def _trash(path: Path) -> None:
+    os.rename(path, path.parent / L.trash_name(path.name, "test"))
+
+
+def test_a_checkpoint_pruned_after_the_scan_is_skipped_quietly(root, monkeypatch, quiet):
+    real_scan = L.scan
+
+    def scan_then_prune(*args, **kwargs):
+        found = real_scan(*args, **kwargs)
+        if found[-1].path.exists():
+            _trash(found[-1].path)  # the pruner wins the race right after the first scan
+        return found
+
+    monkeypatch.setattr(L, "scan", scan_then_prune)
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 1
+    assert torch.equal(target["model"]["w"], state_at(1)["model"]["w"])
+    assert_nothing_said(*quiet)
+
+
+@pytest.mark.parametrize("when", ["before_verify", "before_read"])
+def test_a_checkpoint_pruned_during_the_load_is_skipped_quietly(root, monkeypatch, quiet, when):
+    from asyncckpt import engine as E
+    from asyncckpt.formats import staged
+
+    newest = root / L.dir_name("global_step", 2)
+    if when == "before_verify":
+        real = E.check_files
+
+        def hook(directory, manifest):
+            if Path(directory) == newest and newest.exists():
+                _trash(newest)
+            return real(directory, manifest)
+
+        monkeypatch.setattr(E, "check_files", hook)
+    else:
+        real_load = staged.load_into
+
+        def hook(fmt, state, directory, *args, **kwargs):
+            if Path(directory) == newest:
+                _trash(newest)
+            return real_load(fmt, state, directory, *args, **kwargs)
+
+        monkeypatch.setattr(staged, "load_into", hook)
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 1
+    assert torch.equal(target["optim"]["m"], state_at(1)["optim"]["m"])
+    assert target["step"] == 1
+    assert_nothing_said(*quiet)
+
+
+# ------------------------------------------------------------------ item 10: own errors
+
+
+def test_a_failed_load_is_an_exception_of_ours(root):
+    shard = max((root / "global_step_2").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    engine = SyncCheckpointEngine(root, verify_on_load=False)
+    with pytest.raises(Exception) as info:  # noqa: B017 - the point: `except Exception` works
+        engine.load(blank(), step=2)
+    assert isinstance(info.value, CorruptCheckpoint)
+    assert info.value.__cause__ is not None and "global_step_2" in str(info.value)
+
+
+async def test_a_failed_load_is_an_exception_of_ours_async(root):
+    (root / "global_step_2" / ".metadata").write_bytes(b"garbage")
+    engine = CheckpointEngine(root, verify_on_load=False)
+    with pytest.raises(CheckpointError):
+        await engine.load(blank(), step=2)
+
+
+# ------------------------------------------------------------------ path mistakes
+
+
+def test_a_missing_root_warns_loudly_and_returns_none(tmp_path, caplog):
+    missing = tmp_path / "nope" / "ckpts"
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with pytest.warns(UserWarning, match="does not exist"):
+            assert SyncCheckpointEngine(missing).load_latest(blank()) is None
+    assert str(missing.absolute()) in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["global_step", "megatron"])
+def test_a_checkpoint_directory_is_not_a_root(root, layout):
+    directory = root / "global_step_2"
+    with pytest.raises(NotACheckpointRoot, match=r"global_step_2 is a checkpoint directory"):
+        SyncCheckpointEngine(directory, layout=layout).load_latest(blank())
+    # also when its name does not give it away
+    renamed = root / "renamed"
+    os.rename(directory, renamed)
+    with pytest.raises(NotACheckpointRoot, match=r"load\(state, path="):
+        SyncCheckpointEngine(renamed).load_latest(blank())
+
+
+def test_a_root_of_the_other_layout_is_refused(root):
+    with pytest.raises(NotACheckpointRoot, match=r"global_step_2.*layout"):
+        SyncCheckpointEngine(root, layout="megatron").load_latest(blank())
+
+
+def test_a_file_is_not_a_root(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NotACheckpointRoot, match="not a directory"):
+        SyncCheckpointEngine(f).load_latest(blank())
+
+
+def test_an_optimizer_that_refuses_the_state_is_a_mismatch(tmp_path):
+    """What only ``load_state_dict`` notices (param groups of another size) is the caller's
+    mistake too: StateMismatch, not corruption, and no fallback."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"optim": opt}).committed_sync()
+    other = torch.nn.Linear(3, 2)
+    two_groups = torch.optim.SGD([{"params": [other.weight]}, {"params": [other.bias]}], lr=0.1)
+    with pytest.raises(StateMismatch, match="global_step_1"):
+        SyncCheckpointEngine(tmp_path).load_latest({"optim": two_groups})
+
+
+def test_progress_bar_on_a_terminal(root, monkeypatch):
+    import sys
+
+    from asyncckpt import loadcheck
+
+    shown = []
+    real_enter = loadcheck.Progress.__enter__
+
+    def enter(self):
+        out = real_enter(self)
+        shown.append(self._bar is not None)
+        return out
+
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 1)
+    monkeypatch.setattr(loadcheck.Progress, "__enter__", enter)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    target = blank()
+    assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert shown == [True]
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 1 << 40)
+    assert SyncCheckpointEngine(root).load_latest(target) == 2
+    assert shown == [True, False]
+
+
+def test_loading_while_another_process_prunes(root, quiet):
+    """A real race: a thread commits copies of a checkpoint and prunes the older ones (rename
+    to trash, then delete, as the pruner does) while this thread loads in a loop."""
+    import threading
+    import time
+
+    from asyncckpt.prune import trash_and_delete
+
+    source = root / "global_step_2"
+    stop = threading.Event()
+    errors = []
+
+    def commit_and_prune() -> None:
+        step = 3
+        try:
+            while not stop.is_set():
+                tmp = root / L.tmp_name("global_step", step, "t")
+                shutil.copytree(source, tmp)
+                os.rename(tmp, root / L.dir_name("global_step", step))
+                for old in L.scan(root, "global_step")[:-1]:
+                    if old.step > 2:
+                        trash_and_delete(root, old.path)
+                step += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    pruner = threading.Thread(target=commit_and_prune)
+    pruner.start()
+    loads = 0
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            target = blank()
+            assert SyncCheckpointEngine(root).load_latest(target) >= 2
+            assert torch.equal(target["model"]["w"], state_at(2)["model"]["w"])
+            loads += 1
+    finally:
+        stop.set()
+        pruner.join()
+    assert not errors and loads > 5
+    assert_nothing_said(*quiet)
+
+
+@pytest.mark.filterwarnings("ignore:.*has no manifest")
+def test_torch_dist_refuses_to_silently_skip_a_fresh_optimizers_state(tmp_path):
+    """torch_dist reads only the tensors the target names: a fresh optimizer (empty state)
+    would resume without its moments. Loud, not silent."""
+    from asyncckpt.formats import torch_dist as td
+    from asyncckpt.formats.staged import materialize
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    td.write_torch_dist(materialize({"model": model, "optim": opt}), tmp_path / "iter_0000001")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.Adam(model2.parameters())
+    before = model2.weight.detach().clone()
+    engine = SyncCheckpointEngine(tmp_path, layout="megatron")
+    with pytest.raises(StateMismatch, match=r"optim\.state\.0\.exp_avg.*torch_dist"):
+        engine.load_latest({"model": model2, "optim": opt2})
+    assert torch.equal(model2.weight, before)
