@@ -121,7 +121,8 @@ def _prepare_torch_dist(state: Any) -> Prepared:
     state = materialize(state)
     if not isinstance(state, dict):
         raise TypeError(f"format torch_dist needs a dict state, not {type(state).__name__}")
-    sharded, common = td.split_common(state)
+    paths: dict[str, list] = {}  # plain tensors' typed paths, for the manifest
+    sharded, common = td.split_common(state, paths)
     buf = io.BytesIO()
     try:
         torch.save(common, buf)
@@ -149,7 +150,7 @@ def _prepare_torch_dist(state: Any) -> Prepared:
                 keys.append(sk)
                 chunks.append((tuple(sh.global_offset), shape))
             shards[key] = (ShardInfo(tuple(pieces[0].global_shape), tuple(chunks)), keys)
-    return Prepared(tensors, objects, {}, {"shards": shards, "common": buf.getvalue()})
+    return Prepared(tensors, objects, paths, {"shards": shards, "common": buf.getvalue()})
 
 
 class _TensorRefPickler(pickle.Pickler):
@@ -314,7 +315,7 @@ def load_into(
         if mapping is not None and td._has_sharded_base(target, mapping.ShardedBase):
             _load_megatron(target, directory)
         else:
-            td.read_torch_dist(directory, target)
+            td.read_torch_dist(directory, target, paths)
         dcp.merge_into(state, target)
         return
     dcp.load_into(state, directory, paths)
