@@ -51,6 +51,8 @@ def _is_terminal(value: Any) -> bool:
                 return False
             if isinstance(entry, torch.Tensor):
                 return False
+            if is_stateful(entry):  # saved as its state_dict(), not pickled whole
+                return False
         return True
     return True
 

@@ -231,3 +231,32 @@ def test_read_torch_dist_without_a_manifest_places_int_keyed_state(tmp_path: Pat
     optim2.load_state_dict(target["optim"])
     _assert_same(optim2.state_dict(), optim.state_dict())
     _assert_same(model2.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
+def test_a_list_of_stateful_objects_is_restored_in_place(tmp_path: Path, layout, fmt) -> None:
+    """Schedulers in a list: saved as their state dicts (not pickled objects, which would drag
+    the optimizer along) and restored into the caller's objects, tensors or not."""
+
+    def build(seed: int, steps: int) -> dict:
+        model, optim = _model_and_optimizer(seed, steps)
+        scheds = [
+            torch.optim.lr_scheduler.StepLR(optim, 2),
+            torch.optim.lr_scheduler.ExponentialLR(optim, 0.9),
+        ]
+        for _ in range(steps):
+            for s in scheds:
+                s.step()
+        return {"models": [model], "optim": optim, "scheds": scheds}
+
+    state = build(0, steps=3)
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(1, state)
+    target = build(1, steps=0)
+    objects = [target["models"][0], *target["scheds"]]
+    assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
+    got = [target["models"][0], *target["scheds"]]
+    assert all(a is b for a, b in zip(got, objects, strict=True)), got
+    _assert_same(target["models"][0].state_dict(), state["models"][0].state_dict())
+    for got, want in zip(target["scheds"], state["scheds"], strict=True):
+        _assert_same(got.state_dict(), want.state_dict())

@@ -302,7 +302,8 @@ def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
 
     Tensors are copied into existing tensors of the same shape; Stateful objects get
     ``load_state_dict``; dicts are merged key by key (keys only in the checkpoint are added);
-    a list that holds tensors is restored element by element when it has the target's length;
+    a list that holds tensors (or Stateful objects, in the target) is restored element by
+    element when it has the target's length;
     anything else (a list of plain values included) is replaced by the checkpoint's value.
     """
     if is_stateful(target) and isinstance(loaded, Mapping):
@@ -324,7 +325,7 @@ def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
         isinstance(target, list)
         and isinstance(loaded, list)
         and len(target) == len(loaded)
-        and _holds_tensor(loaded)
+        and (_holds_tensor(loaded) or any(is_stateful(t) for t in target))
     ):
         for i, v in enumerate(loaded):
             target[i] = merge_into(target[i], v, f"{where}.{i}")
