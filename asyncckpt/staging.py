@@ -85,7 +85,8 @@ def flatten_state(state: Any) -> FlatState:
             # DCP's flattening would drop it and the load could not give it back: keep it as
             # an object leaf. Plain ``dcp.load`` reads only the keys its target asks for, and
             # a target's empty dict asks for none, so it still loads such a checkpoint.
-            _leaf(path, fqn, value)
+            # A plain dict, as non-empty mappings come back (and always picklable).
+            _leaf(path, fqn, {})
         elif isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):

@@ -239,12 +239,14 @@ def test_a_list_of_stateful_objects_is_restored_in_place(tmp_path: Path, layout,
     the optimizer along) and restored into the caller's objects, tensors or not."""
 
     def build(seed: int, steps: int) -> dict:
-        model, optim = _model_and_optimizer(seed, steps)
+        model, optim = _model_and_optimizer(seed, 0)
         scheds = [
             torch.optim.lr_scheduler.StepLR(optim, 2),
             torch.optim.lr_scheduler.ExponentialLR(optim, 0.9),
         ]
         for _ in range(steps):
+            model(torch.randn(5, 4)).square().sum().backward()
+            optim.step()
             for s in scheds:
                 s.step()
         return {"models": [model], "optim": optim, "scheds": scheds}
