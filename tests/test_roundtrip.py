@@ -95,6 +95,7 @@ def test_empty_containers_in_a_plain_state_dcp(tmp_path: Path) -> None:
     _assert_same(target, state)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_dcp_load_still_reads_a_state_with_empty_parts(tmp_path: Path) -> None:
     """Recording empty containers must not stop plain ``dcp.load`` (no asyncckpt) from
     reading the non-empty parts."""
