@@ -84,8 +84,8 @@ def flatten_state(state: Any) -> FlatState:
             # An empty dict (an optimizer's ``state`` before its first step) has no leaves, so
             # DCP's flattening would drop it and the load could not give it back: keep it as
             # an object leaf. Plain ``dcp.load`` reads only the keys its target asks for, and
-            # a target's empty dict asks for none, so it still loads such a checkpoint.
-            # A plain dict, as non-empty mappings come back (and always picklable).
+            # a target's empty dict asks for none, so it still loads such a checkpoint. Kept
+            # as a plain dict (always picklable), as non-empty mappings come back.
             _leaf(path, fqn, {})
         elif isinstance(value, Mapping):
             for k, v in value.items():

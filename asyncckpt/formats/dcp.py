@@ -302,9 +302,9 @@ def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
 
     Tensors are copied into existing tensors of the same shape; Stateful objects get
     ``load_state_dict``; dicts are merged key by key (keys only in the checkpoint are added);
-    a list that holds tensors (or Stateful objects, in the target) is restored element by
-    element when it has the target's length;
-    anything else (a list of plain values included) is replaced by the checkpoint's value.
+    a list that holds tensors (or, in the target, Stateful objects) is restored element by
+    element when it has the target's length; anything else, a list of plain values included,
+    is replaced by the checkpoint's value.
     """
     if is_stateful(target) and isinstance(loaded, Mapping):
         target.load_state_dict(loaded)
