@@ -51,6 +51,8 @@ def _is_terminal(value: Any) -> bool:
                 return False
             if isinstance(entry, torch.Tensor):
                 return False
+            if is_stateful(entry):  # saved as its state_dict(), not pickled whole
+                return False
         return True
     return True
 
@@ -78,7 +80,14 @@ def flatten_state(state: Any) -> FlatState:
         # ``fqn`` is the path's keys joined by dots, carried along rather than re-joined per leaf.
         if is_stateful(value):
             value = value.state_dict()
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and not value and path:
+            # An empty dict (an optimizer's ``state`` before its first step) has no leaves, so
+            # DCP's flattening would drop it and the load could not give it back: keep it as
+            # an object leaf. Plain ``dcp.load`` reads only the keys its target asks for, and
+            # a target's empty dict asks for none, so it still loads such a checkpoint. Kept
+            # as a plain dict (always picklable), as non-empty mappings come back.
+            _leaf(path, fqn, {})
+        elif isinstance(value, Mapping):
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise TypeError(
@@ -89,14 +98,17 @@ def flatten_state(state: Any) -> FlatState:
             for i, v in enumerate(value):
                 visit(path + [("l", i)], f"{fqn}.{i}" if path else str(i), v)
         else:
-            if fqn in flat.paths:
-                raise ValueError(f"two entries of the state flatten to the same key {fqn!r}")
-            flat.paths[fqn] = path
-            if isinstance(value, torch.Tensor):
-                _check_tensor(fqn, value)
-                flat.tensors[fqn] = value
-            else:
-                flat.objects[fqn] = value
+            _leaf(path, fqn, value)
+
+    def _leaf(path: list[PathItem], fqn: str, value: Any) -> None:
+        if fqn in flat.paths:
+            raise ValueError(f"two entries of the state flatten to the same key {fqn!r}")
+        flat.paths[fqn] = path
+        if isinstance(value, torch.Tensor):
+            _check_tensor(fqn, value)
+            flat.tensors[fqn] = value
+        else:
+            flat.objects[fqn] = value
 
     visit([], "", state)
     return flat

@@ -302,7 +302,9 @@ def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
 
     Tensors are copied into existing tensors of the same shape; Stateful objects get
     ``load_state_dict``; dicts are merged key by key (keys only in the checkpoint are added);
-    anything else is replaced.
+    a list that holds tensors (or, in the target, Stateful objects) is restored element by
+    element when it has the target's length; anything else, a list of plain values included,
+    is replaced by the checkpoint's value.
     """
     if is_stateful(target) and isinstance(loaded, Mapping):
         target.load_state_dict(loaded)
@@ -319,11 +321,28 @@ def merge_into(target: Any, loaded: Any, where: str = "") -> Any:
         for k, v in loaded.items():
             target[k] = merge_into(target[k], v, f"{where}.{k}") if k in target else v
         return target
-    if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+    if (
+        isinstance(target, list)
+        and isinstance(loaded, list)
+        and len(target) == len(loaded)
+        and (_holds_tensor(loaded) or any(is_stateful(t) for t in target))
+    ):
         for i, v in enumerate(loaded):
             target[i] = merge_into(target[i], v, f"{where}.{i}")
         return target
+    # A list of plain values is a value as saved: merging it element by element into the
+    # target's list would keep the target's extra elements (or their extra dict keys).
     return loaded
+
+
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, Mapping):
+        return any(_holds_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensor(v) for v in x)
+    return False
 
 
 def load_into(state: Any, directory: str | os.PathLike, paths: Mapping[str, list] | None) -> None:

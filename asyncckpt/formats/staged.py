@@ -17,6 +17,7 @@ import dataclasses
 import io
 import json
 import pickle
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,8 @@ def _prepare_torch_dist(state: Any) -> Prepared:
     state = materialize(state)
     if not isinstance(state, dict):
         raise TypeError(f"format torch_dist needs a dict state, not {type(state).__name__}")
-    sharded, common = td.split_common(state)
+    paths: dict[str, list] = {}  # plain tensors' typed paths, for the manifest
+    sharded, common = td.split_common(state, paths)
     buf = io.BytesIO()
     try:
         torch.save(common, buf)
@@ -149,7 +151,17 @@ def _prepare_torch_dist(state: Any) -> Prepared:
                 keys.append(sk)
                 chunks.append((tuple(sh.global_offset), shape))
             shards[key] = (ShardInfo(tuple(pieces[0].global_shape), tuple(chunks)), keys)
-    return Prepared(tensors, objects, {}, {"shards": shards, "common": buf.getvalue()})
+    return Prepared(tensors, objects, paths, {"shards": shards, "common": buf.getvalue()})
+
+
+#: Modules the worker (a spawned process that never runs the trainer's script) cannot import.
+_UNIMPORTABLE_IN_WORKER = ("__main__", "__mp_main__")
+
+
+class _MainReference(Exception):
+    def __init__(self, obj: Any) -> None:
+        super().__init__(obj)
+        self.name = f"{obj.__module__}.{getattr(obj, '__qualname__', obj)}"
 
 
 class _TensorRefPickler(pickle.Pickler):
@@ -159,6 +171,13 @@ class _TensorRefPickler(pickle.Pickler):
         self.ids: dict[int, str] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        # Every class and function the pickle refers to passes here: one from the trainer's
+        # __main__ would pickle fine and only fail when the worker unpickles it.
+        if (
+            isinstance(obj, (type, types.FunctionType))
+            and getattr(obj, "__module__", None) in _UNIMPORTABLE_IN_WORKER
+        ):
+            raise _MainReference(obj)
         if isinstance(obj, torch.Tensor):
             key = self.ids.get(id(obj))
             if key is None:
@@ -177,9 +196,54 @@ class _TensorRefUnpickler(pickle.Unpickler):
         return self.views[pid[1]]
 
 
+def _state_dicts(x: Any) -> Any:
+    """``x`` with every Stateful object replaced by its ``state_dict()`` (what Megatron-LM's
+    ``model_optim_rng.pt`` holds); only the containers on the way to one are copied, so a
+    module's state_dict keeps its type and ``_metadata``."""
+    if is_stateful(x):
+        return x.state_dict()
+    if isinstance(x, dict):
+        out = {k: _state_dicts(v) for k, v in x.items()}
+        return out if any(out[k] is not v for k, v in x.items()) else x
+    if isinstance(x, (list, tuple)):
+        items = [_state_dicts(v) for v in x]
+        if all(a is b for a, b in zip(items, x, strict=True)):
+            return x
+        return items if isinstance(x, list) else tuple(items)
+    return x
+
+
+def _main_reference_entry(state: Any) -> str:
+    """The dotted path of the first entry of ``state`` whose pickle refers to ``__main__``."""
+
+    def visit(x: Any, path: str) -> str | None:
+        if type(x).__module__ in _UNIMPORTABLE_IN_WORKER:
+            return path
+        if isinstance(x, dict):
+            items: Any = x.items()
+        elif isinstance(x, (list, tuple)):
+            items = enumerate(x)
+        else:
+            try:
+                _TensorRefPickler(io.BytesIO(), {}).dump(x)
+            except _MainReference:
+                return path
+            except Exception:  # noqa: BLE001 - only looking for the __main__ reference
+                return None
+            return None
+        for k, v in items:
+            found = visit(v, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+        return None
+
+    return visit(state, "") or "<root>"
+
+
 def _prepare_legacy(state: Any, ranks: LegacyRanks) -> Prepared:
-    if is_stateful(state):
-        state = state.state_dict()
+    # State dicts, not the objects: Megatron-LM's files hold state dicts, and the load then
+    # restores the caller's modules and optimizers in place (load_state_dict).
+    state = _state_dicts(state)
     if not isinstance(state, dict):
         raise TypeError(f"format megatron_legacy needs a dict state, not {type(state).__name__}")
     tensors: dict[str, torch.Tensor] = {}
@@ -187,6 +251,14 @@ def _prepare_legacy(state: Any, ranks: LegacyRanks) -> Prepared:
     if ranks.write:
         try:
             _TensorRefPickler(buf, tensors).dump(state)
+        except _MainReference as e:
+            entry = _main_reference_entry(state)
+            raise TypeError(
+                f"state entry {entry!r} refers to {e.name}, defined in the trainer's __main__: "
+                "format megatron_legacy's worker (a spawned process that does not run the "
+                "trainer's script) could not unpickle it; define it in an importable module "
+                "or save plain values"
+            ) from None
         except Exception as e:
             raise TypeError(f"the state cannot be pickled for model_optim_rng.pt: {e}") from e
     for k, t in tensors.items():
@@ -314,7 +386,7 @@ def load_into(
         if mapping is not None and td._has_sharded_base(target, mapping.ShardedBase):
             _load_megatron(target, directory)
         else:
-            td.read_torch_dist(directory, target)
+            td.read_torch_dist(directory, target, paths)
         dcp.merge_into(state, target)
         return
     dcp.load_into(state, directory, paths)

@@ -51,7 +51,7 @@ import pickle
 import sys
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -102,9 +102,13 @@ def _has_sharded_base(x: Any, base: type) -> bool:
     return isinstance(x, base)
 
 
-def _split_plain(x: dict | list, path: tuple, flat: Sharded) -> tuple[bool, Any]:
+def _split_plain(
+    x: dict | list, path: tuple, flat: Sharded, paths: dict | None
+) -> tuple[bool, Any]:
     """Tensors into ``flat`` keyed by dotted path; returns (had tensors, the rest).
 
+    ``path`` holds ("d", key) / ("l", index) items; with ``paths`` each tensor's typed path is
+    recorded there too (the dotted key loses int dict keys, which an optimizer's state has).
     The rest mirrors megatron's ``dict_utils.extract_matching_values`` so ``common.pt`` is
     what megatron would write. A list that would come back misaligned from megatron's
     ``merge`` (tensors and non-tensors mixed) is refused up front.
@@ -113,12 +117,12 @@ def _split_plain(x: dict | list, path: tuple, flat: Sharded) -> tuple[bool, Any]
         found, rest = False, {}
         for k, v in x.items():
             if isinstance(v, (dict, list)):
-                m, r = _split_plain(v, (*path, k), flat)
+                m, r = _split_plain(v, (*path, ("d", k)), flat, paths)
                 found |= m
                 if r or not v:
                     rest[k] = r
             elif isinstance(v, torch.Tensor):
-                _add(flat, (*path, k), v)
+                _add(flat, (*path, ("d", k)), v, paths)
                 found = True
             else:
                 rest[k] = v
@@ -126,41 +130,49 @@ def _split_plain(x: dict | list, path: tuple, flat: Sharded) -> tuple[bool, Any]
     n_match, rest_list = 0, []
     for i, v in enumerate(x):
         if isinstance(v, (dict, list)) and v:
-            m, r = _split_plain(v, (*path, i), flat)
+            m, r = _split_plain(v, (*path, ("l", i)), flat, paths)
             n_match += m
             if r:
                 rest_list.append(r)
         elif isinstance(v, torch.Tensor):
-            _add(flat, (*path, i), v)
+            _add(flat, (*path, ("l", i)), v, paths)
             n_match += 1
         else:
             rest_list.append(v)
     if n_match and rest_list and (n_match != len(x) or len(rest_list) != len(x)):
         raise ValueError(
-            f"list at {'.'.join(map(str, path)) or '<root>'} mixes tensors and other values "
+            f"list at {_dotted(path) or '<root>'} mixes tensors and other values "
             "element-wise; megatron's loader cannot merge it back (use a dict instead)"
         )
     return n_match > 0, rest_list
 
 
-def _add(flat: Sharded, path: tuple, t: torch.Tensor) -> None:
-    key = ".".join(map(str, path))
+def _dotted(path: tuple) -> str:
+    return ".".join(str(k) for _, k in path)
+
+
+def _add(flat: Sharded, path: tuple, t: torch.Tensor, paths: dict | None) -> None:
+    key = _dotted(path)
     if key in flat:
         raise ValueError(f"two tensors map to the same checkpoint key {key!r}")
     flat[key] = [t]
+    if paths is not None:
+        paths[key] = [list(p) for p in path]
 
 
-def split_common(state: dict) -> tuple[Sharded, dict]:
+def split_common(state: dict, paths: dict | None = None) -> tuple[Sharded, dict]:
     """Split ``state`` into (DCP pieces by key, the common state that goes to ``common.pt``).
 
     Pure: ``state`` is not modified (megatron factories are applied to a copy of the nesting).
+    For a plain state, ``paths`` (if given) receives each tensor key's path from the root,
+    ``[["d", key] or ["l", index], ...]`` with the original key types, as DCP's manifest paths.
     """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
     mapping = _mcore_mapping()
     if mapping is None or not _has_sharded_base(state, mapping.ShardedBase):
         flat: Sharded = {}
-        _, common = _split_plain(state, (), flat)
+        _, common = _split_plain(state, (), flat, paths)
         return flat, common
     # Megatron sharded state dict: reuse megatron's own preprocessing so the split is the same.
     from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
@@ -326,30 +338,113 @@ def read_config(directory: str | os.PathLike) -> dict | None:
         return None
 
 
-def read_torch_dist(directory: str | os.PathLike, target_state: dict) -> dict:
+def read_torch_dist(
+    directory: str | os.PathLike, target_state: dict, paths: Mapping[str, list] | None = None
+) -> dict:
     """Load a plain-state checkpoint into ``target_state`` in place and return it.
 
-    Tensors are read into the target's own tensors (shapes and dtypes must match); the other
-    leaves are replaced by those in ``common.pt``. For megatron sharded state dicts use
+    Tensors the target has are read into its own tensors (shapes and dtypes must match); the
+    checkpoint's other tensors are read into new ones and put where ``paths`` (the manifest's
+    ``{key: [["d", key] or ["l", index], ...]}``) says they were saved, so an optimizer's
+    int-keyed state loads into a fresh optimizer whose ``state`` is still ``{}``. Without a
+    path for a key, it goes under the deepest container of the target its dotted key names
+    (digits as int keys), or is left out if the target has none. The other leaves come from
+    ``common.pt`` and are merged in (``dcp.merge_into``). For megatron sharded state dicts use
     ``megatron.core.dist_checkpointing.load`` (it needs a process group).
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .dcp import merge_into
+
     directory = Path(directory)
     if read_config(directory) != CONFIG:
         raise ValueError(f"{directory} is not a torch_dist checkpoint (bad {CONFIG_FNAME})")
-    sharded, _ = split_common(target_state)
+    target_paths: dict[str, list] = {}
+    sharded, _ = split_common(target_state, target_paths)
     if any(not isinstance(p[0], torch.Tensor) for p in sharded.values()):
         raise TypeError("read_torch_dist takes plain state dicts; use dist_checkpointing.load")
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    # Every tensor the target asks for (DCP raises on one the checkpoint lacks, or of another
+    # shape), then those it does not have yet.
+    request: dict[str, torch.Tensor] = {k: p[0] for k, p in sharded.items()}
+    where = dict(target_paths)
+    for key, md in metadata.state_dict_metadata.items():
+        if key in request or not isinstance(md, TensorStorageMetadata):
+            continue
+        path = (paths or {}).get(key) or _guess_path(target_state, key)
+        if path is None:
+            continue  # as megatron's loader: what the target does not ask for stays on disk
+        request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        where[key] = path
     with _quiet_single_process():
         dcp.load(
-            {k: p[0] for k, p in sharded.items()},
+            request,
             storage_reader=FileSystemReader(str(directory)),
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             no_dist=True,
         )
     with open(directory / COMMON_FNAME, "rb") as f:
-        common = _load_weights_only(f)
-    _assign(target_state, common)
+        loaded = _load_weights_only(f)
+    for key, t in request.items():
+        _place(loaded, where[key], t)
+    merge_into(target_state, loaded)
     return target_state
+
+
+def _place(root: dict, path: list, value: Any) -> None:
+    """Put ``value`` at ``path`` in the nested ``root``, creating dicts and lists on the way."""
+    node: Any = root
+    for i, (kind, key) in enumerate(path):
+        if i == len(path) - 1:
+            child = None
+        else:
+            child = [] if path[i + 1][0] == "l" else {}
+        if kind == "l":
+            while len(node) <= key:
+                node.append(None)
+            if child is None:
+                node[key] = value
+            elif node[key] is None:
+                node[key] = child
+            node = node[key]
+        elif child is None:
+            node[key] = value
+        else:
+            node = node.setdefault(key, child)
+
+
+def _guess_path(target: Any, key: str) -> list | None:
+    """A path for a checkpoint key the target lacks, when no manifest recorded it: follow the
+    target's containers as far as the dotted key names them (dict keys may hold dots), then
+    new dicts, digits as int keys (an optimizer's state). None if not even the first part of
+    the key is in the target."""
+    parts = key.split(".")
+    path: list = []
+    node, i = target, 0
+    while i < len(parts):
+        step = None
+        if isinstance(node, dict):
+            for j in range(len(parts), i, -1):
+                name = ".".join(parts[i:j])
+                for k in (name, int(name)) if name.isdigit() else (name,):
+                    if k in node and (j == len(parts) or isinstance(node[k], (dict, list))):
+                        step = (("d", k), node[k], j)
+                        break
+                if step:
+                    break
+        elif isinstance(node, list) and parts[i].isdigit() and int(parts[i]) < len(node):
+            step = (("l", int(parts[i])), node[int(parts[i])], i + 1)
+        if step is None:
+            break
+        path.append(list(step[0]))
+        node, i = step[1], step[2]
+    if not path:
+        return None
+    kind = "l" if isinstance(node, list) else "d"
+    for p in parts[i:]:
+        path.append([kind, int(p) if p.isdigit() else p])
+        kind = "d"
+    return path
 
 
 def _load_weights_only(f: BinaryIO) -> Any:
@@ -368,14 +463,3 @@ def _load_weights_only(f: BinaryIO) -> Any:
             pass
         f.seek(0)
         return torch.load(f, map_location="cpu", weights_only=True)
-
-
-def _assign(target: Any, src: dict | list) -> None:
-    """Write ``src``'s leaves into ``target`` in place (inverse of the split's common part)."""
-    items = src.items() if isinstance(src, dict) else enumerate(src)
-    for k, v in items:
-        cur = target[k] if isinstance(target, list) or k in target else None
-        if isinstance(v, (dict, list)) and v and isinstance(cur, type(v)):
-            _assign(cur, v)
-        else:
-            target[k] = v

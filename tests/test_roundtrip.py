@@ -1,0 +1,265 @@
+"""State round-trips through the engine, for every format (issue 11): empty containers, an
+optimizer's int-keyed state loaded into a fresh optimizer, lists of plain values, and modules
+restored in place by the legacy per-rank format."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncckpt import CheckpointError, SyncCheckpointEngine
+from asyncckpt import layout as L
+
+#: (layout, format) of every format the engine writes; None: the layout's default.
+FORMATS = [("global_step", None), ("megatron", None), ("megatron", "torch")]
+FORMAT_IDS = ["dcp", "torch_dist", "megatron_legacy"]
+
+
+def _engine(root: Path, layout: str, fmt: str | None) -> SyncCheckpointEngine:
+    kw = {"format": fmt} if fmt else {}
+    return SyncCheckpointEngine(root, layout=layout, handle_sigterm=False, **kw)
+
+
+def _model_and_optimizer(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.randn(5, 4)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_same(got, want, path: str = "state") -> None:
+    """Recursive equality: same container types and keys, tensors bit for bit."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (path, got, want)
+        for k in want:
+            _assert_same(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), (path, got, want)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_same(a, b, f"{path}.{i}")
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), (path, type(got))
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
+        assert torch.equal(_bits(got), _bits(want)), path
+    else:
+        assert got == want, (path, got, want)
+
+
+# ------------------------------------------------------------------- 1. empty containers
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
+def test_optimizer_before_its_first_step_round_trips(tmp_path: Path, layout, fmt) -> None:
+    """AdamW before step() has ``state: {}``; the empty dict must come back (the README's
+    Quick start, run twice, failed with KeyError 'state' on dcp)."""
+    model, optim = _model_and_optimizer(0, steps=0)
+    assert optim.state_dict()["state"] == {}
+    extra = {"empty": {}, "none": [], "nested": {"a": {"b": {}}, "c": [], "n": 1}}
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(10, {"model": model, "optim": optim, "extra": extra})
+    model2, optim2 = _model_and_optimizer(1, steps=0)
+    target = {"model": model2, "optim": optim2, "extra": {}}
+    assert _engine(tmp_path, layout, fmt).load_latest(target) == 10
+    _assert_same(optim2.state_dict(), optim.state_dict())
+    _assert_same(model2.state_dict(), model.state_dict())
+    _assert_same(target["extra"], extra)
+    # And the restored optimizer still works.
+    model2(torch.randn(2, 4)).sum().backward()
+    optim2.step()
+
+
+def test_empty_containers_in_a_plain_state_dcp(tmp_path: Path) -> None:
+    """Empty dicts and lists anywhere, also inside a list that holds tensors."""
+    state = {
+        "w": torch.arange(3.0),
+        "a": {},
+        "b": {"c": {}, "d": [], "e": {"f": {}}},
+        "mixed": [torch.ones(2), {}, [], {"g": {}}],
+    }
+    with _engine(tmp_path, "global_step", None) as engine:
+        engine.save(1, state)
+    target = {"w": torch.zeros(3), "mixed": [torch.zeros(2), {}, [], {}]}
+    assert _engine(tmp_path, "global_step", None).load_latest(target) == 1
+    _assert_same(target, state)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_plain_dcp_load_still_reads_a_state_with_empty_parts(tmp_path: Path) -> None:
+    """Recording empty containers must not stop plain ``dcp.load`` (no asyncckpt) from
+    reading the non-empty parts."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _model_and_optimizer(0, steps=0)
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "cfg": {"n": 3, "e": {}}}
+    with _engine(tmp_path, "global_step", None) as engine:
+        engine.save(1, state)
+    model2, optim2 = _model_and_optimizer(1, steps=0)
+    target = {"model": model2.state_dict(), "optim": optim2.state_dict(), "cfg": {"n": 0, "e": {}}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "global_step_1"), no_dist=True)
+    _assert_same(target["model"], model.state_dict())
+    _assert_same(target["optim"]["param_groups"], optim.state_dict()["param_groups"])
+    assert target["cfg"]["n"] == 3
+
+
+# --------------------------------------------------- 2. int-keyed optimizer state, lists
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
+def test_adamw_state_into_a_fresh_optimizer_bit_for_bit(tmp_path: Path, layout, fmt) -> None:
+    """After a step AdamW's state is keyed by int param ids; a fresh optimizer (state {})
+    must get every entry back, bit for bit, and the model its values in place."""
+    model, optim = _model_and_optimizer(0, steps=2)
+    assert len(optim.state_dict()["state"]) == 4
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(5, {"model": model, "optim": optim})
+    model2, optim2 = _model_and_optimizer(1, steps=0)
+    weight = model2[0].weight
+    assert _engine(tmp_path, layout, fmt).load_latest({"model": model2, "optim": optim2}) == 5
+    assert model2[0].weight is weight
+    _assert_same(model2.state_dict(), model.state_dict())
+    _assert_same(optim2.state_dict(), optim.state_dict())
+    assert all(isinstance(k, int) for k in optim2.state_dict()["state"])
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS[:2], ids=FORMAT_IDS[:2])
+def test_lists_of_values_replace_the_target_list(tmp_path: Path, layout, fmt) -> None:
+    """A list of plain values comes back as saved (not merged over a longer target list, no
+    IndexError over an empty one); a list of tensors of the same length is restored in place."""
+    state = {
+        "hist": [3, 1, 2],
+        "grown": [3, 1, 2],
+        "groups": [{"lr": 0.1, "params": [0, 1]}],
+        "same_length": [{"lr": 0.1}, 2],
+        "tensors": [torch.arange(3.0), torch.ones(2, dtype=torch.int64)],
+    }
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(1, state)
+    tensors = [torch.zeros(3), torch.zeros(2, dtype=torch.int64)]
+    target = {
+        "hist": [0, 1, 2, 3, 4, 5],
+        "grown": [],
+        "groups": [{"lr": 0.0, "params": [0, 1, 2]}, {"lr": 1.0, "params": [3]}],
+        "same_length": [{"lr": 0.0, "momentum": 0.9}, 0],
+        "tensors": list(tensors),
+    }
+    assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
+    _assert_same(target, state)
+    assert target["tensors"][0] is tensors[0] and target["tensors"][1] is tensors[1]
+
+
+# ------------------------------------------------------- 3. legacy format: state dicts
+
+
+def test_legacy_format_saves_state_dicts_and_restores_in_place(tmp_path: Path) -> None:
+    model, optim = _model_and_optimizer(0, steps=1)
+    with _engine(tmp_path, "megatron", "torch") as engine:
+        engine.save(7, {"model": model, "optimizer": optim, "iteration": 7})
+    # The file holds state dicts (as Megatron-LM's model_optim_rng.pt does), not pickled
+    # objects: plain weights-only torch.load reads it.
+    saved = torch.load(
+        tmp_path / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True
+    )
+    _assert_same(saved["model"], model.state_dict())
+    _assert_same(saved["optimizer"], optim.state_dict())
+    model2, optim2 = _model_and_optimizer(1, steps=0)
+    weight = model2[0].weight
+    target = {"model": model2, "optimizer": optim2, "iteration": 0}
+    assert _engine(tmp_path, "megatron", "torch").load_latest(target) == 7
+    assert target["model"] is model2 and target["optimizer"] is optim2
+    assert model2[0].weight is weight
+    _assert_same(model2.state_dict(), model.state_dict())
+    _assert_same(optim2.state_dict(), optim.state_dict())
+    assert target["iteration"] == 7
+
+
+class _Config:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Config) and other.n == self.n
+
+
+@pytest.fixture
+def main_class(monkeypatch):
+    """``_Config`` as if the trainer's script had defined it (importable as ``__main__``
+    here, but not in the worker, a spawned process that never runs the trainer's script)."""
+    monkeypatch.setattr(_Config, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "_Config", _Config, raising=False)
+    return _Config
+
+
+def test_legacy_format_refuses_a_main_class_at_save(tmp_path: Path, main_class) -> None:
+    with _engine(tmp_path, "megatron", "torch") as engine:
+        with pytest.raises((TypeError, CheckpointError), match=r"cfg\.obj.*__main__"):
+            engine.save(3, {"w": torch.ones(2), "cfg": {"obj": main_class(1)}})
+        engine.save(4, {"w": torch.ones(2)}).committed_sync(60)
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("iter_")) == ["iter_0000004"]
+    assert L.read_tracker(tmp_path) == 4
+
+
+def test_dcp_saves_a_main_class_the_trainer_pickles(tmp_path: Path, main_class) -> None:
+    """dcp's objects are pickled in the trainer and never unpickled by the worker: allowed."""
+    with _engine(tmp_path, "global_step", None) as engine:
+        engine.save(3, {"w": torch.ones(2), "cfg": {"obj": main_class(1)}})
+    target = {"w": torch.zeros(2), "cfg": {}}
+    assert _engine(tmp_path, "global_step", None).load_latest(target) == 3
+    assert target["cfg"]["obj"] == main_class(1)
+
+
+def test_read_torch_dist_without_a_manifest_places_int_keyed_state(tmp_path: Path) -> None:
+    """A torch_dist checkpoint without our manifest's paths (an older asyncckpt's, or
+    ``write_torch_dist``'s own): the optimizer's state still loads into a fresh optimizer."""
+    from asyncckpt.formats import torch_dist as td
+
+    model, optim = _model_and_optimizer(0, steps=1)
+    td.write_torch_dist({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path)
+    model2, optim2 = _model_and_optimizer(1, steps=0)
+    target = {"model": model2.state_dict(), "optim": optim2.state_dict()}
+    td.read_torch_dist(tmp_path, target)
+    optim2.load_state_dict(target["optim"])
+    _assert_same(optim2.state_dict(), optim.state_dict())
+    _assert_same(model2.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
+def test_a_list_of_stateful_objects_is_restored_in_place(tmp_path: Path, layout, fmt) -> None:
+    """Schedulers in a list: saved as their state dicts (not pickled objects, which would drag
+    the optimizer along) and restored into the caller's objects, tensors or not."""
+
+    def build(seed: int, steps: int) -> dict:
+        model, optim = _model_and_optimizer(seed, 0)
+        scheds = [
+            torch.optim.lr_scheduler.StepLR(optim, 2),
+            torch.optim.lr_scheduler.ExponentialLR(optim, 0.9),
+        ]
+        for _ in range(steps):
+            model(torch.randn(5, 4)).square().sum().backward()
+            optim.step()
+            for s in scheds:
+                s.step()
+        return {"models": [model], "optim": optim, "scheds": scheds}
+
+    state = build(0, steps=3)
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(1, state)
+    target = build(1, steps=0)
+    objects = [target["models"][0], *target["scheds"]]
+    assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
+    got = [target["models"][0], *target["scheds"]]
+    assert all(a is b for a, b in zip(got, objects, strict=True)), got
+    _assert_same(target["models"][0].state_dict(), state["models"][0].state_dict())
+    for got, want in zip(target["scheds"], state["scheds"], strict=True):
+        _assert_same(got.state_dict(), want.state_dict())
