@@ -72,8 +72,6 @@ class Entries:
     open: set[str] = field(default_factory=set)
     #: Whether the non-tensor leaves are known (torch_dist keeps them outside ``.metadata``).
     objects_known: bool = True
-    #: Whether tensors under an empty container of the target are read (not by torch_dist).
-    open_takes_tensors: bool = True
 
     def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: v for k, v in self.leaves.items() if v is not None}
@@ -196,9 +194,7 @@ def compare(
     for key, found in ckpt.leaves.items():
         if found is None or key in target.leaves:
             continue
-        if ckpt.open_takes_tensors and key in target.open:
-            continue
-        if not (ckpt.open_takes_tensors and _under(key, target.open)):
+        if key not in target.open and not _under(key, target.open):
             report.unexpected.append(key)
     problems = []
     if mismatched:
@@ -213,12 +209,6 @@ def compare(
         problems.append(
             f"unexpected in the checkpoint (not in the target): {_listing(report.unexpected)}"
         )
-        if not ckpt.open_takes_tensors and any(_under(k, target.open) for k in report.unexpected):
-            problems[-1] += (
-                " (format torch_dist reads only the tensors the target names, so an empty "
-                "container of the target, such as a fresh optimizer's state, cannot take them; "
-                "create that state first, e.g. with one optimizer step)"
-            )
     if problems:
         hint = ""
         if not mismatched:
@@ -314,12 +304,9 @@ def check(
         elif (directory / ".metadata").exists():
             if has_sharded_base(state):
                 return LoadReport(strict=strict)
-            # torch_dist keeps the non-tensor leaves in common.pt, and reads only the tensors
-            # the target names: nothing under an empty container of the target would load.
+            # torch_dist keeps the non-tensor leaves in common.pt, outside .metadata.
             torch_dist = fmt == "torch_dist" and (directory / "common.pt").exists()
             ckpt = dcp_entries(read_dcp_metadata(directory), objects_known=not torch_dist)
-            if torch_dist:
-                ckpt.open_takes_tensors = False
         else:
             return LoadReport(strict=strict)  # nothing to compare with; the read will say why
     except StateMismatch:
