@@ -21,7 +21,6 @@ from .errors import (
     WorkerDied,
     WriteTimeout,
 )
-from .loadcheck import LoadReport
 from .manifest import VerifyReport, verify
 from .retention import (
     CheckpointInfo,
@@ -39,14 +38,16 @@ from .throttle import ThrottleConfig
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine, PauseHooks, SaveHandle
+    from .loadcheck import LoadReport
     from .sync import SyncCheckpointEngine
 
-# The engines import torch (seconds); they load on first use (PEP 562), so ``import asyncckpt``
+# The engines (and the load check) import torch (seconds); they load on first use (PEP 562), so ``import asyncckpt``
 # and the CLI's ``--help`` stay fast. ``from asyncckpt import CheckpointEngine`` works as before.
 _LAZY = {
     "CheckpointEngine": ".engine",
     "PauseHooks": ".engine",
     "SaveHandle": ".engine",
+    "LoadReport": ".loadcheck",
     "SyncCheckpointEngine": ".sync",
 }
 
