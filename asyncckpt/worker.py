@@ -372,7 +372,9 @@ class Worker:
             metrics=job.metrics,
             run_id=self.config.run_id,
             known_crcs=known_crcs,
-            extra={"paths": paths, **extra},
+            # Which job wrote it: a trainer whose worker died after the rename can tell its
+            # own commit from an older one (engine._committed_on_disk).
+            extra={"paths": paths, "job_id": job.job_id, "attempt": job.attempt, **extra},
         )
         write_manifest(tmp, manifest)
         rename_into_place(tmp, final)
