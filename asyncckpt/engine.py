@@ -8,6 +8,7 @@ handles, notices a dead or hung worker, fails what it held, and starts a new one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import logging
@@ -252,6 +253,16 @@ class _Core:
         self.reader.start()
         self._wait_ready()
         self.started = True
+        # Ours runs before multiprocessing's own exit hook, which would join the worker (it
+        # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self.started:
+            try:
+                self.stop()  # staged saves commit first (bounded by the worker's liveness)
+            except BaseException:  # noqa: BLE001 - exiting anyway
+                log.exception("stopping the checkpoint engine at exit failed")
 
     def _open_root(self) -> None:
         try:
@@ -361,6 +372,7 @@ class _Core:
                 self.lock_fd = None
             self.rendezvous.close()
             self.started = False
+            atexit.unregister(self._at_exit)
 
     def drain(self, timeout: float | None = None) -> None:
         """Block until nothing is in flight (committed or failed)."""
@@ -800,6 +812,7 @@ class _Core:
             # Interrupted (Ctrl-C), or no worker came up. Unsent, the job must not stay in
             # flight: close() and a SIGTERM's drain would wait for it forever. (Interrupted
             # mid-send, the worker is being replaced and its death settles the job.)
+            handle._observed = True  # the caller sees this very exception instead
             if not sending:
                 with self.cond:
                     if job_id in self.inflight:
@@ -810,24 +823,30 @@ class _Core:
                                 "nothing was written"
                             ),
                         )
-                        handle._observed = True  # the caller sees this very exception
             raise
+        finally:
+            # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
+            self._run_deferred_sigterm()
         return handle
 
     @contextlib.contextmanager
     def _handing_off(self) -> Iterator[None]:
         """Mark the hand-off of a staged save: a SIGTERM on this thread waits until it ends."""
-        mine = threading.get_ident()
         outer = self._handoff_thread
-        self._handoff_thread = mine
+        self._handoff_thread = threading.get_ident()
         try:
             yield
         finally:
             self._handoff_thread = outer
-            deferred = self._deferred_sigterm
-            if outer is None and deferred is not None and self._sigterm_handler is not None:
-                self._deferred_sigterm = None
-                self._sigterm_handler(*deferred)
+
+    def _run_deferred_sigterm(self) -> None:
+        deferred, handler = self._deferred_sigterm, self._sigterm_handler
+        if deferred is not None and self._handoff_thread is None:
+            self._deferred_sigterm = None
+            if handler is not None:
+                handler(*deferred)
+            else:  # uninstalled meanwhile: to whatever handles it now
+                signal.raise_signal(deferred[0])
 
     @contextlib.contextmanager
     def _sending(self) -> Iterator[None]:
@@ -863,10 +882,13 @@ class _Core:
         for i in free:
             self.slots[i].ensure(flat.tensors, pin)
             if self.started:
-                with self._handing_off():
-                    self._wait_ready()
-                    with self._sending():
-                        self._send_arenas(self.slots[i])
+                try:
+                    with self._handing_off():
+                        self._wait_ready()
+                        with self._sending():
+                            self._send_arenas(self.slots[i])
+                finally:
+                    self._run_deferred_sigterm()
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
