@@ -104,6 +104,7 @@ class _InFlight:
     sent_at: float
     begun_at: float | None = None
     released: bool = False
+    attempt: int = 0  # SaveJob.attempt: with the run's token, names a multi-rank commit
 
 
 def _check_step(step: Any) -> int:
@@ -476,6 +477,8 @@ class _Core:
 
         The worker writes the manifest (with this engine's run id and the job's id) before the
         rename, so a final directory carrying both is this job's commit, complete and durable.
+        Several ranks: rank 0's worker wrote it, naming the run's shared token and the attempt
+        (every rank counts attempts of a step alike).
         """
         final = self.root / _layout.dir_name(self.layout, job.handle.step)
         if not final.is_dir():
@@ -484,9 +487,13 @@ class _Core:
             manifest = read_manifest(final)
         except (CheckpointError, OSError):
             return None
-        if manifest.get("run_id") != self.run_id or manifest.get("job_id") != job_id:
-            return None
-        return manifest
+        if self.dist_cfg is not None:
+            mine = (self.dist_cfg.token, job.attempt)
+            theirs = (manifest.get("dist_token"), manifest.get("attempt"))
+        else:
+            mine = (self.run_id, job_id)
+            theirs = (manifest.get("run_id"), manifest.get("job_id"))
+        return manifest if theirs == mine else None
 
     def _finish_commit(
         self, job_id: int, job: _InFlight, manifest: dict[str, Any], cause: BaseException | None
@@ -502,8 +509,9 @@ class _Core:
         step = job.handle.step
         final = self.root / _layout.dir_name(self.layout, step)
         try:
-            fsync_dir(self.root)  # the rename's name is durable before the tracker names it
-            advance_tracker(self.root, self.layout, step)
+            if self.rank == 0:  # (the tracker is rank 0's to write, as in the worker)
+                fsync_dir(self.root)  # the rename is durable before the tracker names it
+                advance_tracker(self.root, self.layout, step)
         except OSError as e:
             err = SaveFailed(
                 f"step {step} IS committed at {final} (it loads), but its worker stopped before "
@@ -512,10 +520,10 @@ class _Core:
             err.__cause__ = cause or e
             return err
         log.warning(
-            "the checkpoint worker stopped after committing step %d (%s); the trainer wrote "
-            "the tracker",
+            "the checkpoint worker stopped after committing step %d (%s); %s",
             step,
-            cause if cause is not None else "it died",
+            cause,
+            "the trainer wrote the tracker" if self.rank == 0 else "rank 0 writes the tracker",
         )
         self._committed(
             job_id,
@@ -792,7 +800,9 @@ class _Core:
             )
             self.attempts[step] = job.attempt + 1
             self.slot_owner[slot_idx] = job_id
-            self.inflight[job_id] = _InFlight(handle, slot_idx, time.monotonic())
+            self.inflight[job_id] = _InFlight(
+                handle, slot_idx, time.monotonic(), attempt=job.attempt
+            )
         sending = False
         try:
             with self._handing_off():

@@ -342,7 +342,8 @@ class Worker:
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
-        extra = {"world_size": self.config.dist.world_size}
+        # The run's token (shared by every rank) names this commit for the other ranks' engines.
+        extra = {"world_size": self.config.dist.world_size, "dist_token": self.config.dist.token}
         try:
             stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
         except BaseException as e:  # noqa: BLE001 - broadcast to every rank

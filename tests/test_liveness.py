@@ -284,3 +284,15 @@ def test_a_script_that_never_closes_its_engine_still_exits(tmp_path):
         pytest.fail("the interpreter hung at exit")
     assert out.returncode == 0, out.stderr
     assert committed(tmp_path) == [1] and L.read_tracker(tmp_path) == 1  # staged: committed
+
+
+def test_two_ranks_whose_rank0_worker_dies_after_the_rename_both_report_the_commit(tmp_path):
+    from test_multirank import run_ranks, save_steps
+
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_steps, 2, tmp_path, str(root), [1, 2], 0, "kill", "before_tracker")
+    for rank in range(2):
+        assert out[rank][2] == "committed", out  # rank 1's worker saw only a broken group
+        assert out[rank][3] == "committed"
+    assert out[0]["tracker_after_failure"] == 2  # rank 0's trainer wrote it
+    assert committed(root) == [2, 3] and L.read_tracker(root) == 3
