@@ -297,3 +297,24 @@ def test_two_ranks_whose_rank0_worker_dies_after_the_rename_both_report_the_comm
         assert out[rank][3] == "committed"
     assert out[0]["tracker_after_failure"] == 2  # rank 0's trainer wrote it
     assert committed(root) == [2, 3] and L.read_tracker(root) == 3
+
+
+def test_sigterm_during_close_still_commits_the_staged_save(tmp_path):
+    script = (
+        "import os, signal, sys, threading, time, torch\n"
+        "from asyncckpt import SyncCheckpointEngine, faults\n"
+        "faults.inject('before_shard_write', 'delay:2')\n"
+        "engine = SyncCheckpointEngine(sys.argv[1])\n"
+        "engine.__enter__()\n"
+        "engine.save(1, {'w': torch.ones(3)})\n"
+        "def fire():\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "threading.Thread(target=fire).start()\n"
+        "engine.close()  # draining when SIGTERM arrives\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, timeout=60
+    )
+    assert out.returncode == -signal.SIGTERM, out.stderr
+    assert committed(tmp_path) == [1] and L.read_tracker(tmp_path) == 1
