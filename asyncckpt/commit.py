@@ -42,9 +42,27 @@ def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:
     fsync_dir(final_dir.parent)
 
 
-def write_tracker(root: Path, layout: str, step: int) -> None:
-    """Point the tracker file(s) at ``step``: temp file, fsync, rename, fsync of the root."""
+def write_tracker(root: Path, layout: str, step: int) -> bool:
+    """Point the tracker file(s) at ``step``, forward only; False if it names a newer step.
+
+    Temp file, fsync, rename, fsync of the root. A tracker is never moved back from a newer
+    committed checkpoint (an older step saved with ``allow_older_steps``, or a commit the
+    trainer finishes after its worker died): readers of the tracker resume from the newest.
+    """
     faults.point("before_tracker")
+    return advance_tracker(root, layout, step)
+
+
+def advance_tracker(root: Path, layout: str, step: int) -> bool:
+    """``write_tracker`` without its fault point (the trainer finishing a dead worker's commit)."""
+    current = _layout.read_tracker(root)
+    if (
+        current is not None
+        and current > step
+        # A tracker naming a step that is not there (deleted by hand) protects nothing.
+        and (root / _layout.dir_name(layout, current)).is_dir()
+    ):
+        return False
     for name in _layout.tracker_names(layout):
         tmp = root / f"{_layout.TMP_PREFIX}{name}-{new_token()}"
         with open(tmp, "w") as f:
@@ -53,6 +71,7 @@ def write_tracker(root: Path, layout: str, step: int) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, root / name)
     fsync_dir(root)
+    return True
 
 
 def remove_tree(path: Path) -> None:

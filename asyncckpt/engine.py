@@ -8,6 +8,7 @@ handles, notices a dead or hung worker, fails what it held, and starts a new one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import logging
@@ -43,7 +44,7 @@ from .errors import (
 )
 from .formats import FORMAT_ALIASES, FORMATS, default_format
 from .loadcheck import LoadReport, Vanished
-from .manifest import check_files, read_manifest
+from .manifest import check_files, fsync_dir, read_manifest
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
@@ -106,6 +107,7 @@ class _InFlight:
     sent_at: float
     begun_at: float | None = None
     released: bool = False
+    attempt: int = 0  # SaveJob.attempt: with the run's token, names a multi-rank commit
 
 
 def _check_step(step: Any) -> int:
@@ -148,6 +150,7 @@ class EngineOptions:
     dist_timeout: float = 600.0  # how long workers wait for each other per save
     storage: str = "shared"  # "shared" or "local" (node-local disks): which rank(s) prune
     legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
+    allow_older_steps: bool = False  # save a step below the newest (the tracker stays put)
 
 
 class _Core:
@@ -214,6 +217,11 @@ class _Core:
         self.restarts = 0
         self.last_event_at = time.monotonic()  # the worker's last sign of life (write_timeout)
         self._prev_sigterm: Any = None
+        # The thread handing a staged save to the worker, and a SIGTERM that arrived meanwhile
+        # on that same (main) thread: its drain would wait for the very save it interrupted.
+        self._handoff_thread: int | None = None
+        self._deferred_sigterm: tuple[int, Any] | None = None
+        self._sigterm_handler: Callable[[int, Any], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -253,6 +261,16 @@ class _Core:
         self.reader.start()
         self._wait_ready()
         self.started = True
+        # Ours runs before multiprocessing's own exit hook, which would join the worker (it
+        # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self.started:
+            try:
+                self.stop()  # staged saves commit first (bounded by the worker's liveness)
+            except BaseException:  # noqa: BLE001 - exiting anyway
+                log.exception("stopping the checkpoint engine at exit failed")
 
     def _open_root(self) -> None:
         try:
@@ -362,12 +380,27 @@ class _Core:
                 self.lock_fd = None
             self.rendezvous.close()
             self.started = False
+            atexit.unregister(self._at_exit)
 
     def drain(self, timeout: float | None = None) -> None:
         """Block until nothing is in flight (committed or failed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            if not self.cond.wait_for(lambda: not self.inflight, timeout):
-                raise TimeoutError("saves still in flight")
+            while self.inflight:
+                reader = self.reader
+                if reader is None or not reader.is_alive():
+                    # Nobody is left to complete them (the reader thread owns the worker's
+                    # events): fail them rather than wait forever.
+                    for job_id in list(self.inflight):
+                        self._fail(
+                            job_id,
+                            WorkerDied("the engine stopped watching its worker; not committed"),
+                        )
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("saves still in flight")
+                self.cond.wait(0.5 if left is None else min(0.5, left))
 
     # ------------------------------------------------------------------ reader thread
     def _read_events(self) -> None:
@@ -408,22 +441,21 @@ class _Core:
             elif kind == "released" and job:
                 self._release(job)
             elif kind == "committed" and job:
-                s = job.handle.stats
-                st = msg[2]
-                s.write_seconds, s.commit_seconds = st["write_seconds"], st["commit_seconds"]
-                s.paused_seconds = st.get("paused_seconds", 0.0)
-                s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
-                self._release(job)
-                del self.inflight[msg[1]]
-                if self.resumed_from is not None and job.handle.step > self.resumed_from:
-                    self.resumed_from = None  # a newer checkpoint now protects the run
-                self.cond.notify_all()
+                self._committed(msg[1], job, msg[2])
             elif kind == "failed" and job:
                 err = SaveFailed(
                     f"save of step {job.handle.step} failed: {msg[2]['type']}: {msg[2]['message']}"
                 )
                 err.__cause__ = _rebuild_error(msg[2])
-                self._fail(msg[1], err)
+                # Failed after its rename, and the worker could not take it out again: it is
+                # committed all the same (the handle must say so; a retry would be refused).
+                manifest = self._committed_on_disk(msg[1], job)
+                if manifest is not None:
+                    err = self._finish_commit(msg[1], job, manifest, err)  # type: ignore[assignment]
+                if err is not None:
+                    self._fail(msg[1], err)
+                else:
+                    kind = "committed"
             elif kind == "pruned":
                 self.last_prune = msg[2]
                 # The worker's warnings (a policy's metric missing, ...): once each, here.
@@ -437,6 +469,83 @@ class _Core:
         if kind == "committed" and job:
             self._report(job.handle.stats)
             job.handle._finish()
+
+    def _committed(self, job_id: int, job: _InFlight, st: Mapping[str, Any]) -> None:
+        # called with self.cond held
+        s = job.handle.stats
+        s.write_seconds = st.get("write_seconds", 0.0)
+        s.commit_seconds = st.get("commit_seconds", 0.0)
+        s.paused_seconds = st.get("paused_seconds", 0.0)
+        s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
+        self._release(job)
+        del self.inflight[job_id]
+        if self.resumed_from is not None and job.handle.step > self.resumed_from:
+            self.resumed_from = None  # a newer checkpoint now protects the run
+        self.cond.notify_all()
+
+    def _committed_on_disk(self, job_id: int, job: _InFlight) -> dict[str, Any] | None:
+        """The manifest of ``job``'s step if this very job renamed it into place, else None.
+
+        The worker writes the manifest (with this engine's run id and the job's id) before the
+        rename, so a final directory carrying both is this job's commit, complete and durable.
+        Several ranks: rank 0's worker wrote it, naming the run's shared token and the attempt
+        (every rank counts attempts of a step alike).
+        """
+        final = self.root / _layout.dir_name(self.layout, job.handle.step)
+        if not final.is_dir():
+            return None
+        try:
+            manifest = read_manifest(final)
+        except (CheckpointError, OSError):
+            return None
+        if self.dist_cfg is not None:
+            mine = (self.dist_cfg.token, job.attempt)
+            theirs = (manifest.get("dist_token"), manifest.get("attempt"))
+        else:
+            mine = (self.run_id, job_id)
+            theirs = (manifest.get("run_id"), manifest.get("job_id"))
+        return manifest if theirs == mine else None
+
+    def _finish_commit(
+        self, job_id: int, job: _InFlight, manifest: dict[str, Any], cause: BaseException | None
+    ) -> SaveFailed | None:
+        """Finish a commit the worker renamed into place but left (died, or failed after it).
+
+        Only the tracker is missing: write it from here, forward only. Returns None once the
+        handle is completed as committed, or the error to fail it with, which says that the
+        step IS committed (it loads, and a second save of it is refused). Called with cond held.
+        """
+        from .commit import advance_tracker
+
+        step = job.handle.step
+        final = self.root / _layout.dir_name(self.layout, step)
+        try:
+            if self.rank == 0:  # (the tracker is rank 0's to write, as in the worker)
+                fsync_dir(self.root)  # the rename is durable before the tracker names it
+                advance_tracker(self.root, self.layout, step)
+        except OSError as e:
+            err = SaveFailed(
+                f"step {step} IS committed at {final} (it loads), but its worker stopped before "
+                f"the tracker, and the tracker could not be updated: {e}"
+            )
+            err.__cause__ = cause or e
+            return err
+        log.warning(
+            "the checkpoint worker stopped after committing step %d (%s); %s",
+            step,
+            cause,
+            "the trainer wrote the tracker" if self.rank == 0 else "rank 0 writes the tracker",
+        )
+        self._committed(
+            job_id,
+            job,
+            {
+                "bytes": manifest.get("bytes", 0),
+                "committed_at": manifest.get("committed_at"),
+                "path": str(final),
+            },
+        )
+        return None
 
     def _report(self, stats: SaveStats) -> None:
         log.info(
@@ -494,13 +603,26 @@ class _Core:
         # Before failing the handles: a save made as soon as one fails must wait for the new
         # worker, not write into the dead one's pipe.
         self.worker_ready.clear()
+        finished = []
         with self.cond:
             for job_id, job in list(self.inflight.items()):
-                err = reason or WorkerDied(
-                    f"the checkpoint worker (pid {proc.pid}) died with {how} while writing "
-                    f"step {job.handle.step}; nothing was committed for it"
-                )
+                # Died after the rename (before the tracker): committed; the handle says so.
+                manifest = self._committed_on_disk(job_id, job)
+                if manifest is not None:
+                    cause = reason or WorkerDied(f"worker (pid {proc.pid}) died with {how}")
+                    err = self._finish_commit(job_id, job, manifest, cause)
+                    if err is None:
+                        finished.append(job)
+                        continue
+                else:
+                    err = reason or WorkerDied(
+                        f"the checkpoint worker (pid {proc.pid}) died with {how} while writing "
+                        f"step {job.handle.step}; nothing was committed for it"
+                    )
                 self._fail(job_id, err)
+        for job in finished:
+            self._report(job.handle.stats)
+            job.handle._finish()
         if reason is None:
             log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
         self.restarts += 1
@@ -551,7 +673,25 @@ class _Core:
         final = self.root / _layout.dir_name(self.layout, step)
         if final.exists() or any(j.handle.step == step for j in self.inflight.values()):
             raise CheckpointError(f"step {step} is already committed or in flight at {final}")
+        if not self.opts.allow_older_steps:
+            self._check_forward(step)
         return step
+
+    def _check_forward(self, step: int) -> None:
+        """Refuse a step below the newest committed or in-flight one (the tracker would lag)."""
+        dirs = self.committed()
+        newest = dirs[-1].step if dirs else None
+        with self.cond:
+            flying = max((j.handle.step for j in self.inflight.values()), default=None)
+        for other, what in ((newest, "committed"), (flying, "in flight")):
+            if other is not None and step < other:
+                raise CheckpointError(
+                    f"step {step} is older than step {other}, {what} in {self.root}: steps must "
+                    "increase (the tracker names the newest checkpoint and never moves back). "
+                    "Resuming an older run? Delete the newer checkpoints, or pass "
+                    "allow_older_steps=True to write it anyway (the tracker keeps naming "
+                    f"step {other})"
+                )
 
     def acquire_slot(self, key: tuple, block: bool = True) -> int | None:
         """A free staging slot, preferring one already laid out for ``key``."""
@@ -673,21 +813,84 @@ class _Core:
             )
             self.attempts[step] = job.attempt + 1
             self.slot_owner[slot_idx] = job_id
-            self.inflight[job_id] = _InFlight(handle, slot_idx, time.monotonic())
-        self._wait_ready()
-        # After the wait: a fault that fired in a worker that died is disarmed by now.
-        job.faults = faults.snapshot()
+            self.inflight[job_id] = _InFlight(
+                handle, slot_idx, time.monotonic(), attempt=job.attempt
+            )
+        sending = False
         try:
-            self._send_arenas(slot)
-            self.jobs_conn.send(("save", job))
+            with self._handing_off():
+                self._wait_ready()
+                # After the wait: a fault that fired in a worker that died is disarmed by now.
+                job.faults = faults.snapshot()
+                sending = True
+                with self._sending():
+                    self._send_arenas(slot)
+                    self.jobs_conn.send(("save", job))
         except OSError as e:
             with self.cond:
                 if job_id in self.inflight:
                     err = WorkerDied(f"could not hand step {step} to the worker: {e}")
                     self._fail(job_id, err)
+        except BaseException as e:
+            # Interrupted (Ctrl-C), or no worker came up. Unsent, the job must not stay in
+            # flight: close() and a SIGTERM's drain would wait for it forever. (Interrupted
+            # mid-send, the worker is being replaced and its death settles the job.)
+            handle._observed = True  # the caller sees this very exception instead
+            if not sending:
+                with self.cond:
+                    if job_id in self.inflight:
+                        self._fail(
+                            job_id,
+                            SaveFailed(
+                                f"step {step} was not handed to the worker ({e!r}); "
+                                "nothing was written"
+                            ),
+                        )
+            raise
+        finally:
+            # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
+            self._run_deferred_sigterm()
         return handle
 
+    @contextlib.contextmanager
+    def _handing_off(self) -> Iterator[None]:
+        """Mark the hand-off of a staged save: a SIGTERM on this thread waits until it ends."""
+        outer = self._handoff_thread
+        self._handoff_thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._handoff_thread = outer
+
+    def _run_deferred_sigterm(self) -> None:
+        deferred, handler = self._deferred_sigterm, self._sigterm_handler
+        if deferred is not None and self._handoff_thread is None:
+            self._deferred_sigterm = None
+            if handler is not None:
+                handler(*deferred)
+            else:  # uninstalled meanwhile: to whatever handles it now
+                signal.raise_signal(deferred[0])
+
+    @contextlib.contextmanager
+    def _sending(self) -> Iterator[None]:
+        """Messages to the worker: one interrupted part-way would leave half a message in the
+        pipe, and the worker could never read past it. Replace the worker then."""
+        try:
+            yield
+        except OSError:
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.proc.kill()
+            raise
+
     def _send_arenas(self, slot: StagingSlot) -> None:
+        # The worker first drops the arenas of this slot's old layout (both processes must
+        # let go of them for the shared memory to be freed), then maps the new ones.
+        for aid in slot.take_retired():
+            if aid in self.arenas_sent:
+                self.jobs_conn.send(("drop", aid))
+                self.arenas_sent.discard(aid)
         for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
             if aid not in self.arenas_sent:
                 self.jobs_conn.send(("arena", aid, arena))
@@ -702,8 +905,13 @@ class _Core:
         for i in free:
             self.slots[i].ensure(flat.tensors, pin)
             if self.started:
-                self._wait_ready()
-                self._send_arenas(self.slots[i])
+                try:
+                    with self._handing_off():
+                        self._wait_ready()
+                        with self._sending():
+                            self._send_arenas(self.slots[i])
+                finally:
+                    self._run_deferred_sigterm()
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
@@ -937,6 +1145,12 @@ class _Core:
         prev = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            if self._handoff_thread == threading.get_ident():
+                # This thread was handing a staged save to the worker (possibly waiting for a
+                # restarted one): draining here would wait for that very save. Run once the
+                # hand-off is over (bounded by WORKER_START_TIMEOUT).
+                self._deferred_sigterm = (signum, frame)
+                return
             # A preemption notice: never throw away staged data. Drain, ask the loop for one
             # final save, then behave as SIGTERM would have without us.
             log.warning("SIGTERM: waiting for %d staged save(s) to commit", len(self.inflight))
@@ -954,12 +1168,14 @@ class _Core:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         self._prev_sigterm = prev
+        self._sigterm_handler = on_sigterm
         signal.signal(signal.SIGTERM, on_sigterm)
 
     def uninstall_sigterm(self) -> None:
         if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._prev_sigterm)
             self._prev_sigterm = None
+            self._sigterm_handler = None
 
 
 @contextlib.contextmanager
@@ -1064,6 +1280,11 @@ class CheckpointEngine:
     that without an initialised group; ``dist_timeout`` bounds how long workers wait for each
     other per save; ``storage`` (``"shared"``, or ``"local"`` for node-local disks) picks the
     rank(s) that prune.
+
+    Steps go forward: a save of a step lower than the newest committed or in-flight one is
+    refused, since the tracker would name an older checkpoint than the newest on disk.
+    ``allow_older_steps=True`` writes and commits it anyway, and the tracker keeps naming the
+    newest step (it never moves backwards).
     """
 
     def __init__(
@@ -1091,6 +1312,7 @@ class CheckpointEngine:
         dist_timeout: float = 600.0,
         storage: str = "shared",
         legacy_ranks: Any = None,
+        allow_older_steps: bool = False,
     ) -> None:
         self._core = _Core(
             root,
@@ -1116,6 +1338,7 @@ class CheckpointEngine:
                 dist_timeout=dist_timeout,
                 storage=storage,
                 legacy_ranks=legacy_ranks,
+                allow_older_steps=allow_older_steps,
             ),
         )
 

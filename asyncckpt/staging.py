@@ -235,6 +235,9 @@ class StagingSlot:
         self.dst_bytes: list[Any] = []  # each view's bytes as a numpy array, for CPU copies
         self.pinned = False
         self.nbytes = 0
+        # Ids of arenas released since the engine last looked: the worker still maps them
+        # until it is told to drop them (engine._send_arenas), or the memory is never freed.
+        self.retired: list[int] = []
 
     def ensure(self, tensors: dict[str, torch.Tensor], pin: bool, key: tuple | None = None) -> bool:
         """Allocate arenas for this layout unless they exist; True if newly allocated."""
@@ -258,12 +261,18 @@ class StagingSlot:
         return True
 
     def release(self) -> None:
+        self.retired.extend(self.arena_ids)
         if self.pinned:
             for a in self.arenas:
                 unpin_arena(a)
         self.arenas, self.views, self.specs, self.arena_ids = [], [], [], []
         self.dst_bytes = []
         self.key, self.pinned, self.nbytes = None, False, 0
+
+    def take_retired(self) -> list[int]:
+        """The ids of arenas released since the last call (for the worker to drop)."""
+        retired, self.retired = self.retired, []
+        return retired
 
     def copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy every tensor into its view; returns once the copies have completed.

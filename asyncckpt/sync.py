@@ -25,8 +25,12 @@ class SyncCheckpointEngine(CheckpointEngine):
 
     def close(self) -> None:
         """Wait for every staged save to commit, then stop the worker."""
-        self._core.uninstall_sigterm()
-        self._core.stop()
+        try:
+            # Our SIGTERM handler stays on while draining: a preemption notice now still waits
+            # for the staged saves (bounded), instead of killing the process mid-write.
+            self._core.stop()
+        finally:
+            self._core.uninstall_sigterm()
 
     def save(  # type: ignore[override]
         self, step: int, state: Any, metrics: Mapping[str, float] | None = None

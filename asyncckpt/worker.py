@@ -349,7 +349,8 @@ class Worker:
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
-        extra = {"world_size": self.config.dist.world_size}
+        # The run's token (shared by every rank) names this commit for the other ranks' engines.
+        extra = {"world_size": self.config.dist.world_size, "dist_token": self.config.dist.token}
         try:
             stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
         except BaseException as e:  # noqa: BLE001 - broadcast to every rank
@@ -379,7 +380,9 @@ class Worker:
             metrics=job.metrics,
             run_id=self.config.run_id,
             known_crcs=known_crcs,
-            extra={"paths": paths, **extra},
+            # Which job wrote it: a trainer whose worker died after the rename can tell its
+            # own commit from an older one (engine._committed_on_disk).
+            extra={"paths": paths, "job_id": job.job_id, "attempt": job.attempt, **extra},
         )
         write_manifest(tmp, manifest)
         rename_into_place(tmp, final)
