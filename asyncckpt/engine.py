@@ -601,8 +601,9 @@ class _Core:
             self.worker_ready.set()
             return
         # Before failing the handles: a save made as soon as one fails must wait for the new
-        # worker, not write into the dead one's pipe.
+        # worker, not write into the dead one's pipe, and must see the death counted.
         self.worker_ready.clear()
+        self.restarts += 1
         finished = []
         with self.cond:
             for job_id, job in list(self.inflight.items()):
@@ -625,7 +626,6 @@ class _Core:
             job.handle._finish()
         if reason is None:
             log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
-        self.restarts += 1
         self._spawn_worker()
 
     def _check_timeouts(self) -> None:

@@ -234,9 +234,19 @@ def test_a_worker_killed_after_the_rename_reports_the_commit(tmp_path):
 
 def test_a_worker_killed_before_the_rename_fails_and_the_step_can_be_saved_again(tmp_path):
     with SyncCheckpointEngine(tmp_path) as engine:
+        core = engine._core
+        fail, restarts_seen = core._fail, []
+
+        def recording_fail(job_id, err):  # what a caller woken by this failure would read
+            restarts_seen.append(core.restarts)
+            fail(job_id, err)
+
+        core._fail = recording_fail
         faults.inject("before_rename", "kill")
         with pytest.raises(WorkerDied, match="nothing was committed"):
             engine.save(1, state_at(1)).committed_sync(120)
+        # The death is counted before any handle fails (torture trials read the count then).
+        assert restarts_seen == [1]
         assert committed(tmp_path) == [] and L.read_tracker(tmp_path) is None
         engine.save(1, state_at(1)).committed_sync(120)
         assert L.read_tracker(tmp_path) == 1
