@@ -216,6 +216,30 @@ def test_old_manifests_show_dashes(tmp_path, capsys):
     assert run(capsys, "verify", str(root))[0] == 0
 
 
+def test_engine_checkpoint_without_figures_loads(engine_root, tmp_path, capsys):
+    """An engine-written checkpoint whose manifest predates the figures: load, verify, stats."""
+    import shutil
+
+    import torch
+
+    from asyncckpt import SyncCheckpointEngine
+
+    src, reported = engine_root
+    root = tmp_path / "old-engine"
+    name = L.dir_name("global_step", STEPS[-1])
+    shutil.copytree(src / name, root / name)
+    m = json.loads((root / name / L.MANIFEST).read_text())
+    del m["stats"]
+    (root / name / L.MANIFEST).write_text(json.dumps(m))
+    target = {"w": torch.zeros(256, 256), "b": torch.zeros(256)}
+    assert SyncCheckpointEngine(root).load(target, step=STEPS[-1]) == STEPS[-1]
+    assert target["w"].abs().sum() > 0
+    assert verify(root).ok
+    (r,) = read_stats(root)
+    assert r.bytes == reported[STEPS[-1]].bytes and not r.has_figures
+    assert run(capsys, "stats", str(root))[0] == 0
+
+
 def test_mixed_and_unreadable_manifests(engine_root, tmp_path, capsys):
     """Old next to new, a junk figure and an unreadable manifest: each shown, none fatal."""
     import shutil
