@@ -1,4 +1,4 @@
-"""``python -m asyncckpt ls | verify | prune ROOT``: inspect, check and prune any root the engine wrote.
+"""``python -m asyncckpt ls | verify | prune | stats ROOT``: inspect, check and prune any root the engine wrote.
 
 Each subcommand is one function decorated with ``@subcommand``: it adds its parser and sets
 ``func`` (``(args, console) -> exit code``). Exit codes: 0 ok, 1 error, 2 bad usage.
@@ -383,6 +383,90 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
         f"BAD: {bad} of {len(report.checkpoints)} checkpoint(s) failed{newest}", style="red"
     )
     return 1
+
+
+@subcommand
+def _add_stats(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="per-save figures recorded in the manifests: stall, write time, throughput, size",
+        description="Show the figures each save recorded in its manifest: how long training "
+        "was blocked (stall = stage + wait + alloc), how long the background write took, its "
+        "throughput, the time its writes were paused, and the size; then the median and p90 "
+        "stall, median throughput and total size. Checkpoints written before asyncckpt "
+        "recorded figures show '-'. --plot writes a PNG (needs matplotlib: the bench extra).",
+    )
+    _add_root(p)
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="also write a plot of stall and write time vs step, and throughput, to this file",
+    )
+    p.set_defaults(func=_run_stats)
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{_human(int(x))}/s"
+
+
+def _run_stats(args: argparse.Namespace, console: Console) -> int:
+    from asyncckpt.stats import plot_stats, read_stats, summarize
+
+    layout = _layout(args)
+    records = read_stats(args.root, layout)
+    if not records:
+        raise _Failure(_no_checkpoints(args.root, layout))
+    summary = summarize(records)
+    plotted = None
+    if args.plot:
+        try:
+            plotted = plot_stats(records, args.plot, title=f"{args.root} ({layout})")
+        except ImportError as e:
+            raise _Failure(f"--plot: {e}") from e
+        except ValueError as e:
+            raise _Failure(f"--plot: {args.root}: {e}") from e
+    if args.json:
+        out = {
+            "root": str(args.root),
+            "layout": layout,
+            "checkpoints": [r.as_dict() for r in records],
+            "summary": summary,
+            "plot": None if plotted is None else str(plotted),
+        }
+        console.print_json(json.dumps(out))
+        return 0
+    rows = [
+        (
+            str(r.step),
+            "-" if r.committed_at is None else _when(r.committed_at),
+            "-" if r.bytes is None else _human(r.bytes),
+            _seconds(r.blocked_seconds),
+            _seconds(r.write_seconds),
+            _rate(r.throughput_bytes_per_s),
+            _seconds(r.paused_seconds),
+        )
+        for r in records
+    ]
+    cols = ("step", "committed", "size", "stall", "write", "throughput", "paused")
+    console.print(_table(f"{args.root} ({layout})", rows, cols))
+    for r in records:
+        if r.error:
+            console.print(f"step {r.step}: {r.error}", style="yellow")
+    s = summary
+    console.print(
+        f"{s['checkpoints']} checkpoint(s), {s['with_figures']} with figures;  "
+        f"median stall {_seconds(s['median_stall_seconds'])}  "
+        f"p90 stall {_seconds(s['p90_stall_seconds'])}  "
+        f"median throughput {_rate(s['median_throughput_bytes_per_s'])}  "
+        f"total {_human(s['total_bytes'])}"
+    )
+    if plotted is not None:
+        console.print(f"plot written to {plotted}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

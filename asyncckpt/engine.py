@@ -548,6 +548,7 @@ class _Core:
         return None
 
     def _report(self, stats: SaveStats) -> None:
+        # On the reader thread (see CheckpointEngine's docstring on on_commit).
         log.info(
             "step %d committed: blocked %.3fs (stage %.3fs, wait %.3fs), write %.2fs, %.1f MB/s",
             stats.step,
@@ -810,6 +811,13 @@ class _Core:
                 prune=prune,
                 extra=flat.extra,
                 attempt=self.attempts.get(step, 0),
+                # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
+                figures={
+                    "stage_seconds": stats.stage_seconds,
+                    "wait_seconds": stats.wait_seconds,
+                    "alloc_seconds": stats.alloc_seconds,
+                    "staged_bytes": stats.staged_bytes,
+                },
             )
             self.attempts[step] = job.attempt + 1
             self.slot_owner[slot_idx] = job_id
@@ -1285,6 +1293,14 @@ class CheckpointEngine:
     refused, since the tracker would name an older checkpoint than the newest on disk.
     ``allow_older_steps=True`` writes and commits it anyway, and the tracker keeps naming the
     newest step (it never moves backwards).
+
+    ``on_commit(stats: SaveStats)`` is called once per committed save, before its handle
+    completes, on the engine's reader thread (``asyncckpt-reader``), never on the training
+    thread or the event loop: keep it quick (while it runs, no other event of the worker is
+    handled: later commits wait, and so do the handles awaiting them) and thread-safe. An
+    exception it raises is logged (logger ``asyncckpt``) and dropped; the save stays committed.
+    ``asyncckpt.tensorboard.TensorBoardLogger(log_dir)`` is a ready one. Every manifest also
+    records the figures (``python -m asyncckpt stats ROOT``).
     """
 
     def __init__(

@@ -73,8 +73,21 @@ def build_manifest(
     run_id: str,
     known_crcs: dict[str, tuple[int, int]] | None = None,
     extra: dict[str, Any] | None = None,
+    figures: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Checksum every file under ``directory``; reuse crcs computed while writing."""
+    """Checksum every file under ``directory``; reuse crcs computed while writing.
+
+    ``figures`` (the save's ``SaveStats`` fields known by now: the trainer's stage, wait and
+    alloc seconds and staged bytes, the worker's write and paused seconds) are recorded as
+    ``manifest["stats"]``, with ``blocked_seconds`` (stage + wait + alloc),
+    ``throughput_bytes_per_s`` (bytes / write seconds) and ``manifest_seconds`` (this
+    checksum pass) added. ``bytes`` and ``committed_at`` stay top-level fields. The rest of the
+    commit (writing this manifest, the rename, the tracker) happens after the manifest is
+    written, so ``SaveStats.commit_seconds`` is not in it: ``manifest_seconds`` is the part of
+    it known here. Manifests written before these figures have no ``stats``; readers
+    (``asyncckpt.stats.read_stats``) show them as missing.
+    """
+    t0 = time.perf_counter()
     known_crcs = known_crcs or {}
     files: dict[str, dict[str, int]] = {}
     for p in sorted(directory.rglob("*")):
@@ -100,7 +113,20 @@ def build_manifest(
     }
     if extra:
         manifest.update(extra)
+    if figures is not None:
+        manifest["stats"] = _figures(figures, manifest["bytes"], time.perf_counter() - t0)
     return manifest
+
+
+def _figures(figures: dict[str, float], nbytes: int, manifest_seconds: float) -> dict[str, Any]:
+    stats: dict[str, Any] = dict(figures)
+    stats["blocked_seconds"] = sum(
+        float(figures.get(k, 0.0)) for k in ("stage_seconds", "wait_seconds", "alloc_seconds")
+    )
+    write = float(figures.get("write_seconds", 0.0))
+    stats["throughput_bytes_per_s"] = nbytes / write if write > 0 else 0.0
+    stats["manifest_seconds"] = manifest_seconds
+    return stats
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

@@ -1,8 +1,17 @@
-"""The figures every save reports, for users' own overhead dashboards."""
+"""The figures every save reports, for users' own overhead dashboards.
+
+``SaveStats`` is what ``handle.stats`` and ``on_commit`` get; every manifest records the same
+figures, which ``read_stats`` / ``summarize`` / ``plot_stats`` read back (``python -m asyncckpt
+stats ROOT``)."""
 
 from __future__ import annotations
 
+import math
+import os
+import statistics
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -43,3 +52,190 @@ class SaveStats:
         d["blocked_seconds"] = self.blocked_seconds
         d["throughput_bytes_per_s"] = self.throughput_bytes_per_s
         return d
+
+
+# ------------------------------------------------------------------ figures read back from disk
+# Every committed checkpoint's manifest records its save's figures (manifest.build_manifest:
+# ``manifest["stats"]``, plus the top-level ``bytes`` and ``committed_at``). These read them
+# back for ``python -m asyncckpt stats``; nothing here imports torch or matplotlib up front.
+
+#: The seconds-valued figures a manifest's ``stats`` holds.
+SECONDS = (
+    "blocked_seconds",
+    "stage_seconds",
+    "wait_seconds",
+    "alloc_seconds",
+    "write_seconds",
+    "paused_seconds",
+    "manifest_seconds",
+)
+
+
+@dataclass
+class RecordedStats:
+    """One checkpoint's figures as its manifest records them; None where it has none.
+
+    Manifests written before the figures were recorded have ``bytes`` and ``committed_at``
+    only. ``manifest_seconds`` is the part of ``SaveStats.commit_seconds`` known when the
+    manifest was written (its checksum pass; the rename and the tracker come after).
+    """
+
+    step: int
+    path: Path
+    committed_at: float | None = None
+    bytes: int | None = None
+    staged_bytes: int | None = None
+    blocked_seconds: float | None = None
+    stage_seconds: float | None = None
+    wait_seconds: float | None = None
+    alloc_seconds: float | None = None
+    write_seconds: float | None = None
+    paused_seconds: float | None = None
+    manifest_seconds: float | None = None
+    throughput_bytes_per_s: float | None = None
+    #: why the manifest could not be read (the checkpoint is listed all the same)
+    error: str | None = None
+
+    @property
+    def has_figures(self) -> bool:
+        return any(getattr(self, k) is not None for k in SECONDS)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+
+def _number(value: Any) -> float | None:
+    """A finite number, or None (a missing, hand-edited or newer-version field)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _count(value: Any) -> int | None:
+    n = _number(value)
+    return int(n) if n is not None and n >= 0 else None
+
+
+def record_from_manifest(step: int, path: Path, manifest: Mapping[str, Any]) -> RecordedStats:
+    """The figures of one parsed manifest (any missing or malformed field is None)."""
+    raw = manifest.get("stats")
+    fig: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    r = RecordedStats(
+        step,
+        path,
+        committed_at=_number(manifest.get("committed_at")),
+        bytes=_count(manifest.get("bytes")),
+        staged_bytes=_count(fig.get("staged_bytes")),
+        throughput_bytes_per_s=_number(fig.get("throughput_bytes_per_s")),
+    )
+    for k in SECONDS:
+        setattr(r, k, _number(fig.get(k)))
+    if r.blocked_seconds is None and r.stage_seconds is not None and r.wait_seconds is not None:
+        r.blocked_seconds = r.stage_seconds + r.wait_seconds + (r.alloc_seconds or 0.0)
+    if r.throughput_bytes_per_s is None and r.bytes is not None and r.write_seconds:
+        r.throughput_bytes_per_s = r.bytes / r.write_seconds
+    return r
+
+
+def read_stats(root: str | os.PathLike, layout: str | None = None) -> list[RecordedStats]:
+    """The recorded figures of every committed checkpoint of ``root``, oldest first.
+
+    ``layout`` is detected from the directory names when None. A checkpoint whose manifest is
+    unreadable is listed with ``error`` set and no figures.
+    """
+    from . import layout as _layout
+    from .errors import CheckpointError
+    from .manifest import read_manifest
+    from .paths import check_local_root
+    from .prune import detect_layout
+
+    root = check_local_root(root)
+    layout = layout or detect_layout(root)
+    records = []
+    for c in _layout.scan(root, layout):
+        try:
+            manifest = read_manifest(c.path)
+        except (CheckpointError, OSError) as e:
+            records.append(RecordedStats(c.step, Path(c.path), error=str(e)))
+            continue
+        if not isinstance(manifest, Mapping):
+            records.append(RecordedStats(c.step, Path(c.path), error="manifest is not an object"))
+            continue
+        records.append(record_from_manifest(c.step, Path(c.path), manifest))
+    return records
+
+
+def _percentile(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summarize(records: list[RecordedStats]) -> dict[str, Any]:
+    """Median and p90 stall, median throughput, total bytes (None where no figure is known)."""
+    stalls = [r.blocked_seconds for r in records if r.blocked_seconds is not None]
+    writes = [r.write_seconds for r in records if r.write_seconds is not None]
+    rates = [r.throughput_bytes_per_s for r in records if r.throughput_bytes_per_s is not None]
+    return {
+        "checkpoints": len(records),
+        "with_figures": sum(r.has_figures for r in records),
+        "median_stall_seconds": statistics.median(stalls) if stalls else None,
+        "p90_stall_seconds": _percentile(stalls, 90),
+        "max_stall_seconds": max(stalls) if stalls else None,
+        "median_write_seconds": statistics.median(writes) if writes else None,
+        "median_throughput_bytes_per_s": statistics.median(rates) if rates else None,
+        "total_bytes": sum(r.bytes for r in records if r.bytes is not None),
+    }
+
+
+def plot_stats(
+    records: list[RecordedStats], path: str | os.PathLike, title: str | None = None
+) -> Path:
+    """Write a PNG: stall and write seconds vs step (top), throughput vs step (bottom).
+
+    Needs matplotlib (the ``bench`` extra); raises ``ImportError`` saying so without it, and
+    ``ValueError`` if no checkpoint records any figure.
+    """
+    shown = [r for r in records if r.has_figures]
+    if not shown:
+        raise ValueError(
+            "no checkpoint records save figures (manifests written before asyncckpt recorded "
+            "them have none); nothing to plot"
+        )
+    try:
+        # The object API with the Agg canvas: no pyplot, no global backend switched.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise ImportError(
+            "plotting needs matplotlib: pip install 'asyncckpt[bench]' (or matplotlib)"
+        ) from e
+    fig = Figure(figsize=(8, 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+
+    def series(name: str) -> tuple[list[int], list[float]]:
+        pts = [(r.step, getattr(r, name)) for r in shown if getattr(r, name) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    top.plot(*series("blocked_seconds"), marker="o", label="stall (training blocked)")
+    top.plot(*series("write_seconds"), marker="s", label="write (background)")
+    top.set_ylabel("seconds")
+    top.legend()
+    top.grid(alpha=0.3)
+    steps, rates = series("throughput_bytes_per_s")
+    bottom.plot(steps, [v / 1e6 for v in rates], marker="o", color="tab:green")
+    bottom.set_ylabel("write throughput (MB/s)")
+    bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.grid(alpha=0.3)
+    if title:
+        top.set_title(title)
+    out = Path(path)
+    fig.savefig(out, format="png", dpi=100)
+    return out

@@ -56,6 +56,9 @@ class SaveJob:
     prune: Any = None  # a prune request, run after the commit
     extra: Any = None  # the format's part of the job (formats.staged.Prepared.extra)
     attempt: int = 0  # how many earlier jobs this engine sent for the same step
+    # The trainer's side of the save's figures (SaveStats: stage/wait/alloc seconds, staged
+    # bytes), recorded in the manifest with the worker's own (manifest.build_manifest).
+    figures: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,11 @@ class Worker:
             # Which job wrote it: a trainer whose worker died after the rename can tell its
             # own commit from an older one (engine._committed_on_disk).
             extra={"paths": paths, "job_id": job.job_id, "attempt": job.attempt, **extra},
+            figures={
+                **job.figures,
+                "write_seconds": t_written - t0,
+                "paused_seconds": self._paused_seconds(),
+            },
         )
         write_manifest(tmp, manifest)
         rename_into_place(tmp, final)
