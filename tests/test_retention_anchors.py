@@ -180,3 +180,49 @@ def test_readme_retention_snippet_runs(tmp_path):
             [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
         )
         assert r.returncode == 0, r.stderr
+
+
+# -- prune's flags for the new options -----------------------------------------------------------
+
+
+def _fake_root(root: Path, losses: dict[int, float]) -> Path:
+    import json
+    import zlib
+
+    from asyncckpt import layout as L
+
+    for step, loss in losses.items():
+        d = root / L.dir_name("global_step", step)
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x" * 64)
+        manifest = {
+            "step": step,
+            "committed_at": 1_700_000_000.0 + step,
+            "metrics": {"loss": loss},
+            "bytes": 64,
+            "files": {"__0_0.distcp": {"size": 64, "crc32": zlib.crc32(b"x" * 64)}},
+            "run_id": "run-a",
+        }
+        (d / L.MANIFEST).write_text(json.dumps(manifest))
+    (root / L.TRACKER).write_text(f"{max(losses)}\n")
+    return root
+
+
+def test_prune_cli_not_exact_and_ties(tmp_path, capsys):
+    import json
+
+    from asyncckpt.cli import main
+
+    root = _fake_root(tmp_path / "r", {95: 1.0, 203: 2.0, 298: 0.5, 350: 0.5, 405: 3.0, 512: 4.0})
+    argv = ["prune", str(root), "--keep-every", "100", "--not-exact", "--keep-best", "1"]
+    argv += ["--metric", "loss", "--ties", "older", "--json", "--dry-run"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    # KeepEvery(100, exact=False): 95, 203, 350 (147 after 203), 512 (162 after 350); 298 and
+    # 350 tie on loss, the older (298) wins.
+    assert data["deleted"] == [405]
+    assert data["kept"]["298"] == ["KeepBest(1, 'loss', ties='older')"]
+    assert data["kept"]["350"] == ["KeepEvery(100, exact=False)"]
+    for bad in (["--not-exact", "--keep-last", "1"], ["--ties", "older", "--keep-last", "1"]):
+        assert main(["prune", str(root), *bad]) == 2
+        assert "only used with" in capsys.readouterr().err
