@@ -220,8 +220,27 @@ def _add_prune(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-best", type=int, metavar="N")
     p.add_argument("--metric", help="metric for --keep-best")
     p.add_argument("--mode", choices=("min", "max"), default="min")
+    p.add_argument(
+        "--ties",
+        choices=("newer", "older"),
+        default=None,
+        help="which of equally good checkpoints --keep-best keeps (default newer; older is "
+        "Lightning's save_top_k)",
+    )
     p.add_argument("--keep-every", type=int, metavar="K", help="keep steps divisible by K")
-    p.add_argument("--keep-interval", type=float, metavar="SECONDS")
+    p.add_argument(
+        "--not-exact",
+        action="store_true",
+        help="with --keep-every K: keep the oldest, then each checkpoint at least K steps after "
+        "the last kept one (Orbax's EveryNSteps(exact_interval=False)), for irregular steps",
+    )
+    p.add_argument(
+        "--keep-interval",
+        type=float,
+        metavar="SECONDS",
+        help="keep the oldest, then each checkpoint committed at least SECONDS after the last "
+        "kept one (Orbax's keep_time_interval)",
+    )
     p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
     p.add_argument(
         "--allow-tracker-lag",
@@ -249,11 +268,17 @@ def _policy(args: argparse.Namespace) -> RetentionPolicy:
         if args.keep_best is not None:
             if not args.metric:
                 raise _UsageError("--keep-best needs --metric")
-            parts.append(KeepBest(args.keep_best, args.metric, mode=args.mode))
+            parts.append(
+                KeepBest(args.keep_best, args.metric, mode=args.mode, ties=args.ties or "newer")
+            )
         elif args.metric:
             raise _UsageError("--metric is only used with --keep-best")
+        elif args.ties:
+            raise _UsageError("--ties is only used with --keep-best")
         if args.keep_every is not None:
-            parts.append(KeepEvery(args.keep_every))
+            parts.append(KeepEvery(args.keep_every, exact=not args.not_exact))
+        elif args.not_exact:
+            raise _UsageError("--not-exact is only used with --keep-every")
         if args.keep_interval is not None:
             parts.append(KeepInterval(args.keep_interval))
     except (ValueError, TypeError) as e:

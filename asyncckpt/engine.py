@@ -127,6 +127,10 @@ def _rebuild_error(info: dict[str, Any]) -> BaseException:
     return err
 
 
+#: How long the checkpoint a run resumed from is protected from pruning (``keep_resumed=``).
+KEEP_RESUMED = ("until_newer", "run")
+
+
 @dataclass
 class EngineOptions:
     layout: str = "global_step"
@@ -151,6 +155,7 @@ class EngineOptions:
     storage: str = "shared"  # "shared" or "local" (node-local disks): which rank(s) prune
     legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
     allow_older_steps: bool = False  # save a step below the newest (the tracker stays put)
+    keep_resumed: str = "until_newer"  # or "run": protect the resumed-from step all run long
 
 
 class _Core:
@@ -172,6 +177,10 @@ class _Core:
             )
         if opts.write_timeout is not None and opts.write_timeout <= 0:
             raise ValueError("write_timeout must be > 0 seconds")
+        if opts.keep_resumed not in KEEP_RESUMED:
+            raise ValueError(
+                f"keep_resumed must be one of {KEEP_RESUMED}, got {opts.keep_resumed!r}"
+            )
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
         # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
         self.write_pause = WritePause(tmp.get_context("spawn"))
@@ -479,7 +488,11 @@ class _Core:
         s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
         self._release(job)
         del self.inflight[job_id]
-        if self.resumed_from is not None and job.handle.step > self.resumed_from:
+        if (
+            self.resumed_from is not None
+            and job.handle.step > self.resumed_from
+            and self.opts.keep_resumed == "until_newer"
+        ):
             self.resumed_from = None  # a newer checkpoint now protects the run
         self.cond.notify_all()
 
@@ -790,7 +803,8 @@ class _Core:
                 # The commit of a newer step ends the protection of the resumed-from one.
                 resumed_from=(
                     self.resumed_from
-                    if self.resumed_from is not None and self.resumed_from >= step
+                    if self.resumed_from is not None
+                    and (self.resumed_from >= step or self.opts.keep_resumed == "run")
                     else None
                 ),
                 pinned=tuple(self.pinned),
@@ -1301,6 +1315,10 @@ class CheckpointEngine:
     exception it raises is logged (logger ``asyncckpt``) and dropped; the save stays committed.
     ``asyncckpt.tensorboard.TensorBoardLogger(log_dir)`` is a ready one. Every manifest also
     records the figures (``python -m asyncckpt stats ROOT``).
+
+    ``keep_resumed``: the checkpoint this engine loaded (resumed from) is never pruned until a
+    newer one commits (``"until_newer"``, default), or for as long as this engine runs
+    (``"run"``, Lightning's behaviour: the run's starting point survives ``keep=KeepLast(1)``).
     """
 
     def __init__(
@@ -1329,6 +1347,7 @@ class CheckpointEngine:
         storage: str = "shared",
         legacy_ranks: Any = None,
         allow_older_steps: bool = False,
+        keep_resumed: str = "until_newer",
     ) -> None:
         self._core = _Core(
             root,
@@ -1355,6 +1374,7 @@ class CheckpointEngine:
                 storage=storage,
                 legacy_ranks=legacy_ranks,
                 allow_older_steps=allow_older_steps,
+                keep_resumed=keep_resumed,
             ),
         )
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-LAYOUTS = ("global_step", "megatron")
+LAYOUTS = ("global_step", "megatron", "torchtitan")
 
 #: Megatron-LM's tracker; verl and RLinf read the same name for the global_step layout.
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -27,7 +27,15 @@ LOCK_NAME = ".asyncckpt.lock"
 _PATTERNS = {
     "global_step": re.compile(r"^global_step_(\d+)$"),
     "megatron": re.compile(r"^iter_(\d{7,})$"),
+    # torchtitan's CheckpointManager writes ``{folder}/step-{N}``; anchored here, so
+    # ``global_step_N`` is never read as one.
+    "torchtitan": re.compile(r"^step-(\d+)$"),
 }
+
+#: What torchtitan's ``CheckpointManager._find_load_step`` looks for: ``re.search`` of this in
+#: any entry of its folder holding a ``.metadata`` file. Unanchored, so no temporary or trash
+#: name may contain it (``tmp_name`` / ``trash_name`` make sure of that).
+TORCHTITAN_SEARCH = re.compile(r"step-(\d+)")
 
 
 def check_layout(layout: str) -> str:
@@ -37,9 +45,14 @@ def check_layout(layout: str) -> str:
 
 
 def dir_name(layout: str, step: int) -> str:
-    """The committed directory name of ``step``: ``global_step_N`` or ``iter_NNNNNNN``."""
+    """The committed directory name of ``step``: ``global_step_N``, ``iter_NNNNNNN`` or
+    ``step-N`` (torchtitan)."""
     check_layout(layout)
-    return f"global_step_{step}" if layout == "global_step" else f"iter_{step:07d}"
+    if layout == "global_step":
+        return f"global_step_{step}"
+    if layout == "torchtitan":
+        return f"step-{step}"
+    return f"iter_{step:07d}"
 
 
 def parse_dir_name(layout: str, name: str) -> int | None:
@@ -48,17 +61,31 @@ def parse_dir_name(layout: str, name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _unsearchable(name: str) -> str:
+    # A temporary holds DCP's ``.metadata`` before its rename, and a trash entry still holds
+    # it: torchtitan's unanchored ``step-(\d+)`` search must match neither, or it would pick a
+    # step that is not (or no longer) there. ``step-5`` -> ``step_5``; other layouts' names
+    # have no "-" and stay as they are.
+    return name.replace("-", "_")
+
+
 def tmp_name(layout: str, step: int, token: str) -> str:
-    """A temporary directory beside the final one; never matches ``parse_dir_name``."""
-    return f"{TMP_PREFIX}{dir_name(layout, step)}-{token}"
+    """A temporary directory beside the final one; never matches ``parse_dir_name`` (nor
+    torchtitan's search, for any layout)."""
+    return f"{TMP_PREFIX}{_unsearchable(dir_name(layout, step))}-{token}"
 
 
 def trash_name(name: str, token: str) -> str:
-    return f"{TRASH_PREFIX}{name}-{token}"
+    return f"{TRASH_PREFIX}{_unsearchable(name)}-{token}"
 
 
 def tracker_names(layout: str) -> tuple[str, ...]:
-    """Tracker files rewritten after each commit (the first is the one read back)."""
+    """Tracker files rewritten after each commit (the first is the one read back).
+
+    torchtitan reads no tracker (it picks the highest ``step-N`` holding ``.metadata``), but
+    the engine still writes Megatron's: it is how asyncckpt's own loader, ``ls`` and the
+    pruner know the newest commit, and torchtitan's scan ignores a file of that name.
+    """
     return (TRACKER, SKYRL_TRACKER) if check_layout(layout) == "global_step" else (TRACKER,)
 
 

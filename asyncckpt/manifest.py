@@ -237,7 +237,7 @@ class VerifyReport:
 def detect_layout(root: str | os.PathLike) -> str:
     """The layout whose names appear in ``root`` (global_step if none do)."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    for lay in ("megatron", "global_step"):
+    for lay in ("megatron", "torchtitan", "global_step"):
         if any(_layout.parse_dir_name(lay, n) is not None for n in names):
             return lay
     return "global_step"

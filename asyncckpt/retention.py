@@ -180,8 +180,10 @@ class KeepLast(RetentionPolicy):
 class KeepBest(RetentionPolicy):
     """The ``n`` best checkpoints by ``metric`` (lowest for ``mode="min"``, highest for "max").
 
-    NaN ranks worst (a diverged run must not pin its NaN checkpoint forever); ties go to the
-    newer step. ``missing`` says what happens to checkpoints that do not report the metric:
+    NaN ranks worst (a diverged run must not pin its NaN checkpoint forever). ``ties`` decides
+    which of equally good checkpoints wins the last place(s): ``"newer"`` (default; also what
+    Orbax's ``BestN`` does) or ``"older"`` (Lightning's ``ModelCheckpoint``, which replaces a
+    top-k checkpoint only with a strictly better one). ``missing`` says what happens to checkpoints that do not report the metric:
     ``"drop"`` (default) -- this policy does not keep them (other policies still may);
     ``"keep"`` -- this policy keeps all of them, on top of the ``n`` best, which is the safe
     choice when the metric is only computed on some saves.
@@ -191,6 +193,7 @@ class KeepBest(RetentionPolicy):
     metric: str
     mode: str = "min"
     missing: str = "drop"
+    ties: str = "newer"
 
     def __post_init__(self) -> None:
         _check_count("KeepBest n", self.n)
@@ -200,12 +203,15 @@ class KeepBest(RetentionPolicy):
             raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
         if self.missing not in ("drop", "keep"):
             raise ValueError(f"KeepBest missing must be 'drop' or 'keep', got {self.missing!r}")
+        if self.ties not in ("newer", "older"):
+            raise ValueError(f"KeepBest ties must be 'newer' or 'older', got {self.ties!r}")
 
     def _rank_key(self, c: CheckpointInfo) -> tuple[bool, float, int]:
         value = float(c.metrics[self.metric])
+        tie = -c.step if self.ties == "newer" else c.step
         if math.isnan(value):
-            return (True, 0.0, -c.step)
-        return (False, value if self.mode == "min" else -value, -c.step)
+            return (True, 0.0, tie)
+        return (False, value if self.mode == "min" else -value, tie)
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         by_step = {c.step: c for c in sorted(checkpoints, key=lambda c: c.step)}
@@ -226,32 +232,63 @@ class KeepBest(RetentionPolicy):
     def __repr__(self) -> str:
         extra = "" if self.mode == "min" else f", mode={self.mode!r}"
         extra += "" if self.missing == "drop" else f", missing={self.missing!r}"
+        extra += "" if self.ties == "newer" else f", ties={self.ties!r}"
         return f"KeepBest({self.n}, {self.metric!r}{extra})"
 
 
 @dataclass(frozen=True, repr=False)
 class KeepEvery(RetentionPolicy):
-    """Permanent milestones: every step divisible by ``steps`` (kept as long as it exists)."""
+    """Permanent milestones, ``steps`` apart (kept as long as they exist).
+
+    ``exact=True`` (default; Orbax's ``EveryNSteps(exact_interval=True)``, Orbax's old
+    ``keep_period``): every step divisible by ``steps``. For saves that land on round steps.
+
+    ``exact=False`` (Orbax's ``EveryNSteps(exact_interval=False)``), for step-irregular saving:
+    walking the checkpoints in step order, keep the first one, then each one at least ``steps``
+    steps after the last one kept. With ``steps=100`` and saves at 95, 203, 298, 405 it keeps
+    95, 203 (108 after 95) and 405 (202 after 203), not 298 (95 after 203). Milestones are
+    spaced from the last kept one, not aligned to multiples of ``steps``, so they can drift
+    (saves at 0, 150, 260, 300, 410 keep 0, 150, 260, 410). Deleting checkpoints this policy
+    does not keep never changes its answer; deleting one it keeps (by hand, or by another
+    policy through ``asyncckpt prune``) re-spaces the later ones.
+    """
 
     steps: int
+    exact: bool = True
 
     def __post_init__(self) -> None:
         _check_count("KeepEvery steps", self.steps, minimum=1)
+        if not isinstance(self.exact, bool):
+            raise TypeError(f"KeepEvery exact must be a bool, got {self.exact!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        return {c.step for c in checkpoints if c.step % self.steps == 0}
+        if self.exact:
+            return {c.step for c in checkpoints if c.step % self.steps == 0}
+        out: set[int] = set()
+        last: int | None = None
+        for step in sorted({c.step for c in checkpoints}):
+            if last is None or step - last >= self.steps:
+                out.add(step)
+                last = step
+        return out
 
     def __repr__(self) -> str:
-        return f"KeepEvery({self.steps})"
+        return f"KeepEvery({self.steps})" if self.exact else f"KeepEvery({self.steps}, exact=False)"
 
 
 @dataclass(frozen=True, repr=False)
 class KeepInterval(RetentionPolicy):
-    """One checkpoint per wall-clock window of ``seconds``: the first committed in each window.
+    """Checkpoints at least ``seconds`` apart in commit time (Orbax's ``keep_time_interval``,
+    ``EveryNSeconds``).
 
-    Windows are aligned to the Unix epoch (``floor(committed_at / seconds)``), not to the oldest
-    checkpoint, so deleting old checkpoints never shifts the windows and the answer is stable:
-    a checkpoint kept once is kept at every later prune.
+    Walking the checkpoints from the oldest commit to the newest (``committed_at``, then step),
+    the first is kept, then each one committed at least ``seconds`` after the last one kept.
+    Deleting checkpoints this policy does not keep never changes its answer, so a checkpoint
+    kept once is kept at every later prune (as long as the ones it kept before are still there).
+
+    Differences from Orbax that stay: Orbax walks in step order, this walks in commit order
+    (the same unless an older step was committed later, ``allow_older_steps``); Orbax's times
+    are its step directories' commit timestamps, these are the manifests' ``committed_at``.
     """
 
     seconds: float
@@ -264,13 +301,13 @@ class KeepInterval(RetentionPolicy):
             raise ValueError(f"KeepInterval seconds must be finite and > 0, got {s!r}")
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        first: dict[float, tuple[float, int]] = {}
-        for c in checkpoints:
-            window = math.floor(c.committed_at / self.seconds)
-            cand = (c.committed_at, c.step)
-            if window not in first or cand < first[window]:
-                first[window] = cand
-        return {step for _, step in first.values()}
+        out: set[int] = set()
+        last: float | None = None
+        for c in sorted(checkpoints, key=lambda c: (c.committed_at, c.step)):
+            if last is None or c.committed_at - last >= self.seconds:
+                out.add(c.step)
+                last = c.committed_at
+        return out
 
     def __repr__(self) -> str:
         return f"KeepInterval({self.seconds!r})"

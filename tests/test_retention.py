@@ -152,18 +152,6 @@ def test_keep_every_interval_steps_all():
     assert KeepLast(0).keep(cps) == set()
 
 
-@given(checkpoint_lists(), st.floats(0.5, 5000))
-def test_keep_interval_one_per_window_the_first(cps, seconds):
-    kept = KeepInterval(seconds).keep(cps)
-    windows: dict[int, list[CheckpointInfo]] = {}
-    for c in cps:
-        windows.setdefault(math.floor(c.committed_at / seconds), []).append(c)
-    assert len(kept) == len(windows)
-    for members in windows.values():
-        first = min(members, key=lambda c: (c.committed_at, c.step))
-        assert first.step in kept
-
-
 @pytest.mark.parametrize(
     "make, exc",
     [
