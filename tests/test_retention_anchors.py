@@ -5,9 +5,6 @@ checkpoint a run resumed from; plus the README's retention snippet."""
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -165,21 +162,6 @@ def test_keep_resumed_rejects_unknown_values(tmp_path):
 
     with pytest.raises(ValueError, match="keep_resumed"):
         CheckpointEngine(tmp_path, keep_resumed="forever")
-
-
-# -- the README section's snippet ----------------------------------------------------------------
-
-
-def test_readme_retention_snippet_runs(tmp_path):
-    doc = Path(__file__).parent.parent / "docs" / "readme-sections" / "retention.md"
-    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    assert blocks, "docs/readme-sections/retention.md has no ```python block"
-    for code in blocks:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-        r = subprocess.run(
-            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-        assert r.returncode == 0, r.stderr
 
 
 # -- prune's flags for the new options -----------------------------------------------------------
