@@ -93,6 +93,7 @@ class Recorder(transformers.TrainerCallback):
         self.steps_run: list[int] = []
         self.at_begin: tuple[int, dict, list] | None = None
         self.rng: dict[int, torch.Tensor] = {}
+        self.epochs: dict[int, float] = {}
         self.rng_at_begin: torch.Tensor | None = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
@@ -106,6 +107,7 @@ class Recorder(transformers.TrainerCallback):
         self.weights[state.global_step] = snapshot(model)
         self.moments[state.global_step] = exp_avg(optimizer)
         self.rng[state.global_step] = torch.get_rng_state()
+        self.epochs[state.global_step] = state.epoch
         if state.global_step == self.stop_at:
             control.should_training_stop = True
 
@@ -186,6 +188,9 @@ def test_save_crash_resume_continues_from_committed_step(tmp_path: Path) -> None
     assert torch.equal(run2.rng_at_begin, run1.rng[8])  # the RNG as it was at step 8
     assert run2.steps_run == [9, 10, 11, 12]  # continued, not restarted from 0
     assert t2.state.global_step == 12
+    # One batch per epoch: the epoch counter goes on from the resumed epoch, not from 0.
+    assert run2.epochs == {9: 9.0, 10: 10.0, 11: 11.0, 12: 12.0}
+    assert ref.epochs[12] == 12.0
     # Same optimizer moments, lr schedule and data: the resumed run lands where the
     # uninterrupted one did (up to float summation order within a shuffled batch).
     assert_same(run2.weights[12], ref.weights[12], rtol=1e-4, atol=1e-5)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 from collections.abc import Mapping
@@ -154,7 +155,9 @@ class AsyncCheckpointCallback(TrainerCallback):
     -- model, optimizer, lr scheduler, RNG, and the TrainerState's progress (``global_step``,
     ``epoch``, ``log_history``, ``best_metric``, ...) -- so training continues from that step up
     to ``max_steps``. ``resumed_step`` says which step (``None``: started fresh). The data loader
-    starts at the beginning of its epoch (as HF's ``ignore_data_skip=True``).
+    starts a new pass (as HF's ``ignore_data_skip=True``), counted as the next epoch. Resuming
+    at a step that already reaches ``max_steps`` raises ``CheckpointError`` (the Trainer would
+    run one more step before it checks).
 
     Extra keyword arguments go to :class:`asyncckpt.SyncCheckpointEngine` (``max_in_flight``,
     ``on_commit``, ``write_timeout``, ...). ``on_train_end`` waits for every save to commit and
@@ -190,6 +193,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self._last_saved: int | None = None
         self._eval_metrics: dict[str, float] = {}
         self._eval_step: int | None = None
+        self._epoch_offset = 0  # epochs done before a resume (the Trainer's loop restarts at 0)
 
     # -- engine lifetime -------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.engine = SyncCheckpointEngine(self.root, keep=keep, **self.engine_kwargs)
         self._pending = None
         self._last_saved = None
+        self._epoch_offset = 0
         if self.resume is not False:
             self.resumed_step = self._load(state, kwargs)
             if self.resumed_step is not None and state.global_step >= state.max_steps:
@@ -271,6 +276,10 @@ class AsyncCheckpointCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        # After a resume the Trainer counts epochs from 0 again (its epoch loop variable is not
+        # reachable from a callback); shift it so logs and saved states go on from the resumed
+        # epoch. The data loader restarted too, so the resumed run counts as a new epoch.
+        state.epoch = (state.epoch or 0.0) + self._epoch_offset
         self._trigger(args, state, control, kwargs)
 
     def on_epoch_end(
@@ -335,6 +344,7 @@ class AsyncCheckpointCallback(TrainerCallback):
         for name in _RESTORED_STATE_FIELDS:
             if name in saved:
                 setattr(state, name, saved[name])
+        self._epoch_offset = math.ceil(saved.get("epoch") or 0.0)
         _set_rng_state(target["rng"])
         # The saved step is protected by the engine until a newer one commits.
         return step
