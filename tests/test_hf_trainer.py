@@ -255,6 +255,29 @@ def test_best_checkpoint_survives_rotation_and_is_loaded_at_end(tmp_path: Path) 
     assert_same(snapshot(trainer.model), rec.weights[4])
 
 
+def test_follows_epoch_strategy_with_each_epochs_eval_metrics(tmp_path: Path) -> None:
+    ckpts = tmp_path / "ckpts"
+    cb = AsyncCheckpointCallback(ckpts)
+    transformers.Trainer(
+        model=tiny_model(0),
+        args=args(
+            tmp_path / "out",
+            max_steps=4,
+            save_strategy="epoch",
+            eval_strategy="epoch",
+            per_device_eval_batch_size=4,
+        ),
+        train_dataset=Rows(8, seed=1),  # 2 steps per epoch
+        eval_dataset=Rows(4, seed=2),
+        callbacks=[cb],
+    ).train()
+    assert [h.step for h in cb.handles] == [2, 4]
+    infos = SyncCheckpointEngine(ckpts).list_checkpoints()
+    assert [c.step for c in infos] == [2, 4]
+    assert all("eval_loss" in c.metrics for c in infos)  # saved after that epoch's evaluation
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
 def test_save_strategy_best_is_refused_loudly(tmp_path: Path) -> None:
     cb = AsyncCheckpointCallback(tmp_path / "ckpts")
     trainer = transformers.Trainer(
