@@ -17,7 +17,13 @@ pytest.importorskip("accelerate")
 
 import torch  # noqa: E402
 
-from asyncckpt import CheckpointError, KeepBest, KeepLast, SyncCheckpointEngine  # noqa: E402
+from asyncckpt import (  # noqa: E402
+    CheckpointError,
+    KeepBest,
+    KeepLast,
+    StateMismatch,
+    SyncCheckpointEngine,
+)
 from asyncckpt.integrations.hf import (  # noqa: E402
     AsyncCheckpointCallback,
     load_checkpoint,
@@ -206,6 +212,21 @@ def test_save_crash_resume_continues_from_committed_step(tmp_path: Path) -> None
     )
     with pytest.raises(CheckpointError, match="resumed from step 12 .* max_steps=12"):
         t3.train()
+
+    # Resuming into a model of another shape names the tensor and changes nothing.
+    other = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=100, n_positions=32)
+    )
+    before = snapshot(other)
+    t4 = transformers.Trainer(
+        model=other,
+        args=args(tmp_path / "o4", max_steps=20),
+        train_dataset=data,
+        callbacks=[AsyncCheckpointCallback(ckpts, resume=True)],
+    )
+    with pytest.raises(StateMismatch, match=r"model\.transformer\.wte\.weight"):
+        t4.train()
+    assert_same(snapshot(other), before)
 
     # The standalone loader reads the same checkpoints into a bare model.
     bare = tiny_model(7)

@@ -200,7 +200,7 @@ class AsyncCheckpointCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if args.save_strategy == "best" and self.save_steps is None and not self.hf_checkpoints:
+        if args.save_strategy == "best" and self.save_steps is None:
             # HF decides a "best" save after on_evaluate, too late for this callback to take it.
             raise CheckpointError(
                 'AsyncCheckpointCallback cannot follow save_strategy="best"; use '
@@ -208,21 +208,22 @@ class AsyncCheckpointCallback(TrainerCallback):
                 "kept by retention), or pass save_steps= to the callback"
             )
         keep = self.keep if self.keep is not None else policy_from_args(args)
-        self.engine = SyncCheckpointEngine(self.root, keep=keep, **self.engine_kwargs)
+        engine = SyncCheckpointEngine(self.root, keep=keep, **self.engine_kwargs)
         self._pending = None
         self._last_saved = None
         self._epoch_offset = 0
+        self.resumed_step = None
         if self.resume is not False:
-            self.resumed_step = self._load(state, kwargs)
+            self.resumed_step = self._load(engine, state, kwargs)
             if self.resumed_step is not None and state.global_step >= state.max_steps:
                 # The Trainer would still run one step before it checks max_steps again.
-                self.engine = None
                 raise CheckpointError(
                     f"resumed from step {self.resumed_step} under {os.fspath(self.root)!r}, which "
                     f"already reaches max_steps={state.max_steps}: nothing left to train (raise "
                     "max_steps to train on)"
                 )
-        self.engine.__enter__()
+        engine.__enter__()
+        self.engine = engine
 
     def close(self) -> None:
         """Wait for every staged save to commit and stop the worker (idempotent)."""
@@ -331,15 +332,16 @@ class AsyncCheckpointCallback(TrainerCallback):
         self.handles.append(handle)
         self._last_saved = step
 
-    def _load(self, state: TrainerState, kwargs: Mapping[str, Any]) -> int | None:
-        assert self.engine is not None
+    def _load(
+        self, engine: SyncCheckpointEngine, state: TrainerState, kwargs: Mapping[str, Any]
+    ) -> int | None:
         target = self._state(None, kwargs)
         if self.resume is True:
-            step = self.engine.load_latest(target)
+            step = engine.load_latest(target)
             if step is None:
                 return None
         else:
-            step = self.engine.load(target, step=int(self.resume))
+            step = engine.load(target, step=int(self.resume))
         saved = json.loads(target["trainer_state"]["json"])
         for name in _RESTORED_STATE_FIELDS:
             if name in saved:
