@@ -1,0 +1,1 @@
+"""Optional adapters for training frameworks; each imports its framework lazily."""
