@@ -321,13 +321,17 @@ def test_save_strategy_best_is_refused_loudly(tmp_path: Path) -> None:
 def test_readme_section_snippet_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = (ROOT / "docs" / "readme-sections" / "hf.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 1 and blocks[0].startswith("# requires: transformers")
+    text = (ROOT / "README.md").read_text()
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        if b.startswith("# requires: transformers")
+    ]
+    assert len(blocks) == 1, "the README's Hugging Face Trainer section has one snippet"
     # In-process (a subprocess would pay the transformers import again); the README test runs
     # it as a script.
     monkeypatch.chdir(tmp_path)
-    exec(compile(blocks[0], "hf.md", "exec"), {"__name__": "__main__"})
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     assert "first run ended at step 8" in out
     assert "second run resumed from step 8, ended at step 16" in out
