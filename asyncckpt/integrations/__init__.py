@@ -1,0 +1,1 @@
+"""Adapters for training frameworks; each imports its framework lazily (optional extras)."""
