@@ -131,6 +131,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._roots: dict[str, dict[str, Any]] = {}  # root -> engine kwargs (configure_root)
         self._engines: dict[str, SyncCheckpointEngine] = {}
         self._paths: dict[str, tuple[str, int]] = {}  # Lightning path -> (root, step)
+        self._unwanted: set[tuple[str, int]] = set()  # removed, to delete when it may go
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- configuration
@@ -196,15 +197,18 @@ class AsyncCheckpointIO(CheckpointIO):
                     "{'metrics': {name: number}}"
                 )
             metrics = storage_options.get("metrics")
-        root, step = self.locate(path, checkpoint)
         p = _norm(path)
+        previous = self._paths.pop(p, None)  # saving over a path replaces what it named
+        root, step = self.locate(path, checkpoint)
         if any(v == (root, step) for v in self._paths.values()):
             # Lightning saves one step twice (top-k and last.ckpt): one checkpoint, two names.
-            self._paths[p] = (root, step)
             log.debug("%s: step %d already saved under %s; recorded as an alias", p, step, root)
-            return
-        self.engine(root).save(step, checkpoint, metrics=metrics)
+        else:
+            self.engine(root).save(step, checkpoint, metrics=metrics)
         self._paths[p] = (root, step)
+        if previous is not None and previous != (root, step):
+            self._unwanted.add(previous)
+        self._collect()
 
     def load_checkpoint(
         self,
@@ -241,27 +245,39 @@ class AsyncCheckpointIO(CheckpointIO):
         )
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Forget ``path``; delete its checkpoint once no other saved path names it, unless it
-        is the newest committed one (asyncckpt never deletes that) or still being written."""
+        """Forget ``path``; its checkpoint is deleted once no other saved path names it and a
+        newer checkpoint has committed (asyncckpt never deletes the newest committed one)."""
         p = _norm(path)
         found = self._paths.pop(p, None)
         if found is None:
             log.debug("remove_checkpoint(%s): not a checkpoint this plugin saved", p)
             return
-        if found in self._paths.values():
-            return  # another name (last.ckpt) still refers to it
-        root, step = found
-        directory = Path(root) / _layout.dir_name("global_step", step)
-        committed = [c.step for c in _layout.scan(root, "global_step")]
-        if step not in committed or step == max(committed) or step == _layout.read_tracker(root):
-            log.debug("remove_checkpoint(%s): step %d kept (newest or not committed yet)", p, step)
-            return
+        self._unwanted.add(found)
+        self._collect()
+
+    def _collect(self, *, final: bool = False) -> None:
+        """Delete the unwanted checkpoints that can go: no saved path names them, committed,
+        and not the newest (until a newer one commits, it is the one a crash resumes from)."""
         from ..prune import trash_and_delete
 
-        try:
-            trash_and_delete(root, directory)
-        except FileNotFoundError:
-            pass  # pruned by the engine's own policy already
+        named = set(self._paths.values())
+        for root, step in sorted(self._unwanted):
+            if (root, step) in named:
+                self._unwanted.discard((root, step))  # named again (saved over)
+                continue
+            committed = [c.step for c in _layout.scan(root, "global_step")]
+            newest = max(committed, default=None)
+            if step not in committed:
+                if final:  # never committed (a failed save): nothing to delete
+                    self._unwanted.discard((root, step))
+                continue
+            if step == newest or step == _layout.read_tracker(root):
+                continue
+            try:
+                trash_and_delete(root, Path(root) / _layout.dir_name("global_step", step))
+            except FileNotFoundError:
+                pass  # pruned by the engine's own policy already
+            self._unwanted.discard((root, step))
 
     def teardown(self) -> None:
         """Wait for every staged save to commit, stop the engines; re-raise a failed save."""
@@ -275,6 +291,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 error = error or e
             finally:
                 engine.close()
+        self._collect(final=True)
         if error is not None:
             raise error
 
