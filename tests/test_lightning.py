@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -20,7 +22,14 @@ pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from asyncckpt import KeepBest, KeepLast, verify  # noqa: E402
+from asyncckpt import (  # noqa: E402
+    CheckpointError,
+    CorruptCheckpoint,
+    KeepBest,
+    KeepLast,
+    read_checkpoint,
+    verify,
+)
 from asyncckpt import layout as _layout  # noqa: E402
 from asyncckpt.integrations.lightning import (  # noqa: E402
     AsyncCheckpointIO,
@@ -63,6 +72,17 @@ def test_retention_policy_mapping() -> None:
         retention_policy(-2)
     with pytest.raises(ValueError, match="mode='mean'"):
         retention_policy(1, "val", "mean")
+
+
+def test_read_checkpoint_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        read_checkpoint(tmp_path / "global_step_1")
+    (tmp_path / ".tmp-global_step_1-abc").mkdir()
+    with pytest.raises(CorruptCheckpoint, match="uncommitted temporary"):
+        read_checkpoint(tmp_path / ".tmp-global_step_1-abc")
+    (tmp_path / "global_step_2").mkdir()
+    with pytest.raises(CheckpointError, match="no manifest, no .metadata"):
+        read_checkpoint(tmp_path / "global_step_2")
 
 
 def test_kill_then_resume_restores_the_committed_step(tmp_path: Path) -> None:
@@ -177,3 +197,29 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
         AsyncCheckpointIO().load_checkpoint(tmp_path / "nothing.ckpt")
     with pytest.raises(Exception, match="weights_only=True"):
         io.load_checkpoint(tmp_path, weights_only=True)
+
+
+def test_readme_section_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/readme-sections/lightning.md's snippet, run twice (in this process: Lightning is
+    imported already): the second run resumes at step 10 and trains to 20."""
+    text = (REPO / "docs" / "readme-sections" / "lightning.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert code.startswith("# requires: lightning\n")
+    script = tmp_path / "train_lightning.py"
+    script.write_text(code)
+    monkeypatch.chdir(tmp_path)
+    first = runpy.run_path(str(script), run_name="__main__")
+    assert (first["done"], first["trainer"].global_step, first["steps"]) == (0, 10, [5, 10])
+    second = runpy.run_path(str(script), run_name="__main__")
+    assert (second["done"], second["trainer"].global_step) == (10, 20)
+    assert second["steps"][-1] == 20 and len(second["steps"]) <= 3
+
+    # ckpt_path=<root> (and "last") skip a corrupt newest checkpoint, loudly.
+    root = tmp_path / "ckpts-lightning"
+    shard = next((root / "global_step_20").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="step 20 .* unusable"):
+        ckpt = AsyncCheckpointIO().load_checkpoint(root)
+    assert ckpt["global_step"] == second["steps"][-2]
