@@ -223,3 +223,16 @@ def test_readme_section_snippet_resumes(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.warns(UserWarning, match="step 20 .* unusable"):
         ckpt = AsyncCheckpointIO().load_checkpoint(root)
     assert ckpt["global_step"] == second["steps"][-2]
+
+
+def test_last_is_found_under_the_default_dirpath(tmp_path: Path) -> None:
+    """dirpath=None: ckpt_path="last" is resolved before setup, so the callback must work out
+    Lightning's default dirpath (default_root_dir/checkpoints) itself, not silently restart."""
+    from asyncckpt.integrations.lightning import AsyncModelCheckpoint
+
+    cb = AsyncModelCheckpoint(every_n_train_steps=5)
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, callbacks=[cb])
+    assert cb._find_last_checkpoints(trainer) == set()
+    (tmp_path / "checkpoints" / "global_step_5").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "global_step_5" / ".metadata").touch()
+    assert cb._find_last_checkpoints(trainer) == {str(tmp_path / "checkpoints")}

@@ -127,7 +127,9 @@ class AsyncCheckpointIO(CheckpointIO):
         super().__init__()
         self.root = Path(root) if root is not None else None
         self.keep = keep
-        self.engine_options = {"handle_sigterm": False, **(engine_options or {})}
+        # Lightning handles SIGTERM itself (its teardown drains us). Under DDP only global rank
+        # 0 calls save_checkpoint, with the whole (replicated) state: it writes on its own.
+        self.engine_options = {"handle_sigterm": False, "world_size": 1, **(engine_options or {})}
         self._roots: dict[str, dict[str, Any]] = {}  # root -> engine kwargs (configure_root)
         self._engines: dict[str, SyncCheckpointEngine] = {}
         self._paths: dict[str, tuple[str, int]] = {}  # Lightning path -> (root, step)
@@ -449,6 +451,11 @@ class AsyncModelCheckpoint(ModelCheckpoint):
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         # ckpt_path="last": the root itself; load_checkpoint picks its newest good checkpoint.
         dirpath = self.dirpath
+        if dirpath is None:
+            # Lightning resolves "last" before setup() sets dirpath: work out its default
+            # (default_root_dir/checkpoints, or the logger's) as ModelCheckpoint does.
+            resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
+            dirpath = resolve(trainer) if resolve is not None else None
         if dirpath is None or not _layout.scan(dirpath, "global_step"):
             return set()
         return {_norm(dirpath)}
