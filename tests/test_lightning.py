@@ -191,6 +191,11 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
     assert saved["lr_schedulers"] == [] and saved["optimizer_states"][0]["state"]
     _same(saved, ckpt)
     _same({f"layer.{k}": v for k, v in model.layer.state_dict().items()}, ckpt["state_dict"])
+    # map_location as torch.load takes it (a CPU run: every form keeps the tensors on the CPU).
+    for where in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, loc: storage):
+        _same(saved, io.load_checkpoint(cb.last_model_path, map_location=where))
+    with pytest.raises(TypeError, match="map_location=5"):
+        io.load_checkpoint(cb.last_model_path, map_location=5)
     # From any process: the checkpoint directory, or the root (its newest).
     assert AsyncCheckpointIO().load_checkpoint(tmp_path)["global_step"] == 15
     with pytest.raises(FileNotFoundError, match="no asyncckpt checkpoint"):

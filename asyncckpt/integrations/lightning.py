@@ -27,8 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"asyncckpt.integrations.lightning needs lightning>=2.4 ({e}): "
+        "pip install 'asyncckpt[lightning]'"
+    ) from e
 
 from .. import layout as _layout
 from ..errors import CheckpointError, CorruptCheckpoint
