@@ -39,6 +39,7 @@ from .throttle import ThrottleConfig
 if TYPE_CHECKING:
     from .engine import CheckpointEngine, PauseHooks, SaveHandle
     from .loadcheck import LoadReport
+    from .reading import read_checkpoint
     from .sync import SyncCheckpointEngine
 
 # The engines (and the load check) import torch (seconds); they load on first use (PEP 562), so ``import asyncckpt``
@@ -49,6 +50,7 @@ _LAZY = {
     "SaveHandle": ".engine",
     "LoadReport": ".loadcheck",
     "SyncCheckpointEngine": ".sync",
+    "read_checkpoint": ".reading",
 }
 
 
@@ -100,4 +102,5 @@ __all__ = [
     "StateMismatch",
     "NotACheckpointRoot",
     "LoadReport",
+    "read_checkpoint",
 ]
