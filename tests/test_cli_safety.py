@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -27,20 +26,11 @@ def make_ckpt(
     payload: bytes = b"x" * 2048,
     layout: str = "global_step",
 ) -> Path:
-    """A committed checkpoint as the engine leaves it: one shard and a manifest (real crc32)."""
-    d = root / L.dir_name(layout, step)
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(payload)
-    manifest = {
-        "step": step,
-        "committed_at": 1_700_000_000.0 + step,
-        "metrics": metrics or {},
-        "bytes": len(payload),
-        "files": {"__0_0.distcp": {"size": len(payload), "crc32": zlib.crc32(payload)}},
-        "run_id": "run-a",
-    }
-    (d / L.MANIFEST).write_text(json.dumps(manifest))
-    return d
+    """test_prune's committed checkpoint (one shard, manifest with its real crc32), with a
+    shard big enough for the progress tests."""
+    from test_prune import make_ckpt as committed_ckpt
+
+    return committed_ckpt(root, step, layout=layout, metrics=metrics, payload=payload)
 
 
 def shard(root: Path, step: int) -> Path:
