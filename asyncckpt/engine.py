@@ -43,6 +43,7 @@ from .errors import (
     WriteTimeout,
 )
 from .formats import FORMAT_ALIASES, FORMATS, default_format
+from .formats.components import COMPONENTS, Component, Part, check_spec, load_parts, saved_spec
 from .loadcheck import LoadReport, Vanished
 from .manifest import check_files, fsync_dir, read_manifest
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
@@ -154,6 +155,7 @@ class EngineOptions:
     dist_timeout: float = 600.0  # how long workers wait for each other per save
     storage: str = "shared"  # "shared" or "local" (node-local disks): which rank(s) prune
     legacy_ranks: Any = None  # megatron_legacy: staged.LegacyRanks or a dict of its fields
+    components: Mapping[str, Any] | None = None  # name -> Component or format (components.py)
     allow_older_steps: bool = False  # save a step below the newest (the tracker stays put)
     keep_resumed: str = "until_newer"  # or "run": protect the resumed-from step all run long
 
@@ -165,10 +167,19 @@ class _Core:
         self.root = check_local_root(root)  # a URL is refused, not written to a dir "s3:"
         self.opts = opts
         self.layout = _layout.check_layout(opts.layout)
-        self.fmt = opts.format or default_format(self.layout)
-        self.fmt = FORMAT_ALIASES.get(self.fmt, self.fmt)
-        if self.fmt not in FORMATS:
-            raise ValueError(f"unknown format {self.fmt!r}; expected one of {FORMATS}")
+        self.components: dict[str, Component] | None = None
+        if opts.components is not None:
+            if opts.format is not None:
+                raise ValueError(
+                    "pass format= or components= (each component has its own format), not both"
+                )
+            self.components = check_spec(opts.components)
+            self.fmt = COMPONENTS
+        else:
+            self.fmt = opts.format or default_format(self.layout)
+            self.fmt = FORMAT_ALIASES.get(self.fmt, self.fmt)
+            if self.fmt not in FORMATS:
+                raise ValueError(f"unknown format {self.fmt!r}; expected one of {FORMATS}")
         if not isinstance(opts.max_in_flight, int) or opts.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {opts.max_in_flight!r}")
         if opts.keep is not None and not isinstance(opts.keep, RetentionPolicy):
@@ -937,64 +948,107 @@ class _Core:
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
-        from .formats import staged
+        from .formats import components, staged
 
+        if self.components is not None:
+            return components.prepare(self.components, state, rank=self.rank, legacy=self.legacy)
         return staged.prepare(self.fmt, state, legacy=self.legacy)
 
     # ------------------------------------------------------------------ reading the root
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
 
-    def load_dir(self, state: Any, directory: Path, strict: bool = True) -> LoadReport:
+    def load_dir(
+        self, state: Any, directory: Path, strict: bool = True, step: int | None = None
+    ) -> LoadReport:
         """Restore one checkpoint directory into ``state``: check, verify, then read.
 
         The target is compared with the checkpoint's metadata before anything is read into
         it (``StateMismatch``: nothing changed). Unreadable data is a ``CorruptCheckpoint``, a
         directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
         errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
+        A checkpoint of components is read as one part per component the target names, all
+        checked before any is read.
         """
         from . import loadcheck
-        from .formats import staged
 
-        paths = None
-        fmt = self.fmt
+        manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
         if (directory / _layout.MANIFEST).exists():
             manifest = read_manifest(directory)
-            paths = manifest.get("paths")
-            fmt = manifest.get("format") or fmt  # the format it was written in
             if self.opts.verify_on_load:
                 files = dict(manifest.get("files", {}))
         elif not directory.is_dir():
             raise loadcheck.Vanished(f"{directory} went away before it was read")
         elif self.opts.verify_on_load:
             warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
+        parts = self._parts(state, directory, manifest, step)
         nbytes = sum(int(f.get("size", 0)) for f in files.values())
         with loadcheck.Progress(directory, nbytes) as progress:
-            # The metadata the check trusts is verified first (all of a legacy file: the check
-            # reads it); the bulk of the data after the check, so a mismatch fails fast.
-            first = (
-                set(files)
-                if fmt == "megatron_legacy"
-                else {r for r in files if r in loadcheck.METADATA_FILES}
-            )
+            # The metadata the check trusts is verified first (all of a legacy or pt file: the
+            # check reads it); the bulk of the data after the check, so a mismatch fails fast.
+            first = {r for r in files if loadcheck.read_by_check(r, parts, directory)}
             self._verify(directory, {r: files[r] for r in first}, progress)
-            report = loadcheck.check(fmt, state, directory, strict=strict, legacy=self.legacy)
+            reports = [
+                loadcheck.check(
+                    p.fmt,
+                    p.state,
+                    p.location,
+                    strict=strict,
+                    legacy=self.legacy,
+                    weights_only=p.weights_only,
+                )  # fmt: skip
+                for p in parts
+            ]
             self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
             progress.reading()
-            try:
-                if report.missing or report.unexpected:  # strict=False, and something to skip
-                    self._load_partial(fmt, state, directory, paths, report)
-                else:
-                    # Any world size: each rank reads what its state asks for (DCP reshards).
-                    staged.load_into(fmt, state, directory, paths, legacy=self.legacy)
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
-                if isinstance(e, CheckpointError):
-                    raise
-                if not directory.is_dir():
-                    raise loadcheck.Vanished(f"{directory} went away while it was read") from e
-                raise loadcheck.read_error(directory, e) from e
-        return report
+            for part, report in zip(parts, reports, strict=True):
+                self._read_part(part, report, directory)
+        return loadcheck.merge_reports(parts, reports, strict)
+
+    def _parts(
+        self, state: Any, directory: Path, manifest: dict[str, Any] | None, step: int | None
+    ) -> list[Part]:
+        """What to read: one part (the whole state), or one per component the target names."""
+        fmt = (manifest or {}).get("format") or self.fmt  # the format it was written in
+        if self.components is not None or fmt == COMPONENTS:
+            if self.components is None:
+                raise StateMismatch(
+                    f"{directory} is a checkpoint of components "
+                    f"({list(saved_spec(manifest, {}))}); load it with an engine made with "
+                    "the same components= (nothing was loaded)"
+                )
+            if fmt != COMPONENTS:
+                raise StateMismatch(
+                    f"{directory} was written in format {fmt!r}, not as components; load it "
+                    "with an engine of that format (nothing was loaded)"
+                )
+            return load_parts(
+                self.components, manifest, state, directory, step,
+                rank=self.rank, world_size=self.world_size,
+            )  # fmt: skip
+        paths = (manifest or {}).get("paths")
+        return [Part(None, fmt, state, directory, paths)]
+
+    def _read_part(self, part: Part, report: LoadReport, directory: Path) -> None:
+        from . import loadcheck
+        from .formats import staged
+
+        try:
+            if report.missing or report.unexpected:  # strict=False, and something to skip
+                self._load_partial(part, report)
+            else:
+                # Any world size: each rank reads what its state asks for (DCP reshards).
+                staged.load_into(
+                    part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
+                    weights_only=part.weights_only,
+                )  # fmt: skip
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
+            if isinstance(e, CheckpointError):
+                raise
+            if not directory.is_dir():
+                raise loadcheck.Vanished(f"{directory} went away while it was read") from e
+            raise loadcheck.read_error(directory, e) from e
 
     def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
         """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
@@ -1010,19 +1064,20 @@ class _Core:
                 raise Vanished(f"{directory} went away while it was verified")
             raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
 
-    def _load_partial(
-        self, fmt: str, state: Any, directory: Path, paths: Any, report: LoadReport
-    ) -> None:
+    def _load_partial(self, part: Part, report: LoadReport) -> None:
         """strict=False: read into a copy of the target's containers without the missing keys,
         then hand each part back cut to the target's keys (missing ones keep their value,
         unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
         from .formats import dcp, staged
         from .loadcheck import restrict, without
 
-        like = staged.materialize(state)
+        like = staged.materialize(part.state)
         sub = without(like, set(report.missing))
-        staged.load_into(fmt, sub, directory, paths, legacy=self.legacy)
-        dcp.merge_into(state, restrict(sub, like))
+        staged.load_into(
+            part.fmt, sub, part.location, part.paths, legacy=self.legacy,
+            weights_only=part.weights_only,
+        )  # fmt: skip
+        dcp.merge_into(part.state, restrict(sub, like))
 
     def _check_root(self) -> bool:
         """False (loudly) when the root does not exist; raise when it is not a root at all."""
@@ -1098,7 +1153,7 @@ class _Core:
             for c in candidates:
                 tried.add(c.path)
                 try:
-                    report = self.load_dir(state, c.path, strict)
+                    report = self.load_dir(state, c.path, strict, c.step)
                 except StateMismatch:
                     raise  # the caller's mistake: an older checkpoint would not fit either
                 # DCP's CheckpointException derives from BaseException, not Exception.
@@ -1149,7 +1204,7 @@ class _Core:
             if not directory.is_dir():
                 raise FileNotFoundError(f"step {step} is not committed in {self.root}")
             found = step
-        report = self.load_dir(state, directory, strict)
+        report = self.load_dir(state, directory, strict, found)
         self._loaded(report, found, directory)
         return found if found is not None else -1
 
@@ -1316,6 +1371,13 @@ class CheckpointEngine:
     ``asyncckpt.tensorboard.TensorBoardLogger(log_dir)`` is a ready one. Every manifest also
     records the figures (``python -m asyncckpt stats ROOT``).
 
+    ``components``: a step made of parts, each in its own format at its own path inside the
+    step directory, committed together (SkyRL's ``policy/``, ``critic/``, ``data.pt``,
+    ``trainer_state.pt``; RLinf's ``actor/iter_NNNNNNN/`` and ``data/data.pt``): a dict of
+    name -> ``Component(format, path, tracker)`` (or a format name), and the state passed to
+    ``save`` is a dict of name -> that component's state. ``asyncckpt.frameworks`` has the
+    specs of SkyRL and RLinf. A load may name only some components (the policy, to evaluate).
+
     ``keep_resumed``: the checkpoint this engine loaded (resumed from) is never pruned until a
     newer one commits (``"until_newer"``, default), or for as long as this engine runs
     (``"run"``, Lightning's behaviour: the run's starting point survives ``keep=KeepLast(1)``).
@@ -1348,6 +1410,7 @@ class CheckpointEngine:
         legacy_ranks: Any = None,
         allow_older_steps: bool = False,
         keep_resumed: str = "until_newer",
+        components: Mapping[str, Component | str | Mapping[str, Component | str]] | None = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -1375,6 +1438,7 @@ class CheckpointEngine:
                 legacy_ranks=legacy_ranks,
                 allow_older_steps=allow_older_steps,
                 keep_resumed=keep_resumed,
+                components=components,
             ),
         )
 

@@ -284,8 +284,12 @@ def check(
     *,
     strict: bool = True,
     legacy: Any = None,
+    weights_only: bool = True,
 ) -> LoadReport:
     """Compare ``state`` with the checkpoint in ``directory`` before anything is read into it.
+
+    For format ``pt`` (one ``torch.save`` file of a component) ``directory`` is that file,
+    read memory-mapped with ``weights_only``.
 
     Raises ``StateMismatch`` (the target does not fit), ``CorruptCheckpoint`` (the checkpoint's
     metadata cannot be read) or ``Vanished``. A state holding megatron ShardedTensors is left
@@ -296,7 +300,11 @@ def check(
     directory = Path(directory)
     where = str(directory)
     try:
-        if fmt == "megatron_legacy":
+        if fmt == "pt":
+            from .formats import pt
+
+            ckpt = walk(pt.read(directory, weights_only=weights_only, mmap=True))
+        elif fmt == "megatron_legacy":
             from .formats.staged import LegacyRanks
 
             r = legacy or LegacyRanks()
@@ -312,10 +320,37 @@ def check(
     except StateMismatch:
         raise
     except Exception as e:
-        if not directory.is_dir():
+        if not directory.exists():
             raise Vanished(f"{directory} went away while it was read") from e
         raise CorruptCheckpoint(f"{directory}: cannot read the checkpoint's metadata: {e}") from e
     return compare(walk(state), ckpt, strict=strict, where=where)
+
+
+def read_by_check(rel: str, parts: list[Any], directory: Path) -> bool:
+    """True for a file of the checkpoint (path relative to ``directory``) that ``check``
+    reads: verified before the check trusts it. DCP's and torch_dist's metadata files, and
+    the whole of a legacy or pt part (the check reads those files themselves)."""
+    if rel.rsplit("/", 1)[-1] in METADATA_FILES:
+        return True
+    path = directory / rel
+    for p in parts:
+        if p.fmt == "pt" and path == p.location:
+            return True
+        if p.fmt == "megatron_legacy" and p.location in path.parents:
+            return True
+    return False
+
+
+def merge_reports(parts: list[Any], reports: list[LoadReport], strict: bool) -> LoadReport:
+    """One report for a load of several parts (components): keys named by part."""
+    if len(reports) == 1 and parts[0].name is None:
+        return reports[0]
+    out = LoadReport(strict=strict)
+    for part, r in zip(parts, reports, strict=True):
+        out.missing += [part.key(k) for k in r.missing]
+        out.unexpected += [part.key(k) for k in r.unexpected]
+        out.missing_objects += [part.key(k) for k in r.missing_objects]
+    return out
 
 
 #: Small files that describe a checkpoint (DCP, torch_dist): verified before the check.

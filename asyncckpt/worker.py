@@ -259,6 +259,8 @@ class Worker:
             thread_count=self.io_threads,
             pace=self.pacer,
             direct_io=self.direct_io,
+            step=job.step,
+            world_size=self.config.dist.world_size if self.config.dist is not None else 1,
         )
 
     def _save_multi(self, job: SaveJob) -> None:
@@ -301,8 +303,8 @@ class Worker:
                         raise self.thread_errors[0]
                     faults.point("after_shard_write")
                     mine = [tmp / n for n in crcs]
-                    if rank == 0:
-                        mine += [tmp / ".metadata"]
+                    if rank == 0:  # DCP's metadata: at the top, or in each component's dir
+                        mine += list(tmp.rglob(".metadata"))
                     for p in mine:
                         if p.is_file() and not p.is_symlink():
                             fsync_file(p)
@@ -385,7 +387,14 @@ class Worker:
             known_crcs=known_crcs,
             # Which job wrote it: a trainer whose worker died after the rename can tell its
             # own commit from an older one (engine._committed_on_disk).
-            extra={"paths": paths, "job_id": job.job_id, "attempt": job.attempt, **extra},
+            # (A format's own fields, e.g. the components it was written with, come first.)
+            extra={
+                **((job.extra or {}).get("manifest") or {}),
+                "paths": paths,
+                "job_id": job.job_id,
+                "attempt": job.attempt,
+                **extra,
+            },
             figures={
                 **job.figures,
                 "write_seconds": t_written - t0,

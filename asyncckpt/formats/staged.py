@@ -29,6 +29,7 @@ from ..commit import write_synced
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor
 from ..staging import flatten_state, is_stateful, serialize_objects
 from . import FORMAT_ALIASES as ALIASES
+from .components import COMPONENTS
 from .dcp import Serialized
 from .torch_dist import _Planner as _MegatronPlanner
 
@@ -240,31 +241,57 @@ def _main_reference_entry(state: Any) -> str:
     return visit(state, "") or "<root>"
 
 
+def pickle_with_refs(state: Any, what: str) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Pickle ``state`` with its tensors left out (staged instead): the skeleton and the
+    tensors by the reference the skeleton holds. ``what`` names the file in errors."""
+    tensors: dict[str, torch.Tensor] = {}
+    buf = io.BytesIO()
+    try:
+        _TensorRefPickler(buf, tensors).dump(state)
+    except _MainReference as e:
+        entry = _main_reference_entry(state)
+        raise TypeError(
+            f"state entry {entry!r} refers to {e.name}, defined in the trainer's __main__: "
+            f"the worker writing {what} (a spawned process that does not run the "
+            "trainer's script) could not unpickle it; define it in an importable module "
+            "or save plain values"
+        ) from None
+    except Exception as e:
+        raise TypeError(f"the state cannot be pickled for {what}: {e}") from e
+    return buf.getvalue(), tensors
+
+
 def _prepare_legacy(state: Any, ranks: LegacyRanks) -> Prepared:
     # State dicts, not the objects: Megatron-LM's files hold state dicts, and the load then
     # restores the caller's modules and optimizers in place (load_state_dict).
     state = _state_dicts(state)
     if not isinstance(state, dict):
         raise TypeError(f"format megatron_legacy needs a dict state, not {type(state).__name__}")
-    tensors: dict[str, torch.Tensor] = {}
-    buf = io.BytesIO()
+    skeleton, tensors = b"", {}
     if ranks.write:
-        try:
-            _TensorRefPickler(buf, tensors).dump(state)
-        except _MainReference as e:
-            entry = _main_reference_entry(state)
-            raise TypeError(
-                f"state entry {entry!r} refers to {e.name}, defined in the trainer's __main__: "
-                "format megatron_legacy's worker (a spawned process that does not run the "
-                "trainer's script) could not unpickle it; define it in an importable module "
-                "or save plain values"
-            ) from None
-        except Exception as e:
-            raise TypeError(f"the state cannot be pickled for model_optim_rng.pt: {e}") from e
+        skeleton, tensors = pickle_with_refs(state, "model_optim_rng.pt")
     for k, t in tensors.items():
         if is_dtensor(t):
             raise TypeError(f"format megatron_legacy stores per-rank files; {k} is a DTensor")
-    return Prepared(tensors, {}, {}, {"skeleton": buf.getvalue(), "ranks": ranks})
+    return Prepared(tensors, {}, {}, {"skeleton": skeleton, "ranks": ranks})
+
+
+def prepare_pt(state: Any, *, write: bool = True, what: str = "a .pt file") -> Prepared:
+    """One ``torch.save`` file (``formats.pt``): state dicts, tensors staged; nothing at all
+    on a rank that does not write the file."""
+    state = _state_dicts(state)
+    if not write:
+        return Prepared({}, {}, {}, {"skeleton": None})
+    skeleton, tensors = pickle_with_refs(state, what)
+    for k, t in tensors.items():
+        if is_dtensor(t):
+            raise TypeError(f"{what} is one torch.save file; {k} is a DTensor (save it as dcp)")
+    return Prepared(tensors, {}, {}, {"skeleton": skeleton})
+
+
+def unpickle_with_refs(skeleton: bytes, views: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of ``pickle_with_refs``, in the worker: the staged views put back in."""
+    return _TensorRefUnpickler(io.BytesIO(skeleton), views).load()
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -294,16 +321,28 @@ def write(
     thread_count: int = 1,
     pace: Callable[[int], None] | None = None,
     direct_io: bool = False,
+    step: int = 0,
+    world_size: int = 1,
 ) -> dict[str, tuple[int, int]]:
-    """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written.
+    """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written
+    (by path relative to ``directory``).
 
     With a ``process_group`` every rank of it must call this for the same directory; DCP's
-    metadata and the format's global files come from its rank 0.
+    metadata and the format's global files come from its rank 0. ``step`` and ``world_size``
+    place the parts of a checkpoint of components (``formats.components``).
     """
     from . import dcp
 
     fmt = ALIASES.get(fmt, fmt)
     extra = extra or {}
+    if fmt == COMPONENTS:
+        from . import components
+
+        return components.write(
+            extra, views, objects, directory, step=step, rank=rank, world_size=world_size,
+            process_group=process_group, thread_count=thread_count, pace=pace,
+            direct_io=direct_io,
+        )  # fmt: skip
     shards = extra.get("shards", {})
     if fmt in ("dcp", "torch_dist"):
         flat: dict[str, Any] = {k: Serialized(v) for k, v in objects.items()}
@@ -331,7 +370,7 @@ def write(
 
         ranks: LegacyRanks = extra["ranks"]
         if ranks.write:
-            state = _TensorRefUnpickler(io.BytesIO(extra["skeleton"]), views).load()
+            state = unpickle_with_refs(extra["skeleton"], views)
             legacy.write_legacy(
                 state, directory, ranks.tp_rank, ranks.pp_rank, ranks.pp_size,
                 ranks.distrib_optim_key,
@@ -359,11 +398,25 @@ def load_into(
     paths: Mapping[str, list] | None,
     *,
     legacy: LegacyRanks | None = None,
+    weights_only: bool = True,
 ) -> None:
-    """Restore the checkpoint in ``directory`` into ``state`` in place (any world size)."""
+    """Restore the checkpoint in ``directory`` into ``state`` in place (any world size).
+
+    For format ``pt`` (a component's ``torch.save`` file) ``directory`` is the file, read
+    with ``weights_only``.
+    """
     from . import dcp
 
     fmt = ALIASES.get(fmt, fmt)
+    if fmt == "pt":
+        from . import pt
+
+        loaded = pt.read(directory, weights_only=weights_only)
+        if is_stateful(state):
+            state.load_state_dict(loaded)
+        else:
+            dcp.merge_into(state, loaded)
+        return
     if fmt == "megatron_legacy":
         from . import megatron_legacy as lg
 

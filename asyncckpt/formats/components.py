@@ -1,0 +1,337 @@
+"""Components: several formats in one checkpoint, committed together.
+
+The RL frameworks write one step as sub-directories and files, each in its own format, and
+resume from the step as a whole::
+
+    SkyRL   global_step_10/policy/ critic/ (model, optimizer, scheduler) data.pt trainer_state.pt
+    RLinf   global_step_50/actor/iter_0000050/mp_rank_00/model_optim_rng.pt
+                          actor/latest_checkpointed_iteration.txt   data/data.pt
+
+``CheckpointEngine(root, components={...})`` saves a state ``{name: part}``: each part is
+written in its component's format at its path inside the step's temporary directory, one
+manifest covers every file, and the step is committed by one rename (invariant 1 for the
+step as a whole: a crash never leaves a step with a policy and no critic). Ready-made specs
+for SkyRL and RLinf are in ``asyncckpt.frameworks``.
+
+Everything here is pure but ``write`` (the worker) and ``load_parts`` (which reads a
+manifest-less checkpoint's spec from the engine).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import layout as _layout
+from ..commit import write_synced
+
+#: The engine's format name for a checkpoint made of components (recorded in its manifest).
+COMPONENTS = "components"
+#: Formats a component can have: the engine's own, plus one ``torch.save`` file (``pt``).
+COMPONENT_FORMATS = ("dcp", "torch_dist", "megatron_legacy", "pt")
+_ALIASES = {"torch": "megatron_legacy", "legacy": "megatron_legacy"}
+#: Formats that own a whole directory (nothing else may be put inside it).
+_DIRECTORY_FORMATS = ("dcp", "torch_dist", "megatron_legacy")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One part of a step: its format and where it goes inside the step directory.
+
+    ``path`` is relative to the step directory (``global_step_N/``) and may use ``{step}``
+    (``"actor/iter_{step:07d}"``) and, for ``pt`` files written by every rank, ``{rank}`` and
+    ``{world_size}``; by default it is the component's name. A ``dcp``, ``torch_dist`` or
+    ``megatron_legacy`` component owns the directory at its path; a ``pt`` component is one
+    file there (written by rank 0 only, unless its path uses ``{rank}``).
+
+    ``tracker``: a file (relative to the step directory) holding the step number, written
+    with the component: RLinf points Megatron-LM's ``--load`` at ``global_step_N/actor``,
+    which reads ``actor/latest_checkpointed_iteration.txt``.
+
+    ``weights_only``: how a ``pt`` file is read back (``torch.load``'s safe default); set it to
+    False for files holding objects other than tensors, containers and plain values (numpy
+    arrays, a config object), and only for files you trust.
+    """
+
+    format: str = "dcp"
+    path: str | None = None
+    tracker: str | None = None
+    weights_only: bool = True
+
+    def __post_init__(self) -> None:
+        fmt = _ALIASES.get(self.format, self.format)
+        if fmt not in COMPONENT_FORMATS:
+            raise ValueError(
+                f"unknown component format {self.format!r}; expected one of {COMPONENT_FORMATS}"
+            )
+        object.__setattr__(self, "format", fmt)
+        for what in ("path", "tracker"):
+            value = getattr(self, what)
+            if value is not None:
+                _check_relative(value, what, pt=fmt == "pt" and what == "path")
+
+    def resolve(self, name: str, step: int, rank: int = 0, world_size: int = 1) -> str:
+        """The component's path inside the step directory for ``step`` (and ``rank``)."""
+        return _expand(self.path or name, step, rank, world_size)
+
+    def resolve_tracker(self, step: int) -> str | None:
+        return None if self.tracker is None else _expand(self.tracker, step, 0, 1)
+
+    @property
+    def per_rank(self) -> bool:
+        """A ``pt`` file every rank writes (its path names the rank)."""
+        return self.format == "pt" and "{rank" in (self.path or "")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _expand(template: str, step: int, rank: int, world_size: int) -> str:
+    return template.format(step=step, rank=rank, world_size=world_size)
+
+
+def _check_relative(value: Any, what: str, *, pt: bool) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"component {what} must be a non-empty string, not {value!r}")
+    try:
+        expanded = _expand(value, 0, 0, 1)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"component {what} {value!r}: only {{step}}, {{rank}} and {{world_size}} may be "
+            f"used ({e!r})"
+        ) from None
+    if "{rank" in value and not pt:
+        raise ValueError(
+            f"component {what} {value!r}: only a pt file's path may name the rank (the other "
+            "formats write every rank's shards into one directory)"
+        )
+    parts = expanded.split("/")
+    if (
+        expanded.startswith("/")
+        or "\\" in expanded
+        or any(p in ("", ".", "..") for p in parts)
+        or any(_layout.is_leftover(p) for p in parts)
+        or parts[0] == _layout.MANIFEST
+    ):
+        raise ValueError(
+            f"component {what} {value!r} must be a plain relative path inside the step "
+            "directory (no '..', no leading '/', no empty parts, no '.tmp-'/'.trash-' names)"
+        )
+
+
+def check_spec(spec: Any) -> dict[str, Component]:
+    """``components=`` as given (names -> ``Component`` or a format string), checked:
+    names are non-empty strings without '/', paths distinct and not inside another
+    component's directory. Raises ``ValueError``/``TypeError`` naming the problem."""
+    if not isinstance(spec, Mapping) or not spec:
+        raise TypeError(
+            "components must be a non-empty dict of name -> Component(...) or format name, "
+            f"not {spec!r}"
+        )
+    out: dict[str, Component] = {}
+    for name, c in spec.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"component name {name!r} must be a non-empty string without '/'")
+        if isinstance(c, str):
+            c = Component(c)
+        if not isinstance(c, Component):
+            raise TypeError(f"component {name!r} must be a Component or a format name, not {c!r}")
+        out[name] = c
+    # Where each one lands (step 0, rank 0 stand for any): two in one place, or one inside a
+    # directory another format owns, would overwrite each other's files.
+    places = [(f"component {n!r}", c.resolve(n, 0), c.format) for n, c in out.items()]
+    places += [(f"tracker of {n!r}", c.resolve_tracker(0), "pt") for n, c in out.items()]
+    places = [p for p in places if p[1] is not None]
+    seen: dict[str, str] = {}
+    for who, where, _ in places:
+        if where in seen:
+            raise ValueError(f"{seen[where]} and {who} are both at {where!r}")
+        seen[where] = who
+    for who, where, _ in places:
+        for other, there, fmt in places:
+            if fmt in _DIRECTORY_FORMATS and where.startswith(there + "/"):
+                raise ValueError(
+                    f"{who} at {where!r} lies inside {other}'s directory {there!r} ({fmt})"
+                )
+    return out
+
+
+def check_state_names(spec: Mapping[str, Component], state: Any, *, saving: bool) -> None:
+    """The state's top-level keys against the components: a save needs every one of them
+    (a step is committed whole); a load may ask for some (an evaluation: the policy only)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"with components, the state must be a dict of component name -> state "
+            f"({', '.join(spec)}), not {type(state).__name__}"
+        )
+    unknown = [k for k in state if k not in spec]
+    if unknown:
+        raise ValueError(
+            f"state entries {unknown} are not components of this engine; its components are "
+            f"{list(spec)}"
+        )
+    missing = [k for k in spec if k not in state]
+    if saving and missing:
+        raise ValueError(
+            f"the state lacks component(s) {missing}: a step is saved and committed whole "
+            f"(components: {list(spec)})"
+        )
+
+
+def prefix(name: str) -> str:
+    """The prefix of a component's keys (staging, objects, manifest paths) in the job."""
+    return f"{name}/"
+
+
+def strip(mapping: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The entries of ``mapping`` that belong to component ``name``, without its prefix."""
+    p = prefix(name)
+    return {k[len(p) :]: v for k, v in mapping.items() if k.startswith(p)}
+
+
+# ------------------------------------------------------------------------------ trainer side
+
+
+def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any = None) -> Any:
+    """Every component's part prepared in its format, keys prefixed by the component name."""
+    from .staged import Prepared, prepare, prepare_pt
+
+    check_state_names(spec, state, saving=True)
+    tensors: dict = {}
+    objects: dict = {}
+    paths: dict = {}
+    parts = []
+    for name, c in spec.items():
+        try:
+            if c.format == "pt":
+                writes = rank == 0 or c.per_rank
+                part = prepare_pt(state[name], write=writes, what=f"component {name!r}")
+            else:
+                part = prepare(c.format, state[name], legacy=legacy)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"component {name!r}: {e}") from e
+        p = prefix(name)
+        tensors.update({p + k: v for k, v in part.tensors.items()})
+        objects.update({p + k: v for k, v in part.objects.items()})
+        paths.update({p + k: v for k, v in part.paths.items()})
+        parts.append((name, c, part.extra))
+    spec_json = {n: c.to_json() for n, c in spec.items()}
+    return Prepared(
+        tensors, objects, paths, {"components": parts, "manifest": {"components": spec_json}}
+    )
+
+
+# ------------------------------------------------------------------------------ worker side
+
+
+def write(
+    extra: Mapping[str, Any],
+    views: Mapping[str, Any],
+    objects: Mapping[str, bytes],
+    directory: Path,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    **kw: Any,
+) -> dict[str, tuple[int, int]]:
+    """Write every component into its place under ``directory``; crcs by relative path.
+
+    Components are written in the order they were declared, the same on every rank, so the
+    collective formats (dcp, torch_dist) meet their peers.
+    """
+    from . import pt
+    from .staged import unpickle_with_refs
+    from .staged import write as write_format
+
+    crcs: dict[str, tuple[int, int]] = {}
+    for name, c, part_extra in extra["components"]:
+        rel = c.resolve(name, step, rank, world_size)
+        target = directory / rel
+        if c.format == "pt":
+            if part_extra.get("skeleton") is not None:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                state = unpickle_with_refs(part_extra["skeleton"], strip(views, name))
+                crcs[rel] = pt.save_synced(state, target)
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            written = write_format(
+                c.format, strip(views, name), strip(objects, name), part_extra, target,
+                rank=rank, **kw,
+            )  # fmt: skip
+            crcs.update({f"{rel}/{k}": v for k, v in written.items()})
+        tracker = c.resolve_tracker(step)
+        if tracker is not None and rank == 0:
+            (directory / tracker).parent.mkdir(parents=True, exist_ok=True)
+            data = f"{step}\n".encode()
+            write_synced(directory / tracker, data)
+            crcs[tracker] = (zlib.crc32(data), len(data))
+    return crcs
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+@dataclass
+class Part:
+    """What one load reads: the target, the format, where (a directory, or a pt file)."""
+
+    name: str | None  # the component, or None for a checkpoint of one format
+    fmt: str
+    state: Any
+    location: Path
+    paths: dict[str, list] | None
+    weights_only: bool = True
+
+    def key(self, k: str) -> str:
+        """A key of this part as the load report names it."""
+        return k if self.name is None else prefix(self.name) + k
+
+
+def saved_spec(manifest: Mapping[str, Any] | None, fallback: Mapping[str, Component]) -> dict:
+    """The components a checkpoint was written with (its manifest), else the engine's own."""
+    recorded = (manifest or {}).get("components")
+    if not recorded:
+        return dict(fallback)
+    return {n: Component(**c) for n, c in recorded.items()}
+
+
+def load_parts(
+    spec: Mapping[str, Component],
+    manifest: Mapping[str, Any] | None,
+    state: Any,
+    directory: Path,
+    step: int | None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[Part]:
+    """One ``Part`` per component the target asks for, located in ``directory``."""
+    from ..errors import StateMismatch
+
+    check_state_names(spec, state, saving=False)
+    saved = saved_spec(manifest, spec)
+    if step is None:
+        step = int((manifest or {}).get("step", -1))
+    absent = [n for n in state if n not in saved]
+    if absent:
+        raise StateMismatch(
+            f"{directory} has no component(s) {absent} (it holds {list(saved)}); nothing was loaded"
+        )
+    paths = (manifest or {}).get("paths") or {}
+    parts = []
+    for name in state:
+        c = saved[name]
+        if c.format != spec[name].format:
+            raise StateMismatch(
+                f"component {name!r} of {directory} is in format {c.format!r}, but this "
+                f"engine declares {spec[name].format!r}; nothing was loaded"
+            )
+        location = directory / c.resolve(name, step, rank, world_size)
+        parts.append(
+            Part(name, c.format, state[name], location, strip(paths, name) or None, c.weights_only)
+        )
+    return parts
