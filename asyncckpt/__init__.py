@@ -21,6 +21,7 @@ from .errors import (
     WorkerDied,
     WriteTimeout,
 )
+from .formats.components import Component
 from .manifest import VerifyReport, verify
 from .retention import (
     CheckpointInfo,
@@ -75,6 +76,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointError",
     "CheckpointInfo",
+    "Component",
     "CorruptCheckpoint",
     "KeepAll",
     "KeepBest",

@@ -74,8 +74,9 @@ class Component:
                 _check_relative(value, what, pt=fmt == "pt" and what == "path")
 
     def resolve(self, name: str, step: int, rank: int = 0, world_size: int = 1) -> str:
-        """The component's path inside the step directory for ``step`` (and ``rank``)."""
-        return _expand(self.path or name, step, rank, world_size)
+        """The component's path inside the step directory for ``step`` (and ``rank``); by
+        default its name (a group's member ``policy.model``: ``policy/model``)."""
+        return _expand(self.path or name.replace(".", "/"), step, rank, world_size)
 
     def resolve_tracker(self, step: int) -> str | None:
         return None if self.tracker is None else _expand(self.tracker, step, 0, 1)
@@ -123,23 +124,39 @@ def _check_relative(value: Any, what: str, *, pt: bool) -> None:
 
 
 def check_spec(spec: Any) -> dict[str, Component]:
-    """``components=`` as given (names -> ``Component`` or a format string), checked:
-    names are non-empty strings without '/', paths distinct and not inside another
-    component's directory. Raises ``ValueError``/``TypeError`` naming the problem."""
+    """``components=`` as given, checked and flattened: names -> ``Component`` (or a format
+    name), or a group of them (``{"policy": {"model": ..., "optimizer": ...}}``: members are
+    named ``"policy.model"``). Names are non-empty strings without '/' or '.'; paths are
+    distinct and none lies inside another component's directory. Raises ``ValueError`` /
+    ``TypeError`` naming the problem."""
     if not isinstance(spec, Mapping) or not spec:
         raise TypeError(
             "components must be a non-empty dict of name -> Component(...) or format name, "
             f"not {spec!r}"
         )
     out: dict[str, Component] = {}
-    for name, c in spec.items():
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"component name {name!r} must be a non-empty string without '/'")
+
+    def add(name: Any, c: Any, group: str | None) -> None:
+        if not isinstance(name, str) or not name or "/" in name or "." in name:
+            raise ValueError(
+                f"component name {name!r} must be a non-empty string without '/' or '.'"
+            )
+        full = name if group is None else f"{group}.{name}"
+        if isinstance(c, Mapping) and group is None and c:
+            for member, mc in c.items():
+                add(member, mc, name)
+            return
         if isinstance(c, str):
             c = Component(c)
         if not isinstance(c, Component):
-            raise TypeError(f"component {name!r} must be a Component or a format name, not {c!r}")
-        out[name] = c
+            raise TypeError(
+                f"component {full!r} must be a Component, a format name or (one level) a "
+                f"dict of them, not {c!r}"
+            )
+        out[full] = c
+
+    for name, c in spec.items():
+        add(name, c, None)
     # Where each one lands (step 0, rank 0 stand for any): two in one place, or one inside a
     # directory another format owns, would overwrite each other's files.
     places = [(f"component {n!r}", c.resolve(n, 0), c.format) for n, c in out.items()]
@@ -156,6 +173,26 @@ def check_spec(spec: Any) -> dict[str, Component]:
                 raise ValueError(
                     f"{who} at {where!r} lies inside {other}'s directory {there!r} ({fmt})"
                 )
+    return out
+
+
+def expand_groups(spec: Mapping[str, Component], state: Any) -> Any:
+    """The state with each group's dict opened into its members (``state["policy"]["model"]``
+    becomes ``"policy.model"``); the objects themselves are not copied (loads are in place)."""
+    if not isinstance(state, Mapping):
+        return state
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        members = [n for n in spec if n.startswith(f"{key}.")]
+        if key in spec or not members:
+            out[key] = value
+            continue
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"state entry {key!r} must be a dict of its components "
+                f"({', '.join(m.split('.', 1)[1] for m in members)}), not {type(value).__name__}"
+            )
+        out.update({f"{key}.{sub}": v for sub, v in value.items()})
     return out
 
 
@@ -199,6 +236,7 @@ def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any
     """Every component's part prepared in its format, keys prefixed by the component name."""
     from .staged import Prepared, prepare, prepare_pt
 
+    state = expand_groups(spec, state)
     check_state_names(spec, state, saving=True)
     tensors: dict = {}
     objects: dict = {}
@@ -312,6 +350,7 @@ def load_parts(
     """One ``Part`` per component the target asks for, located in ``directory``."""
     from ..errors import StateMismatch
 
+    state = expand_groups(spec, state)
     check_state_names(spec, state, saving=False)
     saved = saved_spec(manifest, spec)
     if step is None:
