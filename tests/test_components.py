@@ -343,3 +343,74 @@ def test_cli_ls_and_verify_read_a_root_of_components(tmp_path):
         timeout=120,
     )
     assert p.returncode == 1 and "data/data.pt" in p.stdout + p.stderr
+
+
+# ------------------------------------------------------------------------------ two ranks
+
+MULTI_SPEC = {
+    "policy": "dcp",
+    "shard": Component("pt", path="shards/rank_{rank}_of_{world_size}.pt"),
+    "actor": Component("megatron_legacy", path="actor/iter_{step:07d}", tracker="actor/t.txt"),
+    "data": Component("pt", path="data.pt"),
+}
+
+
+def multi_state(rank: int, world: int, step: int) -> dict:
+    from test_multirank import make_state
+
+    return {
+        "policy": make_state(rank, world, step),
+        "shard": {"mine": torch.full((3,), float(rank * 100 + step))},
+        "actor": {"model": {"w": torch.full((2,), float(rank))}, "iteration": step},
+        "data": {"seen": step * (rank + 1)},  # only rank 0's is written
+    }
+
+
+def save_and_load_on_ranks(rank: int, world: int, root: str) -> dict:
+    from test_multirank import check_loaded, zero_like_state
+
+    with SyncCheckpointEngine(root, components=MULTI_SPEC, dist_timeout=60) as engine:
+        for step in (10, 20):
+            engine.save(step, multi_state(rank, world, step)).committed_sync(timeout=120)
+    target = multi_state(rank, world, 0)
+    target["policy"] = zero_like_state(target["policy"])
+    with SyncCheckpointEngine(root, components=MULTI_SPEC, dist_timeout=60) as engine:
+        step = engine.load_latest(target)
+    check_loaded(target["policy"], rank, world, 20)
+    assert torch.equal(target["shard"]["mine"], torch.full((3,), float(rank * 100 + 20)))
+    assert torch.equal(target["actor"]["model"]["w"], torch.full((2,), float(rank)))
+    assert target["data"] == {"seen": 20}  # rank 0's, read by every rank
+    return step
+
+
+def test_two_ranks_commit_one_step_of_components(tmp_path):
+    from test_multirank import ROWS, full_weight, run_ranks
+
+    root = tmp_path / "ckpt"
+    assert run_ranks(save_and_load_on_ranks, 2, tmp_path, str(root)) == {0: 20, 1: 20}
+    d = root / "global_step_20"
+    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    assert files == [
+        "actor/iter_0000020/mp_rank_00/model_optim_rng.pt",
+        "actor/iter_0000020/mp_rank_01/model_optim_rng.pt",
+        "actor/t.txt",
+        L.MANIFEST,
+        "data.pt",
+        "policy/.metadata",
+        "policy/__0_0.distcp",
+        "policy/__1_0.distcp",
+        "shards/rank_0_of_2.pt",
+        "shards/rank_1_of_2.pt",
+    ]
+    manifest = json.loads((d / L.MANIFEST).read_text())
+    assert set(manifest["files"]) == set(files) - {L.MANIFEST} and manifest["world_size"] == 2
+    assert verify(root).ok
+    # At world size 1, the policy alone: DCP reshards the DTensor into the whole tensor.
+    one = {
+        "policy": {
+            "model": {"w": torch.zeros(ROWS, 3), "bias": torch.zeros(5, dtype=torch.bfloat16)}
+        }
+    }
+    with SyncCheckpointEngine(root, components=MULTI_SPEC) as engine:
+        assert engine.load_latest(one) == 20
+    assert torch.equal(one["policy"]["model"]["w"], full_weight(20))
