@@ -18,6 +18,7 @@ import tempfile
 from typing import Any
 
 import torch
+from statecmp import assert_same
 
 
 def plain_state() -> dict:
@@ -123,28 +124,6 @@ def megatron_expected() -> dict:
         return x.data if isinstance(x, ShardedBase) else x
 
     return unwrap(megatron_state())
-
-
-def assert_same(got: Any, want: Any, path: str = "") -> None:
-    """Recursive equality; tensors compared bit for bit, dtype and shape included."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), (path, got, want)
-        for k in want:
-            assert_same(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), (path, got, want)
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{path}.{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), (path, type(got))
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), (path, got, want)
-        assert torch.equal(_bits(got), _bits(want)), (path, got, want)
-    else:
-        assert got == want, (path, got, want)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def init_gloo() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from statecmp import assert_same
 
 from asyncckpt import (
     CheckpointEngine,
@@ -70,17 +71,6 @@ def blank() -> dict:
         return -1 if isinstance(x, int) else x
 
     return zero(state_at(0))
-
-
-def assert_same(got, want, where="") -> None:
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), where
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), where
-    else:
-        assert got == want, where
 
 
 def save_steps(root: Path, steps, **kw) -> None:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from statecmp import assert_same
 
 from asyncckpt import (
     CheckpointEngine,
@@ -75,23 +76,6 @@ def blank_like(state):
     if isinstance(state, list):
         return [blank_like(v) for v in state]
     return None
-
-
-def assert_same(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 @both_backends

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import rl_loaders as rl
 import torch
+from statecmp import assert_same
 
 from asyncckpt import KeepLast, SyncCheckpointEngine
 from asyncckpt import layout as L
@@ -57,23 +58,6 @@ def rng_state() -> dict:
 
 def data_state(step: int) -> dict:
     return {"_num_yielded": step * 4, "_sampler_iter_state": {"samples_yielded": step * 16}}
-
-
-def assert_same(got, want, where="") -> None:
-    if isinstance(want, dict):
-        assert set(got) == set(want), (where, set(got) ^ set(want))
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{where}[{i}]")
-    elif isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, np.ndarray):
-        assert np.array_equal(got, want), where
-    else:
-        assert got == want, where
 
 
 def run_loader(which: str, path: Path, tmp_path: Path) -> dict:

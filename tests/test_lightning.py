@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from statecmp import assert_same
 
 pytest.importorskip("lightning")
 
@@ -44,22 +45,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _steps(root: Path) -> list[int]:
     return [c.step for c in _layout.scan(root, "global_step")]
-
-
-def _same(a: Any, b: Any, where: str = "") -> None:
-    """Equal, tensors bit for bit (dicts by key; a saved OrderedDict may come back a dict)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}.{i}")
-    else:
-        assert a == b, (where, a, b)
 
 
 def test_retention_policy_mapping() -> None:
@@ -143,8 +128,8 @@ def test_kill_then_resume_restores_the_committed_step(tmp_path: Path) -> None:
             trainer = lt.trainer(latest + 10, [AtStart(), lt.Recorder(out), cb])
 
     assert start["step"] == latest
-    _same(saved["weights"], start["weights"], "weights")
-    _same(saved["optim"], start["optim"], "optim")
+    assert_same(saved["weights"], start["weights"], "weights")
+    assert_same(saved["optim"], start["optim"], "optim")
     assert trainer.global_step == latest + 10
 
     # Retention: KeepBest(2, "loss") | KeepLast(1), over every checkpoint the root had.
@@ -189,11 +174,11 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
     # lr_schedulers list, int-keyed optimizer state), not only what a target asked for.
     saved = given["epoch=0-step=15.ckpt"]
     assert saved["lr_schedulers"] == [] and saved["optimizer_states"][0]["state"]
-    _same(saved, ckpt)
-    _same({f"layer.{k}": v for k, v in model.layer.state_dict().items()}, ckpt["state_dict"])
+    assert_same(saved, ckpt)
+    assert_same({f"layer.{k}": v for k, v in model.layer.state_dict().items()}, ckpt["state_dict"])
     # map_location as torch.load takes it (a CPU run: every form keeps the tensors on the CPU).
     for where in ("cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda storage, loc: storage):
-        _same(saved, io.load_checkpoint(cb.last_model_path, map_location=where))
+        assert_same(saved, io.load_checkpoint(cb.last_model_path, map_location=where))
     with pytest.raises(TypeError, match="map_location=5"):
         io.load_checkpoint(cb.last_model_path, map_location=5)
     # From any process: the checkpoint directory, or the root (its newest).

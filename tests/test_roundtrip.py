@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from statecmp import assert_same
 
 from asyncckpt import CheckpointError, SyncCheckpointEngine
 from asyncckpt import layout as L
@@ -35,31 +36,6 @@ def _model_and_optimizer(seed: int, steps: int) -> tuple[torch.nn.Module, torch.
     return model, optim
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_same(got, want, path: str = "state") -> None:
-    """Recursive equality: same container types and keys, tensors bit for bit."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), (path, got, want)
-        for k in want:
-            _assert_same(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), (path, got, want)
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_same(a, b, f"{path}.{i}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), (path, type(got))
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), path
-        assert torch.equal(_bits(got), _bits(want)), path
-    else:
-        assert got == want, (path, got, want)
-
-
-# ------------------------------------------------------------------- 1. empty containers
-
-
 @pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
 def test_optimizer_before_its_first_step_round_trips(tmp_path: Path, layout, fmt) -> None:
     """AdamW before step() has ``state: {}``; the empty dict must come back (the README's
@@ -72,9 +48,9 @@ def test_optimizer_before_its_first_step_round_trips(tmp_path: Path, layout, fmt
     model2, optim2 = _model_and_optimizer(1, steps=0)
     target = {"model": model2, "optim": optim2, "extra": {}}
     assert _engine(tmp_path, layout, fmt).load_latest(target) == 10
-    _assert_same(optim2.state_dict(), optim.state_dict())
-    _assert_same(model2.state_dict(), model.state_dict())
-    _assert_same(target["extra"], extra)
+    assert_same(optim2.state_dict(), optim.state_dict())
+    assert_same(model2.state_dict(), model.state_dict())
+    assert_same(target["extra"], extra)
     # And the restored optimizer still works.
     model2(torch.randn(2, 4)).sum().backward()
     optim2.step()
@@ -92,7 +68,7 @@ def test_empty_containers_in_a_plain_state_dcp(tmp_path: Path) -> None:
         engine.save(1, state)
     target = {"w": torch.zeros(3), "mixed": [torch.zeros(2), {}, [], {}]}
     assert _engine(tmp_path, "global_step", None).load_latest(target) == 1
-    _assert_same(target, state)
+    assert_same(target, state)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -108,8 +84,8 @@ def test_plain_dcp_load_still_reads_a_state_with_empty_parts(tmp_path: Path) -> 
     model2, optim2 = _model_and_optimizer(1, steps=0)
     target = {"model": model2.state_dict(), "optim": optim2.state_dict(), "cfg": {"n": 0, "e": {}}}
     dcp.load(target, checkpoint_id=str(tmp_path / "global_step_1"), no_dist=True)
-    _assert_same(target["model"], model.state_dict())
-    _assert_same(target["optim"]["param_groups"], optim.state_dict()["param_groups"])
+    assert_same(target["model"], model.state_dict())
+    assert_same(target["optim"]["param_groups"], optim.state_dict()["param_groups"])
     assert target["cfg"]["n"] == 3
 
 
@@ -128,8 +104,8 @@ def test_adamw_state_into_a_fresh_optimizer_bit_for_bit(tmp_path: Path, layout, 
     weight = model2[0].weight
     assert _engine(tmp_path, layout, fmt).load_latest({"model": model2, "optim": optim2}) == 5
     assert model2[0].weight is weight
-    _assert_same(model2.state_dict(), model.state_dict())
-    _assert_same(optim2.state_dict(), optim.state_dict())
+    assert_same(model2.state_dict(), model.state_dict())
+    assert_same(optim2.state_dict(), optim.state_dict())
     assert all(isinstance(k, int) for k in optim2.state_dict()["state"])
 
 
@@ -155,7 +131,7 @@ def test_lists_of_values_replace_the_target_list(tmp_path: Path, layout, fmt) ->
         "tensors": list(tensors),
     }
     assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
-    _assert_same(target, state)
+    assert_same(target, state)
     assert target["tensors"][0] is tensors[0] and target["tensors"][1] is tensors[1]
 
 
@@ -171,16 +147,16 @@ def test_legacy_format_saves_state_dicts_and_restores_in_place(tmp_path: Path) -
     saved = torch.load(
         tmp_path / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True
     )
-    _assert_same(saved["model"], model.state_dict())
-    _assert_same(saved["optimizer"], optim.state_dict())
+    assert_same(saved["model"], model.state_dict())
+    assert_same(saved["optimizer"], optim.state_dict())
     model2, optim2 = _model_and_optimizer(1, steps=0)
     weight = model2[0].weight
     target = {"model": model2, "optimizer": optim2, "iteration": 0}
     assert _engine(tmp_path, "megatron", "torch").load_latest(target) == 7
     assert target["model"] is model2 and target["optimizer"] is optim2
     assert model2[0].weight is weight
-    _assert_same(model2.state_dict(), model.state_dict())
-    _assert_same(optim2.state_dict(), optim.state_dict())
+    assert_same(model2.state_dict(), model.state_dict())
+    assert_same(optim2.state_dict(), optim.state_dict())
     assert target["iteration"] == 7
 
 
@@ -230,8 +206,8 @@ def test_read_torch_dist_without_a_manifest_places_int_keyed_state(tmp_path: Pat
     target = {"model": model2.state_dict(), "optim": optim2.state_dict()}
     td.read_torch_dist(tmp_path, target)
     optim2.load_state_dict(target["optim"])
-    _assert_same(optim2.state_dict(), optim.state_dict())
-    _assert_same(model2.state_dict(), model.state_dict())
+    assert_same(optim2.state_dict(), optim.state_dict())
+    assert_same(model2.state_dict(), model.state_dict())
 
 
 @pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
@@ -260,6 +236,6 @@ def test_a_list_of_stateful_objects_is_restored_in_place(tmp_path: Path, layout,
     assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
     got = [target["models"][0], *target["scheds"]]
     assert all(a is b for a, b in zip(got, objects, strict=True)), got
-    _assert_same(target["models"][0].state_dict(), state["models"][0].state_dict())
+    assert_same(target["models"][0].state_dict(), state["models"][0].state_dict())
     for got, want in zip(target["scheds"], state["scheds"], strict=True):
-        _assert_same(got.state_dict(), want.state_dict())
+        assert_same(got.state_dict(), want.state_dict())
