@@ -73,6 +73,10 @@ def blank() -> dict:
     return zero(state_at(0))
 
 
+def files_in(step_dir: Path) -> list[str]:
+    return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+
+
 def save_steps(root: Path, steps, **kw) -> None:
     with SyncCheckpointEngine(root, components=SPEC, **kw) as engine:
         for step in steps:
@@ -151,7 +155,7 @@ def test_format_and_components_together_are_refused(tmp_path):
 def test_a_step_of_components_round_trips_bit_for_bit(tmp_path):
     save_steps(tmp_path, [10, 20])
     step_dir = tmp_path / "global_step_20"
-    on_disk = sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+    on_disk = files_in(step_dir)
     assert on_disk == [
         "actor/iter_0000020/mp_rank_00/distrib_optim.pt",
         "actor/iter_0000020/mp_rank_00/model_optim_rng.pt",
@@ -379,7 +383,7 @@ def test_two_ranks_commit_one_step_of_components(tmp_path):
     root = tmp_path / "ckpt"
     assert run_ranks(save_and_load_on_ranks, 2, tmp_path, str(root)) == {0: 20, 1: 20}
     d = root / "global_step_20"
-    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    files = files_in(d)
     assert files == [
         "actor/iter_0000020/mp_rank_00/model_optim_rng.pt",
         "actor/iter_0000020/mp_rank_01/model_optim_rng.pt",
