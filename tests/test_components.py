@@ -295,9 +295,9 @@ def test_retention_prunes_whole_steps(tmp_path):
     assert verify(tmp_path).ok
 
 
-@pytest.mark.parametrize(
-    "point", ["before_shard_write", "after_shard_write", "before_metadata", "before_rename"]
-)
+# The two ends of the window: every part written but none committed, and everything durable
+# but not renamed (test_faults kills at every point for a checkpoint of one format).
+@pytest.mark.parametrize("point", ["after_shard_write", "before_rename"])
 def test_a_worker_killed_mid_step_leaves_no_part_of_it(tmp_path, point):
     with SyncCheckpointEngine(tmp_path, components=SPEC) as engine:
         engine.save(10, state_at(10))
