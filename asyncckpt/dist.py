@@ -233,6 +233,15 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def is_dtensor_type(cls: type) -> bool:
+    """``is_dtensor`` for a type: one check for all the tensors of a type in a state."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return issubclass(cls, DTensor)
+
+
 class LocalShard(torch.Tensor):
     """A rank's piece(s) of a global tensor, for DCP's save planner (the _Checkpointable protocol).
 

@@ -42,6 +42,7 @@ from .errors import (
     WorkerDied,
     WriteTimeout,
 )
+from .flatplan import FlattenCache
 from .formats import FORMAT_ALIASES, FORMATS, default_format
 from .formats.components import COMPONENTS, Component, Part, check_spec, load_parts, saved_spec
 from .loadcheck import LoadReport, Vanished
@@ -211,6 +212,8 @@ class _Core:
         self.run_id = uuid.uuid4().hex[:16]
         self.schedule = SaveSchedule(opts.save_every_steps, opts.save_every_seconds)
         self.slots = [StagingSlot(i) for i in range(opts.max_in_flight)]
+        # The last state's flattening, replayed while its structure holds (flatplan.py).
+        self.flatten_cache = FlattenCache()
         self.slot_owner: dict[int, int | None] = {i: None for i in range(opts.max_in_flight)}
         self.cond = threading.Condition()
         self.inflight: dict[int, _InFlight] = {}
@@ -232,6 +235,8 @@ class _Core:
         self.worker_report: Any = None
         self.worker_start_error: str | None = None
         self.arenas_sent: set[int] = set()
+        # The arena sets whose tensor specs the worker has (sent once per layout, not per job).
+        self.specs_sent: set[tuple[int, ...]] = set()
         self.reader: threading.Thread | None = None
         self.lock_fd: int | None = None
         self.restarts = 0
@@ -364,6 +369,7 @@ class _Core:
         events_w.close()
         self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
         self.arenas_sent = set()
+        self.specs_sent = set()
         self.last_event_at = time.monotonic()
 
     def _wait_ready(self) -> None:
@@ -747,7 +753,7 @@ class _Core:
         step = self.check_can_save(step)
         clean = _check_metrics(metrics)
         flat = self.prepare_state(state)
-        key = layout_key(flat.tensors)
+        key = flat.key if flat.key is not None else layout_key(flat.tensors)
         return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
@@ -796,7 +802,7 @@ class _Core:
         step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
         objects, metrics = flat.objects, pending.metrics
         slot = self.slots[slot_idx]
-        pin = any(t.device.type == "cuda" for t in flat.tensors.values())
+        pin = any(t.is_cuda for t in flat.tensors.values())
         t0 = time.perf_counter()
         allocated = slot.ensure(flat.tensors, pin, pending.key)
         t1 = time.perf_counter()
@@ -829,7 +835,7 @@ class _Core:
                 job_id=job_id,
                 step=step,
                 arena_ids=list(slot.arena_ids),
-                specs=list(slot.specs),
+                specs=None,  # the worker has them for these arenas (_send_arenas)
                 objects=objects,
                 paths=flat.paths,
                 metrics=dict(metrics),
@@ -924,15 +930,22 @@ class _Core:
             if aid in self.arenas_sent:
                 self.jobs_conn.send(("drop", aid))
                 self.arenas_sent.discard(aid)
+                self.specs_sent = {k for k in self.specs_sent if aid not in k}
         for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
             if aid not in self.arenas_sent:
                 self.jobs_conn.send(("arena", aid, arena))
                 self.arenas_sent.add(aid)
+        # Where each tensor sits in the arenas depends only on the layout: sent once with
+        # them (20,000 specs pickled per save cost more than the copy of their tensors).
+        key = tuple(slot.arena_ids)
+        if key not in self.specs_sent:
+            self.jobs_conn.send(("specs", key, slot.specs))
+            self.specs_sent.add(key)
 
     def prepare(self, state: Any) -> None:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
         flat = self.prepare_state(state)
-        pin = any(t.device.type == "cuda" for t in flat.tensors.values())
+        pin = any(t.is_cuda for t in flat.tensors.values())
         with self.cond:
             free = [i for i, o in self.slot_owner.items() if o is None]
         for i in free:
@@ -952,7 +965,7 @@ class _Core:
 
         if self.components is not None:
             return components.prepare(self.components, state, rank=self.rank, legacy=self.legacy)
-        return staged.prepare(self.fmt, state, legacy=self.legacy)
+        return staged.prepare(self.fmt, state, legacy=self.legacy, cache=self.flatten_cache)
 
     # ------------------------------------------------------------------ reading the root
     def committed(self) -> list[_layout.CommittedDir]:

@@ -48,7 +48,7 @@ class SaveJob:
     job_id: int
     step: int
     arena_ids: list[int]
-    specs: list[TensorSpec]
+    specs: list[TensorSpec] | None  # None: those sent with the arenas ("specs" message)
     objects: dict[str, bytes]  # {fqn: torch.save bytes}, serialised by the trainer
     paths: dict[str, list]
     metrics: dict[str, float]
@@ -93,8 +93,8 @@ class PruneRequest:
 
 
 # ------------------------------------------------------------------------------ messages
-# engine -> worker: ("arena", arena_id, tensor) | ("drop", arena_id) | ("save", SaveJob)
-#                   | ("prune", request) | ("stop",)
+# engine -> worker: ("arena", arena_id, tensor) | ("specs", arena_ids, [TensorSpec])
+#                   | ("drop", arena_id) | ("save", SaveJob) | ("prune", request) | ("stop",)
 # worker -> engine: ("ready", pid, throttle_report) | ("begin", job_id) | ("released", job_id)
 #                   | ("committed", job_id, stats) | ("failed", job_id, error)
 #                   | ("pruned", job_id, report)
@@ -140,6 +140,7 @@ class Worker:
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
+        self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.io_threads = 1
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
@@ -163,8 +164,11 @@ class Worker:
             kind = msg[0]
             if kind == "arena":
                 self.arenas[msg[1]] = msg[2]
+            elif kind == "specs":
+                self.specs[msg[1]] = msg[2]
             elif kind == "drop":
                 self.arenas.pop(msg[1], None)
+                self.specs = {k: v for k, v in self.specs.items() if msg[1] not in k}
             elif kind == "save":
                 self._save(msg[1])
             elif kind == "prune":
@@ -213,7 +217,7 @@ class Worker:
             tmp.mkdir()
             faults.point("before_shard_write")
             flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
-            for spec in job.specs:
+            for spec in self._specs(job):
                 arena = self.arenas[job.arena_ids[spec.arena]]
                 flat[spec.fqn] = worker_view(arena, spec)
             self.thread_errors.clear()
@@ -240,6 +244,9 @@ class Worker:
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune)
+
+    def _specs(self, job: SaveJob) -> list[TensorSpec]:
+        return job.specs if job.specs is not None else self.specs[tuple(job.arena_ids)]
 
     def _write_format(
         self, flat: dict[str, Any], tmp: Path, job: SaveJob, process_group: Any = None
@@ -293,7 +300,7 @@ class Worker:
                     tmp.mkdir(exist_ok=True)
                     faults.point("before_shard_write")
                     flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
-                    for spec in job.specs:
+                    for spec in self._specs(job):
                         arena = self.arenas[job.arena_ids[spec.arena]]
                         flat[spec.fqn] = worker_view(arena, spec)
                     self.thread_errors.clear()

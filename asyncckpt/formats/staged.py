@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..commit import write_synced
-from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor
+from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
 from ..staging import flatten_state, is_stateful, serialize_objects
 from . import FORMAT_ALIASES as ALIASES
 from .components import COMPONENTS
@@ -42,6 +42,7 @@ class Prepared:
     objects: dict[str, bytes] = field(default_factory=dict)  # DCP key -> torch.save bytes
     paths: dict[str, list] = field(default_factory=dict)  # dcp: fqn -> path (manifest)
     extra: dict[str, Any] = field(default_factory=dict)  # picklable, travels with the job
+    key: tuple | None = None  # staging.layout_key(tensors), where already known
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,13 @@ def _local(t: torch.Tensor, key: str, shards: dict, tensors: dict) -> None:
         tensors[key] = t
 
 
-def prepare(fmt: str, state: Any, *, legacy: LegacyRanks | None = None) -> Prepared:
+def prepare(
+    fmt: str, state: Any, *, legacy: LegacyRanks | None = None, cache: Any = None
+) -> Prepared:
+    """``cache`` (a ``flatplan.FlattenCache``) replays the last save's flattening (dcp)."""
     fmt = ALIASES.get(fmt, fmt)
     if fmt == "dcp":
-        return _prepare_dcp(state)
+        return _prepare_dcp(state, cache)
     if fmt == "torch_dist":
         return _prepare_torch_dist(state)
     if fmt == "megatron_legacy":
@@ -96,13 +100,17 @@ def prepare(fmt: str, state: Any, *, legacy: LegacyRanks | None = None) -> Prepa
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def _prepare_dcp(state: Any) -> Prepared:
-    flat = flatten_state(state)
-    tensors: dict[str, torch.Tensor] = {}
+def _prepare_dcp(state: Any, cache: Any = None) -> Prepared:
+    flat = cache.flatten(state) if cache is not None else flatten_state(state)
+    tensors: dict[str, torch.Tensor] = flat.tensors
     shards: dict[str, tuple[ShardInfo, list[str]]] = {}
-    for fqn, t in flat.tensors.items():
-        _local(t, fqn, shards, tensors)
-    return Prepared(tensors, serialize_objects(flat.objects), flat.paths, {"shards": shards})
+    key = flat.key
+    if any(is_dtensor_type(t) for t in set(map(type, tensors.values()))):
+        tensors, key = {}, None  # the local pieces are what is staged
+        for fqn, t in flat.tensors.items():
+            _local(t, fqn, shards, tensors)
+    objects = serialize_objects(flat.objects)
+    return Prepared(tensors, objects, flat.paths, {"shards": shards}, key=key)
 
 
 def materialize(x: Any) -> Any:

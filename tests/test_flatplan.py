@@ -1,0 +1,115 @@
+"""The flattening plan: replayed only while the state keeps its structure, and then exactly
+what a fresh ``flatten_state`` gives."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from statecmp import assert_same
+
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt.flatplan import FlattenCache, FlattenPlan
+from asyncckpt.staging import flatten_state
+
+
+def make_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    return {
+        "model": model,
+        "optim": optim,
+        "layers": [{"w": torch.randn(2, 2)}, {"w": torch.randn(2, 2)}],
+        "by_id": {0: torch.zeros(3), 7: torch.ones(3, dtype=torch.int64)},
+        "empty": {},
+        "lrs": [0.1, 0.2],
+        "step": seed,
+        "name": "run",
+    }
+
+
+def same_flat(a, b) -> None:
+    assert list(a.tensors) == list(b.tensors) and list(a.objects) == list(b.objects)
+    assert a.paths == b.paths
+    for k in a.tensors:
+        assert a.tensors[k] is b.tensors[k] or torch.equal(a.tensors[k], b.tensors[k]), k
+    assert_same(a.objects, b.objects)
+
+
+def test_replay_is_what_a_fresh_flatten_gives():
+    state = make_state()
+    flat, plan = FlattenPlan.record(state)
+    assert plan is not None
+    same_flat(flat, flatten_state(state))
+    state["step"] = 5  # values change, structure does not
+    state["layers"][1]["w"] = torch.full((2, 2), 3.0)  # a new tensor object of the same shape
+    replayed = plan.replay(state)
+    assert replayed is not None
+    same_flat(replayed, flatten_state(state))
+    assert replayed.tensors["layers.1.w"] is state["layers"][1]["w"]
+    assert replayed.key == tuple((k, t.dtype, tuple(t.shape)) for k, t in replayed.tensors.items())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.update(extra=torch.ones(1)),  # a key added
+        lambda s: s.pop("name"),  # a key removed
+        lambda s: s.update(name2=s.pop("name")),  # renamed: same length
+        lambda s: s["by_id"].update({8: s["by_id"].pop(7)}),  # an int key renamed
+        lambda s: s["layers"].append({"w": torch.zeros(2, 2)}),  # a list grows
+        lambda s: s["layers"][0].update(w=torch.zeros(3, 2)),  # a shape
+        lambda s: s["layers"][0].update(w=torch.zeros(2, 2, dtype=torch.float64)),  # a dtype
+        lambda s: s.update(step=torch.tensor(1)),  # an object becomes a tensor
+        lambda s: s["by_id"].update({0: "gone"}),  # a tensor becomes an object
+        lambda s: s.update(lrs=[torch.ones(1)]),  # a leaf list now holds a tensor
+        lambda s: s.update(empty={"now": 1}),  # an empty dict leaf is no longer empty
+        lambda s: s.update(model=torch.nn.Linear(3, 3)),  # a module of another shape
+    ],
+)
+def test_any_change_of_structure_is_flattened_afresh(change):
+    state = make_state()
+    cache = FlattenCache()
+    cache.flatten(state)
+    change(state)
+    assert cache.plan.replay(state) is None
+    same_flat(cache.flatten(state), flatten_state(state))
+    assert cache.hits == 0
+    cache.flatten(state)  # the new structure's plan
+    assert cache.hits == 1
+
+
+def test_the_plan_does_not_keep_the_first_save_alive():
+    import gc
+    import weakref
+
+    state = {"w": torch.ones(1000)}
+    cache = FlattenCache()
+    cache.flatten(state)
+    ref = weakref.ref(state["w"])
+    state["w"] = torch.zeros(1000)
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_engine_saves_a_state_whose_structure_changes(tmp_path):
+    state = make_state(1)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state)
+        engine.save(2, state)  # replayed
+        changed = copy.deepcopy(state)
+        changed["layers"].append({"w": torch.full((2, 2), 9.0)})
+        changed["step"] = 3
+        engine.save(3, changed)
+        engine.wait()
+        assert engine._core.flatten_cache.hits >= 1
+        target = make_state(0)
+        target["layers"].append({"w": torch.zeros(2, 2)})
+        assert engine.load_latest(target) == 3
+    assert_same(target["layers"], changed["layers"])
+    assert target["step"] == 3
+    assert_same(target["model"].state_dict(), changed["model"].state_dict())
