@@ -268,6 +268,7 @@ class Worker:
             direct_io=self.direct_io,
             step=job.step,
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
+            plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
         )
 
     def _save_multi(self, job: SaveJob) -> None:

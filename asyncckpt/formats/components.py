@@ -296,9 +296,10 @@ def write(
                 crcs[rel] = pt.save_synced(state, target)
         else:
             target.mkdir(parents=True, exist_ok=True)
+            cache = f"{kw['plan_cache']}/{name}" if kw.get("plan_cache") else None
             written = write_format(
                 c.format, strip(views, name), strip(objects, name), part_extra, target,
-                rank=rank, **kw,
+                rank=rank, **{**kw, "plan_cache": cache},
             )  # fmt: skip
             crcs.update({f"{rel}/{k}": v for k, v in written.items()})
         tracker = c.resolve_tracker(step)

@@ -331,6 +331,7 @@ def write(
     direct_io: bool = False,
     step: int = 0,
     world_size: int = 1,
+    plan_cache: str | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written
     (by path relative to ``directory``).
@@ -349,7 +350,7 @@ def write(
         return components.write(
             extra, views, objects, directory, step=step, rank=rank, world_size=world_size,
             process_group=process_group, thread_count=thread_count, pace=pace,
-            direct_io=direct_io,
+            direct_io=direct_io, plan_cache=plan_cache,
         )  # fmt: skip
     shards = extra.get("shards", {})
     if fmt in ("dcp", "torch_dist"):
@@ -369,6 +370,7 @@ def write(
             direct_io=direct_io,
             process_group=process_group,
             planner=_TorchDistPlanner() if megatron else None,  # None: write_flat's default
+            plan_cache=plan_cache,
         )
         if megatron and rank == 0:  # last, as megatron does: "this is a complete checkpoint"
             write_synced(directory / td.CONFIG_FNAME, json.dumps(td.CONFIG).encode())
