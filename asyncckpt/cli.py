@@ -123,13 +123,13 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
         description="List committed checkpoints: step, commit time, size, metrics, status, "
         "what protects them. The status column ('ok' or 'CORRUPT: reason') compares every "
         "file's size with the manifest by default (fast, reads no data: catches missing and "
-        "truncated shards); --verify also reads every byte and checks the crc32 (as `verify`).",
+        "truncated shards); --verify also reads every byte and checks its checksum (as `verify`).",
     )
     _add_root(p)
     p.add_argument(
         "--verify",
         action="store_true",
-        help="check every file's crc32, not only its size (reads the whole root)",
+        help="check every file's checksum, not only its size (reads the whole root)",
     )
     p.set_defaults(func=_run_ls)
 
@@ -171,7 +171,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
             ],
             "leftovers": leftovers,
             "usage": usage,
-            "checked": "sizes" if report.quick else "crc32",
+            "checked": "sizes" if report.quick else "checksums",
         }
         console.print_json(json.dumps(out))
         return 0
@@ -186,7 +186,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
         )
         for c in infos
     ]
-    checked = "sizes" if report.quick else "crc32"
+    checked = "sizes" if report.quick else "checksums"
     cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:

@@ -30,7 +30,7 @@ log = logging.getLogger("asyncckpt.directio")
 
 #: Offsets and lengths of O_DIRECT writes are multiples of this (covers 512 and 4K devices).
 ALIGN = 4096
-#: Bounce buffer per open file: fits the worker core's L2 cache, so the crc32 of each piece
+#: Bounce buffer per open file: fits the worker core's L2 cache, so the checksum of each piece
 #: reads it from cache, and is large enough that one write call moves plenty of bytes.
 BOUNCE_BYTES = 1 << 20
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from crc32c import crc32c as _crc32c
+
 from . import layout as _layout
 from .errors import CorruptCheckpoint
 from .paths import check_local_root
@@ -27,23 +29,49 @@ FORMAT_VERSION = 1
 _CHUNK = 8 << 20
 
 
-def crc32_file(
-    path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None
+#: The checksum new manifests record per file: CRC-32C, computed by the CPU's crc32
+#: instruction (~12 GiB/s here, 4x zlib's crc32), so verifying a checkpoint at load costs a
+#: fraction of reading it. Manifests written before record ``crc32`` (zlib) and still verify.
+CHECKSUM = "crc32c"
+_ALGORITHMS: dict[str, Callable[[Any, int], int]] = {
+    "crc32c": lambda data, value=0: _crc32c(data, value),
+    "crc32": zlib.crc32,
+}
+
+
+def checksum(data: Any, value: int = 0) -> int:
+    """The running CRC-32C of ``data`` after ``value`` (any bytes-like object)."""
+    return _crc32c(data, value)
+
+
+def checksum_file(
+    path: str | os.PathLike,
+    on_bytes: Callable[[int], None] | None = None,
+    algorithm: str = CHECKSUM,
 ) -> tuple[int, int]:
-    """(crc32, size) of a file, read in large chunks (zlib releases the GIL on them).
+    """(checksum, size) of a file, read in large chunks (the checksum releases the GIL).
 
     ``on_bytes(n)`` is called after each chunk (progress bars)."""
+    update = _ALGORITHMS[algorithm]
     crc = 0
     size = 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            crc = update(view[:n], crc)
             size += n
             if on_bytes is not None:
                 on_bytes(n)
     return crc, size
+
+
+def file_checksum(entry: dict[str, Any]) -> tuple[str, int]:
+    """(algorithm, value) a manifest entry records: crc32c, or crc32 in older manifests."""
+    for algorithm in _ALGORITHMS:
+        if algorithm in entry:
+            return algorithm, int(entry[algorithm])
+    raise KeyError(f"no checksum in manifest entry {entry!r}")
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -98,8 +126,8 @@ def build_manifest(
             continue
         size = p.stat().st_size
         known = known_crcs.get(rel)
-        crc = known[0] if known is not None and known[1] == size else crc32_file(p)[0]
-        files[rel] = {"size": size, "crc32": crc}
+        crc = known[0] if known is not None and known[1] == size else checksum_file(p)[0]
+        files[rel] = {"size": size, CHECKSUM: crc}
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -158,7 +186,7 @@ def check_files(
     """Every problem found comparing the files on disk with the manifest (empty: good).
 
     ``quick=True`` checks that every file exists with its size and reads nothing (a truncated
-    or missing shard, not a flipped byte); ``on_bytes`` is passed to ``crc32_file``."""
+    or missing shard, not a flipped byte); ``on_bytes`` is passed to ``checksum_file``."""
     directory = Path(directory)
     problems = []
     for rel, want in manifest.get("files", {}).items():
@@ -172,10 +200,15 @@ def check_files(
             continue
         if quick:
             continue
-        crc, _ = crc32_file(p, on_bytes)
-        if crc != want["crc32"]:
+        try:
+            algorithm, expected = file_checksum(want)
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{rel}: the manifest records no checksum")
+            continue
+        crc, _ = checksum_file(p, on_bytes, algorithm)
+        if crc != expected:
             problems.append(
-                f"{rel}: checksum mismatch (crc32 {crc:#010x} != {want['crc32']:#010x})"
+                f"{rel}: checksum mismatch ({algorithm} {crc:#010x} != {expected:#010x})"
             )
     return problems
 

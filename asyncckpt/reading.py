@@ -21,7 +21,7 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
 
     Tensors come back on the CPU; dicts and lists are rebuilt with their original key types;
     Stateful objects come back as the ``state_dict()`` they were saved as. With ``verify`` the
-    files are checked against the manifest's crc32 first (``CorruptCheckpoint`` on a mismatch).
+    files are checked against the manifest's checksums first (``CorruptCheckpoint`` on a mismatch).
     Only the ``dcp`` format (the ``global_step`` layout's default) is supported.
     """
     import torch.distributed.checkpoint as dcp_api

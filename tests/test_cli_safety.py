@@ -406,7 +406,7 @@ def test_ls_marks_corrupt_checkpoints(root, capsys):
     data = {c["step"]: c for c in json.loads(out)["checkpoints"]}
     assert data[30]["status"].startswith("CORRUPT: ") and "checksum mismatch" in data[30]["status"]
     assert data[20]["status"].startswith("CORRUPT: ") and data[10]["status"] == "ok"
-    assert json.loads(out)["checked"] == "crc32"
+    assert json.loads(out)["checked"] == "checksums"
 
 
 # -- 3: empty and missing roots -----------------------------------------------------------------

@@ -283,3 +283,35 @@ def test_cli_as_a_module(root):
     )
     assert out.returncode == 1, out.stderr
     assert "checksum mismatch" in out.stdout and "newest good: step 2" in out.stdout
+
+
+def test_manifests_record_crc32c_and_older_crc32_manifests_still_verify(tmp_path):
+    """New manifests checksum with CRC-32C; one written before (zlib crc32) still verifies,
+    loads, and still catches a flipped byte."""
+    import json
+    import zlib
+
+    from asyncckpt import SyncCheckpointEngine, verify
+    from asyncckpt.manifest import checksum
+
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, {"w": torch.arange(1000.0)})
+    d = tmp_path / "global_step_1"
+    manifest = json.loads((d / L.MANIFEST).read_text())
+    shard = d / "__0_0.distcp"
+    entry = manifest["files"]["__0_0.distcp"]
+    assert set(entry) == {"size", "crc32c"} and entry["crc32c"] == checksum(shard.read_bytes())
+    # The same checkpoint as an older release wrote it: crc32 entries.
+    for rel, e in manifest["files"].items():
+        e["crc32"] = zlib.crc32((d / rel).read_bytes())
+        del e["crc32c"]
+    (d / L.MANIFEST).write_text(json.dumps(manifest))
+    assert verify(tmp_path).ok
+    target = {"w": torch.zeros(1000)}
+    assert SyncCheckpointEngine(tmp_path).load_latest(target) == 1
+    assert torch.equal(target["w"], torch.arange(1000.0))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 1
+    shard.write_bytes(bytes(data))
+    bad = [c for c in verify(tmp_path).checkpoints if not c.ok]
+    assert bad and "checksum mismatch (crc32 " in bad[0].problems[0]

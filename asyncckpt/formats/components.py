@@ -19,7 +19,6 @@ manifest-less checkpoint's spec from the engine).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from .. import layout as _layout
 from ..commit import write_synced
+from ..manifest import checksum
 
 #: The engine's format name for a checkpoint made of components (recorded in its manifest).
 COMPONENTS = "components"
@@ -307,7 +307,7 @@ def write(
             (directory / tracker).parent.mkdir(parents=True, exist_ok=True)
             data = f"{step}\n".encode()
             write_synced(directory / tracker, data)
-            crcs[tracker] = (zlib.crc32(data), len(data))
+            crcs[tracker] = (checksum(data), len(data))
     return crcs
 
 

@@ -3,7 +3,7 @@
 The worker writes a *flat* state dict whose keys are the same fully-qualified names DCP would
 produce from the nested state, so ``dcp.load(nested_state, checkpoint_id=dir)`` works without
 asyncckpt. Our writer is DCP's ``FileSystemWriter`` with one change: every byte goes through a
-stream that computes its crc32 on the way (no read-back for the manifest) and honours the
+stream that computes its checksum (CRC-32C) on the way (no read-back for the manifest) and honours the
 throttle's rate limit and the ``mid_shard_write`` fault point.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 import warnings
-import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
 from ..directio import DirectFile, open_for_write
+from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful
 from ..throttle import write_all
 
@@ -83,9 +85,9 @@ BUFFER_BYTES = 1 << 20
 
 
 class _ChecksumStream(io.RawIOBase):
-    """A write-only file wrapper that keeps a running crc32 and paces the writer.
+    """A write-only file wrapper that keeps a running checksum and paces the writer.
 
-    Large writes (a tensor's storage) are cut into ``PIECE_BYTES`` pieces: the crc32 of a piece
+    Large writes (a tensor's storage) are cut into ``PIECE_BYTES`` pieces: the checksum of a piece
     reads it from cache right after the copy into the file, and ``pace`` (the throttle's rate
     limit and pause hint) gets a say between pieces instead of once per tensor.
     """
@@ -114,7 +116,7 @@ class _ChecksumStream(io.RawIOBase):
             except OSError as exc:
                 self.error = self.error or exc
                 raise
-            self.crc = zlib.crc32(piece, self.crc)
+            self.crc = checksum(piece, self.crc)
             first = self.size == 0
             self.size += len(piece)
             if first:
@@ -179,7 +181,7 @@ class ChecksumWriter(FileSystemWriter):
     """DCP's FileSystemWriter whose files are checksummed (and paced) while written, with
     ``O_DIRECT`` where ``direct_io`` asks for it and the filesystem allows it.
 
-    ``crcs`` maps each file name written to ``(crc32, size)``; ``.metadata`` is renamed into
+    ``crcs`` maps each file name written to ``(checksum, size)``; ``.metadata`` is renamed into
     place by DCP, so its entry is recorded under the temporary name and recomputed by the
     manifest builder.
     """
@@ -243,8 +245,41 @@ def write_flat(
 # ---------------------------------------------------------------------------------- loading
 
 
+#: The last few ``.metadata`` files read, by (path, inode, mtime, size): a load reads the
+#: metadata for the pre-load check, for the targets and for DCP itself; for a state of 20,000
+#: tensors each unpickling takes ~0.5 s. Committed checkpoints never change in place.
+_METADATA_CACHE: OrderedDict[tuple, Any] = OrderedDict()
+_METADATA_CACHE_SIZE = 2
+_metadata_lock = threading.Lock()
+
+
 def read_dcp_metadata(directory: str | os.PathLike) -> Any:
-    return FileSystemReader(directory).read_metadata()
+    """DCP's ``Metadata`` of the checkpoint in ``directory`` (read once, then cached)."""
+    path = Path(directory) / ".metadata"
+    st = os.stat(path)
+    key = (str(path.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
+    with _metadata_lock:
+        if key in _METADATA_CACHE:
+            _METADATA_CACHE.move_to_end(key)
+            return _METADATA_CACHE[key]
+    metadata = FileSystemReader(directory).read_metadata()
+    with _metadata_lock:
+        _METADATA_CACHE[key] = metadata
+        while len(_METADATA_CACHE) > _METADATA_CACHE_SIZE:
+            _METADATA_CACHE.popitem(last=False)
+    return metadata
+
+
+class CachedMetadataReader(FileSystemReader):
+    """DCP's reader, with the metadata from ``read_dcp_metadata`` (not unpickled again)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:  # a per-rank metadata file: not ours to cache
+            return super().read_metadata(*args, **kwargs)
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
+        return metadata
 
 
 def _encode_path(path: list[PathItem]) -> list:
@@ -324,7 +359,7 @@ def read_flat(
     with _quiet_single_process():
         dcp.load(
             flat,
-            storage_reader=FileSystemReader(directory),
+            storage_reader=CachedMetadataReader(directory),
             process_group=process_group,
             no_dist=process_group is None,
         )

@@ -21,21 +21,21 @@ from typing import Any
 import torch
 
 from ..commit import write_synced
+from ..manifest import checksum
 
 
 def save_synced(obj: Any, path: Path) -> tuple[int, int]:
-    """``torch.save`` ``obj`` to ``path`` and fsync it; returns (crc32, size) of the bytes.
+    """``torch.save`` ``obj`` to ``path`` and fsync it; returns (checksum, size) of the bytes.
 
     Serialised in memory first: a pickling error must not leave half a file behind.
     """
     import io
-    import zlib
 
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
     write_synced(path, data)
-    return zlib.crc32(data), len(data)
+    return checksum(data), len(data)
 
 
 def read(path: str | os.PathLike, *, weights_only: bool = True, mmap: bool = False) -> Any:

@@ -50,7 +50,6 @@ import os
 import pickle
 import sys
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -61,13 +60,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
-    FileSystemReader,
     FileSystemWriter,
     SavePlan,
     StorageWriter,
 )
 
 from ..commit import write_synced
+from ..manifest import checksum
+from .dcp import CachedMetadataReader, read_dcp_metadata
 
 CONFIG_FNAME = "metadata.json"
 COMMON_FNAME = "common.pt"
@@ -267,7 +267,7 @@ def write_torch_dist(
 
     Everything that can fail on bad input (splitting, pickling the common state) happens before
     the first byte is written. ``process_group=None`` is a single-process save (``no_dist``).
-    Returns ``{file name: (crc32, size)}`` for the files written here besides DCP's own.
+    Returns ``{file name: (checksum, size)}`` for the files written here besides DCP's own.
     """
     directory = Path(directory)
     sharded, common = split_common(state)
@@ -314,7 +314,7 @@ def common_bytes(common: dict) -> bytes:
 
 
 def _crc(data: bytes) -> tuple[int, int]:
-    return zlib.crc32(data), len(data)
+    return checksum(data), len(data)
 
 
 @contextlib.contextmanager
@@ -363,7 +363,7 @@ def read_torch_dist(
     sharded, _ = split_common(target_state, target_paths)
     if any(not isinstance(p[0], torch.Tensor) for p in sharded.values()):
         raise TypeError("read_torch_dist takes plain state dicts; use dist_checkpointing.load")
-    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata = read_dcp_metadata(directory)
     # Every tensor the target asks for (DCP raises on one the checkpoint lacks, or of another
     # shape), then those it does not have yet.
     request: dict[str, torch.Tensor] = {k: p[0] for k, p in sharded.items()}
@@ -379,7 +379,7 @@ def read_torch_dist(
     with _quiet_single_process():
         dcp.load(
             request,
-            storage_reader=FileSystemReader(str(directory)),
+            storage_reader=CachedMetadataReader(str(directory)),
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             no_dist=True,
         )

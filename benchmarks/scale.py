@@ -1,0 +1,459 @@
+"""Scale: many small tensors (an MoE-like state) and resume speed, against DCP in one run.
+
+    python benchmarks/scale.py [--counts 1000,10000,20000,100000] [--saves 3] [--big-gb 1]
+    torchrun --nproc-per-node 2 benchmarks/scale.py --counts 20000   # per-rank figures
+
+For each tensor count N (tensors of --tensor-kib KiB, grouped 100 to a dict like experts):
+
+- stall: how long ``await engine.save`` blocks, next to a warm ``torch._foreach_copy_`` of the
+  same tensors into preallocated buffers (the physical floor), and ``dcp.async_save``'s;
+- time to durable: from the save call until it is committed (asyncckpt: the handle; DCP: the
+  future), asyncckpt against ``dcp.async_save`` with the thread executor, and with the process
+  executor and a shared-memory stager where it runs (it fails at large counts: too many open
+  files, and the error is recorded);
+- resume: ``load_latest`` (checksums verified) against plain ``dcp.load`` of the same directory
+  into the same target.
+
+Then one state of --big-gb GiB in 64 MiB tensors: time to durable against a sequential write +
+fsync of the same bytes to the same disk, and load_latest against dcp.load.
+
+Under torchrun every rank saves its own N / world tensors into one shared checkpoint (the
+engine's multi-rank commit) and DCP saves over the same gloo group; each rank reports its own
+figures (JSON per rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+GROUP = 100  # tensors per inner dict (an expert, a layer)
+
+
+def many_state(n: int, kib: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    numel = kib * 1024 // 4
+    experts: dict[str, Any] = {}
+    for i in range(n):
+        experts.setdefault(f"expert{i // GROUP}", {})[f"w{i}"] = torch.randn(numel, generator=g)
+    return {"model": experts, "step": 0}
+
+
+def big_state(nbytes: int, seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    piece = 64 * C.MiB // 4
+    count = max(1, nbytes // (piece * 4))
+    return {"model": {f"w{i}": torch.randn(piece, generator=g) for i in range(count)}, "step": 0}
+
+
+def leaves(state: dict) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in state["model"].values():
+        out.extend(v.values() if isinstance(v, dict) else [v])
+    return out
+
+
+def bump(state: dict, step: int) -> None:
+    state["step"] = step
+    leaves(state)[0].fill_(float(step))  # a change the next save must carry
+
+
+def foreach_reference(tensors: list[torch.Tensor], repeats: int = 5) -> list[float]:
+    dst = [torch.empty_like(t) for t in tensors]
+    torch._foreach_copy_(dst, tensors)  # warm: pages touched
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, tensors)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run_asyncckpt(state: dict, root: Path, saves: int, rank: C.Rank) -> dict[str, Any]:
+    from asyncckpt import CheckpointEngine
+
+    out: dict[str, Any] = {"stalls": [], "durable": [], "first_stall": None}
+    kw: dict[str, Any] = {"handle_sigterm": False}
+    if not rank.distributed:
+        kw.update(rank=0, world_size=1)
+
+    async def main() -> None:
+        async with CheckpointEngine(root, **kw) as engine:
+            for i in range(saves + 1):
+                bump(state, i)
+                t0 = time.perf_counter()
+                handle = await engine.save(i, state)
+                stall = time.perf_counter() - t0
+                await handle.committed()
+                durable = time.perf_counter() - t0
+                if i == 0:  # allocates the arenas and records the plans: reported apart
+                    out["first_stall"], out["first_durable"] = stall, durable
+                else:
+                    out["stalls"].append(stall)
+                    out["durable"].append(durable)
+            out["plan_replays"] = engine._core.flatten_cache.hits
+
+    asyncio.run(main())
+    return out
+
+
+def run_dcp_async(state: dict, root: Path, saves: int, executor: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    out: dict[str, Any] = {"stalls": [], "durable": []}
+    kw: dict[str, Any] = {}
+    typ = AsyncCheckpointerType.THREAD
+    stager = None
+    if executor == "process+shm":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        typ = AsyncCheckpointerType.PROCESS
+        stager = DefaultStager(StagingOptions(False, True, False, False))
+        kw["async_stager"] = stager
+    try:
+        for i in range(saves):
+            bump(state, i)
+            d = root / f"step{i}"
+            t0 = time.perf_counter()
+            fut = dcp.async_save(
+                state,
+                checkpoint_id=str(d),
+                async_checkpointer_type=typ,
+                no_dist=not _dist_on(),
+                **kw,
+            )
+            out["stalls"].append(time.perf_counter() - t0)
+            fut = getattr(fut, "upload_completion", fut)
+            fut.result()
+            out["durable"].append(time.perf_counter() - t0)
+            C.rmtree(d)
+    except Exception as e:  # noqa: BLE001 - recorded: at large counts it fails outright
+        out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        if stager is not None:
+            stager.close()
+    return out
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def zeroed(state: dict) -> dict:
+    def z(v: Any) -> Any:
+        return {k: z(t) for k, t in v.items()} if isinstance(v, dict) else torch.zeros_like(v)
+
+    return {"model": z(state["model"]), "step": -1}
+
+
+def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, Any]:
+    """load_latest (verified) vs dcp.load of the same committed directory, alternated."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import CheckpointEngine, SyncCheckpointEngine
+
+    kw: dict[str, Any] = {"handle_sigterm": False}
+    if not rank.distributed:
+        kw.update(rank=0, world_size=1)
+
+    async def save_one() -> Path:
+        async with CheckpointEngine(root, **kw) as engine:
+            await (await engine.save(1, state)).committed()
+        return root / "global_step_1"
+
+    directory = asyncio.run(save_one())
+    out: dict[str, Any] = {"load_latest": [], "dcp.load": []}
+    target = zeroed(state)
+    for _ in range(repeats):
+        C.barrier(rank)
+        t0 = time.perf_counter()
+        step = SyncCheckpointEngine(root, **kw).load_latest(target)
+        out["load_latest"].append(time.perf_counter() - t0)
+        assert step == 1 and torch.equal(leaves(target)[-1], leaves(state)[-1])
+        C.barrier(rank)
+        t0 = time.perf_counter()
+        dcp.load(target, checkpoint_id=str(directory), no_dist=not _dist_on())
+        out["dcp.load"].append(time.perf_counter() - t0)
+    C.barrier(rank)
+    if rank.rank == 0:
+        C.rmtree(root)
+    return out
+
+
+def measure_count(n: int, args: Any, rank: C.Rank, base: Path) -> dict[str, Any]:
+    per_rank = max(1, n // rank.world)
+    state = many_state(per_rank, args.tensor_kib, seed=rank.rank)
+    tensors = leaves(state)
+    row: dict[str, Any] = {
+        "tensors": n,
+        "tensors_this_rank": per_rank,
+        "bytes_this_rank": sum(t.numel() * t.element_size() for t in tensors),
+        "foreach_copy": foreach_reference(tensors),
+    }
+    C.barrier(rank)
+    row["asyncckpt"] = run_asyncckpt(state, base / f"a{n}", args.saves, rank)
+    C.barrier(rank)
+    if rank.rank == 0:
+        C.rmtree(base / f"a{n}")
+    row["dcp.async_save:thread"] = run_dcp_async(state, base / f"d{n}", args.saves, "thread")
+    if not rank.distributed and n <= args.process_max:
+        C.ensure_single_rank_group(args.dir)
+        row["dcp.async_save:process+shm"] = run_dcp_async(
+            state, base / f"p{n}", args.saves, "process+shm"
+        )
+    C.barrier(rank)
+    row["loads"] = run_loads(state, base / f"l{n}", args.load_repeats, rank)
+    del state, tensors
+    gc.collect()
+    return row
+
+
+def measure_big(args: Any, rank: C.Rank, base: Path) -> dict[str, Any]:
+    state = big_state(int(args.big_gb * C.GiB / rank.world), seed=rank.rank)
+    tensors = leaves(state)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    buf = torch.cat([t.view(-1) for t in tensors]).view(torch.uint8)
+    row: dict[str, Any] = {"bytes_this_rank": nbytes, "tensors_this_rank": len(tensors)}
+    row["raw_write_fsync"] = [C.raw_write(buf, base / "raw") for _ in range(2)]
+    del buf
+    row["asyncckpt"] = run_asyncckpt(state, base / "abig", args.saves, rank)
+    C.barrier(rank)
+    if rank.rank == 0:
+        C.rmtree(base / "abig")
+    row["dcp.async_save:thread"] = run_dcp_async(state, base / "dbig", args.saves, "thread")
+    row["loads"] = run_loads(state, base / "lbig", args.load_repeats, rank)
+    return row
+
+
+def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] | None) -> dict:
+    med = C.med
+    rows = []
+    for n, r in counts.items():
+        a, d = r["asyncckpt"], r["dcp.async_save:thread"]
+        p = r.get("dcp.async_save:process+shm", {})
+        rows.append(
+            {
+                "tensors": n,
+                "foreach_copy_s": med(r["foreach_copy"]),
+                "asyncckpt_stall_s": med(a["stalls"]),
+                "stall_vs_foreach": C.ratio(med(a["stalls"]), med(r["foreach_copy"])),
+                "dcp_thread_stall_s": med(d["stalls"]),
+                "asyncckpt_durable_s": med(a["durable"]),
+                "dcp_thread_durable_s": med(d["durable"]),
+                "durable_vs_dcp_thread": C.ratio(med(a["durable"]), med(d["durable"])),
+                "dcp_process_durable_s": med(p.get("durable", [])),
+                "dcp_process_error": p.get("error") or d.get("error"),
+                "load_latest_s": med(r["loads"]["load_latest"]),
+                "dcp_load_s": med(r["loads"]["dcp.load"]),
+                "load_vs_dcp_load": C.ratio(
+                    med(r["loads"]["load_latest"]), med(r["loads"]["dcp.load"])
+                ),
+            }
+        )
+    out: dict[str, Any] = {
+        "environment": C.environment("cpu"),
+        "rank": rank.rank,
+        "world_size": rank.world,
+        "tensor_kib": args.tensor_kib,
+        "saves": args.saves,
+        "counts": {str(k): v for k, v in counts.items()},
+        "rows": rows,
+        "targets": {
+            "stall_vs_foreach": "<= 2.0 (20k and 100k tensors)",
+            "durable_vs_dcp_thread": "<= 0.5 (20k tensors)",
+            "load_vs_dcp_load": "<= 1.2",
+            "big_raw_vs_durable": ">= 0.8 (1 GiB of large tensors)",
+        },
+    }
+    if big is not None:
+        raw = med(big["raw_write_fsync"])
+        out["big"] = big
+        out["big_summary"] = {
+            "bytes_this_rank": big["bytes_this_rank"],
+            "raw_write_fsync_s": raw,
+            "asyncckpt_durable_s": med(big["asyncckpt"]["durable"]),
+            "dcp_thread_durable_s": med(big["dcp.async_save:thread"]["durable"]),
+            "big_raw_vs_durable": C.ratio(raw, med(big["asyncckpt"]["durable"])),
+            "asyncckpt_stall_s": med(big["asyncckpt"]["stalls"]),
+            "load_latest_s": med(big["loads"]["load_latest"]),
+            "dcp_load_s": med(big["loads"]["dcp.load"]),
+            "load_vs_dcp_load": C.ratio(
+                med(big["loads"]["load_latest"]), med(big["loads"]["dcp.load"])
+            ),
+        }
+    return out
+
+
+def print_report(rep: dict) -> None:
+    cols = [
+        "tensors",
+        "foreach s",
+        "stall s",
+        "stall/foreach",
+        "dcp stall s",
+        "durable s",
+        "dcp durable s",
+        "durable/dcp",
+        "dcp proc durable s",
+        "load_latest s",
+        "dcp.load s",
+        "load/dcp.load",
+    ]
+    keys = [
+        "tensors",
+        "foreach_copy_s",
+        "asyncckpt_stall_s",
+        "stall_vs_foreach",
+        "dcp_thread_stall_s",
+        "asyncckpt_durable_s",
+        "dcp_thread_durable_s",
+        "durable_vs_dcp_thread",
+        "dcp_process_durable_s",
+        "load_latest_s",
+        "dcp_load_s",
+        "load_vs_dcp_load",
+    ]
+    title = (
+        f"scale — {rep['tensor_kib']} KiB tensors, rank {rep['rank']} of {rep['world_size']}, "
+        f"{rep['saves']} saves, load average at start {rep['environment']['load_avg'][0]:.1f}"
+    )
+    C.print_table(title, cols, [[r[k] for k in keys] for r in rep["rows"]])
+    for r in rep["rows"]:
+        if r["dcp_process_error"]:
+            print(f"  {r['tensors']} tensors: DCP failed: {r['dcp_process_error']}")
+    if "big_summary" in rep:
+        b = rep["big_summary"]
+        C.print_table(
+            f"large tensors — {b['bytes_this_rank'] / C.GiB:.2f} GiB this rank",
+            [
+                "raw write+fsync s",
+                "durable s",
+                "raw/durable",
+                "dcp durable s",
+                "stall s",
+                "load_latest s",
+                "dcp.load s",
+                "load/dcp.load",
+            ],  # fmt: skip
+            [
+                [
+                    b["raw_write_fsync_s"],
+                    b["asyncckpt_durable_s"],
+                    b["big_raw_vs_durable"],
+                    b["dcp_thread_durable_s"],
+                    b["asyncckpt_stall_s"],
+                    b["load_latest_s"],
+                    b["dcp_load_s"],
+                    b["load_vs_dcp_load"],
+                ]
+            ],  # fmt: skip
+        )
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rep["rows"]
+    n = [r["tensors"] for r in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    for key, label, style in (
+        ("asyncckpt_stall_s", "asyncckpt", "g-o"),
+        ("foreach_copy_s", "foreach_copy_ (floor)", "k--"),
+        ("dcp_thread_stall_s", "dcp.async_save thread", "C7-s"),
+    ):
+        ax1.plot(n, [r[key] for r in rows], style, label=label)
+    ax1.set_title("stall (s)")
+    for key, label, style in (
+        ("asyncckpt_durable_s", "asyncckpt", "g-o"),
+        ("dcp_thread_durable_s", "dcp.async_save thread", "C7-s"),
+        ("dcp_process_durable_s", "dcp.async_save process+shm", "C1-^"),
+    ):
+        ax2.plot(n, [r[key] for r in rows], style, label=label)
+    ax2.set_title("time to durable (s)")
+    for key, label, style in (
+        ("load_latest_s", "asyncckpt load_latest (verified)", "g-o"),
+        ("dcp_load_s", "dcp.load", "C7-s"),
+    ):
+        ax3.plot(n, [r[key] for r in rows], style, label=label)
+    ax3.set_title("resume (s)")
+    for ax in (ax1, ax2, ax3):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"tensors ({rep['tensor_kib']} KiB each)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"scale, rank {rep['rank']} of {rep['world_size']} (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = C.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--counts", default="1000,10000,20000,100000")
+    p.add_argument("--tensor-kib", type=int, default=4)
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--load-repeats", type=int, default=3)
+    p.add_argument("--big-gb", type=float, default=1.0, help="0: skip the large-tensor case")
+    p.add_argument(
+        "--process-max",
+        type=int,
+        default=20000,
+        help="largest count to try dcp.async_save's process executor with (it fails above)",
+    )
+    args = p.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",") if c.strip()]
+    if args.quick:
+        counts = [c for c in (200, 1000) if c <= max(counts)] or [200]
+        args.saves, args.load_repeats, args.big_gb = 1, 1, min(args.big_gb, 0.06)
+    rank = C.init_rank()
+    C.apply_threads(args)
+    base = args.dir / "scale"
+    if rank.rank == 0:
+        C.rmtree(base)
+    C.barrier(rank)
+    results: dict[int, Any] = {}
+    for n in counts:
+        t0 = time.perf_counter()
+        results[n] = measure_count(n, args, rank, base)
+        print(
+            f"[rank {rank.rank}] {n} tensors measured in {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
+    big = measure_big(args, rank, base) if args.big_gb > 0 else None
+    rep = report(args, rank, results, big)
+    name = f"scale{args.tag}{rank.suffix}"
+    path = C.write_json(args.out, name, rep)
+    if rank.rank == 0 or rank.distributed:
+        print_report(rep)
+    if not args.no_plot:
+        plot(rep, args.out / f"{name}.png")
+    print(f"wrote {path}")
+    C.barrier(rank)
+    if rank.rank == 0:
+        C.rmtree(base)
+    if _dist_on():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return rep
+
+
+if __name__ == "__main__":
+    main()
