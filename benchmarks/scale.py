@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -158,8 +159,21 @@ def zeroed(state: dict) -> dict:
     return {"model": z(state["model"]), "step": -1}
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Evict the checkpoint's files from the page cache (no root needed): a cold resume."""
+    for f in directory.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, Any]:
-    """load_latest (verified) vs dcp.load of the same committed directory, alternated."""
+    """load_latest (checksums verified) vs dcp.load of the same committed directory, each
+    from the same cache state: warm (the files read once just before) and cold (evicted)."""
     import torch.distributed.checkpoint as dcp
 
     from asyncckpt import CheckpointEngine, SyncCheckpointEngine
@@ -174,18 +188,28 @@ def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, 
         return root / "global_step_1"
 
     directory = asyncio.run(save_one())
-    out: dict[str, Any] = {"load_latest": [], "dcp.load": []}
     target = zeroed(state)
+    loaders = {
+        "load_latest": lambda: SyncCheckpointEngine(root, **kw).load_latest(target),
+        "dcp.load": lambda: dcp.load(target, checkpoint_id=str(directory), no_dist=not _dist_on()),
+    }
+    out: dict[str, Any] = {f"{name}:{cache}": [] for name in loaders for cache in ("warm", "cold")}
     for _ in range(repeats):
-        C.barrier(rank)
-        t0 = time.perf_counter()
-        step = SyncCheckpointEngine(root, **kw).load_latest(target)
-        out["load_latest"].append(time.perf_counter() - t0)
-        assert step == 1 and torch.equal(leaves(target)[-1], leaves(state)[-1])
-        C.barrier(rank)
-        t0 = time.perf_counter()
-        dcp.load(target, checkpoint_id=str(directory), no_dist=not _dist_on())
-        out["dcp.load"].append(time.perf_counter() - t0)
+        for cache in ("warm", "cold"):
+            for name, load in loaders.items():
+                C.barrier(rank)
+                if cache == "cold":
+                    drop_page_cache(directory)
+                else:
+                    C.dir_bytes(directory)
+                    for f in directory.rglob("*"):
+                        if f.is_file():
+                            f.read_bytes()
+                C.barrier(rank)
+                t0 = time.perf_counter()
+                load()
+                out[f"{name}:{cache}"].append(time.perf_counter() - t0)
+                assert torch.equal(leaves(target)[-1], leaves(state)[-1])
     C.barrier(rank)
     if rank.rank == 0:
         C.rmtree(root)
@@ -237,6 +261,15 @@ def measure_big(args: Any, rank: C.Rank, base: Path) -> dict[str, Any]:
     return row
 
 
+def load_figures(loads: dict[str, list[float]]) -> dict[str, float]:
+    out = {}
+    for cache in ("warm", "cold"):
+        a, d = C.med(loads[f"load_latest:{cache}"]), C.med(loads[f"dcp.load:{cache}"])
+        out[f"load_latest_{cache}_s"], out[f"dcp_load_{cache}_s"] = a, d
+        out[f"load_vs_dcp_load_{cache}"] = C.ratio(a, d)
+    return out
+
+
 def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] | None) -> dict:
     med = C.med
     rows = []
@@ -255,11 +288,7 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
                 "durable_vs_dcp_thread": C.ratio(med(a["durable"]), med(d["durable"])),
                 "dcp_process_durable_s": med(p.get("durable", [])),
                 "dcp_process_error": p.get("error") or d.get("error"),
-                "load_latest_s": med(r["loads"]["load_latest"]),
-                "dcp_load_s": med(r["loads"]["dcp.load"]),
-                "load_vs_dcp_load": C.ratio(
-                    med(r["loads"]["load_latest"]), med(r["loads"]["dcp.load"])
-                ),
+                **load_figures(r["loads"]),
             }
         )
     out: dict[str, Any] = {
@@ -273,7 +302,8 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
         "targets": {
             "stall_vs_foreach": "<= 2.0 (20k and 100k tensors)",
             "durable_vs_dcp_thread": "<= 0.5 (20k tensors)",
-            "load_vs_dcp_load": "<= 1.2",
+            "load_vs_dcp_load_warm": "<= 1.2",
+            "load_vs_dcp_load_cold": "<= 1.2",
             "big_raw_vs_durable": ">= 0.8 (1 GiB of large tensors)",
         },
     }
@@ -287,79 +317,54 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
             "dcp_thread_durable_s": med(big["dcp.async_save:thread"]["durable"]),
             "big_raw_vs_durable": C.ratio(raw, med(big["asyncckpt"]["durable"])),
             "asyncckpt_stall_s": med(big["asyncckpt"]["stalls"]),
-            "load_latest_s": med(big["loads"]["load_latest"]),
-            "dcp_load_s": med(big["loads"]["dcp.load"]),
-            "load_vs_dcp_load": C.ratio(
-                med(big["loads"]["load_latest"]), med(big["loads"]["dcp.load"])
-            ),
+            **load_figures(big["loads"]),
         }
     return out
 
 
 def print_report(rep: dict) -> None:
-    cols = [
-        "tensors",
-        "foreach s",
-        "stall s",
-        "stall/foreach",
-        "dcp stall s",
-        "durable s",
-        "dcp durable s",
-        "durable/dcp",
-        "dcp proc durable s",
-        "load_latest s",
-        "dcp.load s",
-        "load/dcp.load",
-    ]
-    keys = [
-        "tensors",
-        "foreach_copy_s",
-        "asyncckpt_stall_s",
-        "stall_vs_foreach",
-        "dcp_thread_stall_s",
-        "asyncckpt_durable_s",
-        "dcp_thread_durable_s",
-        "durable_vs_dcp_thread",
-        "dcp_process_durable_s",
-        "load_latest_s",
-        "dcp_load_s",
-        "load_vs_dcp_load",
-    ]
+    columns = {
+        "tensors": "tensors",
+        "foreach_copy_s": "foreach s",
+        "asyncckpt_stall_s": "stall s",
+        "stall_vs_foreach": "stall/foreach",
+        "dcp_thread_stall_s": "dcp stall s",
+        "asyncckpt_durable_s": "durable s",
+        "dcp_thread_durable_s": "dcp durable s",
+        "durable_vs_dcp_thread": "durable/dcp",
+        "dcp_process_durable_s": "dcp proc durable s",
+        "load_vs_dcp_load_warm": "load/dcp.load warm",
+        "load_vs_dcp_load_cold": "load/dcp.load cold",
+    }
     title = (
         f"scale — {rep['tensor_kib']} KiB tensors, rank {rep['rank']} of {rep['world_size']}, "
         f"{rep['saves']} saves, load average at start {rep['environment']['load_avg'][0]:.1f}"
     )
-    C.print_table(title, cols, [[r[k] for k in keys] for r in rep["rows"]])
+    C.print_table(title, list(columns.values()), [[r[k] for k in columns] for r in rep["rows"]])
+    loads = ["load_latest_warm_s", "dcp_load_warm_s", "load_latest_cold_s", "dcp_load_cold_s"]
+    C.print_table(
+        "resume: load_latest (verified) and dcp.load, page cache warm / cold",
+        ["tensors", *loads],
+        [[r["tensors"], *[r[k] for k in loads]] for r in rep["rows"]],
+    )
     for r in rep["rows"]:
         if r["dcp_process_error"]:
             print(f"  {r['tensors']} tensors: DCP failed: {r['dcp_process_error']}")
     if "big_summary" in rep:
         b = rep["big_summary"]
-        C.print_table(
-            f"large tensors — {b['bytes_this_rank'] / C.GiB:.2f} GiB this rank",
-            [
-                "raw write+fsync s",
-                "durable s",
-                "raw/durable",
-                "dcp durable s",
-                "stall s",
-                "load_latest s",
-                "dcp.load s",
-                "load/dcp.load",
-            ],  # fmt: skip
-            [
-                [
-                    b["raw_write_fsync_s"],
-                    b["asyncckpt_durable_s"],
-                    b["big_raw_vs_durable"],
-                    b["dcp_thread_durable_s"],
-                    b["asyncckpt_stall_s"],
-                    b["load_latest_s"],
-                    b["dcp_load_s"],
-                    b["load_vs_dcp_load"],
-                ]
-            ],  # fmt: skip
-        )
+        keys = {
+            "raw_write_fsync_s": "raw write+fsync s",
+            "asyncckpt_durable_s": "durable s",
+            "big_raw_vs_durable": "raw/durable",
+            "dcp_thread_durable_s": "dcp durable s",
+            "asyncckpt_stall_s": "stall s",
+            "load_vs_dcp_load_warm": "load/dcp.load warm",
+            "load_vs_dcp_load_cold": "load/dcp.load cold",
+            "load_latest_cold_s": "load_latest cold s",
+            "dcp_load_cold_s": "dcp.load cold s",
+        }
+        title = f"large tensors — {b['bytes_this_rank'] / C.GiB:.2f} GiB this rank"
+        C.print_table(title, list(keys.values()), [[b[k] for k in keys]])
 
 
 def plot(rep: dict, path: Path) -> None:
@@ -386,8 +391,10 @@ def plot(rep: dict, path: Path) -> None:
         ax2.plot(n, [r[key] for r in rows], style, label=label)
     ax2.set_title("time to durable (s)")
     for key, label, style in (
-        ("load_latest_s", "asyncckpt load_latest (verified)", "g-o"),
-        ("dcp_load_s", "dcp.load", "C7-s"),
+        ("load_latest_warm_s", "load_latest (verified), warm", "g-o"),
+        ("dcp_load_warm_s", "dcp.load, warm", "C7-s"),
+        ("load_latest_cold_s", "load_latest (verified), cold", "g:o"),
+        ("dcp_load_cold_s", "dcp.load, cold", "C7:s"),
     ):
         ax3.plot(n, [r[key] for r in rows], style, label=label)
     ax3.set_title("resume (s)")

@@ -148,3 +148,18 @@ def test_overhead_runs_per_rank_under_torchrun(tmp_path):
         rep = json.loads((out / f"overhead_rank{r}.json").read_text())
         assert rep["rank"] == r and rep["world_size"] == 2
         has(rep["methods"], "asyncckpt", "dcp.save")
+
+
+def test_scale_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("scale.py", tmp_path)
+    has(rep, "environment", "rows", "counts", "targets", "big_summary", "rank", "world_size")
+    assert [r["tensors"] for r in rep["rows"]] == [200, 1000]
+    for r in rep["rows"]:
+        has(r, "foreach_copy_s", "asyncckpt_stall_s", "stall_vs_foreach", "dcp_thread_stall_s")
+        has(r, "asyncckpt_durable_s", "dcp_thread_durable_s", "durable_vs_dcp_thread")
+        has(r, "load_latest_warm_s", "dcp_load_warm_s", "load_vs_dcp_load_warm")
+        has(r, "load_latest_cold_s", "dcp_load_cold_s", "load_vs_dcp_load_cold")
+        assert r["asyncckpt_stall_s"] > 0 and r["asyncckpt_durable_s"] >= r["asyncckpt_stall_s"]
+    has(rep["big_summary"], "raw_write_fsync_s", "asyncckpt_durable_s", "big_raw_vs_durable")
+    # the flattening plan was replayed on the saves after the first
+    assert rep["counts"]["1000"]["asyncckpt"]["plan_replays"] >= 1

@@ -315,3 +315,33 @@ def test_manifests_record_crc32c_and_older_crc32_manifests_still_verify(tmp_path
     shard.write_bytes(bytes(data))
     bad = [c for c in verify(tmp_path).checkpoints if not c.ok]
     assert bad and "checksum mismatch (crc32 " in bad[0].problems[0]
+
+
+def test_a_large_file_is_checksummed_in_parallel_parts_to_the_same_value(tmp_path, monkeypatch):
+    """Parts checksummed by several threads combine into the whole file's CRC (crc32c, and
+    zlib's crc32 for older manifests); any flipped byte in any part changes it."""
+    import random
+    import zlib
+
+    from crc32c import crc32c
+
+    from asyncckpt import manifest as M
+
+    monkeypatch.setattr(M, "_PART_BYTES", 1000)
+    monkeypatch.setattr(M, "_verify_threads", lambda: 3)
+    data = bytearray(random.Random(0).randbytes(10_007))
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(data))
+    seen = []
+    assert M.checksum_file(path, seen.append) == (crc32c(bytes(data)), len(data))
+    assert sum(seen) == len(data) and len(seen) > 3  # read in parts
+    assert M.checksum_file(path, algorithm="crc32") == (zlib.crc32(bytes(data)), len(data))
+    for pos in (0, 4999, 10_006):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x40
+        path.write_bytes(bytes(flipped))
+        assert M.checksum_file(path)[0] != crc32c(bytes(data)), pos
+    for a, b in ((b"", b"x"), (b"abc", b""), (bytes(300), bytes(700))):
+        assert M.crc_combine(crc32c(a), crc32c(b), len(b), M._POLYNOMIALS["crc32c"]) == crc32c(
+            a + b
+        )
