@@ -128,22 +128,14 @@ def crc_combine(crc1: int, crc2: int, len2: int, polynomial: int) -> int:
     def square(mat: list[int]) -> list[int]:
         return [times(mat, mat[n]) for n in range(32)]
 
-    odd = [polynomial] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = square(odd)  # two zero bits
-    odd = square(even)  # four zero bits
-    while True:
-        even = square(odd)
+    one_bit = [polynomial] + [1 << n for n in range(31)]  # the operator for one zero bit
+    op = square(square(square(one_bit)))  # one zero byte
+    while len2:
         if len2 & 1:
-            crc1 = times(even, crc1)
+            crc1 = times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = square(even)
-        if len2 & 1:
-            crc1 = times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = square(op)  # twice as many zero bytes
     return crc1 ^ crc2
 
 

@@ -40,20 +40,24 @@ import common as C  # noqa: E402
 GROUP = 100  # tensors per inner dict (an expert, a layer)
 
 
-def many_state(n: int, kib: int, seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
+def many_state(n: int, kib: int, rank: int = 0) -> dict[str, Any]:
+    """``n`` tensors of ``kib`` KiB; each rank's own (its keys name the rank: a rank's shard of
+    the experts, not a replica that DCP would write once)."""
+    g = torch.Generator().manual_seed(rank)
     numel = kib * 1024 // 4
     experts: dict[str, Any] = {}
     for i in range(n):
-        experts.setdefault(f"expert{i // GROUP}", {})[f"w{i}"] = torch.randn(numel, generator=g)
+        group = experts.setdefault(f"r{rank}_expert{i // GROUP}", {})
+        group[f"w{i}"] = torch.randn(numel, generator=g)
     return {"model": experts, "step": 0}
 
 
-def big_state(nbytes: int, seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
+def big_state(nbytes: int, rank: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(rank)
     piece = 64 * C.MiB // 4
     count = max(1, nbytes // (piece * 4))
-    return {"model": {f"w{i}": torch.randn(piece, generator=g) for i in range(count)}, "step": 0}
+    model = {f"r{rank}_w{i}": torch.randn(piece, generator=g) for i in range(count)}
+    return {"model": model, "step": 0}
 
 
 def leaves(state: dict) -> list[torch.Tensor]:
@@ -146,6 +150,37 @@ def run_dcp_async(state: dict, root: Path, saves: int, executor: str) -> dict[st
     return out
 
 
+def _dcp_process_child(n: int, kib: int, root: str, saves: int, scratch: str) -> dict[str, Any]:
+    C.ensure_single_rank_group(Path(scratch))
+    return run_dcp_async(many_state(n, kib), Path(root), saves, "process+shm")
+
+
+def run_isolated(fn: Any, args: tuple) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh process: DCP's shared-memory stager leaves a descriptor per
+    tensor open in the process that used it (10,000 tensors exhaust a 20,000 fd limit by the
+    next method)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    # Not a Pool: its workers are daemons, and DCP's process executor starts a child.
+    proc = ctx.Process(target=_child, args=(fn, args, results))
+    proc.start()
+    try:
+        return results.get(timeout=1800)
+    except Exception as e:  # noqa: BLE001 - recorded, as the in-process failures are
+        return {"stalls": [], "durable": [], "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        proc.join(60)
+
+
+def _child(fn: Any, args: tuple, results: Any) -> None:
+    try:
+        results.put(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        results.put({"stalls": [], "durable": [], "error": f"{type(e).__name__}: {e}"[:300]})
+
+
 def _dist_on() -> bool:
     import torch.distributed as dist
 
@@ -218,7 +253,7 @@ def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, 
 
 def measure_count(n: int, args: Any, rank: C.Rank, base: Path) -> dict[str, Any]:
     per_rank = max(1, n // rank.world)
-    state = many_state(per_rank, args.tensor_kib, seed=rank.rank)
+    state = many_state(per_rank, args.tensor_kib, rank.rank)
     tensors = leaves(state)
     row: dict[str, Any] = {
         "tensors": n,
@@ -233,9 +268,9 @@ def measure_count(n: int, args: Any, rank: C.Rank, base: Path) -> dict[str, Any]
         C.rmtree(base / f"a{n}")
     row["dcp.async_save:thread"] = run_dcp_async(state, base / f"d{n}", args.saves, "thread")
     if not rank.distributed and n <= args.process_max:
-        C.ensure_single_rank_group(args.dir)
-        row["dcp.async_save:process+shm"] = run_dcp_async(
-            state, base / f"p{n}", args.saves, "process+shm"
+        row["dcp.async_save:process+shm"] = run_isolated(
+            _dcp_process_child,
+            (per_rank, args.tensor_kib, str(base / f"p{n}"), args.saves, str(args.dir)),
         )
     C.barrier(rank)
     row["loads"] = run_loads(state, base / f"l{n}", args.load_repeats, rank)
@@ -245,7 +280,7 @@ def measure_count(n: int, args: Any, rank: C.Rank, base: Path) -> dict[str, Any]
 
 
 def measure_big(args: Any, rank: C.Rank, base: Path) -> dict[str, Any]:
-    state = big_state(int(args.big_gb * C.GiB / rank.world), seed=rank.rank)
+    state = big_state(int(args.big_gb * C.GiB / rank.world), rank.rank)
     tensors = leaves(state)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     buf = torch.cat([t.view(-1) for t in tensors]).view(torch.uint8)
@@ -375,30 +410,29 @@ def plot(rep: dict, path: Path) -> None:
 
     rows = rep["rows"]
     n = [r["tensors"] for r in rows]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
-    for key, label, style in (
-        ("asyncckpt_stall_s", "asyncckpt", "g-o"),
-        ("foreach_copy_s", "foreach_copy_ (floor)", "k--"),
-        ("dcp_thread_stall_s", "dcp.async_save thread", "C7-s"),
-    ):
-        ax1.plot(n, [r[key] for r in rows], style, label=label)
-    ax1.set_title("stall (s)")
-    for key, label, style in (
-        ("asyncckpt_durable_s", "asyncckpt", "g-o"),
-        ("dcp_thread_durable_s", "dcp.async_save thread", "C7-s"),
-        ("dcp_process_durable_s", "dcp.async_save process+shm", "C1-^"),
-    ):
-        ax2.plot(n, [r[key] for r in rows], style, label=label)
-    ax2.set_title("time to durable (s)")
-    for key, label, style in (
-        ("load_latest_warm_s", "load_latest (verified), warm", "g-o"),
-        ("dcp_load_warm_s", "dcp.load, warm", "C7-s"),
-        ("load_latest_cold_s", "load_latest (verified), cold", "g:o"),
-        ("dcp_load_cold_s", "dcp.load, cold", "C7:s"),
-    ):
-        ax3.plot(n, [r[key] for r in rows], style, label=label)
-    ax3.set_title("resume (s)")
-    for ax in (ax1, ax2, ax3):
+    panels = {
+        "stall (s)": [
+            ("asyncckpt_stall_s", "asyncckpt", "g-o"),
+            ("foreach_copy_s", "foreach_copy_ (floor)", "k--"),
+            ("dcp_thread_stall_s", "dcp.async_save thread", "C7-s"),
+        ],
+        "time to durable (s)": [
+            ("asyncckpt_durable_s", "asyncckpt", "g-o"),
+            ("dcp_thread_durable_s", "dcp.async_save thread", "C7-s"),
+            ("dcp_process_durable_s", "dcp.async_save process+shm", "C1-^"),
+        ],
+        "resume (s)": [
+            ("load_latest_warm_s", "load_latest (verified), warm", "g-o"),
+            ("dcp_load_warm_s", "dcp.load, warm", "C7-s"),
+            ("load_latest_cold_s", "load_latest (verified), cold", "g:o"),
+            ("dcp_load_cold_s", "dcp.load, cold", "C7:s"),
+        ],
+    }
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.6))
+    for ax, (title, lines) in zip(axes, panels.items(), strict=True):
+        for key, label, style in lines:
+            ax.plot(n, [r[key] for r in rows], style, label=label)
+        ax.set_title(title)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel(f"tensors ({rep['tensor_kib']} KiB each)")
