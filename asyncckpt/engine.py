@@ -237,6 +237,9 @@ class _Core:
         self.arenas_sent: set[int] = set()
         # The arena sets whose tensor specs the worker has (sent once per layout, not per job).
         self.specs_sent: set[tuple[int, ...]] = set()
+        # The paths dict of the last job sent: a replayed plan hands out the same object, and
+        # the worker keeps the last paths it got (20,000 of them pickled per save add up).
+        self.paths_sent: Any = None
         self.reader: threading.Thread | None = None
         self.lock_fd: int | None = None
         self.restarts = 0
@@ -370,6 +373,7 @@ class _Core:
         self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
         self.arenas_sent = set()
         self.specs_sent = set()
+        self.paths_sent = None
         self.last_event_at = time.monotonic()
 
     def _wait_ready(self) -> None:
@@ -837,7 +841,8 @@ class _Core:
                 arena_ids=list(slot.arena_ids),
                 specs=None,  # the worker has them for these arenas (_send_arenas)
                 objects=objects,
-                paths=flat.paths,
+                # None: the same paths as the last job's (a replayed flattening plan).
+                paths=None if flat.paths is self.paths_sent else flat.paths,
                 metrics=dict(metrics),
                 prune=prune,
                 extra=flat.extra,
@@ -865,6 +870,7 @@ class _Core:
                 with self._sending():
                     self._send_arenas(slot)
                     self.jobs_conn.send(("save", job))
+                    self.paths_sent = flat.paths
         except OSError as e:
             with self.cond:
                 if job_id in self.inflight:

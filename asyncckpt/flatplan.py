@@ -19,6 +19,7 @@ plan). The leaves come out in the recorded order, which is also the staging aren
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from typing import Any
 import torch
 
 from .staging import FlatState, _is_terminal, flatten_state, is_stateful
+
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
 
 #: One step from a container to a child: (parent index, key, call state_dict() on it?).
 _Step = tuple[int, Any, bool]
@@ -40,7 +44,8 @@ class FlattenPlan:
     object_refs: list[tuple[int, Any]]
     tensor_types: list[type]
     object_types: list[type]
-    meta: list[tuple[torch.dtype, tuple[int, ...]]]
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
     # The recorded flattening's names and paths, reused as they are (never its leaves: the
     # plan must not keep the first save's tensors alive).
     tensor_fqns: list[str]
@@ -90,7 +95,8 @@ class FlattenPlan:
             object_refs=object_refs,
             tensor_types=[type(t) for t in tensors],
             object_types=[type(o) for o in flat.objects.values()],
-            meta=[(t.dtype, tuple(t.shape)) for t in tensors],
+            dtypes=[t.dtype for t in tensors],
+            shapes=[t.shape for t in tensors],
             tensor_fqns=list(flat.tensors),
             object_fqns=list(flat.objects),
             paths=flat.paths,
@@ -119,7 +125,8 @@ class FlattenPlan:
         for o in objects:  # a leaf list that now holds a tensor, a leaf dict no longer empty
             if (isinstance(o, list) and not _is_terminal(o)) or (isinstance(o, Mapping) and o):
                 return None
-        if [(t.dtype, tuple(t.shape)) for t in tensors] != self.meta:
+        # dtypes and shapes compared as two C-level lists (half the time of building pairs)
+        if list(map(_DTYPE, tensors)) != self.dtypes or list(map(_SHAPE, tensors)) != self.shapes:
             return None
         return FlatState(
             dict(zip(self.tensor_fqns, tensors, strict=True)),
@@ -134,7 +141,9 @@ class FlattenPlan:
         if self._key is None:
             self._key = tuple(
                 (fqn, dtype, shape)
-                for fqn, (dtype, shape) in zip(self.tensor_fqns, self.meta, strict=True)
+                for fqn, dtype, shape in zip(
+                    self.tensor_fqns, self.dtypes, map(tuple, self.shapes), strict=True
+                )
             )
         return self._key
 

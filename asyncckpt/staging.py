@@ -303,7 +303,8 @@ class StagingSlot:
                 else:
                     copier.add(self.dst_bytes[i], src)
             copier.flush()
-            small = [srcs[i] for i in self.small]
+            # All small (the many-tensor case): the plan's indices are 0..n-1, no gather.
+            small = srcs if len(self.small) == len(srcs) else [srcs[i] for i in self.small]
             if any(t.is_cuda for t in small):
                 cpu_dst, cpu_src = [], []
                 for view, t in zip(self.small_views, small, strict=True):

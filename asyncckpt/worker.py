@@ -50,7 +50,7 @@ class SaveJob:
     arena_ids: list[int]
     specs: list[TensorSpec] | None  # None: those sent with the arenas ("specs" message)
     objects: dict[str, bytes]  # {fqn: torch.save bytes}, serialised by the trainer
-    paths: dict[str, list]
+    paths: dict[str, list] | None  # None: the previous job's
     metrics: dict[str, float]
     faults: dict = field(default_factory=dict)
     prune: Any = None  # a prune request, run after the commit
@@ -141,6 +141,7 @@ class Worker:
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
+        self.last_paths: dict[str, list] = {}
         self.io_threads = 1
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
@@ -200,6 +201,9 @@ class Worker:
 
     def _save(self, job: SaveJob) -> None:
         faults.install(job.faults)
+        if job.paths is None:  # the same as the last job's (engine: paths_sent)
+            job.paths = self.last_paths
+        self.last_paths = job.paths
         if self.config.dist is not None:
             self._save_multi(job)
             return

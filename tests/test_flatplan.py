@@ -113,3 +113,44 @@ def test_an_engine_saves_a_state_whose_structure_changes(tmp_path):
     assert_same(target["layers"], changed["layers"])
     assert target["step"] == 3
     assert_same(target["model"].state_dict(), changed["model"].state_dict())
+
+
+def test_paths_travel_once_per_plan_and_again_to_a_new_worker(tmp_path):
+    """A replayed plan's saves send no paths (the worker keeps the last ones); every manifest
+    still records them, also the first save after the worker was killed and replaced."""
+    import json
+    import os
+    import signal
+    import time
+
+    from asyncckpt import layout as L
+
+    state = make_state(2)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        core = engine._core
+        state["step"] = 1
+        engine.save(1, state)
+        engine.wait()
+        first = core.paths_sent
+        state["step"] = 2
+        engine.save(2, state)
+        engine.wait()
+        assert core.paths_sent is first and core.flatten_cache.hits >= 1
+        pid = engine.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while core.paths_sent is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine notices the death and starts a new worker
+        state["step"] = 3
+        engine.save(3, state)
+        engine.wait()
+        assert engine.worker_pid != pid
+    manifests = [
+        json.loads((tmp_path / f"global_step_{s}" / L.MANIFEST).read_text()) for s in (1, 2, 3)
+    ]
+    assert manifests[0]["paths"] and all(m["paths"] == manifests[0]["paths"] for m in manifests)
+    for step in (1, 2, 3):
+        target = make_state(0)
+        with SyncCheckpointEngine(tmp_path) as engine:
+            assert engine.load(target, step=step) == step
+        assert target["step"] == step and target["by_id"][7].dtype == torch.int64
