@@ -21,7 +21,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,18 @@ KEEP_RESUMED = ("until_newer", "run")
 
 
 @dataclass
+class _WorkerLink:
+    """One worker process's pipe and what was sent down it: the staging arenas it maps, the
+    tensor specs of each arena set, the paths of the last job. A new worker gets a new link,
+    so nothing is assumed of it that was sent to the one before."""
+
+    conn: Any = None
+    arenas: set[int] = field(default_factory=set)
+    specs: set[tuple[int, ...]] = field(default_factory=set)
+    paths: Any = None
+
+
+@dataclass
 class EngineOptions:
     layout: str = "global_step"
     format: str | None = None
@@ -234,12 +246,8 @@ class _Core:
         self.worker_ready = threading.Event()
         self.worker_report: Any = None
         self.worker_start_error: str | None = None
-        self.arenas_sent: set[int] = set()
-        # The arena sets whose tensor specs the worker has (sent once per layout, not per job).
-        self.specs_sent: set[tuple[int, ...]] = set()
-        # The paths dict of the last job sent: a replayed plan hands out the same object, and
-        # the worker keeps the last paths it got (20,000 of them pickled per save add up).
-        self.paths_sent: Any = None
+        # What the current worker holds (arenas, specs, paths); a new worker, a new link.
+        self.link = _WorkerLink()
         self.reader: threading.Thread | None = None
         self.lock_fd: int | None = None
         self.restarts = 0
@@ -371,9 +379,7 @@ class _Core:
         jobs_r.close()
         events_w.close()
         self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
-        self.arenas_sent = set()
-        self.specs_sent = set()
-        self.paths_sent = None
+        self.link = _WorkerLink(jobs_w)
         self.last_event_at = time.monotonic()
 
     def _wait_ready(self) -> None:
@@ -841,8 +847,7 @@ class _Core:
                 arena_ids=list(slot.arena_ids),
                 specs=None,  # the worker has them for these arenas (_send_arenas)
                 objects=objects,
-                # None: the same paths as the last job's (a replayed flattening plan).
-                paths=None if flat.paths is self.paths_sent else flat.paths,
+                paths=flat.paths,  # or None when sent: the worker has them (see below)
                 metrics=dict(metrics),
                 prune=prune,
                 extra=flat.extra,
@@ -868,9 +873,16 @@ class _Core:
                 job.faults = faults.snapshot()
                 sending = True
                 with self._sending():
-                    self._send_arenas(slot)
-                    self.jobs_conn.send(("save", job))
-                    self.paths_sent = flat.paths
+                    # One worker's link throughout: if a new worker replaces it meanwhile, this
+                    # job goes to the dead one (and fails), and the new one gets everything.
+                    link = self.link
+                    self._send_arenas(slot, link)
+                    # A replayed plan hands out the same paths object: the worker keeps the
+                    # last paths it got (20,000 of them pickled into every job add up).
+                    if link.paths is flat.paths:
+                        job.paths = None
+                    link.conn.send(("save", job))
+                    link.paths = flat.paths
         except OSError as e:
             with self.cond:
                 if job_id in self.inflight:
@@ -929,24 +941,24 @@ class _Core:
                 self.proc.kill()
             raise
 
-    def _send_arenas(self, slot: StagingSlot) -> None:
+    def _send_arenas(self, slot: StagingSlot, link: _WorkerLink) -> None:
         # The worker first drops the arenas of this slot's old layout (both processes must
         # let go of them for the shared memory to be freed), then maps the new ones.
         for aid in slot.take_retired():
-            if aid in self.arenas_sent:
-                self.jobs_conn.send(("drop", aid))
-                self.arenas_sent.discard(aid)
-                self.specs_sent = {k for k in self.specs_sent if aid not in k}
+            if aid in link.arenas:
+                link.conn.send(("drop", aid))
+                link.arenas.discard(aid)
+                link.specs = {k for k in link.specs if aid not in k}
         for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
-            if aid not in self.arenas_sent:
-                self.jobs_conn.send(("arena", aid, arena))
-                self.arenas_sent.add(aid)
+            if aid not in link.arenas:
+                link.conn.send(("arena", aid, arena))
+                link.arenas.add(aid)
         # Where each tensor sits in the arenas depends only on the layout: sent once with
         # them (20,000 specs pickled per save cost more than the copy of their tensors).
         key = tuple(slot.arena_ids)
-        if key not in self.specs_sent:
-            self.jobs_conn.send(("specs", key, slot.specs))
-            self.specs_sent.add(key)
+        if key not in link.specs:
+            link.conn.send(("specs", key, slot.specs))
+            link.specs.add(key)
 
     def prepare(self, state: Any) -> None:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
@@ -961,7 +973,7 @@ class _Core:
                     with self._handing_off():
                         self._wait_ready()
                         with self._sending():
-                            self._send_arenas(self.slots[i])
+                            self._send_arenas(self.slots[i], self.link)
                 finally:
                     self._run_deferred_sigterm()
 

@@ -141,7 +141,7 @@ class Worker:
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
-        self.last_paths: dict[str, list] = {}
+        self.last_paths: dict[str, list] | None = None
         self.io_threads = 1
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
@@ -201,7 +201,9 @@ class Worker:
 
     def _save(self, job: SaveJob) -> None:
         faults.install(job.faults)
-        if job.paths is None:  # the same as the last job's (engine: paths_sent)
+        if job.paths is None:  # the same as the last job's (engine: _WorkerLink.paths)
+            if self.last_paths is None:
+                raise RuntimeError("a job without paths reached a worker that has none")
             job.paths = self.last_paths
         self.last_paths = job.paths
         if self.config.dist is not None:

@@ -131,16 +131,18 @@ def test_paths_travel_once_per_plan_and_again_to_a_new_worker(tmp_path):
         state["step"] = 1
         engine.save(1, state)
         engine.wait()
-        first = core.paths_sent
+        link = core.link
+        first = link.paths
         state["step"] = 2
         engine.save(2, state)
         engine.wait()
-        assert core.paths_sent is first and core.flatten_cache.hits >= 1
+        assert link.paths is first and core.flatten_cache.hits >= 1
         pid = engine.worker_pid
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while core.paths_sent is not None and time.monotonic() < deadline:
+        while core.link is link and time.monotonic() < deadline:
             time.sleep(0.05)  # the engine notices the death and starts a new worker
+        assert core.link.paths is None  # the new worker has been sent nothing yet
         state["step"] = 3
         engine.save(3, state)
         engine.wait()
@@ -154,3 +156,33 @@ def test_paths_travel_once_per_plan_and_again_to_a_new_worker(tmp_path):
         with SyncCheckpointEngine(tmp_path) as engine:
             assert engine.load(target, step=step) == step
         assert target["step"] == step and target["by_id"][7].dtype == torch.int64
+
+
+def test_a_save_that_waits_for_a_replaced_worker_sends_it_the_paths(tmp_path):
+    """The worker dies on a job that carried no paths (a replayed plan); the next save, made
+    at once, waits for its slot and the new worker: it must carry the paths (before the fix
+    it was sent without them and its manifest recorded none: a wrong structure at load)."""
+    import json
+
+    from asyncckpt import WorkerDied, faults
+    from asyncckpt import layout as L
+
+    state = make_state(4)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        state["step"] = 1
+        engine.save(1, state).committed_sync(120)
+        faults.inject("before_shard_write", "kill")
+        state["step"] = 2
+        doomed = engine.save(2, state)
+        state["step"] = 3
+        survivor = engine.save(3, state)  # waits for the slot, then for the new worker
+        with pytest.raises(WorkerDied):
+            doomed.committed_sync(120)
+        survivor.committed_sync(120)
+    manifest = json.loads((tmp_path / "global_step_3" / L.MANIFEST).read_text())
+    first = json.loads((tmp_path / "global_step_1" / L.MANIFEST).read_text())
+    assert manifest["paths"] == first["paths"] and manifest["paths"]
+    target = make_state(0)
+    assert SyncCheckpointEngine(tmp_path).load_latest(target) == 3
+    assert target["step"] == 3
+    assert_same(target["layers"], state["layers"])
