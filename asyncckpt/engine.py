@@ -241,7 +241,6 @@ class _Core:
         self.started = False
         self.stopping = False
         self.proc: Any = None
-        self.jobs_conn: Any = None
         self.events_conn: Any = None
         self.worker_ready = threading.Event()
         self.worker_report: Any = None
@@ -378,7 +377,7 @@ class _Core:
             proc.start()
         jobs_r.close()
         events_w.close()
-        self.proc, self.jobs_conn, self.events_conn = proc, jobs_w, events_r
+        self.proc, self.events_conn = proc, events_r
         self.link = _WorkerLink(jobs_w)
         self.last_event_at = time.monotonic()
 
@@ -398,7 +397,7 @@ class _Core:
         finally:
             self.stopping = True
             try:
-                self.jobs_conn.send(("stop",))
+                self.link.conn.send(("stop",))
             except OSError:
                 pass
             self.proc.join(30)
@@ -409,7 +408,7 @@ class _Core:
                 self.reader.join(5)
             for slot in self.slots:
                 slot.release()
-            self.jobs_conn.close()
+            self.link.conn.close()
             self.events_conn.close()
             if self.lock_fd is not None:
                 os.close(self.lock_fd)
