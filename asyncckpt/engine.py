@@ -50,6 +50,7 @@ from .manifest import check_files, fsync_dir, read_manifest
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
+from .storage import RemoteTier, UploadFailed
 from .throttle import ThrottleConfig, WritePause, resolve
 from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
 
@@ -171,14 +172,15 @@ class EngineOptions:
     components: Mapping[str, Any] | None = None  # name -> Component or format (components.py)
     allow_older_steps: bool = False  # save a step below the newest (the tracker stays put)
     keep_resumed: str = "until_newer"  # or "run": protect the resumed-from step all run long
+    remote: RemoteTier | None = None  # publish each commit to an object store (storage/)
+    storage_options: Mapping[str, Any] | None = None  # fsspec options of a URL root
+    spool: str | os.PathLike | None = None  # a URL root's local directory (default: temp dir)
 
 
 class _Core:
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
-        from .paths import check_local_root
-
-        self.root = check_local_root(root)  # a URL is refused, not written to a dir "s3:"
         self.opts = opts
+        self.root, self.remote, self.local_keep = _resolve_root(root, opts)
         self.layout = _layout.check_layout(opts.layout)
         self.components: dict[str, Component] | None = None
         if opts.components is not None:
@@ -272,6 +274,12 @@ class _Core:
                     log.warning(
                         "removed leftovers of an interrupted run in %s: %s", self.root, removed
                     )
+                if self.remote is not None:  # uploads cut by a crash: prefixes with no marker
+                    removed = self.remote.open().clean_leftovers(self.layout)
+                    if removed:
+                        log.warning(
+                            "removed uncommitted uploads in %s: %s", self.remote.url, removed
+                        )
 
         if self.world_size > 1:
             # Rank 0 cleans, then publishes the side store's address (dist.py): the other
@@ -364,6 +372,7 @@ class _Core:
             parent_pid=os.getpid(),
             local_rank=self.local_rank,
             dist=self.dist_cfg,
+            remote=self.remote,
         )
         proc = ctx.Process(
             target=worker_main,
@@ -477,6 +486,15 @@ class _Core:
                 self._release(job)
             elif kind == "committed" and job:
                 self._committed(msg[1], job, msg[2])
+            elif kind == "failed" and job and msg[2].get("upload"):
+                # Committed on disk, not in the store: the save failed as the user asked for it.
+                err = UploadFailed(
+                    f"step {job.handle.step} is committed locally in {self.root} but was not "
+                    f"published to {self.remote.url}: {msg[2]['message']} (the next save "
+                    "uploads it again)"
+                )
+                err.__cause__ = _rebuild_error(msg[2])
+                self._fail(msg[1], err)
             elif kind == "failed" and job:
                 err = SaveFailed(
                     f"save of step {job.handle.step} failed: {msg[2]['type']}: {msg[2]['message']}"
@@ -512,6 +530,9 @@ class _Core:
         s.commit_seconds = st.get("commit_seconds", 0.0)
         s.paused_seconds = st.get("paused_seconds", 0.0)
         s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
+        s.upload_seconds = st.get("upload_seconds", 0.0)
+        s.uploaded_bytes = st.get("uploaded_bytes", 0)
+        s.remote_path = st.get("remote_path")
         self._release(job)
         del self.inflight[job_id]
         if (
@@ -575,6 +596,13 @@ class _Core:
             cause,
             "the trainer wrote the tracker" if self.rank == 0 else "rank 0 writes the tracker",
         )
+        if self.remote is not None:
+            err = UploadFailed(
+                f"step {step} IS committed locally at {final} (it loads), but its worker stopped "
+                f"before it was published to {self.remote.url}; the next save uploads it"
+            )
+            err.__cause__ = cause
+            return err
         self._committed(
             job_id,
             job,
@@ -823,9 +851,9 @@ class _Core:
         faults.point("after_stage")
         handle = SaveHandle(step, stats)
         prune = None
-        if self.opts.keep is not None and self.prunes_here:
+        if self.local_keep is not None and self.prunes_here:
             prune = PruneRequest(
-                policy=self.opts.keep,
+                policy=self.local_keep,
                 # The commit of a newer step ends the protection of the resumed-from one.
                 resumed_from=(
                     self.resumed_from
@@ -1169,20 +1197,28 @@ class _Core:
             )
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
-        if not self._check_root():
+        remote = self._remote_only() if self.remote is not None else {}
+        if not remote and not self._check_root():
             return None
         errors: list[str] = []
         tried: set[Path] = set()
         # A checkpoint pruned under our feet (another process's engine) is skipped quietly;
         # if every one we saw went, newer ones committed meanwhile: look again, a few times.
         for _ in range(3):
-            candidates = [c for c in reversed(self.committed()) if c.path not in tried]
+            local = {c.step: c for c in self.committed()}
+            candidates = [
+                local.get(step) or _layout.CommittedDir(step, self.root / remote[step])
+                for step in sorted(set(local) | set(remote), reverse=True)
+            ]
+            candidates = [c for c in candidates if c.path not in tried]
             if not tried and not candidates:
                 self._check_other_layout()
             vanished = False
             for c in candidates:
                 tried.add(c.path)
                 try:
+                    if c.step not in local:  # newest in the store only: fetch it here first
+                        self._fetch(remote[c.step], c.path)
                     report = self.load_dir(state, c.path, strict, c.step)
                 except StateMismatch:
                     raise  # the caller's mistake: an older checkpoint would not fit either
@@ -1209,6 +1245,31 @@ class _Core:
         raise NoValidCheckpoint(
             f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
         )
+
+    def _remote_only(self) -> dict[int, str]:
+        """Steps committed in the store and not on disk (step -> name), read once per load."""
+        store = self.remote.open()
+        local = {c.step for c in self.committed()}
+        return {c.step: c.name for c in store.committed(self.layout) if c.step not in local}
+
+    def _fetch(self, name: str, final: Path) -> None:
+        """Download a committed checkpoint of the store into the local root, as a commit there
+        (temporary, then rename: a crash mid-download leaves only a leftover)."""
+        from .commit import new_token, rename_into_place
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        step = _layout.parse_dir_name(self.layout, name)
+        tmp_dir = self.root / _layout.tmp_name(self.layout, step, new_token())
+        log.info("fetching %s/%s into %s", self.remote.url, name, final)
+        try:
+            self.remote.open().fetch(name, tmp_dir)
+            rename_into_place(tmp_dir, final)
+        except BaseException:
+            if tmp_dir.exists():
+                from .commit import remove_tree
+
+                remove_tree(tmp_dir)
+            raise
 
     def load(
         self,
@@ -1301,6 +1362,49 @@ def _main_module_hidden() -> Any:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+def _resolve_root(
+    root: str | os.PathLike, opts: EngineOptions
+) -> tuple[Path, RemoteTier | None, RetentionPolicy | None]:
+    """(local root, remote tier, local retention) of an engine.
+
+    A path: that root, ``opts.remote`` as its tier (if any) and ``opts.keep`` on disk. A URL
+    (``s3://bucket/run``): the store is where checkpoints live, with ``opts.keep``; they are
+    written and committed first in a local spool directory, which keeps only the newest (a
+    warm copy for a fast resume on the same machine).
+    """
+    from .paths import check_local_root, is_url
+    from .retention import KeepLast
+
+    if isinstance(root, str) and is_url(root):
+        if opts.remote is not None:
+            raise ValueError(
+                f"{root} is already the remote tier; pass remote= only with a local root"
+            )
+        tier = RemoteTier(root, keep=opts.keep, storage_options=dict(opts.storage_options or {}))
+        spool = Path(opts.spool) if opts.spool is not None else _default_spool(root)
+        return check_local_root(spool), tier, KeepLast(1)
+    if opts.storage_options is not None or opts.spool is not None:
+        raise ValueError(
+            "storage_options= and spool= are for a URL root (s3://...); for a local root with "
+            "an object-store copy pass remote=RemoteTier(url, storage_options=...)"
+        )
+    if opts.remote is not None and not isinstance(opts.remote, RemoteTier):
+        raise TypeError(f"remote must be a RemoteTier, not {opts.remote!r}")
+    return check_local_root(root), opts.remote, opts.keep
+
+
+def _default_spool(url: str) -> Path:
+    """``$ASYNCCKPT_SPOOL`` (or the temp dir)/asyncckpt-spool/<scheme>/<bucket>/<path>."""
+    import tempfile
+
+    base = Path(
+        os.environ.get("ASYNCCKPT_SPOOL") or Path(tempfile.gettempdir()) / "asyncckpt-spool"
+    )
+    scheme, rest = url.split("://", 1)
+    parts = [p for p in rest.split("/") if p not in ("", ".", "..")]
+    return base.joinpath(scheme, *parts)
 
 
 def _worker_lock_path(root: Path, rank: int) -> Path:
@@ -1441,6 +1545,9 @@ class CheckpointEngine:
         allow_older_steps: bool = False,
         keep_resumed: str = "until_newer",
         components: Mapping[str, Component | str | Mapping[str, Component | str]] | None = None,
+        remote: RemoteTier | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        spool: str | os.PathLike | None = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -1469,6 +1576,9 @@ class CheckpointEngine:
                 allow_older_steps=allow_older_steps,
                 keep_resumed=keep_resumed,
                 components=components,
+                remote=remote,
+                storage_options=storage_options,
+                spool=spool,
             ),
         )
 

@@ -44,6 +44,11 @@ POINTS = (
     "before_tracker",  # worker: renamed (committed), tracker not yet updated
     "after_commit",  # worker: tracker updated, before pruning
     "mid_prune",  # worker: a checkpoint renamed to trash, not yet removed
+    # With a remote tier (storage/): after the local commit, before the save's handle resolves.
+    "mid_upload",  # worker: a file of the checkpoint uploaded, the rest not yet
+    "before_marker",  # worker: every file uploaded, the commit marker not yet written
+    "before_remote_tracker",  # worker: the marker written, the store's tracker not yet
+    "mid_remote_prune",  # worker: a remote checkpoint's marker deleted, its files not yet
 )
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
 

@@ -23,6 +23,9 @@ MANIFEST = "asyncckpt_manifest.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LOCK_NAME = ".asyncckpt.lock"
+#: On an object store (no rename), a checkpoint is committed exactly when this object exists
+#: in its prefix: written after every other file, deleted before them (storage/fsspec_store.py).
+COMMIT_MARKER = ".asyncckpt-committed"
 
 _PATTERNS = {
     "global_step": re.compile(r"^global_step_(\d+)$"),

@@ -82,22 +82,34 @@ def _checksum_range(
     algorithm: str,
     on_bytes: Callable[[int], None] | None,
 ) -> int:
-    update = _ALGORITHMS[algorithm]
-    crc = 0
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
-        buf = bytearray(min(_CHUNK, max(length, 1)))
-        view = memoryview(buf)
-        left = length
-        while left > 0:
-            n = f.readinto(view[: min(len(buf), left)])
-            if not n:
-                break  # shorter than when it was measured: the size check reports it
-            crc = update(view[:n], crc)
-            left -= n
-            if on_bytes is not None:
-                on_bytes(n)
-    return crc
+        return checksum_stream(f, on_bytes, algorithm, length)[0]
+
+
+def checksum_stream(
+    f: Any,
+    on_bytes: Callable[[int], None] | None = None,
+    algorithm: str = CHECKSUM,
+    length: int | None = None,
+) -> tuple[int, int]:
+    """(checksum, bytes read) of a binary stream from where it stands: ``length`` bytes, or to
+    its end (an object store's file, read once as it arrives)."""
+    update = _ALGORITHMS[algorithm]
+    crc = 0
+    done = 0
+    buf = bytearray(_CHUNK if length is None else min(_CHUNK, max(length, 1)))
+    view = memoryview(buf)
+    while length is None or done < length:
+        want = len(buf) if length is None else min(len(buf), length - done)
+        n = f.readinto(view[:want])
+        if not n:
+            break  # shorter than when it was measured: the size check reports it
+        crc = update(view[:n], crc)
+        done += n
+        if on_bytes is not None:
+            on_bytes(n)
+    return crc, done
 
 
 #: Files at least twice this size are checksummed in parts, in parallel.

@@ -37,6 +37,10 @@ class SaveStats:
     #: unix time at which the checkpoint committed
     committed_at: float | None = None
     path: str | None = None
+    #: with a remote tier: seconds publishing to the object store, bytes sent, and where
+    upload_seconds: float = 0.0
+    uploaded_bytes: int = 0
+    remote_path: str | None = None
 
     @property
     def blocked_seconds(self) -> float:

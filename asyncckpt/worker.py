@@ -41,6 +41,7 @@ class WorkerConfig:
     parent_pid: int = 0
     local_rank: int = 0  # which block of cores a throttle's cpu_cores count means
     dist: Any = None  # dist.DistConfig when several ranks save together
+    remote: Any = None  # storage.RemoteTier: publish every commit to an object store
 
 
 @dataclass
@@ -142,6 +143,7 @@ class Worker:
         self.arenas: dict[int, torch.Tensor] = {}
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.last_paths: dict[str, list] | None = None
+        self.store: Any = None  # storage.FsspecStore of config.remote, opened at first use
         self.io_threads = 1
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
@@ -240,13 +242,17 @@ class Worker:
             released = True
             t_written = time.perf_counter()
             stats = self._commit(job, tmp, final, crcs, job.paths, {}, t0, t_written)
-            self.events.send(("committed", job.job_id, stats))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
             self._undo(tmp, final, preexisting, job.step)
             if not released:
                 self.events.send(("released", job.job_id))
             self.events.send(("failed", job.job_id, error_info(e)))
             return
+        failed = self._publish(job, stats)
+        if failed is not None:  # committed here, not in the store: no pruning either
+            self.events.send(("failed", job.job_id, failed))
+            return
+        self.events.send(("committed", job.job_id, stats))
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune)
@@ -376,7 +382,42 @@ class Worker:
             info = error_info(e)
             info["message"] = f"rank 0 (commit): {info['message']}"
             return ("failed", info)
+        failed = self._publish(job, stats)
+        if failed is not None:
+            failed["message"] = f"rank 0 (upload): {failed['message']}"
+            return ("failed", failed)
         return ("committed", stats)
+
+    def _publish(self, job: SaveJob, stats: dict[str, Any]) -> dict[str, Any] | None:
+        """With a remote tier: publish the step just committed here, then prune the store.
+
+        Returns None (and adds the upload's figures to ``stats``) or the failure's info, marked
+        as an upload failure: the step stays committed locally, and the next save retries it.
+        """
+        tier = self.config.remote
+        if tier is None:
+            return None
+        from .storage.remote import publish_after_commit
+
+        try:
+            if self.store is None:
+                self.store = tier.open()
+            figures = publish_after_commit(
+                self.store,
+                tier,
+                self.root,
+                self.config.layout,
+                job.step,
+                pinned=job.prune.pinned if job.prune is not None else (),
+                resumed_from=job.prune.resumed_from if job.prune is not None else None,
+            )
+        except BaseException as e:  # noqa: BLE001 - reported on the save's handle
+            info = error_info(e)
+            info["upload"] = True
+            return info
+        stats.update(figures)
+        stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.config.layout, job.step)}"
+        return None
 
     def _commit(
         self,

@@ -1,0 +1,12 @@
+"""Where committed checkpoints live beyond the local disk.
+
+The engine always writes and commits a checkpoint on a local (or mounted) file system first:
+that is where fsync and an atomic rename make a commit (``commit.py``). An object store has no
+rename, so a second tier publishes the committed directory there with a commit marker written
+last (``fsspec_store.FsspecStore``), and ``remote.RemoteTier`` says which store and what to keep
+in it. Nothing in this package imports torch.
+"""
+
+from .remote import RemoteTier, UploadFailed
+
+__all__ = ["RemoteTier", "UploadFailed"]

@@ -1,0 +1,273 @@
+"""Committed checkpoints on an object store (S3, GCS, any fsspec URL), without a rename.
+
+An object store cannot rename a directory atomically, so commit is a marker object
+(``layout.COMMIT_MARKER``) inside the checkpoint's prefix (invariant 10):
+
+- publish: every file of a locally committed checkpoint is uploaded (its manifest, with the
+  CRC-32C of every file, among them), then the marker, last; then the tracker objects.
+- list / load / verify / prune see a checkpoint only when its marker exists: a crash anywhere
+  in an upload leaves a prefix with no marker, invisible and removed by the next ``clean``.
+- delete: the marker first (from then on the checkpoint does not exist), then the rest.
+
+Uploads go file by file through a few threads, each file with retries and backoff and a time
+limit: a stalled upload (a known hang of other trainers' S3 paths) fails the upload with
+``UploadFailed`` instead of hanging the worker. fsspec's S3 and GCS back-ends split large files
+into multi-part uploads themselves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import faults
+from .. import layout as _layout
+from ..manifest import CHECKSUM, file_checksum
+from .remote import UploadFailed
+
+
+@dataclass(frozen=True)
+class RemoteCheckpoint:
+    step: int
+    name: str  # the checkpoint's directory name under the store's root (layout.dir_name)
+
+
+class FsspecStore:
+    """One checkpoint root on an fsspec file system (``s3://bucket/run``, ``gs://...``, ...).
+
+    ``storage_options`` go to ``fsspec.core.url_to_fs`` (e.g. ``endpoint_url``, ``key``,
+    ``secret`` for s3fs). ``timeout`` bounds each file's upload attempt, ``retries`` how many
+    attempts a file gets (with exponential backoff from ``backoff`` seconds).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+        threads: int = 8,
+    ) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is a declared dependency
+            raise UploadFailed("object storage needs fsspec: pip install fsspec") from e
+        self.url = url.rstrip("/")
+        try:
+            self.fs, self.base = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except ImportError as e:
+            scheme = self.url.split("://", 1)[0]
+            raise UploadFailed(
+                f"{self.url}: fsspec has no back-end for {scheme}:// installed "
+                f"(for s3:// pip install s3fs, for gs:// pip install gcsfs): {e}"
+            ) from e
+        self.base = self.base.rstrip("/")
+        self.timeout = timeout
+        self.retries = max(1, retries)
+        self.backoff = backoff
+        self.threads = max(1, threads)
+
+    def path(self, *names: str) -> str:
+        return "/".join([self.base, *names])
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    # ---------------------------------------------------------------- what is committed
+    def committed(self, layout: str) -> list[RemoteCheckpoint]:
+        """Checkpoints whose marker exists, oldest step first (one listing)."""
+        self.fs.invalidate_cache()  # another process (a trainer, the CLI) may have written
+        out = []
+        for marker in self.fs.glob(self.path("*", _layout.COMMIT_MARKER)):
+            name = marker.rstrip("/").split("/")[-2]
+            step = _layout.parse_dir_name(layout, name)
+            if step is not None:
+                out.append(RemoteCheckpoint(step, name))
+        out.sort(key=lambda c: c.step)
+        return out
+
+    def read_manifest(self, name: str) -> dict[str, Any]:
+        return json.loads(self.fs.cat_file(self.path(name, _layout.MANIFEST)))
+
+    def read_tracker(self) -> int | None:
+        try:
+            text = self.fs.cat_file(self.path(_layout.TRACKER)).decode().strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        return int(text) if text.isdigit() else None
+
+    def is_committed(self, name: str) -> bool:
+        return self.fs.exists(self.path(name, _layout.COMMIT_MARKER))
+
+    # ---------------------------------------------------------------- publish
+    def publish(
+        self, local_dir: Path, name: str, on_bytes: Callable[[int], None] | None = None
+    ) -> int:
+        """Upload a locally committed checkpoint as ``name``, marker last; returns the bytes.
+
+        A prefix of that name without a marker is a crashed upload: replaced. One with a marker
+        is already committed: ``FileExistsError`` (a step is never overwritten in place).
+        """
+        if self.is_committed(name):
+            raise FileExistsError(f"{self.url_of(name)} is already committed")
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.is_symlink())
+        # The manifest goes up last of the files: a reader that found the marker finds it too.
+        files.sort(key=lambda p: p.name == _layout.MANIFEST)
+        rest, manifest = files[:-1], files[-1:]
+        total = 0
+        for group in (rest, manifest):
+            total += self._put_all(
+                [(p, self.path(name, *p.relative_to(local_dir).parts)) for p in group], on_bytes
+            )
+        faults.point("before_marker")
+        marker = json.dumps({"step_dir": name, "committed_at": time.time()}).encode()
+        self._with_retries(f"{name}/{_layout.COMMIT_MARKER}", self._pipe, name, marker)
+        return total
+
+    def _pipe(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(name, _layout.COMMIT_MARKER), data)
+
+    def _put_all(
+        self, files: list[tuple[Path, str]], on_bytes: Callable[[int], None] | None
+    ) -> int:
+        if not files:
+            return 0
+        total = 0
+        with cf.ThreadPoolExecutor(min(self.threads, len(files))) as pool:
+            futures = [
+                pool.submit(self._with_retries, remote, self._put_one, local, remote)
+                for local, remote in files
+            ]
+            for (local, _), fut in zip(files, futures, strict=True):
+                fut.result()
+                size = local.stat().st_size
+                total += size
+                if on_bytes is not None:
+                    on_bytes(size)
+        return total
+
+    def _put_one(self, local: Path, remote: str) -> None:
+        self.fs.put_file(os.fspath(local), remote)
+        faults.point("mid_upload")
+
+    def _with_retries(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` with a time limit per attempt and backoff between attempts.
+
+        An attempt that overruns ``timeout`` is abandoned (its thread cannot be killed; it is
+        left to finish or fail on its own) and counts as a failure, so a stalled connection
+        fails the upload clearly instead of hanging the worker.
+        """
+        last: BaseException | None = None
+        for attempt in range(self.retries):
+            pool = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-upload")
+            try:
+                pool.submit(fn, *args).result(timeout=self.timeout)
+                return
+            except cf.TimeoutError:
+                last = TimeoutError(f"no answer within {self.timeout:g} s")
+            except FileNotFoundError as e:  # a local file went away: retrying cannot help
+                raise UploadFailed(f"uploading {what} to {self.url}: {e}") from e
+            except OSError as e:  # fsspec turns the service's errors into OSErrors
+                last = e
+            finally:
+                pool.shutdown(wait=False)
+            if attempt + 1 < self.retries:
+                time.sleep(self.backoff * 2**attempt)
+        raise UploadFailed(
+            f"uploading {what} to {self.url} failed after {self.retries} attempt(s): {last}"
+        ) from last
+
+    def write_tracker(self, layout: str, step: int) -> bool:
+        """Point the store's tracker object(s) at ``step`` (after its marker); forward only.
+
+        A PUT of a small object replaces it whole, which is what a tracker needs."""
+        faults.point("before_remote_tracker")
+        current = self.read_tracker()
+        if (
+            current is not None
+            and current > step
+            and self.is_committed(_layout.dir_name(layout, current))
+        ):
+            return False
+        for tracker in _layout.tracker_names(layout):
+            self._with_retries(tracker, self.fs.pipe_file, self.path(tracker), f"{step}\n".encode())
+        return True
+
+    # ---------------------------------------------------------------- read back
+    def fetch(self, name: str, local_dir: Path) -> None:
+        """Download committed checkpoint ``name`` into the new directory ``local_dir``."""
+        if not self.is_committed(name):
+            raise FileNotFoundError(f"{self.url_of(name)} is not committed (no marker)")
+        local_dir.mkdir(parents=True)
+        prefix = self.path(name)
+        for remote in self.fs.find(prefix):
+            rel = remote[len(prefix) + 1 :]
+            if rel == _layout.COMMIT_MARKER:
+                continue
+            target = local_dir.joinpath(*rel.split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(remote, os.fspath(target))
+
+    def check(self, name: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
+        """Problems of committed checkpoint ``name`` against its manifest (empty: it verifies).
+
+        Every file is streamed once from the store and checksummed as it arrives."""
+        from ..manifest import checksum_stream
+
+        try:
+            manifest = self.read_manifest(name)
+        except (OSError, ValueError) as e:
+            return [f"{_layout.MANIFEST}: unreadable ({e})"]
+        problems = []
+        for rel, want in sorted(manifest.get("files", {}).items()):
+            algorithm, crc = file_checksum(want)
+            try:
+                with self.fs.open(self.path(name, rel), "rb") as f:
+                    got, size = checksum_stream(f, on_bytes, algorithm)
+            except FileNotFoundError:
+                problems.append(f"{rel}: missing")
+                continue
+            if size != int(want.get("size", -1)):
+                problems.append(f"{rel}: size {size}, expected {want.get('size')}")
+            elif got != crc:
+                problems.append(f"{rel}: {algorithm} mismatch")
+        return problems
+
+    # ---------------------------------------------------------------- delete
+    def delete(self, name: str) -> None:
+        """Marker first (the checkpoint stops existing), then every other object."""
+        if self.fs.exists(self.path(name, _layout.COMMIT_MARKER)):
+            self.fs.rm_file(self.path(name, _layout.COMMIT_MARKER))
+        faults.point("mid_remote_prune")
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def clean_leftovers(self, layout: str) -> list[str]:
+        """Remove prefixes named like checkpoints but holding no marker (crashed uploads or
+        deletes). Call it only where no other writer uploads to the same root."""
+        self.fs.invalidate_cache()
+        committed = {c.name for c in self.committed(layout)}
+        removed = []
+        try:
+            entries = self.fs.ls(self.base, detail=False)
+        except FileNotFoundError:  # nothing written under the root yet
+            return []
+        for entry in entries:
+            name = entry.rstrip("/").split("/")[-1]
+            if _layout.parse_dir_name(layout, name) is not None and name not in committed:
+                self.fs.rm(entry, recursive=True)
+                removed.append(name)
+        return removed
+
+
+__all__ = ["CHECKSUM", "FsspecStore", "RemoteCheckpoint"]

@@ -1,0 +1,284 @@
+"""Object storage (issue 12): checkpoints published to a real S3 API (moto server on loopback).
+
+The store's rules (invariant 10): a checkpoint is committed exactly when its marker exists,
+written after every file and deleted before them; nothing without a marker is listed, loaded
+or verified. The engine writes and commits locally first, then publishes; a save's handle
+resolves once the checkpoint is committed in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from s3server import s3, s3_endpoint  # noqa: F401 - fixtures
+from statecmp import assert_same
+
+from asyncckpt import KeepEvery, KeepLast, SyncCheckpointEngine, faults
+from asyncckpt import layout as L
+from asyncckpt.storage import RemoteTier, UploadFailed
+from asyncckpt.storage.fsspec_store import FsspecStore
+
+
+def make_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+    return {"model": model, "step_count": seed, "opt": {"lr": 0.1 * seed}}
+
+
+def blank() -> dict:
+    return {
+        "model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)},
+        "step_count": -1,
+        "opt": {"lr": 0.0},
+    }
+
+
+def remote_steps(s3) -> list[int]:
+    return [c.step for c in FsspecStore(s3.url, s3.options).committed("global_step")]
+
+
+# ------------------------------------------------------------------ the store on its own
+def test_marker_makes_the_commit_and_goes_first(s3, tmp_path):
+    local = tmp_path / "root"
+    with SyncCheckpointEngine(local) as eng:
+        eng.save(1, make_state(1))
+        eng.save(2, make_state(2))
+    store = FsspecStore(s3.url, s3.options)
+    store.publish(local / "global_step_1", "global_step_1")
+    fs = s3.fs()
+    # Every file of the checkpoint went up, manifest included, and the marker with them.
+    assert sorted(p.split("/")[-1] for p in fs.find(f"{s3.bucket}/run/global_step_1")) == sorted(
+        [*(p.name for p in (local / "global_step_1").iterdir()), L.COMMIT_MARKER]
+    )
+    assert [c.step for c in store.committed("global_step")] == [1]
+    assert store.check("global_step_1") == []
+    # An upload cut before its marker: the files are there, the checkpoint is not.
+    faults.inject("before_marker", "raise")
+    with pytest.raises(RuntimeError):
+        store.publish(local / "global_step_2", "global_step_2")
+    assert fs.exists(f"{s3.bucket}/run/global_step_2/{L.MANIFEST}")
+    assert [c.step for c in store.committed("global_step")] == [1]
+    with pytest.raises(FileNotFoundError, match="not committed"):
+        store.fetch("global_step_2", tmp_path / "fetched")
+    assert store.clean_leftovers("global_step") == ["global_step_2"]
+    assert not fs.exists(f"{s3.bucket}/run/global_step_2")
+    # A committed step is never overwritten in place.
+    with pytest.raises(FileExistsError):
+        store.publish(local / "global_step_1", "global_step_1")
+    # Delete: marker first; a crash after it leaves no checkpoint, only files to clean.
+    faults.inject("mid_remote_prune", "raise")
+    with pytest.raises(RuntimeError):
+        store.delete("global_step_1")
+    assert store.committed("global_step") == []
+    assert fs.exists(f"{s3.bucket}/run/global_step_1/{L.MANIFEST}")
+    assert store.clean_leftovers("global_step") == ["global_step_1"]
+
+
+def test_store_check_finds_a_corrupt_or_missing_file(s3, tmp_path):
+    local = tmp_path / "root"
+    with SyncCheckpointEngine(local) as eng:
+        eng.save(3, make_state(3))
+    store = FsspecStore(s3.url, s3.options)
+    store.publish(local / "global_step_3", "global_step_3")
+    fs = s3.fs()
+    shard = next(p for p in fs.find(f"{s3.bucket}/run/global_step_3") if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    problems = store.check("global_step_3")
+    assert len(problems) == 1 and "mismatch" in problems[0]
+    fs.rm_file(shard)
+    assert store.check("global_step_3") == [f"{shard.split('/')[-1]}: missing"]
+
+
+def test_remote_tracker_moves_forward_only(s3, tmp_path):
+    local = tmp_path / "root"
+    with SyncCheckpointEngine(local) as eng:
+        eng.save(4, make_state(4))
+        eng.save(5, make_state(5))
+    store = FsspecStore(s3.url, s3.options)
+    for name in ("global_step_4", "global_step_5"):
+        store.publish(local / name, name)
+    assert store.write_tracker("global_step", 5)
+    assert not store.write_tracker("global_step", 4)
+    assert store.read_tracker() == 5
+    fs = s3.fs()
+    assert fs.cat_file(f"{s3.bucket}/run/{L.SKYRL_TRACKER}") == b"5\n"
+
+
+# ------------------------------------------------------------------ the engine
+def test_url_root_saves_prunes_and_resumes_on_a_new_machine(s3, tmp_path):
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=tmp_path / "spool1", keep=KeepLast(2)
+    ) as eng:
+        for step in (10, 20, 30):
+            handle = eng.save(step, make_state(step))
+        stats = handle.committed_sync(60)
+        eng.wait()
+    assert stats.remote_path == f"{s3.url}/global_step_30"
+    assert stats.uploaded_bytes > 0 and stats.upload_seconds > 0
+    assert remote_steps(s3) == [20, 30]
+    assert FsspecStore(s3.url, s3.options).read_tracker() == 30
+    # The spool keeps only the newest: the store is where checkpoints live.
+    assert [c.step for c in L.scan(tmp_path / "spool1", "global_step")] == [30]
+    # A new machine: an empty spool, the newest checkpoint fetched from the store.
+    state = blank()
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=tmp_path / "spool2"
+    ) as eng:
+        assert eng.load_latest(state) == 30
+    assert_same(state, make_state(30))
+
+
+def test_tiered_each_tier_keeps_its_own(s3, tmp_path):
+    tier = RemoteTier(s3.url, keep=KeepEvery(20), storage_options=s3.options)
+    root = tmp_path / "fast"
+    with SyncCheckpointEngine(root, keep=KeepLast(2), remote=tier) as eng:
+        for step in range(10, 70, 10):
+            eng.save(step, make_state(step))
+        eng.wait()
+    assert [c.step for c in L.scan(root, "global_step")] == [50, 60]
+    assert remote_steps(s3) == [20, 40, 60]  # every 20th, and the newest
+    # The newest good one from either tier: remote 40 is fetched when the local ones are gone.
+    import shutil
+
+    for name in ("global_step_50", "global_step_60"):
+        shutil.rmtree(root / name)
+    FsspecStore(s3.url, s3.options).delete("global_step_60")
+    state = blank()
+    with SyncCheckpointEngine(root, remote=tier) as eng:
+        assert eng.load_latest(state) == 40
+    assert_same(state, make_state(40))
+    assert (root / "global_step_40" / L.MANIFEST).exists()
+
+
+def test_corrupt_remote_checkpoint_falls_back_loudly(s3, tmp_path):
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s1") as eng:
+        eng.save(1, make_state(1))
+        eng.save(2, make_state(2))
+    fs = s3.fs()
+    shard = next(p for p in fs.find(f"{s3.bucket}/run/global_step_2") if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[-1] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    state = blank()
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s2") as eng:
+        with pytest.warns(UserWarning, match="step 2 .* unusable"):
+            assert eng.load_latest(state) == 1
+    assert_same(state, make_state(1))
+
+
+def test_plain_dcp_loads_from_the_bucket_without_asyncckpt(s3, tmp_path):
+    state = make_state(7)
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
+        eng.save(7, state)
+    torch.save(state["model"], tmp_path / "want.pt")
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        target = {{"model": {{"w": torch.zeros(64, 32), "b": torch.zeros(32)}}}}
+        reader = FsspecReader("{s3.url}/global_step_7", **{s3.options!r})
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        want = torch.load({str(tmp_path / "want.pt")!r})
+        assert all(torch.equal(target["model"][k], want[k]) for k in want), "differs"
+        assert not any(m.startswith("asyncckpt") for m in sys.modules), "asyncckpt imported"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
+def test_failed_upload_fails_the_save_keeps_the_local_commit_and_is_retried(s3, tmp_path):
+    fs = s3.fs()
+    url = f"s3://{s3.bucket}-later/run"  # no such bucket yet
+    tier = RemoteTier(url, storage_options=s3.options, retries=1)
+    root = tmp_path / "fast"
+    with SyncCheckpointEngine(root, remote=tier) as eng:
+        handle = eng.save(1, make_state(1))
+        with pytest.raises(UploadFailed, match="committed locally") as info:
+            handle.committed_sync(60)
+        assert "global_step_1" in str(info.value) or "step 1" in str(info.value)
+        assert [c.step for c in L.scan(root, "global_step")] == [1]
+        fs.mkdir(f"{s3.bucket}-later")
+        eng.save(2, make_state(2)).committed_sync(60)
+    store = FsspecStore(url, s3.options)
+    assert [c.step for c in store.committed("global_step")] == [1, 2]  # 1 caught up
+    assert store.check("global_step_1") == [] and store.read_tracker() == 2
+
+
+def test_a_stalled_upload_times_out_instead_of_hanging(s3, tmp_path):
+    tier = RemoteTier(s3.url, storage_options=s3.options, timeout=0.5, retries=2)
+    faults.inject("mid_upload", "delay", seconds=3.0)
+    with SyncCheckpointEngine(tmp_path / "fast", remote=tier) as eng:
+        handle = eng.save(1, make_state(1))
+        with pytest.raises(UploadFailed, match=r"no answer within 0.5 s"):
+            handle.committed_sync(60)
+        faults.clear()
+    assert remote_steps(s3) == []
+
+
+@pytest.mark.parametrize(
+    "point", ["mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune"]
+)
+def test_worker_killed_while_publishing_leaves_no_half_checkpoint(s3, tmp_path, point):
+    spool = tmp_path / "spool"
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=spool, keep=KeepLast(1)
+    ) as eng:
+        eng.save(1, make_state(1)).committed_sync(60)
+        faults.inject(point, "kill")
+        handle = eng.save(2, make_state(2))
+        with pytest.raises(UploadFailed, match="IS committed locally"):
+            handle.committed_sync(60)
+        assert eng.worker_restarts == 1
+    store = FsspecStore(s3.url, s3.options)
+    committed = [c.step for c in store.committed("global_step")]
+    expected = [1] if point in ("mid_upload", "before_marker") else [1, 2]
+    if point == "mid_remote_prune":
+        expected = [2]  # step 1's marker went first: it is gone, its files are leftovers
+    assert committed == expected
+    for step in committed:
+        assert store.check(L.dir_name("global_step", step)) == []
+    # A new machine resumes from the newest checkpoint the store committed, bit for bit...
+    state = blank()
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=tmp_path / "new"
+    ) as eng:  # ...and its start removes the uploads the kill cut short.
+        assert eng.load_latest(state) == max(expected)
+    assert_same(state, make_state(max(expected)))
+    fs = s3.fs()
+    names = {p.rstrip("/").split("/")[-1] for p in fs.ls(f"{s3.bucket}/run")}
+    assert {n for n in names if L.parse_dir_name("global_step", n) is not None} == {
+        L.dir_name("global_step", s) for s in expected
+    }
+
+
+def test_bad_remote_arguments_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match="needs a URL"):
+        RemoteTier("/local/path")
+    with pytest.raises(ValueError, match="retries"):
+        RemoteTier("s3://b/run", retries=0)
+    with pytest.raises(ValueError, match="already the remote tier"):
+        SyncCheckpointEngine("s3://b/run", remote=RemoteTier("s3://b/other"))
+    with pytest.raises(ValueError, match="for a URL root"):
+        SyncCheckpointEngine(tmp_path / "r", storage_options={"anon": True})
+    assert not (tmp_path / "r").exists()
+
+
+def test_manifest_json_is_what_the_store_lists(s3, tmp_path):
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=tmp_path / "s"
+    ) as eng:
+        eng.save(3, make_state(3), metrics={"loss": 0.5})
+    fs = s3.fs()
+    manifest = json.loads(fs.cat_file(f"{s3.bucket}/run/global_step_3/{L.MANIFEST}"))
+    assert manifest["step"] == 3 and manifest["metrics"] == {"loss": 0.5}
