@@ -11,6 +11,7 @@ from . import faults
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
+    ExportFailed,
     NotACheckpointRoot,
     NoValidCheckpoint,
     RootLocked,
@@ -35,10 +36,12 @@ from .retention import (
     SaveSchedule,
 )
 from .stats import SaveStats
+from .storage import RemoteTier, UploadFailed
 from .throttle import ThrottleConfig
 
 if TYPE_CHECKING:
     from .engine import CheckpointEngine, PauseHooks, SaveHandle
+    from .export import HFExport
     from .loadcheck import LoadReport
     from .reading import read_checkpoint
     from .sync import SyncCheckpointEngine
@@ -52,6 +55,7 @@ _LAZY = {
     "LoadReport": ".loadcheck",
     "SyncCheckpointEngine": ".sync",
     "read_checkpoint": ".reading",
+    "HFExport": ".export",
 }
 
 
@@ -105,4 +109,8 @@ __all__ = [
     "NotACheckpointRoot",
     "LoadReport",
     "read_checkpoint",
+    "ExportFailed",
+    "HFExport",
+    "RemoteTier",
+    "UploadFailed",
 ]

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch.multiprocessing as tmp
@@ -34,6 +34,7 @@ from . import layout as _layout
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
+    ExportFailed,
     NotACheckpointRoot,
     NoValidCheckpoint,
     RootLocked,
@@ -53,6 +54,9 @@ from .stats import SaveStats
 from .storage import RemoteTier, UploadFailed
 from .throttle import ThrottleConfig, WritePause, resolve
 from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
+
+if TYPE_CHECKING:
+    from .export import HFExport
 
 log = logging.getLogger("asyncckpt")
 
@@ -175,12 +179,18 @@ class EngineOptions:
     remote: RemoteTier | None = None  # publish each commit to an object store (storage/)
     storage_options: Mapping[str, Any] | None = None  # fsspec options of a URL root
     spool: str | os.PathLike | None = None  # a URL root's local directory (default: temp dir)
+    export: Any = None  # export.HFExport: safetensors of a component every N steps
 
 
 class _Core:
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
         self.opts = opts
         self.root, self.remote, self.local_keep = _resolve_root(root, opts)
+        if opts.export is not None:
+            from .export import HFExport
+
+            if not isinstance(opts.export, HFExport):
+                raise TypeError(f"export must be an HFExport, not {opts.export!r}")
         self.layout = _layout.check_layout(opts.layout)
         self.components: dict[str, Component] | None = None
         if opts.components is not None:
@@ -373,6 +383,7 @@ class _Core:
             local_rank=self.local_rank,
             dist=self.dist_cfg,
             remote=self.remote,
+            export=self.opts.export,
         )
         proc = ctx.Process(
             target=worker_main,
@@ -486,6 +497,15 @@ class _Core:
                 self._release(job)
             elif kind == "committed" and job:
                 self._committed(msg[1], job, msg[2])
+            elif kind == "failed" and job and msg[2].get("export"):
+                err = ExportFailed(
+                    f"step {job.handle.step} IS committed in {self.root} (it loads), but its "
+                    f"Hugging Face export to {self.opts.export.path} failed: "
+                    f"{msg[2]['type']}: {msg[2]['message']} (asyncckpt.export.export_step "
+                    "writes it again from the checkpoint)"
+                )
+                err.__cause__ = _rebuild_error(msg[2])
+                self._fail(msg[1], err)
             elif kind == "failed" and job and msg[2].get("upload"):
                 # Committed on disk, not in the store: the save failed as the user asked for it.
                 err = UploadFailed(
@@ -533,6 +553,8 @@ class _Core:
         s.upload_seconds = st.get("upload_seconds", 0.0)
         s.uploaded_bytes = st.get("uploaded_bytes", 0)
         s.remote_path = st.get("remote_path")
+        s.export_seconds = st.get("export_seconds", 0.0)
+        s.export_path = st.get("export_path")
         self._release(job)
         del self.inflight[job_id]
         if (
@@ -789,6 +811,10 @@ class _Core:
         """Validate and flatten: every error about the input is raised here, before any write."""
         step = self.check_can_save(step)
         clean = _check_metrics(metrics)
+        if self.opts.export is not None and self.opts.export.due(step):
+            from .export import check_source
+
+            check_source(state, self.opts.export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
         return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
@@ -1548,6 +1574,7 @@ class CheckpointEngine:
         remote: RemoteTier | None = None,
         storage_options: Mapping[str, Any] | None = None,
         spool: str | os.PathLike | None = None,
+        export: HFExport | None = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -1579,6 +1606,7 @@ class CheckpointEngine:
                 remote=remote,
                 storage_options=storage_options,
                 spool=spool,
+                export=export,
             ),
         )
 

@@ -35,6 +35,10 @@ class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
 
 
+class ExportFailed(SaveFailed):
+    """A step committed, but its Hugging Face export (``HFExport``) could not be written."""
+
+
 class UnsupportedStorage(CheckpointError, ValueError):
     """The root is not a local (or mounted) directory, e.g. an ``s3://`` URL."""
 

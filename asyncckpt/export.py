@@ -869,3 +869,26 @@ def prune_exports(export: HFExport) -> list[Path]:
     if removed:
         fsync_dir(root)
     return removed
+
+
+def check_source(state: Any, component: str) -> None:
+    """Raise before a save is staged if ``state`` has no tensors at ``component`` (a typo'd
+    export would otherwise fail only after the step committed, in the worker)."""
+    node = state
+    walked: list[str] = []
+    for segment in component.split("."):
+        if not isinstance(node, Mapping) or segment not in node:
+            keys = sorted(map(str, node)) if isinstance(node, Mapping) else []
+            where = ".".join(walked) or "the saved state"
+            raise ValueError(
+                f"HFExport component {component!r}: {where} has no key {segment!r} "
+                f"(it has {keys}); nothing was saved"
+            )
+        node = node[segment]
+        walked.append(segment)
+    if hasattr(node, "state_dict") and callable(node.state_dict):
+        node = node.state_dict()  # a module or optimizer, saved through its state dict
+    leaves: dict[str, Any] = {}
+    _flatten(node, component, leaves)
+    if not any(isinstance(v, torch.Tensor) for v in leaves.values()):
+        raise ValueError(f"HFExport component {component!r} holds no tensors; nothing was saved")

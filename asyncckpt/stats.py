@@ -41,6 +41,9 @@ class SaveStats:
     upload_seconds: float = 0.0
     uploaded_bytes: int = 0
     remote_path: str | None = None
+    #: with an ``HFExport`` due at this step: seconds writing it, and where
+    export_seconds: float = 0.0
+    export_path: str | None = None
 
     @property
     def blocked_seconds(self) -> float:

@@ -42,6 +42,7 @@ class WorkerConfig:
     local_rank: int = 0  # which block of cores a throttle's cpu_cores count means
     dist: Any = None  # dist.DistConfig when several ranks save together
     remote: Any = None  # storage.RemoteTier: publish every commit to an object store
+    export: Any = None  # export.HFExport: safetensors of a component every N steps
 
 
 @dataclass
@@ -248,7 +249,7 @@ class Worker:
                 self.events.send(("released", job.job_id))
             self.events.send(("failed", job.job_id, error_info(e)))
             return
-        failed = self._publish(job, stats)
+        failed = self._publish(job, stats) or self._export(job, final, stats)
         if failed is not None:  # committed here, not in the store: no pruning either
             self.events.send(("failed", job.job_id, failed))
             return
@@ -359,6 +360,11 @@ class Worker:
                 self.events.send(("released", job.job_id))
             self.events.send(("failed", job.job_id, outcome[1]))
             return
+        if rank == 0:  # every rank's shards are in the committed directory: rank 0 exports
+            failed = self._export(job, final, outcome[1])
+            if failed is not None:
+                self.events.send(("failed", job.job_id, failed))
+                return
         self.events.send(("committed", job.job_id, outcome[1]))
         faults.point("after_commit")
         if job.prune is not None:
@@ -387,6 +393,28 @@ class Worker:
             failed["message"] = f"rank 0 (upload): {failed['message']}"
             return ("failed", failed)
         return ("committed", stats)
+
+    def _export(self, job: SaveJob, final: Path, stats: dict[str, Any]) -> dict[str, Any] | None:
+        """Every ``export.every_steps``: the component as Hugging Face safetensors, from the
+        committed directory (shards of every rank consolidated here, never in the trainer),
+        then the export's own retention. Returns None or the failure's info, marked as an
+        export failure (the step stays committed)."""
+        export = self.config.export
+        if export is None or not export.due(job.step):
+            return None
+        from .export import export_step, prune_exports
+
+        t0 = time.perf_counter()
+        try:
+            path = export_step(export, final, job.step)
+            prune_exports(export)
+        except BaseException as e:  # noqa: BLE001 - reported on the save's handle
+            info = error_info(e)
+            info["export"] = True
+            return info
+        stats["export_seconds"] = time.perf_counter() - t0
+        stats["export_path"] = str(path)
+        return None
 
     def _publish(self, job: SaveJob, stats: dict[str, Any]) -> dict[str, Any] | None:
         """With a remote tier: publish the step just committed here, then prune the store.

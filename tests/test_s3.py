@@ -15,13 +15,14 @@ import textwrap
 
 import pytest
 import torch
-from s3server import s3, s3_endpoint  # noqa: F401 - fixtures
 from statecmp import assert_same
 
 from asyncckpt import KeepEvery, KeepLast, SyncCheckpointEngine, faults
 from asyncckpt import layout as L
 from asyncckpt.storage import RemoteTier, UploadFailed
 from asyncckpt.storage.fsspec_store import FsspecStore
+
+pytest_plugins = ("s3server",)  # the s3 fixture: moto's S3 server on loopback
 
 
 def make_state(seed: int) -> dict:
@@ -128,9 +129,7 @@ def test_url_root_saves_prunes_and_resumes_on_a_new_machine(s3, tmp_path):
     assert [c.step for c in L.scan(tmp_path / "spool1", "global_step")] == [30]
     # A new machine: an empty spool, the newest checkpoint fetched from the store.
     state = blank()
-    with SyncCheckpointEngine(
-        s3.url, storage_options=s3.options, spool=tmp_path / "spool2"
-    ) as eng:
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "spool2") as eng:
         assert eng.load_latest(state) == 30
     assert_same(state, make_state(30))
 
@@ -275,9 +274,7 @@ def test_bad_remote_arguments_are_refused_before_anything_is_written(tmp_path):
 
 
 def test_manifest_json_is_what_the_store_lists(s3, tmp_path):
-    with SyncCheckpointEngine(
-        s3.url, storage_options=s3.options, spool=tmp_path / "s"
-    ) as eng:
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
         eng.save(3, make_state(3), metrics={"loss": 0.5})
     fs = s3.fs()
     manifest = json.loads(fs.cat_file(f"{s3.bucket}/run/global_step_3/{L.MANIFEST}"))
