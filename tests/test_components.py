@@ -377,6 +377,7 @@ def save_and_load_on_ranks(rank: int, world: int, root: str) -> dict:
     return step
 
 
+@pytest.mark.integration
 def test_two_ranks_commit_one_step_of_components(tmp_path):
     from test_multirank import ROWS, full_weight, run_ranks
 

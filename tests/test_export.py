@@ -268,6 +268,7 @@ def _rank_entry(rank: int, world: int, store_path: str, root: str, results: Any)
         results.put((rank, traceback.format_exc()))
 
 
+@pytest.mark.integration
 def test_two_ranks_shards_are_consolidated_without_a_process_group(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 

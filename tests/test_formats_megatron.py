@@ -98,7 +98,7 @@ def test_metadata_json_is_megatron_s(tmp_path: Path) -> None:
     ).read_bytes()
 
 
-@pytest.mark.slow  # fresh interpreters importing megatron
+@pytest.mark.integration  # fresh interpreters importing megatron
 def test_plain_state_loads_with_megatron(tmp_path: Path) -> None:
     _megatron()
     state = mh.plain_state()
@@ -113,14 +113,14 @@ def test_plain_state_loads_with_megatron(tmp_path: Path) -> None:
     _megatron_load("plain", tmp_path / "ck")
 
 
-@pytest.mark.slow  # fresh interpreters importing megatron
+@pytest.mark.integration  # fresh interpreters importing megatron
 def test_megatron_sharded_state_loads_with_megatron(tmp_path: Path) -> None:
     _megatron()
     td.write_torch_dist(mh.megatron_state(), tmp_path / "ck")
     _megatron_load("megatron", tmp_path / "ck")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("scenario", ["plain", "megatron"])
 def test_same_files_as_megatron_save(tmp_path: Path, scenario: str) -> None:
     """megatron's own save (CUDA calls stubbed) and ours: same metadata, common, item bytes."""
@@ -131,7 +131,7 @@ def test_same_files_as_megatron_save(tmp_path: Path, scenario: str) -> None:
     _assert_same_layout(tmp_path / "ours", tmp_path / "theirs")
 
 
-@pytest.mark.slow  # fresh interpreters importing megatron
+@pytest.mark.integration  # fresh interpreters importing megatron
 def test_plain_layout_without_megatron(tmp_path: Path) -> None:
     """With megatron unimportable the module imports and writes the very same files."""
     code = (
@@ -175,7 +175,7 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow  # fresh interpreters importing megatron
+@pytest.mark.integration  # fresh interpreters importing megatron
 def test_two_rank_save_loads_with_megatron(tmp_path: Path) -> None:
     """Two processes, one gloo group: each writes its shards, rank 0 the global files."""
     _megatron()

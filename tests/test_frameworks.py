@@ -29,6 +29,8 @@ from asyncckpt import KeepLast, SyncCheckpointEngine
 from asyncckpt import layout as L
 from asyncckpt.frameworks import rlinf, skyrl
 
+pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
+
 LOADERS = Path(__file__).with_name("rl_loaders.py")
 
 

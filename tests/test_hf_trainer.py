@@ -30,6 +30,8 @@ from asyncckpt.integrations.hf import (  # noqa: E402
     policy_from_args,
 )
 
+pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -40,6 +40,8 @@ from asyncckpt.integrations.lightning import (  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_train as lt  # noqa: E402
 
+pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -297,6 +297,7 @@ def test_a_script_that_never_closes_its_engine_still_exits(tmp_path):
     assert committed(tmp_path) == [1] and L.read_tracker(tmp_path) == 1  # staged: committed
 
 
+@pytest.mark.integration
 def test_two_ranks_whose_rank0_worker_dies_after_the_rename_both_report_the_commit(tmp_path):
     from test_multirank import run_ranks, save_steps
 

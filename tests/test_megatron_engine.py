@@ -115,7 +115,7 @@ def _load_multirank(rank: int, world: int, root: str) -> Any:
     return step
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_two_rank_torch_dist_save_loads_with_megatron(tmp_path: Path) -> None:
     _megatron()
     root = tmp_path / "ckpt"
@@ -184,6 +184,7 @@ def _save_legacy(rank: int, world: int, root: str, pp: bool) -> None:
         engine.save(STEP, _legacy_state(rank)).committed_sync(timeout=120)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("pp", [False, True], ids=["tp2", "pp2"])
 def test_legacy_format_two_ranks(tmp_path: Path, pp: bool) -> None:
     root = tmp_path / "ckpt"
@@ -223,7 +224,7 @@ def _torchrun(*args: str) -> str:
     return p.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_example_megatron_style_writes_megatron_layout_on_two_ranks_and_resumes(
     tmp_path: Path,
 ) -> None:

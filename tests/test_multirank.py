@@ -20,6 +20,8 @@ import torch.multiprocessing as mp
 
 from asyncckpt import layout as L
 
+pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
+
 JOIN_TIMEOUT = 240.0
 ROWS = 8  # rows of the sharded tensor; divisible by 1, 2 and 4 ranks
 

@@ -45,6 +45,14 @@ def test_setup_commands_are_what_ci_runs():
     ci = (REPO / ".ci" / "run").read_text()
     for cmd in setup:
         assert cmd in ci, f".ci/run must run the README's command verbatim: {cmd}"
+    # The heavier integration tests, kept out of the quick suite, still run in CI.
+    integration = next(
+        line.split("#")[0].strip()
+        for b in blocks("bash")
+        for line in b.splitlines()
+        if "-m integration" in line
+    )
+    assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
     assert "venv" in ci and "[" not in example
 

@@ -417,6 +417,7 @@ def _check(tally: Tally, trials: int) -> None:
     assert tally.verified_resumes == tally.resumes_checked
 
 
+@pytest.mark.integration
 def test_torture_default(tmp_path, subreaper):
     seed = _seed()
     logdir = tmp_path / "logs"
