@@ -16,13 +16,14 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from asyncckpt import layout as L
 from asyncckpt.errors import CheckpointError
-from asyncckpt.paths import check_local_root
+from asyncckpt.paths import check_local_root, is_url
 from asyncckpt.progress import RichProgress
 from asyncckpt.prune import (
     clean_leftovers,
@@ -61,9 +62,49 @@ class _Failure(Exception):
 
 
 def _add_root(p: argparse.ArgumentParser) -> None:
-    p.add_argument("root", help="checkpoint root directory (a local or mounted path)")
+    p.add_argument(
+        "root", help="checkpoint root: a local or mounted path, or an object-store URL (s3://...)"
+    )
     p.add_argument("--layout", choices=("auto", *L.LAYOUTS), default="auto")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec option for a URL root (e.g. endpoint_url=http://host:9000); a VALUE "
+        "that parses as JSON is used as such (true, 3); repeatable",
+    )
+
+
+def _store(args: argparse.Namespace) -> Any:
+    """The ``FsspecStore`` of a URL root (``--storage-option`` parsed), or a clear error."""
+    from asyncckpt.storage.fsspec_store import FsspecStore
+    from asyncckpt.storage.remote import UploadFailed
+
+    options: dict[str, Any] = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise _UsageError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    try:
+        store = FsspecStore(args.root, options)
+        bucket = store.base.split("/")[0]  # reach it now: a wrong bucket or endpoint fails here
+        if not store.fs.exists(bucket):
+            raise _Failure(f"no such bucket (or no access to it): {bucket} of {args.root}")
+    except UploadFailed as e:
+        raise _Failure(str(e)) from e
+    except (OSError, ValueError) as e:
+        raise _Failure(f"cannot read {args.root}: {e}") from e
+    return store
+
+
+def _remote_layout(args: argparse.Namespace, store: Any) -> str:
+    return store.detect_layout() if args.layout == "auto" else args.layout
 
 
 def _layout(args: argparse.Namespace) -> str:
@@ -143,6 +184,8 @@ def _status(problems: list[str] | None) -> str:
 def _run_ls(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.manifest import verify
 
+    if is_url(args.root):
+        return _run_ls_url(args, console)
     layout = _layout(args)
     infos = list_checkpoints(args.root, layout)
     with _progress() as bar:
@@ -305,6 +348,8 @@ def _check_metric(root: str, layout: str, metric: str) -> None:
 
 def _run_prune(args: argparse.Namespace, console: Console) -> int:
     policy = _policy(args)
+    if is_url(args.root):
+        return _run_prune_url(args, console, policy)
     layout = _layout(args)
     if args.keep_best is not None:
         _check_metric(args.root, layout, args.metric)
@@ -362,6 +407,8 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 def _run_verify(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.manifest import verify
 
+    if is_url(args.root):
+        return _run_verify_url(args, console)
     layout = _layout(args)
     with _progress() as bar:
         report = verify(args.root, layout, progress=bar)
@@ -408,6 +455,179 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
         f"BAD: {bad} of {len(report.checkpoints)} checkpoint(s) failed{newest}", style="red"
     )
     return 1
+
+
+# ------------------------------------------------------------------ URL roots (object stores)
+# A checkpoint there is committed exactly when its marker exists (storage/fsspec_store.py):
+# these list, check and prune only those; prefixes without one are shown as leftovers.
+
+
+def _url_rows(args: argparse.Namespace, quick: bool) -> tuple[Any, str, list, dict, int | None]:
+    from asyncckpt.storage.remote import remote_infos
+
+    store = _store(args)
+    layout = _remote_layout(args, store)
+    infos = remote_infos(store, layout)
+    with _progress() as bar:
+        bar.begin(
+            "checking" if quick else "verifying", sum(c.size_bytes for c in infos), len(infos)
+        )
+        problems = {}
+        for c in infos:
+            problems[c.step] = store.check(L.dir_name(layout, c.step), bar.advance, quick=quick)
+            bar.checkpoint_done(c.step, not problems[c.step])
+        bar.end()
+    return store, layout, infos, problems, store.read_tracker()
+
+
+def _run_ls_url(args: argparse.Namespace, console: Console) -> int:
+    store, layout, infos, problems, tracker = _url_rows(args, quick=not args.verify)
+    protected = plan_prune(infos, None, tracker_step=tracker).keep
+    leftovers = store.leftovers(layout)
+    checked = "checksums" if args.verify else "sizes"
+    if args.json:
+        out = {
+            "root": args.root,
+            "layout": layout,
+            "tracker": tracker,
+            "checkpoints": [
+                {
+                    "step": c.step,
+                    "committed_at": c.committed_at,
+                    "bytes": c.size_bytes,
+                    "metrics": dict(c.metrics),
+                    "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
+                    "status": _status(problems[c.step]),
+                    "problems": problems[c.step],
+                }
+                for c in infos
+            ],
+            "leftovers": leftovers,
+            "checked": checked,
+        }
+        console.print_json(json.dumps(out))
+        return 0
+    rows = [
+        (
+            str(c.step),
+            _when(c.committed_at),
+            _human(c.size_bytes),
+            _metrics(dict(c.metrics)),
+            _status(problems[c.step]),
+            ", ".join(r for r in protected.get(c.step, []) if r != "KeepAll()"),
+        )
+        for c in infos
+    ]
+    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
+    console.print(_table(f"{args.root} ({layout})", rows, cols))
+    if not infos:
+        console.print(f"no committed checkpoints in {args.root} (layout {layout})")
+    console.print(f"tracker: {tracker}  committed: {_human(sum(c.size_bytes for c in infos))}")
+    for name in leftovers:
+        console.print(f"leftover (no commit marker): {name}")
+    return 0
+
+
+def _run_verify_url(args: argparse.Namespace, console: Console) -> int:
+    store, layout, infos, problems, tracker = _url_rows(args, quick=False)
+    if not infos:
+        raise _Failure(f"no committed checkpoints in {args.root} (layout {layout})")
+    steps = {c.step for c in infos}
+    tracker_problem = (
+        None
+        if tracker in steps
+        else f"names step {tracker}, which is not committed there"
+        if tracker is not None
+        else "missing"
+    )
+    good = [c.step for c in infos if not problems[c.step]]
+    ok = len(good) == len(infos) and tracker_problem is None
+    if args.json:
+        out = {
+            "root": args.root,
+            "layout": layout,
+            "ok": ok,
+            "checkpoints": [
+                {"step": c.step, "ok": not problems[c.step], "problems": problems[c.step]}
+                for c in infos
+            ],
+            "tracker": tracker,
+            "tracker_problem": tracker_problem,
+            "newest_good": good[-1] if good else None,
+            "leftovers": store.leftovers(layout),
+        }
+        console.print_json(json.dumps(out))
+        return 0 if ok else 1
+    rows = [
+        (str(c.step), "BAD" if problems[c.step] else "ok", "; ".join(problems[c.step]))
+        for c in infos
+    ]
+    console.print(_table(f"{args.root} ({layout})", rows, ("step", "status", "problems")))
+    if tracker_problem:
+        console.print(f"tracker: BAD: {tracker_problem}", style="red")
+    else:
+        console.print(f"tracker: {tracker}")
+    if ok:
+        console.print(f"OK: {len(good)} checkpoint(s) verified")
+        return 0
+    newest = f"; newest good: step {good[-1]}" if good else "; no good checkpoint"
+    console.print(f"BAD: {len(infos) - len(good)} of {len(infos)} failed{newest}", style="red")
+    return 1
+
+
+def _run_prune_url(args: argparse.Namespace, console: Console, policy: RetentionPolicy) -> int:
+    from asyncckpt.storage.remote import remote_infos
+
+    store = _store(args)
+    layout = _remote_layout(args, store)
+    infos = remote_infos(store, layout)
+    if args.keep_best is not None and infos and not any(args.metric in c.metrics for c in infos):
+        present = sorted({k for c in infos for k in c.metrics}) or "none"
+        raise _Failure(
+            f"no checkpoint in {args.root} reports the metric {args.metric!r} (--metric); "
+            f"metrics found: {present}"
+        )
+    tracker = store.read_tracker()
+    newest = max((c.step for c in infos), default=None)
+    if tracker != newest and not args.allow_tracker_lag:
+        raise _Failure(
+            f"the tracker of {args.root} names step {tracker}, not the newest ({newest}): an "
+            "upload may be in progress; pass --allow-tracker-lag if none is"
+        )
+    plan = plan_prune(infos, policy, tracker_step=tracker)
+    if plan.delete and not args.no_verify and not args.dry_run:
+        # Never delete while no kept checkpoint is good: read the kept ones, newest first.
+        kept = sorted(plan.keep, reverse=True)
+        with _progress() as bar:
+            if not any(not store.check(L.dir_name(layout, s), bar.advance) for s in kept):
+                raise _Failure(
+                    f"no kept checkpoint in {args.root} verifies ({kept}); deleted nothing"
+                )
+    deleted = []
+    if not args.dry_run:
+        for s in plan.delete:
+            store.delete(L.dir_name(layout, s))
+            deleted.append(s)
+    cleaned = store.clean_leftovers(layout) if args.clean_leftovers and not args.dry_run else []
+    verb = "would delete" if args.dry_run else "deleted"
+    if args.json:
+        out = {
+            "policy": repr(policy),
+            "dry_run": args.dry_run,
+            "deleted": deleted,
+            "would_delete": plan.delete if args.dry_run else [],
+            "kept": {str(k): v for k, v in plan.keep.items()},
+            "cleaned": cleaned,
+        }
+        console.print_json(json.dumps(out))
+        return 0
+    console.print(f"policy: {policy!r}")
+    rows = [(str(s), ", ".join(r)) for s, r in plan.keep.items()]
+    console.print(_table("kept", rows, ("step", "why")))
+    console.print(f"{verb}: {', '.join(map(str, plan.delete)) or 'nothing'}")
+    for name in cleaned:
+        console.print(f"removed leftover: {name}")
+    return 0
 
 
 @subcommand

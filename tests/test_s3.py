@@ -279,3 +279,42 @@ def test_manifest_json_is_what_the_store_lists(s3, tmp_path):
     fs = s3.fs()
     manifest = json.loads(fs.cat_file(f"{s3.bucket}/run/global_step_3/{L.MANIFEST}"))
     assert manifest["step"] == 3 and manifest["metrics"] == {"loss": 0.5}
+
+
+# ------------------------------------------------------------------ the CLI on a URL
+def test_cli_ls_verify_prune_on_a_bucket(s3, tmp_path, capsys):
+    from asyncckpt.cli import main
+
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
+        for step in (1, 2, 3):
+            eng.save(step, make_state(step), metrics={"loss": 1.0 / step})
+    opts = [f"--storage-option=endpoint_url={s3.endpoint}", "--storage-option=key=testing"]
+    opts.append("--storage-option=secret=testing")
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main([*argv, s3.url, *opts])
+        return code, capsys.readouterr().out
+
+    code, out = run("ls", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [c["step"] for c in listed["checkpoints"]] == [1, 2, 3]
+    assert listed["tracker"] == 3 and {c["status"] for c in listed["checkpoints"]} == {"ok"}
+    assert run("verify")[0] == 0
+    # A corrupt byte is caught by verify (checksums), not by ls's quick size check.
+    fs = s3.fs()
+    shard = next(p for p in fs.find(f"{s3.bucket}/run/global_step_2") if p.endswith(".distcp"))
+    data = bytearray(fs.cat_file(shard))
+    data[0] ^= 0xFF
+    fs.pipe_file(shard, bytes(data))
+    code, out = run("verify", "--json")
+    report = json.loads(out)
+    assert code == 1 and [c["ok"] for c in report["checkpoints"]] == [True, False, True]
+    code, out = run("prune", "--keep-last", "1", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["would_delete"] == [1, 2] and remote_steps(s3) == [1, 2, 3]
+    assert main(["prune", "--keep-best", "1", "--metric", "los", s3.url, *opts]) == 1
+    assert "metrics found: ['loss']" in capsys.readouterr().err
+    code, out = run("prune", "--keep-last", "1", "--json")
+    assert code == 0 and json.loads(out)["deleted"] == [1, 2]
+    assert remote_steps(s3) == [3]
+    # A wrong bucket is a clear error, exit 1, not a traceback.
+    assert main(["ls", f"s3://{s3.bucket}-nope/run", *opts]) == 1

@@ -218,10 +218,13 @@ class FsspecStore:
             target.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote, os.fspath(target))
 
-    def check(self, name: str, on_bytes: Callable[[int], None] | None = None) -> list[str]:
+    def check(
+        self, name: str, on_bytes: Callable[[int], None] | None = None, *, quick: bool = False
+    ) -> list[str]:
         """Problems of committed checkpoint ``name`` against its manifest (empty: it verifies).
 
-        Every file is streamed once from the store and checksummed as it arrives."""
+        Every file is streamed once from the store and checksummed as it arrives; ``quick``
+        compares sizes only (one listing, no data read)."""
         from ..manifest import checksum_stream
 
         try:
@@ -229,6 +232,18 @@ class FsspecStore:
         except (OSError, ValueError) as e:
             return [f"{_layout.MANIFEST}: unreadable ({e})"]
         problems = []
+        if quick:
+            prefix = self.path(name)
+            sizes = {
+                p[len(prefix) + 1 :]: int(d.get("size", -1))
+                for p, d in self.fs.find(prefix, detail=True).items()
+            }
+            for rel, want in sorted(manifest.get("files", {}).items()):
+                if rel not in sizes:
+                    problems.append(f"{rel}: missing")
+                elif sizes[rel] != int(want.get("size", -1)):
+                    problems.append(f"{rel}: size {sizes[rel]}, expected {want.get('size')}")
+            return problems
         for rel, want in sorted(manifest.get("files", {}).items()):
             algorithm, crc = file_checksum(want)
             try:
@@ -252,21 +267,31 @@ class FsspecStore:
         if self.fs.exists(self.path(name)):
             self.fs.rm(self.path(name), recursive=True)
 
+    def leftovers(self, layout: str) -> list[str]:
+        """Names of prefixes that look like checkpoints but hold no marker."""
+        committed = {c.name for c in self.committed(layout)}
+        try:
+            entries = self.fs.ls(self.base, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (e.rstrip("/").split("/")[-1] for e in entries)
+        return sorted(
+            n for n in names if _layout.parse_dir_name(layout, n) is not None and n not in committed
+        )
+
+    def detect_layout(self, default: str = "global_step") -> str:
+        """The layout whose committed checkpoints the store holds (``default`` if none)."""
+        for layout in _layout.LAYOUTS:
+            if self.committed(layout):
+                return layout
+        return default
+
     def clean_leftovers(self, layout: str) -> list[str]:
         """Remove prefixes named like checkpoints but holding no marker (crashed uploads or
         deletes). Call it only where no other writer uploads to the same root."""
-        self.fs.invalidate_cache()
-        committed = {c.name for c in self.committed(layout)}
-        removed = []
-        try:
-            entries = self.fs.ls(self.base, detail=False)
-        except FileNotFoundError:  # nothing written under the root yet
-            return []
-        for entry in entries:
-            name = entry.rstrip("/").split("/")[-1]
-            if _layout.parse_dir_name(layout, name) is not None and name not in committed:
-                self.fs.rm(entry, recursive=True)
-                removed.append(name)
+        removed = self.leftovers(layout)
+        for name in removed:
+            self.fs.rm(self.path(name), recursive=True)
         return removed
 
 
