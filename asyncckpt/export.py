@@ -52,7 +52,7 @@ from .manifest import (
     read_manifest,
     write_manifest,
 )
-from .paths import check_local_root
+from .paths import is_url
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -169,7 +169,14 @@ class HFExport:
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {self.keep!r}")
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise TypeError(f"path must be a non-empty path, not {self.path!r}")
-        check_local_root(self.path)  # an s3:// URL would become a local directory "s3:"
+        if is_url(self.path):  # it would become a local directory "s3:"
+            from .errors import UnsupportedStorage
+
+            raise UnsupportedStorage(
+                f"HFExport path {os.fspath(self.path)}: exports go to a local or mounted "
+                "directory; object storage is not supported for exports (a remote tier is, for "
+                "checkpoints: RemoteTier)"
+            )
         if not isinstance(self.component, str) or not self.component.strip():
             raise ValueError(f"component must be a non-empty dotted path, not {self.component!r}")
         segments = self.component.split(".")

@@ -45,7 +45,8 @@ def check_local_root(root: str | os.PathLike) -> Path:
         raise TypeError(f"the checkpoint root must be a path, got {type(root).__name__}")
     if is_url(root):
         raise UnsupportedStorage(
-            f"{os.fspath(root)}: object storage is not supported yet; asyncckpt writes to a local "
-            "or mounted file system (mount the bucket, e.g. with s3fs/gcsfuse, and pass its path)"
+            f"{os.fspath(root)}: a URL is not a local path here; pass the engine's root as a "
+            "string URL (CheckpointEngine('s3://bucket/run', storage_options=...)), or a local "
+            "root with remote=RemoteTier(url) (a Path() of a URL has lost a '/')"
         )
     return Path(root)

@@ -138,7 +138,7 @@ def test_package_surface_is_unchanged_and_lazy():
     assert "ok" in proc.stdout
 
 
-# -- 4: object-storage roots are refused -------------------------------------------------------
+# -- 4: URLs are not local paths (object stores go through storage/, see test_s3) --------------
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_check_local_root_refuses_urls(url):
     from asyncckpt.errors import CheckpointError
     from asyncckpt.paths import UnsupportedStorage, check_local_root
 
-    with pytest.raises(UnsupportedStorage, match="object storage is not supported yet") as info:
+    with pytest.raises(UnsupportedStorage, match="a URL is not a local path here") as info:
         check_local_root(url)
     assert url in str(info.value)
     assert isinstance(info.value, CheckpointError) and isinstance(info.value, ValueError)
@@ -168,17 +168,17 @@ def test_a_path_made_from_a_url_is_refused_too():
     from asyncckpt import UnsupportedStorage, verify
     from asyncckpt.paths import check_local_root
 
-    with pytest.raises(UnsupportedStorage, match="object storage"):
+    with pytest.raises(UnsupportedStorage, match="lost a '/'"):
         check_local_root(Path("s3://bucket/run"))  # Path() made it s3:/bucket/run
     with pytest.raises(UnsupportedStorage, match="gs://b"):
         verify("gs://b/run")
 
 
 @pytest.mark.parametrize("command", [["ls"], ["verify"], ["prune", "--keep-last", "1"]])
-def test_cli_refuses_url_roots(capsys, command):
-    code, out, err = run(capsys, command[0], "s3://bucket/run", *command[1:])
+def test_cli_url_roots_no_backend_serves_are_a_clear_error(capsys, command):
+    code, out, err = run(capsys, command[0], "nosuchfs://bucket/run", *command[1:])
     assert code == 1
-    assert "object storage is not supported yet" in err and "s3://bucket/run" in err
+    assert "nosuchfs://bucket/run" in err and "Protocol not known" in err
     assert "Traceback" not in err
 
 

@@ -602,3 +602,26 @@ def test_engine_export_failure_says_the_step_is_committed(gpt2: Any, tmp_path: P
         with pytest.raises(ExportFailed, match="IS committed"):
             handle.committed_sync(60)
     assert [c.step for c in L.scan(tmp_path / "ckpt", "global_step")] == [1]
+
+
+def test_readme_export_snippet_runs_as_written(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    blocks = re.findall(
+        r"```python\n(# requires: safetensors.*?)```", (repo / "README.md").read_text(), re.S
+    )
+    assert len(blocks) == 1
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    out = subprocess.run(
+        [sys.executable, "-c", blocks[0]], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("loads in transformers: True"), out.stdout
+    assert sorted(p.name for p in (tmp_path / "hf-exports").iterdir()) == [
+        "global_step_4",
+        "global_step_6",
+    ]

@@ -318,3 +318,26 @@ def test_cli_ls_verify_prune_on_a_bucket(s3, tmp_path, capsys):
     assert remote_steps(s3) == [3]
     # A wrong bucket is a clear error, exit 1, not a traceback.
     assert main(["ls", f"s3://{s3.bucket}-nope/run", *opts]) == 1
+
+
+def test_readme_object_storage_snippet_runs_as_written(s3, tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code, printed) = re.findall(
+        r"```python\n(# requires: s3fs.*?)```\n\nprints\n\n```text\n(.*?)```", readme, re.S
+    )[0]
+    env = {
+        **s3.env(),
+        "S3_ENDPOINT_URL": s3.endpoint,
+        "BUCKET": s3.bucket,
+        "ASYNCCKPT_SPOOL": str(tmp_path / "spool"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == printed.replace("my-bucket", s3.bucket)

@@ -50,8 +50,10 @@ class RemoteTier:
 
         if not isinstance(self.url, str) or not is_url(self.url):
             raise ValueError(f"RemoteTier needs a URL such as s3://bucket/run, got {self.url!r}")
-        if self.url.split("://", 1)[0] == "file":
+        scheme = self.url.split("://", 1)[0]
+        if scheme == "file":
             raise ValueError(f"{self.url}: a file:// tier is a local root; pass its path instead")
+        _check_backend(self.url, scheme)
         if self.keep is not None and not isinstance(self.keep, RetentionPolicy):
             raise TypeError(f"keep must be a retention policy or None, not {self.keep!r}")
         if not self.timeout > 0:
@@ -71,6 +73,24 @@ class RemoteTier:
             retries=self.retries,
             threads=self.threads,
         )
+
+
+def _check_backend(url: str, scheme: str) -> None:
+    """Refuse a URL no installed fsspec back-end serves, when the engine is made (not at the
+    first upload, after a step of training)."""
+    from ..errors import UnsupportedStorage
+
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        raise UnsupportedStorage(
+            f"{url}: the fsspec back-end for {scheme}:// is not installed ({e}); for s3:// "
+            'pip install -e ".[s3]" (s3fs), for gs:// pip install gcsfs'
+        ) from e
+    except ValueError as e:
+        raise UnsupportedStorage(f"{url}: no fsspec back-end knows {scheme}:// ({e})") from e
 
 
 def remote_infos(store: FsspecStore, layout: str) -> list[CheckpointInfo]:
