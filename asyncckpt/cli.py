@@ -181,6 +181,37 @@ def _status(problems: list[str] | None) -> str:
     return "ok" if not problems else "CORRUPT: " + "; ".join(problems)
 
 
+def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) -> list[dict]:
+    """One dict per checkpoint: what ``ls --json`` prints and the table shows."""
+    return [
+        {
+            "step": c.step,
+            "committed_at": c.committed_at,
+            "bytes": c.size_bytes,
+            "metrics": dict(c.metrics),
+            "run_id": c.run_id,
+            "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
+            "status": _status(problems.get(c.step)),
+            "problems": problems.get(c.step, []),
+        }
+        for c in infos
+    ]
+
+
+def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
+    return [
+        (
+            str(e["step"]),
+            _when(e["committed_at"]),
+            _human(e["bytes"]),
+            _metrics(e["metrics"]),
+            e["status"],
+            ", ".join(e["protected"]),
+        )
+        for e in entries
+    ]
+
+
 def _run_ls(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.manifest import verify
 
@@ -195,40 +226,19 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
     protected = plan_prune(infos, None, tracker_step=tracker).keep
     leftovers = sorted(e for e in os.listdir(args.root) if L.is_leftover(e))
     usage = disk_usage(args.root, layout)
+    entries = _ls_entries(infos, problems, protected)
     if args.json:
         out = {
             "layout": layout,
             "tracker": tracker,
-            "checkpoints": [
-                {
-                    "step": c.step,
-                    "committed_at": c.committed_at,
-                    "bytes": c.size_bytes,
-                    "metrics": dict(c.metrics),
-                    "run_id": c.run_id,
-                    "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
-                    "status": _status(problems.get(c.step)),
-                    "problems": problems.get(c.step, []),
-                }
-                for c in infos
-            ],
+            "checkpoints": entries,
             "leftovers": leftovers,
             "usage": usage,
             "checked": "sizes" if report.quick else "checksums",
         }
         console.print_json(json.dumps(out))
         return 0
-    rows = [
-        (
-            str(c.step),
-            _when(c.committed_at),
-            _human(c.size_bytes),
-            _metrics(dict(c.metrics)),
-            _status(problems.get(c.step)),
-            ", ".join(r for r in protected.get(c.step, []) if r != "KeepAll()"),
-        )
-        for c in infos
-    ]
+    rows = _ls_rows(entries)
     checked = "sizes" if report.quick else "checksums"
     cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
@@ -485,39 +495,19 @@ def _run_ls_url(args: argparse.Namespace, console: Console) -> int:
     protected = plan_prune(infos, None, tracker_step=tracker).keep
     leftovers = store.leftovers(layout)
     checked = "checksums" if args.verify else "sizes"
+    entries = _ls_entries(infos, problems, protected)
     if args.json:
         out = {
             "root": args.root,
             "layout": layout,
             "tracker": tracker,
-            "checkpoints": [
-                {
-                    "step": c.step,
-                    "committed_at": c.committed_at,
-                    "bytes": c.size_bytes,
-                    "metrics": dict(c.metrics),
-                    "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
-                    "status": _status(problems[c.step]),
-                    "problems": problems[c.step],
-                }
-                for c in infos
-            ],
+            "checkpoints": entries,
             "leftovers": leftovers,
             "checked": checked,
         }
         console.print_json(json.dumps(out))
         return 0
-    rows = [
-        (
-            str(c.step),
-            _when(c.committed_at),
-            _human(c.size_bytes),
-            _metrics(dict(c.metrics)),
-            _status(problems[c.step]),
-            ", ".join(r for r in protected.get(c.step, []) if r != "KeepAll()"),
-        )
-        for c in infos
-    ]
+    rows = _ls_rows(entries)
     cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:

@@ -163,3 +163,13 @@ def test_scale_runs_and_reports_every_field(tmp_path):
     has(rep["big_summary"], "raw_write_fsync_s", "asyncckpt_durable_s", "big_raw_vs_durable")
     # the flattening plan was replayed on the saves after the first
     assert rep["counts"]["1000"]["asyncckpt"]["plan_replays"] >= 1
+
+
+def test_s3_throughput_runs_and_reports_every_field(tmp_path):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    rep = run_bench("s3_throughput.py", tmp_path)
+    has(rep, "environment", "bytes", "files", "seconds", "throughput_mb_s", "targets")
+    has(rep["seconds"], "asyncckpt", "s3fs.put")
+    has(rep["targets"], "throughput_vs_s3fs_put", "target", "met")
+    assert rep["bytes"] > 0 and rep["throughput_mb_s"]["asyncckpt"] > 0

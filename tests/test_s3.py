@@ -39,16 +39,21 @@ def blank() -> dict:
     }
 
 
+def committed_locally(root, *steps: int):
+    """A local root with ``steps`` committed by the engine, and a store to publish them to."""
+    with SyncCheckpointEngine(root) as eng:
+        for step in steps:
+            eng.save(step, make_state(step))
+    return root
+
+
 def remote_steps(s3) -> list[int]:
     return [c.step for c in FsspecStore(s3.url, s3.options).committed("global_step")]
 
 
 # ------------------------------------------------------------------ the store on its own
 def test_marker_makes_the_commit_and_goes_first(s3, tmp_path):
-    local = tmp_path / "root"
-    with SyncCheckpointEngine(local) as eng:
-        eng.save(1, make_state(1))
-        eng.save(2, make_state(2))
+    local = committed_locally(tmp_path / "root", 1, 2)
     store = FsspecStore(s3.url, s3.options)
     store.publish(local / "global_step_1", "global_step_1")
     fs = s3.fs()
@@ -81,9 +86,7 @@ def test_marker_makes_the_commit_and_goes_first(s3, tmp_path):
 
 
 def test_store_check_finds_a_corrupt_or_missing_file(s3, tmp_path):
-    local = tmp_path / "root"
-    with SyncCheckpointEngine(local) as eng:
-        eng.save(3, make_state(3))
+    local = committed_locally(tmp_path / "root", 3)
     store = FsspecStore(s3.url, s3.options)
     store.publish(local / "global_step_3", "global_step_3")
     fs = s3.fs()
@@ -98,10 +101,7 @@ def test_store_check_finds_a_corrupt_or_missing_file(s3, tmp_path):
 
 
 def test_remote_tracker_moves_forward_only(s3, tmp_path):
-    local = tmp_path / "root"
-    with SyncCheckpointEngine(local) as eng:
-        eng.save(4, make_state(4))
-        eng.save(5, make_state(5))
+    local = committed_locally(tmp_path / "root", 4, 5)
     store = FsspecStore(s3.url, s3.options)
     for name in ("global_step_4", "global_step_5"):
         store.publish(local / name, name)

@@ -159,12 +159,16 @@ def publish_after_commit(
         raise UploadFailed(f"step {step} is not committed in {local_root}: nothing to upload")
     store.write_tracker(layout, max([step, *published]))
     upload_seconds = time.perf_counter() - t0
-    deleted = plan_remote_prune(
-        remote_infos(store, layout),
-        tier.keep,
-        tracker_step=store.read_tracker(),
-        pinned=pinned,
-        resumed_from=resumed_from,
+    deleted = (
+        plan_remote_prune(
+            remote_infos(store, layout),
+            tier.keep,
+            tracker_step=max([step, *published]),  # what write_tracker just wrote (or newer)
+            pinned=pinned,
+            resumed_from=resumed_from,
+        )
+        if tier.keep is not None
+        else []
     )
     for s in deleted:
         store.delete(_layout.dir_name(layout, s))
