@@ -32,6 +32,18 @@ def write_synced(path: Path, data: bytes | memoryview) -> None:
         os.fsync(f.fileno())
 
 
+def commit_step(
+    root: Path, layout: str, step: int, tmp_dir: Path, final_dir: Path, manifest: dict
+) -> None:
+    """The commit proper, one path for one rank and many (rank 0 runs it once every rank's
+    shards are durable in ``tmp_dir``): manifest, atomic rename, tracker."""
+    from .manifest import write_manifest
+
+    write_manifest(tmp_dir, manifest)
+    rename_into_place(tmp_dir, final_dir)
+    write_tracker(root, layout, step)
+
+
 def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:
     """Atomically publish ``tmp_dir`` as ``final_dir`` (which must not exist)."""
     fsync_dir(tmp_dir)

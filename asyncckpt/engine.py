@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults
 from . import layout as _layout
+from . import messages as M
 from .errors import (
     CheckpointError,
     CorruptCheckpoint,
@@ -217,6 +218,7 @@ class _Core:
             raise ValueError(
                 f"keep_resumed must be one of {KEEP_RESUMED}, got {opts.keep_resumed!r}"
             )
+        _check_picklable(keep=self.local_keep, remote=self.remote, export=opts.export)
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
         # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
         self.write_pause = WritePause(tmp.get_context("spawn"))
@@ -417,7 +419,7 @@ class _Core:
         finally:
             self.stopping = True
             try:
-                self.link.conn.send(("stop",))
+                M.send(self.link.conn, M.encode(M.Stop()))
             except OSError:
                 pass
             self.proc.join(30)
@@ -479,69 +481,73 @@ class _Core:
                 continue
             self._check_timeouts()
 
-    def _on_event(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _on_event(self, msg: Any) -> None:
         self.last_event_at = time.monotonic()
-        if kind == "ready":
-            self.worker_report = msg[2]
+        if isinstance(msg, M.Ready):
+            self.worker_report = msg.throttle_report
             self.worker_ready.set()
             return
-        if kind == "fault":  # a fault point fired in the worker: disarm it here too
-            faults.consume(msg[1])
+        if isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here
+            faults.consume(msg.fault_id)
             return
+        committed = False
         with self.cond:
-            job = self.inflight.get(msg[1]) if msg[1] is not None else None
-            if kind == "begin" and job:
+            job_id = getattr(msg, "job_id", None)
+            job = self.inflight.get(job_id) if job_id is not None else None
+            if isinstance(msg, M.Begun) and job:
                 job.begun_at = time.monotonic()
-            elif kind == "released" and job:
+            elif isinstance(msg, M.Released) and job:
                 self._release(job)
-            elif kind == "committed" and job:
-                self._committed(msg[1], job, msg[2])
-            elif kind == "failed" and job and msg[2].get("export"):
-                err = ExportFailed(
-                    f"step {job.handle.step} IS committed in {self.root} (it loads), but its "
-                    f"Hugging Face export to {self.opts.export.path} failed: "
-                    f"{msg[2]['type']}: {msg[2]['message']} (asyncckpt.export.export_step "
-                    "writes it again from the checkpoint)"
-                )
-                err.__cause__ = _rebuild_error(msg[2])
-                self._fail(msg[1], err)
-            elif kind == "failed" and job and msg[2].get("upload"):
-                # Committed on disk, not in the store: the save failed as the user asked for it.
-                err = UploadFailed(
-                    f"step {job.handle.step} is committed locally in {self.root} but was not "
-                    f"published to {self.remote.url}: {msg[2]['message']} (the next save "
-                    "uploads it again)"
-                )
-                err.__cause__ = _rebuild_error(msg[2])
-                self._fail(msg[1], err)
-            elif kind == "failed" and job:
-                err = SaveFailed(
-                    f"save of step {job.handle.step} failed: {msg[2]['type']}: {msg[2]['message']}"
-                )
-                err.__cause__ = _rebuild_error(msg[2])
-                # Failed after its rename, and the worker could not take it out again: it is
-                # committed all the same (the handle must say so; a retry would be refused).
-                manifest = self._committed_on_disk(msg[1], job)
-                if manifest is not None:
-                    err = self._finish_commit(msg[1], job, manifest, err)  # type: ignore[assignment]
+            elif isinstance(msg, M.Committed) and job:
+                self._committed(msg.job_id, job, msg.stats)
+                committed = True
+            elif isinstance(msg, M.Failed) and job:
+                err = self._failure(msg.job_id, job, msg.info)
                 if err is not None:
-                    self._fail(msg[1], err)
+                    self._fail(msg.job_id, err)
                 else:
-                    kind = "committed"
-            elif kind == "pruned":
-                self.last_prune = msg[2]
+                    committed = True
+            elif isinstance(msg, M.Pruned):
+                self.last_prune = msg.report
                 # The worker's warnings (a policy's metric missing, ...): once each, here.
                 from .prune import report_warnings
 
-                report_warnings(msg[2], self.prune_warned, stacklevel=1)
-                if msg[3] is not None:
+                report_warnings(msg.report, self.prune_warned, stacklevel=1)
+                if msg.error is not None:
                     log.warning(
-                        "pruning failed (nothing committed was lost): %s", msg[3]["message"]
+                        "pruning failed (nothing committed was lost): %s", msg.error["message"]
                     )
-        if kind == "committed" and job:
+        if committed and job:
             self._report(job.handle.stats)
             job.handle._finish()
+
+    def _failure(self, job_id: int, job: _InFlight, info: dict[str, Any]) -> SaveFailed | None:
+        """The error a worker's ``Failed`` fails the handle with; None if the step committed
+        all the same (completed here as committed). Called with cond held."""
+        step = job.handle.step
+        if info.get("export"):
+            err: SaveFailed = ExportFailed(
+                f"step {step} IS committed in {self.root} (it loads), but its Hugging Face "
+                f"export to {self.opts.export.path} failed: {info['type']}: {info['message']} "
+                "(asyncckpt.export.export_step writes it again from the checkpoint)"
+            )
+        elif info.get("upload"):
+            # Committed on disk, not in the store: the save failed as the user asked for it.
+            err = UploadFailed(
+                f"step {step} is committed locally in {self.root} but was not published to "
+                f"{self.remote.url}: {info['message']} (the next save uploads it again)"
+            )
+        else:
+            err = SaveFailed(f"save of step {step} failed: {info['type']}: {info['message']}")
+        err.__cause__ = _rebuild_error(info)
+        if isinstance(err, (ExportFailed, UploadFailed)):
+            return err
+        # Failed after its rename, and the worker could not take it out again: it is
+        # committed all the same (the handle must say so; a retry would be refused).
+        manifest = self._committed_on_disk(job_id, job)
+        if manifest is not None:
+            return self._finish_commit(job_id, job, manifest, err)
+        return err
 
     def _committed(self, job_id: int, job: _InFlight, st: Mapping[str, Any]) -> None:
         # called with self.cond held
@@ -924,17 +930,18 @@ class _Core:
                 self._wait_ready()
                 # After the wait: a fault that fired in a worker that died is disarmed by now.
                 job.faults = faults.snapshot()
+                # One worker's link throughout: if a new worker replaces it meanwhile, this
+                # job goes to the dead one (and fails), and the new one gets everything.
+                link = self.link
+                # A replayed plan hands out the same paths object: the worker keeps the
+                # last paths it got (20,000 of them pickled into every job add up).
+                if link.paths is flat.paths:
+                    job.paths = None
+                payload = _encode_job(job)  # before the pipe: a pickling error cuts nothing
                 sending = True
                 with self._sending():
-                    # One worker's link throughout: if a new worker replaces it meanwhile, this
-                    # job goes to the dead one (and fails), and the new one gets everything.
-                    link = self.link
                     self._send_arenas(slot, link)
-                    # A replayed plan hands out the same paths object: the worker keeps the
-                    # last paths it got (20,000 of them pickled into every job add up).
-                    if link.paths is flat.paths:
-                        job.paths = None
-                    link.conn.send(("save", job))
+                    M.send(link.conn, payload)
                     link.paths = flat.paths
         except OSError as e:
             with self.cond:
@@ -999,18 +1006,18 @@ class _Core:
         # let go of them for the shared memory to be freed), then maps the new ones.
         for aid in slot.take_retired():
             if aid in link.arenas:
-                link.conn.send(("drop", aid))
+                M.send(link.conn, M.encode(M.Drop(aid)))
                 link.arenas.discard(aid)
                 link.specs = {k for k in link.specs if aid not in k}
         for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
             if aid not in link.arenas:
-                link.conn.send(("arena", aid, arena))
+                M.send(link.conn, M.encode(M.Arena(aid, arena)))
                 link.arenas.add(aid)
         # Where each tensor sits in the arenas depends only on the layout: sent once with
         # them (20,000 specs pickled per save cost more than the copy of their tensors).
         key = tuple(slot.arena_ids)
         if key not in link.specs:
-            link.conn.send(("specs", key, slot.specs))
+            M.send(link.conn, M.encode(M.Specs(key, slot.specs)))
             link.specs.add(key)
 
     def prepare(self, state: Any) -> None:
@@ -1388,6 +1395,31 @@ def _main_module_hidden() -> Any:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+def _check_picklable(**options: Any) -> None:
+    """What travels to the worker process must pickle: refused here, not at the first save."""
+    import pickle
+
+    for name, value in options.items():
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            raise TypeError(
+                f"{name}= must be picklable (it runs in the checkpoint worker process): "
+                f"{type(e).__name__}: {e}; define it at module level, with no lambdas"
+            ) from e
+
+
+def _encode_job(job: SaveJob) -> bytes:
+    try:
+        return M.encode(M.Save(job))
+    except Exception as e:  # noqa: BLE001 - pickle raises many types
+        raise SaveFailed(
+            f"step {job.step} cannot be sent to the checkpoint worker: part of the job cannot be "
+            f"pickled ({type(e).__name__}: {e}); a retention policy or an object in the state "
+            "must be picklable (no lambdas, no local classes); nothing was written"
+        ) from e
 
 
 def _resolve_root(

@@ -14,13 +14,10 @@ SIGTERM). It knows nothing of the engine; the engine owns one and asks it.
 from __future__ import annotations
 
 import math
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 __all__ = [
@@ -40,7 +37,6 @@ __all__ = [
     "plan_prune",
     "should_prune",
     "SaveSchedule",
-    "SigtermTrigger",
 ]
 
 SCOPES = ("all", "run")
@@ -500,7 +496,7 @@ class SaveSchedule:
       True or ``mark_saved`` is called -- answering True *is* the signal, no separate call needed;
     * asking again for the step that was just signalled answers False (unless forced or preempted),
       so a save is never signalled twice for one step;
-    * after ``request_preemption_save()`` (or SIGTERM once ``install_sigterm_trigger`` ran) the
+    * after ``request_preemption_save()`` (the engine calls it on SIGTERM) the
       next ``should_save`` answers True exactly once, whatever the step.
 
     ``clock`` is injectable for tests. A schedule is meant for one training thread; the
@@ -571,47 +567,3 @@ class SaveSchedule:
             self._last_step = step
             self._window_start = now
         return due
-
-    def install_sigterm_trigger(self, signum: int = signal.SIGTERM) -> SigtermTrigger:
-        """Turn ``signum`` into a preemption save request; see ``SigtermTrigger``."""
-        return SigtermTrigger(self, signum)
-
-
-class SigtermTrigger:
-    """A signal handler that requests a preemption save, chained to the previous handler.
-
-    Optional: an engine that installs its own handler can call ``request_preemption_save``
-    itself. A previous Python handler is called after the request is recorded; the default action
-    (terminate) is *replaced*, since the point is to save before exiting -- the loop should exit
-    once that save is done. ``restore()`` (or leaving the ``with`` block) reinstates the previous
-    handler if ours is still the installed one; if someone chained over us, ours stays installed
-    but only forwards. Must be created on the main thread (a Python rule for ``signal.signal``).
-    """
-
-    def __init__(self, schedule: SaveSchedule, signum: int = signal.SIGTERM) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("install_sigterm_trigger must be called from the main thread")
-        self.schedule = schedule
-        self.signum = signum
-        self.active = True
-        self.previous = signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.active:
-            self.schedule.request_preemption_save()
-        if callable(self.previous):
-            self.previous(signum, frame)
-
-    def restore(self) -> None:
-        """Stop requesting saves and put the previous handler back where that is safe."""
-        if not self.active:
-            return
-        self.active = False
-        if signal.getsignal(self.signum) == self._handle:
-            signal.signal(self.signum, self.previous)
-
-    def __enter__(self) -> SigtermTrigger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()

@@ -24,9 +24,10 @@ import torch
 
 from . import faults
 from . import layout as _layout
-from .commit import remove_tree, rename_into_place, write_tracker
+from . import messages as M
+from .commit import commit_step, remove_tree
 from .formats.dcp import Serialized
-from .manifest import build_manifest, fsync_dir, fsync_file, write_manifest
+from .manifest import build_manifest, fsync_dir, fsync_file
 from .staging import TensorSpec
 
 
@@ -95,11 +96,8 @@ class PruneRequest:
 
 
 # ------------------------------------------------------------------------------ messages
-# engine -> worker: ("arena", arena_id, tensor) | ("specs", arena_ids, [TensorSpec])
-#                   | ("drop", arena_id) | ("save", SaveJob) | ("prune", request) | ("stop",)
-# worker -> engine: ("ready", pid, throttle_report) | ("begin", job_id) | ("released", job_id)
-#                   | ("committed", job_id, stats) | ("failed", job_id, error)
-#                   | ("pruned", job_id, report)
+# Messages: asyncckpt/messages.py (trainer -> worker: Arena, Specs, Drop, Save, Stop;
+# worker -> trainer: Ready, FaultFired, Begun, Released, Committed, Failed, Pruned).
 
 
 def worker_view(arena: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -162,23 +160,22 @@ class Worker:
 
     def run(self) -> None:
         report = self._apply_throttle()
-        self.events.send(("ready", os.getpid(), report))
+        self.events.send(M.Ready(os.getpid(), report))
         while True:
             msg = self.jobs.recv()
-            kind = msg[0]
-            if kind == "arena":
-                self.arenas[msg[1]] = msg[2]
-            elif kind == "specs":
-                self.specs[msg[1]] = msg[2]
-            elif kind == "drop":
-                self.arenas.pop(msg[1], None)
-                self.specs = {k: v for k, v in self.specs.items() if msg[1] not in k}
-            elif kind == "save":
-                self._save(msg[1])
-            elif kind == "prune":
-                self._prune(None, msg[1])
-            elif kind == "stop":
+            if isinstance(msg, M.Arena):
+                self.arenas[msg.arena_id] = msg.tensor
+            elif isinstance(msg, M.Specs):
+                self.specs[msg.arena_ids] = msg.specs
+            elif isinstance(msg, M.Drop):
+                self.arenas.pop(msg.arena_id, None)
+                self.specs = {k: v for k, v in self.specs.items() if msg.arena_id not in k}
+            elif isinstance(msg, M.Save):
+                self._save(msg.job)
+            elif isinstance(msg, M.Stop):
                 return
+            else:
+                raise TypeError(f"unknown message from the trainer: {msg!r}")
 
     def _apply_throttle(self) -> Any:
         from .throttle import Pacer, RateLimiter, apply_throttle
@@ -203,60 +200,112 @@ class Worker:
         return self.pacer.paused_seconds if self.pacer is not None else 0.0
 
     def _save(self, job: SaveJob) -> None:
+        """Write this rank's part of a save, agree with the other ranks, commit once.
+
+        One path for one rank and many (the protocol is described in dist.py): every rank
+        writes its own shards into one shared temporary directory; with several ranks their
+        workers then agree over a side group, and only if every rank succeeded does rank 0
+        commit (manifest of every rank's files, rename, tracker, and with a remote tier the
+        upload) and tell the others. Any failure anywhere fails the save on every rank and
+        commits nothing. One rank is the same path with a group of one and no messages.
+        """
         faults.install(job.faults)
         if job.paths is None:  # the same as the last job's (engine: _WorkerLink.paths)
             if self.last_paths is None:
                 raise RuntimeError("a job without paths reached a worker that has none")
             job.paths = self.last_paths
         self.last_paths = job.paths
-        if self.config.dist is not None:
-            self._save_multi(job)
-            return
-        self.events.send(("begin", job.job_id))
-        name = _layout.dir_name(self.config.layout, job.step)
-        tmp = self.root / _layout.tmp_name(
-            self.config.layout, job.step, f"{job.job_id}-{os.getpid()}"
-        )
-        final = self.root / name
+        from . import dist as _dist
+
+        cfg = self.config.dist
+        rank = cfg.rank if cfg is not None else 0
+        self.events.send(M.Begun(job.job_id))
+        final = self.root / _layout.dir_name(self.config.layout, job.step)
+        # Several ranks share one temporary (named alike by every rank); one rank's is its own.
+        token = f"{cfg.token}-{job.attempt}" if cfg is not None else f"{job.job_id}-{os.getpid()}"
+        tmp = self.root / _layout.tmp_name(self.config.layout, job.step, token)
         preexisting = final.exists()
-        released = False
         t0 = time.perf_counter()
         self._reset_paused()
+        outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
+        group = (
+            _dist.job_group(cfg, f"{job.step}.{job.attempt}")
+            if cfg is not None
+            else contextlib.nullcontext(None)
+        )
         try:
-            tmp.mkdir()
-            faults.point("before_shard_write")
-            flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
-            for spec in self._specs(job):
-                arena = self.arenas[job.arena_ids[spec.arena]]
-                flat[spec.fqn] = worker_view(arena, spec)
-            self.thread_errors.clear()
-            crcs = self._write_format(flat, tmp, job)
-            del flat
-            if self.thread_errors:
-                raise self.thread_errors[0]
-            faults.point("after_shard_write")
-            for p in tmp.rglob("*"):
-                if p.is_file() and not p.is_symlink():
-                    fsync_file(p)
-            # The staging arena is free as soon as the bytes are in the files.
-            self.events.send(("released", job.job_id))
-            released = True
-            t_written = time.perf_counter()
-            stats = self._commit(job, tmp, final, crcs, job.paths, {}, t0, t_written)
-        except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
-            self._undo(tmp, final, preexisting, job.step)
-            if not released:
-                self.events.send(("released", job.job_id))
-            self.events.send(("failed", job.job_id, error_info(e)))
+            with group as pg:
+                local_error: dict | None = None
+                crcs: dict = {}
+                try:
+                    crcs = self._write_shards(job, tmp, pg, rank)
+                except BaseException as e:  # noqa: BLE001 - reported to every rank
+                    local_error = error_info(e)
+                # The staging arena is free as soon as the bytes are in the files.
+                self.events.send(M.Released(job.job_id))
+                t_written = time.perf_counter()
+                if cfg is None:
+                    results = [(local_error, crcs, job.paths)]
+                else:  # the agreement: every rank's shards are durable, or nobody commits
+                    results = _dist.all_gather(pg, (local_error, crcs, job.paths), cfg.world_size)
+                failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
+                if failed:
+                    outcome = ("failed", local_error if cfg is None else _ranks_error(failed))
+                else:
+                    if rank == 0:
+                        outcome = self._commit_all(job, tmp, final, results, t0, t_written)
+                    if cfg is not None:
+                        outcome = _dist.broadcast(pg, outcome)
+        except BaseException as e:  # noqa: BLE001 - a broken group: a peer died or timed out
+            info = error_info(e)
+            info["message"] = f"rank {rank}: coordination with the other ranks failed: " + str(
+                info["message"]
+            )
+            outcome = ("failed", info)
+            if tmp.exists():
+                with contextlib.suppress(OSError):
+                    remove_tree(tmp)
+        assert outcome is not None
+        if outcome[0] != "committed":
+            if rank == 0 and not outcome[1].get("upload"):
+                self._undo(tmp, final, preexisting, job.step)
+            self.events.send(M.Released(job.job_id))  # (again: the engine ignores a repeat)
+            self.events.send(M.Failed(job.job_id, outcome[1]))
             return
-        failed = self._publish(job, stats) or self._export(job, final, stats)
-        if failed is not None:  # committed here, not in the store: no pruning either
-            self.events.send(("failed", job.job_id, failed))
-            return
-        self.events.send(("committed", job.job_id, stats))
+        if rank == 0:  # every rank's shards are in the committed directory: rank 0 exports
+            failed_export = self._export(job, final, outcome[1])
+            if failed_export is not None:
+                self.events.send(M.Failed(job.job_id, failed_export))
+                return
+        self.events.send(M.Committed(job.job_id, outcome[1]))
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune)
+
+    def _write_shards(self, job: SaveJob, tmp: Path, pg: Any, rank: int) -> dict:
+        """This rank's files in ``tmp``, durable; returns their checksums (name -> entry)."""
+        tmp.mkdir(exist_ok=self.config.dist is not None)
+        faults.point("before_shard_write")
+        flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
+        for spec in self._specs(job):
+            arena = self.arenas[job.arena_ids[spec.arena]]
+            flat[spec.fqn] = worker_view(arena, spec)
+        self.thread_errors.clear()
+        crcs = self._write_format(flat, tmp, job, pg)
+        del flat
+        if self.thread_errors:
+            raise self.thread_errors[0]
+        faults.point("after_shard_write")
+        if self.config.dist is None:
+            mine = [p for p in tmp.rglob("*")]
+        else:  # only this rank's files (the others fsync theirs); DCP's metadata is rank 0's
+            mine = [tmp / n for n in crcs]
+            if rank == 0:
+                mine += list(tmp.rglob(".metadata"))
+        for p in mine:
+            if p.is_file() and not p.is_symlink():
+                fsync_file(p)
+        return crcs
 
     def _specs(self, job: SaveJob) -> list[TensorSpec]:
         return job.specs if job.specs is not None else self.specs[tuple(job.arena_ids)]
@@ -284,113 +333,30 @@ class Worker:
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
         )
 
-    def _save_multi(self, job: SaveJob) -> None:
-        """This rank's part of a save by several ranks (the protocol is described in dist.py).
-
-        Every rank writes its own shards into one shared temporary directory; the workers then
-        agree over their side group, and only if every rank succeeded does rank 0 write the
-        manifest (covering every rank's files), rename and write the tracker, and tell the
-        others. Any failure anywhere fails the save on every rank and commits nothing.
-        """
-        from . import dist as _dist
-
-        cfg = self.config.dist
-        rank = cfg.rank
-        self.events.send(("begin", job.job_id))
-        final = self.root / _layout.dir_name(self.config.layout, job.step)
-        tmp = self.root / _layout.tmp_name(
-            self.config.layout, job.step, f"{cfg.token}-{job.attempt}"
-        )
-        preexisting = final.exists()
-        released = False
-        t0 = time.perf_counter()
-        self._reset_paused()
-        outcome: tuple[str, Any] | None = None
-        try:
-            with _dist.job_group(cfg, f"{job.step}.{job.attempt}") as pg:
-                crcs: dict = {}
-                local_error: dict | None = None
-                try:
-                    tmp.mkdir(exist_ok=True)
-                    faults.point("before_shard_write")
-                    flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
-                    for spec in self._specs(job):
-                        arena = self.arenas[job.arena_ids[spec.arena]]
-                        flat[spec.fqn] = worker_view(arena, spec)
-                    self.thread_errors.clear()
-                    crcs = self._write_format(flat, tmp, job, pg)
-                    del flat
-                    if self.thread_errors:
-                        raise self.thread_errors[0]
-                    faults.point("after_shard_write")
-                    mine = [tmp / n for n in crcs]
-                    if rank == 0:  # DCP's metadata: at the top, or in each component's dir
-                        mine += list(tmp.rglob(".metadata"))
-                    for p in mine:
-                        if p.is_file() and not p.is_symlink():
-                            fsync_file(p)
-                except BaseException as e:  # noqa: BLE001 - reported to every rank
-                    local_error = error_info(e)
-                self.events.send(("released", job.job_id))
-                released = True
-                t_written = time.perf_counter()
-                # The agreement: every rank's shards are durable, or nobody commits.
-                results = _dist.all_gather(pg, (local_error, crcs, job.paths), cfg.world_size)
-                failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
-                if failed:
-                    outcome = ("failed", _ranks_error(failed))
-                else:
-                    if rank == 0:
-                        outcome = self._commit_multi(job, tmp, final, results, t0, t_written)
-                    outcome = _dist.broadcast(pg, outcome)
-        except BaseException as e:  # noqa: BLE001 - a broken group: a peer died or timed out
-            info = error_info(e)
-            info["message"] = f"rank {rank}: coordination with the other ranks failed: " + str(
-                info["message"]
-            )
-            outcome = ("failed", info)
-            if tmp.exists():
-                with contextlib.suppress(OSError):
-                    remove_tree(tmp)
-        assert outcome is not None
-        if outcome[0] != "committed":
-            if rank == 0:
-                self._undo(tmp, final, preexisting, job.step)
-            if not released:
-                self.events.send(("released", job.job_id))
-            self.events.send(("failed", job.job_id, outcome[1]))
-            return
-        if rank == 0:  # every rank's shards are in the committed directory: rank 0 exports
-            failed = self._export(job, final, outcome[1])
-            if failed is not None:
-                self.events.send(("failed", job.job_id, failed))
-                return
-        self.events.send(("committed", job.job_id, outcome[1]))
-        faults.point("after_commit")
-        if job.prune is not None:
-            self._prune(job.job_id, job.prune)
-
-    def _commit_multi(
+    def _commit_all(
         self, job: SaveJob, tmp: Path, final: Path, results: list, t0: float, t_written: float
     ) -> tuple[str, Any]:
-        """Rank 0, after every rank agreed: manifest of all ranks' files, rename, tracker."""
+        """Rank 0, after every rank agreed: manifest of all ranks' files, rename, tracker, and
+        with a remote tier the upload. Returns the outcome every rank reports."""
         known: dict = {}
         paths: dict = {}
         for _, crcs, rank_paths in results:
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
+        cfg = self.config.dist
         # The run's token (shared by every rank) names this commit for the other ranks' engines.
-        extra = {"world_size": self.config.dist.world_size, "dist_token": self.config.dist.token}
+        extra = {} if cfg is None else {"world_size": cfg.world_size, "dist_token": cfg.token}
+        where = "" if cfg is None else "rank 0 ({}): "
         try:
             stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
-        except BaseException as e:  # noqa: BLE001 - broadcast to every rank
+        except BaseException as e:  # noqa: BLE001 - reported on every rank
             info = error_info(e)
-            info["message"] = f"rank 0 (commit): {info['message']}"
+            info["message"] = where.format("commit") + info["message"]
             return ("failed", info)
         failed = self._publish(job, stats)
         if failed is not None:
-            failed["message"] = f"rank 0 (upload): {failed['message']}"
+            failed["message"] = where.format("upload") + failed["message"]
             return ("failed", failed)
         return ("committed", stats)
 
@@ -484,9 +450,7 @@ class Worker:
                 "paused_seconds": self._paused_seconds(),
             },
         )
-        write_manifest(tmp, manifest)
-        rename_into_place(tmp, final)
-        write_tracker(self.root, self.config.layout, job.step)
+        commit_step(self.root, self.config.layout, job.step, tmp, final, manifest)
         return {
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
@@ -517,9 +481,9 @@ class Worker:
     def _prune(self, job_id: int | None, request: Any) -> None:
         try:
             report = request.run(self.root, self.config)
-            self.events.send(("pruned", job_id, report, None))
+            self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
-            self.events.send(("pruned", job_id, None, error_info(e)))
+            self.events.send(M.Pruned(job_id, None, error_info(e)))
 
 
 def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
@@ -576,7 +540,7 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None)
     # process armed on import would fire a second time. Firing is reported back so that the
     # trainer disarms the point and a restarted worker does not fire it again.
     faults.clear()
-    faults.set_reporter(lambda fault_id: events.send(("fault", fault_id)))
+    faults.set_reporter(lambda fault_id: events.send(M.FaultFired(fault_id)))
     try:
         Worker(config, jobs, events, pause).run()
     except (EOFError, OSError):

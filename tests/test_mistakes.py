@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt import CheckpointEngine, SyncCheckpointEngine
+from asyncckpt import CheckpointEngine, RetentionPolicy, SyncCheckpointEngine
 
 
 def test_sync_with_on_the_async_engine_points_to_the_sync_engine(tmp_path):
@@ -40,3 +40,37 @@ def test_url_roots_nothing_can_serve_are_refused_before_anything_is_written(
         SyncCheckpointEngine(root, handle_sigterm=False)
     assert isinstance(e.value, CheckpointError)
     assert list(tmp_path.iterdir()) == []  # no local directory named "s3:"
+
+
+class _PolicyWithALambda(RetentionPolicy):
+    def __init__(self) -> None:
+        self.score = lambda c: c.step
+
+    def keep(self, checkpoints):
+        return {c.step for c in checkpoints}
+
+
+def test_an_unpicklable_policy_is_refused_when_the_engine_is_made(tmp_path):
+    with pytest.raises(TypeError, match="keep= must be picklable .*lambda"):
+        SyncCheckpointEngine(tmp_path / "ckpts", keep=_PolicyWithALambda())
+    assert not (tmp_path / "ckpts").exists()
+
+
+def test_a_job_that_cannot_be_pickled_fails_its_save_and_leaves_the_worker_alone(tmp_path):
+    """Pickled before the pipe: the error is the save's, the pipe stays whole, the worker lives
+    (before: the half-sent message made the engine kill and replace its worker)."""
+    import torch
+
+    from asyncckpt import SaveFailed
+
+    with SyncCheckpointEngine(tmp_path / "ckpts", handle_sigterm=False) as engine:
+        engine.save(1, {"x": torch.ones(3)})
+        engine.wait()
+        pid = engine.worker_pid
+        engine._core.local_keep = _PolicyWithALambda()  # slipped past the check at __init__
+        with pytest.raises(SaveFailed, match="cannot be sent to the checkpoint worker"):
+            engine.save(2, {"x": torch.ones(3)})
+        engine._core.local_keep = None
+        engine.save(3, {"x": torch.ones(3)}).committed_sync(60)
+        assert engine.worker_pid == pid and engine.worker_restarts == 0
+    assert [c.step for c in engine.list_checkpoints()] == [1, 3]

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
 
 import pytest
 from hypothesis import given, settings
@@ -372,39 +370,6 @@ def test_preemption_request_answers_once():
     assert s.should_save(7)
     assert not s.preemption_requested
     assert not s.should_save(8)
-
-
-def test_sigterm_trigger_answers_once_and_chains():
-    s = SaveSchedule(every_steps=1000)
-    seen = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    try:
-        with s.install_sigterm_trigger() as trigger:
-            assert not s.should_save(1)
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert s.should_save(2)
-            assert not s.should_save(3)
-            assert seen == [signal.SIGTERM]  # the previous handler still ran
-        assert not trigger.active
-        os.kill(os.getpid(), signal.SIGTERM)  # restored: only the previous handler runs
-        assert seen == [signal.SIGTERM, signal.SIGTERM]
-        assert not s.should_save(4)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def test_sigterm_trigger_replaces_default_action():
-    s = SaveSchedule()
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        trigger = s.install_sigterm_trigger()
-        os.kill(os.getpid(), signal.SIGTERM)  # must not terminate the test process
-        assert s.should_save(5) and not s.should_save(6)
-        trigger.restore()
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def test_policies_pickle_for_the_worker_process():

@@ -1,0 +1,109 @@
+"""The messages between the trainer's engine and its worker process, one class each.
+
+Two one-way pipes: jobs (trainer -> worker) and events (worker -> trainer). Every message is a
+small frozen dataclass, matched by type on the other side, never a tuple read by position.
+``encode`` pickles a message before anything is written to a pipe, so a message that cannot be
+pickled (a user's retention policy holding a lambda, say) fails as an error of that save while
+the pipe stays whole, instead of leaving half a message the worker can never read past.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+# ------------------------------------------------------------------ trainer -> worker
+
+
+@dataclass(frozen=True)
+class Arena:
+    """A staging arena (shared memory), sent once; later jobs name it by id."""
+
+    arena_id: int
+    tensor: Any
+
+
+@dataclass(frozen=True)
+class Specs:
+    """The tensor layout of a set of arenas, sent once per layout (jobs then carry none)."""
+
+    arena_ids: tuple[int, ...]
+    specs: list
+
+
+@dataclass(frozen=True)
+class Drop:
+    """An arena the trainer freed (a slot re-laid out): forget it and its layouts."""
+
+    arena_id: int
+
+
+@dataclass(frozen=True)
+class Save:
+    job: Any  # worker.SaveJob
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# ------------------------------------------------------------------ worker -> trainer
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    throttle_report: Any
+
+
+@dataclass(frozen=True)
+class FaultFired:
+    """A fault point fired in the worker: the trainer disarms it (faults.consume)."""
+
+    fault_id: str
+
+
+@dataclass(frozen=True)
+class Begun:
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Released:
+    """The job's staging arena may be reused (its bytes are in the files, or it failed)."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    job_id: int
+    stats: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    """``info``: worker.error_info of the cause; ``upload`` / ``export`` mark a failure after
+    the step committed locally (engine: UploadFailed / ExportFailed)."""
+
+    job_id: int
+    info: dict
+
+
+@dataclass(frozen=True)
+class Pruned:
+    job_id: int | None
+    report: Any
+    error: dict | None
+
+
+def encode(msg: Any) -> bytes:
+    """``msg`` pickled the way ``Connection.send`` does (shared-memory tensors by handle)."""
+    return bytes(ForkingPickler.dumps(msg))
+
+
+def send(conn: Any, payload: bytes) -> None:
+    """Write an ``encode``d message: the only part that can be cut short part-way."""
+    conn.send_bytes(payload)
