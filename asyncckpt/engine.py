@@ -14,12 +14,10 @@ import fcntl
 import logging
 import multiprocessing.connection as mpc
 import os
-import signal
 import sys
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,28 +25,26 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch.multiprocessing as tmp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from . import faults
 from . import layout as _layout
 from . import messages as M
 from .errors import (
     CheckpointError,
-    CorruptCheckpoint,
     ExportFailed,
-    NotACheckpointRoot,
-    NoValidCheckpoint,
     RootLocked,
     SaveFailed,
-    StateMismatch,
     WorkerDied,
     WriteTimeout,
 )
 from .flatplan import FlattenCache
 from .formats import FORMAT_ALIASES, FORMATS, default_format
-from .formats.components import COMPONENTS, Component, Part, check_spec, load_parts, saved_spec
-from .loadcheck import LoadReport, Vanished
-from .manifest import check_files, fsync_dir, read_manifest
+from .formats.components import COMPONENTS, Component, check_spec
+from .loadcheck import LoadReport
+from .manifest import fsync_dir, read_manifest
+from .preemption import Preemption
+from .restore import Restorer
+from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
@@ -116,14 +112,6 @@ class _InFlight:
     begun_at: float | None = None
     released: bool = False
     attempt: int = 0  # SaveJob.attempt: with the run's token, names a multi-rank commit
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be a non-negative int, not {type(step).__name__} {step!r}")
-    if step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step}")
-    return step
 
 
 def _rebuild_error(info: dict[str, Any]) -> BaseException:
@@ -232,6 +220,18 @@ class _Core:
         opts.rank = self.rank
         self.prunes_here = should_prune(self.rank, self.local_rank, opts.storage)
         self.legacy = staged.legacy_ranks(self.rank, self.world_size, opts.legacy_ranks)
+        self.restorer = Restorer(
+            self.root,
+            self.layout,
+            self.fmt,
+            self.components,
+            verify_on_load=opts.verify_on_load,
+            legacy=self.legacy,
+            rank=self.rank,
+            world_size=self.world_size,
+            remote=self.remote,
+            on_loaded=self._on_loaded,
+        )
         self.rendezvous = _dist.Rendezvous()
         self.dist_cfg: Any = None  # dist.DistConfig once started, when world_size > 1
         self.attempts: dict[int, int] = {}
@@ -248,10 +248,8 @@ class _Core:
         self.pending_handle: SaveHandle | None = None
         self.pinned: set[int] = set()
         self.resumed_from: int | None = None
-        self.last_load_report: LoadReport | None = None
         self.last_prune: Any = None
         self.prune_warned: set[str] = set()  # keys of the prune warnings already shown
-        self.preempted = False
         self.started = False
         self.stopping = False
         self.proc: Any = None
@@ -265,12 +263,15 @@ class _Core:
         self.lock_fd: int | None = None
         self.restarts = 0
         self.last_event_at = time.monotonic()  # the worker's last sign of life (write_timeout)
-        self._prev_sigterm: Any = None
-        # The thread handing a staged save to the worker, and a SIGTERM that arrived meanwhile
-        # on that same (main) thread: its drain would wait for the very save it interrupted.
-        self._handoff_thread: int | None = None
-        self._deferred_sigterm: tuple[int, Any] | None = None
-        self._sigterm_handler: Callable[[int, Any], None] | None = None
+        # SIGTERM: drain, then one last save (preemption.py).
+        self.preemption = Preemption(
+            self.schedule,
+            enabled=opts.handle_sigterm,
+            final_save=opts.preemption_save,
+            drain=lambda timeout: self.drain(timeout=timeout),
+            stop=lambda: self.stop(drain=False),
+            in_flight=lambda: len(self.inflight),
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -926,7 +927,7 @@ class _Core:
             )
         sending = False
         try:
-            with self._handing_off():
+            with self.preemption.handing_off():
                 self._wait_ready()
                 # After the wait: a fault that fired in a worker that died is disarmed by now.
                 job.faults = faults.snapshot()
@@ -966,27 +967,8 @@ class _Core:
             raise
         finally:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
-            self._run_deferred_sigterm()
+            self.preemption.run_deferred()
         return handle
-
-    @contextlib.contextmanager
-    def _handing_off(self) -> Iterator[None]:
-        """Mark the hand-off of a staged save: a SIGTERM on this thread waits until it ends."""
-        outer = self._handoff_thread
-        self._handoff_thread = threading.get_ident()
-        try:
-            yield
-        finally:
-            self._handoff_thread = outer
-
-    def _run_deferred_sigterm(self) -> None:
-        deferred, handler = self._deferred_sigterm, self._sigterm_handler
-        if deferred is not None and self._handoff_thread is None:
-            self._deferred_sigterm = None
-            if handler is not None:
-                handler(*deferred)
-            else:  # uninstalled meanwhile: to whatever handles it now
-                signal.raise_signal(deferred[0])
 
     @contextlib.contextmanager
     def _sending(self) -> Iterator[None]:
@@ -1030,12 +1012,12 @@ class _Core:
             self.slots[i].ensure(flat.tensors, pin)
             if self.started:
                 try:
-                    with self._handing_off():
+                    with self.preemption.handing_off():
                         self._wait_ready()
                         with self._sending():
                             self._send_arenas(self.slots[i], self.link)
                 finally:
-                    self._run_deferred_sigterm()
+                    self.preemption.run_deferred()
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
@@ -1045,264 +1027,12 @@ class _Core:
             return components.prepare(self.components, state, rank=self.rank, legacy=self.legacy)
         return staged.prepare(self.fmt, state, legacy=self.legacy, cache=self.flatten_cache)
 
-    # ------------------------------------------------------------------ reading the root
+    # ------------------------------------------------------------------ reading (restore.py)
     def committed(self) -> list[_layout.CommittedDir]:
-        return _layout.scan(self.root, self.layout)
-
-    def load_dir(
-        self, state: Any, directory: Path, strict: bool = True, step: int | None = None
-    ) -> LoadReport:
-        """Restore one checkpoint directory into ``state``: check, verify, then read.
-
-        The target is compared with the checkpoint's metadata before anything is read into
-        it (``StateMismatch``: nothing changed). Unreadable data is a ``CorruptCheckpoint``, a
-        directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
-        errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
-        A checkpoint of components is read as one part per component the target names, all
-        checked before any is read.
-        """
-        from . import loadcheck
-
-        manifest: dict[str, Any] | None = None
-        files: dict[str, Any] = {}
-        if (directory / _layout.MANIFEST).exists():
-            manifest = read_manifest(directory)
-            if self.opts.verify_on_load:
-                files = dict(manifest.get("files", {}))
-        elif not directory.is_dir():
-            raise loadcheck.Vanished(f"{directory} went away before it was read")
-        elif self.opts.verify_on_load:
-            warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
-        parts = self._parts(state, directory, manifest, step)
-        nbytes = sum(int(f.get("size", 0)) for f in files.values())
-        with loadcheck.Progress(directory, nbytes) as progress:
-            # The metadata the check trusts is verified first (all of a legacy or pt file: the
-            # check reads it); the bulk of the data after the check, so a mismatch fails fast.
-            first = {r for r in files if loadcheck.read_by_check(r, parts, directory)}
-            self._verify(directory, {r: files[r] for r in first}, progress)
-            reports = [
-                loadcheck.check(
-                    p.fmt,
-                    p.state,
-                    p.location,
-                    strict=strict,
-                    legacy=self.legacy,
-                    weights_only=p.weights_only,
-                )  # fmt: skip
-                for p in parts
-            ]
-            self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
-            progress.reading()
-            for part, report in zip(parts, reports, strict=True):
-                self._read_part(part, report, directory)
-        return loadcheck.merge_reports(parts, reports, strict)
-
-    def _parts(
-        self, state: Any, directory: Path, manifest: dict[str, Any] | None, step: int | None
-    ) -> list[Part]:
-        """What to read: one part (the whole state), or one per component the target names."""
-        fmt = (manifest or {}).get("format") or self.fmt  # the format it was written in
-        if self.components is not None or fmt == COMPONENTS:
-            if self.components is None:
-                raise StateMismatch(
-                    f"{directory} is a checkpoint of components "
-                    f"({list(saved_spec(manifest, {}))}); load it with an engine made with "
-                    "the same components= (nothing was loaded)"
-                )
-            if fmt != COMPONENTS:
-                raise StateMismatch(
-                    f"{directory} was written in format {fmt!r}, not as components; load it "
-                    "with an engine of that format (nothing was loaded)"
-                )
-            return load_parts(
-                self.components, manifest, state, directory, step,
-                rank=self.rank, world_size=self.world_size,
-            )  # fmt: skip
-        paths = (manifest or {}).get("paths")
-        return [Part(None, fmt, state, directory, paths)]
-
-    def _read_part(self, part: Part, report: LoadReport, directory: Path) -> None:
-        from . import loadcheck
-        from .formats import staged
-
-        try:
-            if report.missing or report.unexpected:  # strict=False, and something to skip
-                self._load_partial(part, report)
-            else:
-                # Any world size: each rank reads what its state asks for (DCP reshards).
-                staged.load_into(
-                    part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
-                    weights_only=part.weights_only,
-                )  # fmt: skip
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
-            if isinstance(e, CheckpointError):
-                raise
-            if not directory.is_dir():
-                raise loadcheck.Vanished(f"{directory} went away while it was read") from e
-            raise loadcheck.read_error(directory, e) from e
-
-    def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
-        """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
-        problems = []
-        for rel, want in files.items():
-            try:
-                problems += check_files(directory, {"files": {rel: want}})
-            except OSError as e:  # gone between the check and the read, or unreadable
-                problems.append(f"{rel}: {e}")
-            progress.verified(int(want.get("size", 0)))
-        if problems:
-            if not directory.is_dir():
-                raise Vanished(f"{directory} went away while it was verified")
-            raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
-
-    def _load_partial(self, part: Part, report: LoadReport) -> None:
-        """strict=False: read into a copy of the target's containers without the missing keys,
-        then hand each part back cut to the target's keys (missing ones keep their value,
-        unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
-        from .formats import dcp, staged
-        from .loadcheck import restrict, without
-
-        like = staged.materialize(part.state)
-        sub = without(like, set(report.missing))
-        staged.load_into(
-            part.fmt, sub, part.location, part.paths, legacy=self.legacy,
-            weights_only=part.weights_only,
-        )  # fmt: skip
-        dcp.merge_into(part.state, restrict(sub, like))
-
-    def _check_root(self) -> bool:
-        """False (loudly) when the root does not exist; raise when it is not a root at all."""
-        root = self.root
-        if not root.exists():
-            msg = (
-                f"checkpoint root {root.absolute()} does not exist: nothing to load, starting "
-                "from scratch (check the path if a checkpoint was expected)"
-            )
-            log.warning(msg)
-            warnings.warn(msg, stacklevel=4)
-            return False
-        if not root.is_dir():
-            raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
-        looks_like_one = any(
-            _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
-        )
-        if (
-            (root / ".metadata").exists()
-            or (root / _layout.MANIFEST).exists()
-            # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
-            or (looks_like_one and any(root.iterdir()) and not self.committed())
-        ):
-            raise NotACheckpointRoot(
-                f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
-                f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
-            )
-        return True
-
-    def _check_other_layout(self) -> None:
-        """No checkpoint of our layout: refuse a root that holds the other layout's."""
-        for other in _layout.LAYOUTS:
-            found = _layout.scan(self.root, other) if other != self.layout else []
-            if found:
-                names = ", ".join(c.path.name for c in found[-3:])
-                raise NotACheckpointRoot(
-                    f"{self.root} holds {other}-layout checkpoints ({names}) but this engine's "
-                    f"layout is {self.layout!r}; pass layout={other!r}"
-                )
-
-    def _loaded(self, report: LoadReport, step: int | None, directory: Path) -> None:
-        report.step, report.path = step, directory
-        self.last_load_report = report
-        if step is not None:
-            self.resumed_from = step
-        if report.missing or report.unexpected:
-            log.warning(
-                "loaded %s with strict=False: kept the target's own %s (not in the checkpoint); "
-                "did not load %s (not in the target)",
-                directory,
-                report.missing or "-",
-                report.unexpected or "-",
-            )
-        if report.missing_objects:
-            log.warning(
-                "loaded %s: the checkpoint has no %s; the target keeps its own value(s)",
-                directory,
-                report.missing_objects,
-            )
+        return self.restorer.committed()
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
-        remote = self._remote_only() if self.remote is not None else {}
-        if not remote and not self._check_root():
-            return None
-        errors: list[str] = []
-        tried: set[Path] = set()
-        # A checkpoint pruned under our feet (another process's engine) is skipped quietly;
-        # if every one we saw went, newer ones committed meanwhile: look again, a few times.
-        for _ in range(3):
-            local = {c.step: c for c in self.committed()}
-            candidates = [
-                local.get(step) or _layout.CommittedDir(step, self.root / remote[step])
-                for step in sorted(set(local) | set(remote), reverse=True)
-            ]
-            candidates = [c for c in candidates if c.path not in tried]
-            if not tried and not candidates:
-                self._check_other_layout()
-            vanished = False
-            for c in candidates:
-                tried.add(c.path)
-                try:
-                    if c.step not in local:  # newest in the store only: fetch it here first
-                        self._fetch(remote[c.step], c.path)
-                    report = self.load_dir(state, c.path, strict, c.step)
-                except StateMismatch:
-                    raise  # the caller's mistake: an older checkpoint would not fit either
-                # DCP's CheckpointException derives from BaseException, not Exception.
-                except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back
-                    if isinstance(e, Vanished) or not c.path.is_dir():
-                        log.debug("checkpoint step %d at %s was pruned while read", c.step, c.path)
-                        vanished = True
-                        continue
-                    errors.append(f"step {c.step}: {e}")
-                    msg = (
-                        f"checkpoint step {c.step} at {c.path} is unusable ({e}); "
-                        "trying an older one"
-                    )
-                    log.error(msg)
-                    warnings.warn(msg, stacklevel=3)
-                    continue
-                self._loaded(report, c.step, c.path)
-                return c.step
-            if not vanished or errors:
-                break
-        if not errors:
-            return None
-        raise NoValidCheckpoint(
-            f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
-        )
-
-    def _remote_only(self) -> dict[int, str]:
-        """Steps committed in the store and not on disk (step -> name), read once per load."""
-        store = self.remote.open()
-        local = {c.step for c in self.committed()}
-        return {c.step: c.name for c in store.committed(self.layout) if c.step not in local}
-
-    def _fetch(self, name: str, final: Path) -> None:
-        """Download a committed checkpoint of the store into the local root, as a commit there
-        (temporary, then rename: a crash mid-download leaves only a leftover)."""
-        from .commit import new_token, rename_into_place
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        step = _layout.parse_dir_name(self.layout, name)
-        tmp_dir = self.root / _layout.tmp_name(self.layout, step, new_token())
-        log.info("fetching %s/%s into %s", self.remote.url, name, final)
-        try:
-            self.remote.open().fetch(name, tmp_dir)
-            rename_into_place(tmp_dir, final)
-        except BaseException:
-            if tmp_dir.exists():
-                from .commit import remove_tree
-
-                remove_tree(tmp_dir)
-            raise
+        return self.restorer.load_latest(state, strict)
 
     def load(
         self,
@@ -1311,72 +1041,19 @@ class _Core:
         path: str | os.PathLike | None = None,
         strict: bool = True,
     ) -> int:
-        if (step is None) == (path is None):
-            raise ValueError("pass exactly one of step= or path=")
-        if path is not None:
-            directory = Path(path)
-            if not directory.is_dir():
-                raise FileNotFoundError(f"no checkpoint directory at {directory}")
-            if _layout.is_leftover(directory.name):
-                raise CorruptCheckpoint(
-                    f"{directory} is an uncommitted temporary, not a checkpoint"
-                )
-            found = _layout.parse_dir_name(self.layout, directory.name)
-        else:
-            _check_step(step)
-            directory = self.root / _layout.dir_name(self.layout, step)
-            if not directory.is_dir():
-                raise FileNotFoundError(f"step {step} is not committed in {self.root}")
-            found = step
-        report = self.load_dir(state, directory, strict, found)
-        self._loaded(report, found, directory)
-        return found if found is not None else -1
+        return self.restorer.load(state, step=step, path=path, strict=strict)
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        from .prune import list_checkpoints
+        return self.restorer.list_checkpoints()
 
-        return list_checkpoints(self.root, self.layout)
+    def _on_loaded(self, step: int) -> None:
+        self.resumed_from = step
 
     def install_sigterm(self) -> None:
-        if (
-            not self.opts.handle_sigterm
-            or threading.current_thread() is not threading.main_thread()
-        ):
-            return
-        prev = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if self._handoff_thread == threading.get_ident():
-                # This thread was handing a staged save to the worker (possibly waiting for a
-                # restarted one): draining here would wait for that very save. Run once the
-                # hand-off is over (bounded by WORKER_START_TIMEOUT).
-                self._deferred_sigterm = (signum, frame)
-                return
-            # A preemption notice: never throw away staged data. Drain, ask the loop for one
-            # final save, then behave as SIGTERM would have without us.
-            log.warning("SIGTERM: waiting for %d staged save(s) to commit", len(self.inflight))
-            self.preempted = True
-            self.schedule.request_preemption_save()
-            try:
-                self.drain(timeout=600)
-            except TimeoutError:
-                log.error("SIGTERM: saves still in flight after 600 s")
-            if callable(prev):
-                prev(signum, frame)
-            elif prev == signal.SIG_DFL and not self.opts.preemption_save:
-                self.stop(drain=False)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        self._prev_sigterm = prev
-        self._sigterm_handler = on_sigterm
-        signal.signal(signal.SIGTERM, on_sigterm)
+        self.preemption.install()
 
     def uninstall_sigterm(self) -> None:
-        if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._prev_sigterm)
-            self._prev_sigterm = None
-            self._sigterm_handler = None
+        self.preemption.uninstall()
 
 
 @contextlib.contextmanager
@@ -1646,12 +1323,11 @@ class CheckpointEngine:
     @property
     def preempted(self) -> bool:
         """True once SIGTERM (or ``request_preemption_save``) arrived: save once more and stop."""
-        return self._core.preempted
+        return self._core.preemption.preempted
 
     def request_preemption_save(self) -> None:
         """The user-set preemption flag: the next ``should_save`` answers yes."""
-        self._core.preempted = True
-        self._core.schedule.request_preemption_save()
+        self._core.preemption.request()
 
     def disk_usage(self) -> dict[str, int]:
         """Measured bytes of committed checkpoints and leftovers, and the disk's free space.
@@ -1825,7 +1501,7 @@ class CheckpointEngine:
     def last_load_report(self) -> LoadReport | None:
         """What the last successful load did not restore one to one (``LoadReport``: step,
         path, ``missing``, ``unexpected`` and ``missing_objects`` keys); None before any."""
-        return self._core.last_load_report
+        return self._core.restorer.last_load_report
 
     def latest_step(self) -> int | None:
         dirs = self._core.committed()

@@ -267,7 +267,7 @@ def test_a_checkpoint_pruned_after_the_scan_is_skipped_quietly(root, monkeypatch
 
 @pytest.mark.parametrize("when", ["before_verify", "before_read"])
 def test_a_checkpoint_pruned_during_the_load_is_skipped_quietly(root, monkeypatch, quiet, when):
-    from asyncckpt import engine as E
+    from asyncckpt import restore as E  # where the load verifies
     from asyncckpt.formats import staged
 
     newest = root / L.dir_name("global_step", 2)

@@ -1,0 +1,364 @@
+"""Restoring: find the newest good checkpoint, check the target against it, then read.
+
+``Restorer`` is the engine's reading side, apart from its saving side: it knows the root, its
+layout and format(s), and (with a remote tier) the object store; it never talks to the worker.
+Every load checks the whole target against the checkpoint's metadata before it reads anything
+(invariant 11), verifies the manifest's checksums (invariant 5) and falls back to an older
+checkpoint, loudly, when one is unusable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import layout as _layout
+from .errors import (
+    CheckpointError,
+    CorruptCheckpoint,
+    NotACheckpointRoot,
+    NoValidCheckpoint,
+    StateMismatch,
+)
+from .formats.components import COMPONENTS, Component, Part, load_parts, saved_spec
+from .loadcheck import LoadReport, Vanished
+from .manifest import check_files, read_manifest
+from .retention import CheckpointInfo
+from .storage import RemoteTier
+
+log = logging.getLogger("asyncckpt")
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be a non-negative int, not {type(step).__name__} {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step}")
+    return step
+
+
+class Restorer:
+    """Loads into a target from one root (and its remote tier)."""
+
+    def __init__(
+        self,
+        root: Path,
+        layout: str,
+        fmt: str,
+        components: dict[str, Component] | None,
+        *,
+        verify_on_load: bool,
+        legacy: Any,
+        rank: int,
+        world_size: int,
+        remote: RemoteTier | None,
+        on_loaded: Callable[[int], None],
+    ) -> None:
+        self.root = root
+        self.layout = layout
+        self.fmt = fmt
+        self.components = components
+        self.verify_on_load = verify_on_load
+        self.legacy = legacy
+        self.rank = rank
+        self.world_size = world_size
+        self.remote = remote
+        self.on_loaded = on_loaded  # the step a load restored (the engine's resumed-from)
+        self.last_load_report: LoadReport | None = None
+
+    def committed(self) -> list[_layout.CommittedDir]:
+        return _layout.scan(self.root, self.layout)
+
+    def load_dir(
+        self, state: Any, directory: Path, strict: bool = True, step: int | None = None
+    ) -> LoadReport:
+        """Restore one checkpoint directory into ``state``: check, verify, then read.
+
+        The target is compared with the checkpoint's metadata before anything is read into
+        it (``StateMismatch``: nothing changed). Unreadable data is a ``CorruptCheckpoint``, a
+        directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
+        errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
+        A checkpoint of components is read as one part per component the target names, all
+        checked before any is read.
+        """
+        from . import loadcheck
+
+        manifest: dict[str, Any] | None = None
+        files: dict[str, Any] = {}
+        if (directory / _layout.MANIFEST).exists():
+            manifest = read_manifest(directory)
+            if self.verify_on_load:
+                files = dict(manifest.get("files", {}))
+        elif not directory.is_dir():
+            raise loadcheck.Vanished(f"{directory} went away before it was read")
+        elif self.verify_on_load:
+            warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
+        parts = self._parts(state, directory, manifest, step)
+        nbytes = sum(int(f.get("size", 0)) for f in files.values())
+        with loadcheck.Progress(directory, nbytes) as progress:
+            # The metadata the check trusts is verified first (all of a legacy or pt file: the
+            # check reads it); the bulk of the data after the check, so a mismatch fails fast.
+            first = {r for r in files if loadcheck.read_by_check(r, parts, directory)}
+            self._verify(directory, {r: files[r] for r in first}, progress)
+            reports = [
+                loadcheck.check(
+                    p.fmt,
+                    p.state,
+                    p.location,
+                    strict=strict,
+                    legacy=self.legacy,
+                    weights_only=p.weights_only,
+                )  # fmt: skip
+                for p in parts
+            ]
+            self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
+            progress.reading()
+            for part, report in zip(parts, reports, strict=True):
+                self._read_part(part, report, directory)
+        return loadcheck.merge_reports(parts, reports, strict)
+
+    def _parts(
+        self, state: Any, directory: Path, manifest: dict[str, Any] | None, step: int | None
+    ) -> list[Part]:
+        """What to read: one part (the whole state), or one per component the target names."""
+        fmt = (manifest or {}).get("format") or self.fmt  # the format it was written in
+        if self.components is not None or fmt == COMPONENTS:
+            if self.components is None:
+                raise StateMismatch(
+                    f"{directory} is a checkpoint of components "
+                    f"({list(saved_spec(manifest, {}))}); load it with an engine made with "
+                    "the same components= (nothing was loaded)"
+                )
+            if fmt != COMPONENTS:
+                raise StateMismatch(
+                    f"{directory} was written in format {fmt!r}, not as components; load it "
+                    "with an engine of that format (nothing was loaded)"
+                )
+            return load_parts(
+                self.components, manifest, state, directory, step,
+                rank=self.rank, world_size=self.world_size,
+            )  # fmt: skip
+        paths = (manifest or {}).get("paths")
+        return [Part(None, fmt, state, directory, paths)]
+
+    def _read_part(self, part: Part, report: LoadReport, directory: Path) -> None:
+        from . import loadcheck
+        from .formats import staged
+
+        try:
+            if report.missing or report.unexpected:  # strict=False, and something to skip
+                self._load_partial(part, report)
+            else:
+                # Any world size: each rank reads what its state asks for (DCP reshards).
+                staged.load_into(
+                    part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
+                    weights_only=part.weights_only,
+                )  # fmt: skip
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
+            if isinstance(e, CheckpointError):
+                raise
+            if not directory.is_dir():
+                raise loadcheck.Vanished(f"{directory} went away while it was read") from e
+            raise loadcheck.read_error(directory, e) from e
+
+    def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
+        """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
+        problems = []
+        for rel, want in files.items():
+            try:
+                problems += check_files(directory, {"files": {rel: want}})
+            except OSError as e:  # gone between the check and the read, or unreadable
+                problems.append(f"{rel}: {e}")
+            progress.verified(int(want.get("size", 0)))
+        if problems:
+            if not directory.is_dir():
+                raise Vanished(f"{directory} went away while it was verified")
+            raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+
+    def _load_partial(self, part: Part, report: LoadReport) -> None:
+        """strict=False: read into a copy of the target's containers without the missing keys,
+        then hand each part back cut to the target's keys (missing ones keep their value,
+        unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
+        from .formats import dcp, staged
+        from .loadcheck import restrict, without
+
+        like = staged.materialize(part.state)
+        sub = without(like, set(report.missing))
+        staged.load_into(
+            part.fmt, sub, part.location, part.paths, legacy=self.legacy,
+            weights_only=part.weights_only,
+        )  # fmt: skip
+        dcp.merge_into(part.state, restrict(sub, like))
+
+    def _check_root(self) -> bool:
+        """False (loudly) when the root does not exist; raise when it is not a root at all."""
+        root = self.root
+        if not root.exists():
+            msg = (
+                f"checkpoint root {root.absolute()} does not exist: nothing to load, starting "
+                "from scratch (check the path if a checkpoint was expected)"
+            )
+            log.warning(msg)
+            warnings.warn(msg, stacklevel=4)
+            return False
+        if not root.is_dir():
+            raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
+        looks_like_one = any(
+            _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
+        )
+        if (
+            (root / ".metadata").exists()
+            or (root / _layout.MANIFEST).exists()
+            # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
+            or (looks_like_one and any(root.iterdir()) and not self.committed())
+        ):
+            raise NotACheckpointRoot(
+                f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
+                f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
+            )
+        return True
+
+    def _check_other_layout(self) -> None:
+        """No checkpoint of our layout: refuse a root that holds the other layout's."""
+        for other in _layout.LAYOUTS:
+            found = _layout.scan(self.root, other) if other != self.layout else []
+            if found:
+                names = ", ".join(c.path.name for c in found[-3:])
+                raise NotACheckpointRoot(
+                    f"{self.root} holds {other}-layout checkpoints ({names}) but this engine's "
+                    f"layout is {self.layout!r}; pass layout={other!r}"
+                )
+
+    def _loaded(self, report: LoadReport, step: int | None, directory: Path) -> None:
+        report.step, report.path = step, directory
+        self.last_load_report = report
+        if step is not None:
+            self.on_loaded(step)
+        if report.missing or report.unexpected:
+            log.warning(
+                "loaded %s with strict=False: kept the target's own %s (not in the checkpoint); "
+                "did not load %s (not in the target)",
+                directory,
+                report.missing or "-",
+                report.unexpected or "-",
+            )
+        if report.missing_objects:
+            log.warning(
+                "loaded %s: the checkpoint has no %s; the target keeps its own value(s)",
+                directory,
+                report.missing_objects,
+            )
+
+    def load_latest(self, state: Any, strict: bool = True) -> int | None:
+        remote = self._remote_only() if self.remote is not None else {}
+        if not remote and not self._check_root():
+            return None
+        errors: list[str] = []
+        tried: set[Path] = set()
+        # A checkpoint pruned under our feet (another process's engine) is skipped quietly;
+        # if every one we saw went, newer ones committed meanwhile: look again, a few times.
+        for _ in range(3):
+            local = {c.step: c for c in self.committed()}
+            candidates = [
+                local.get(step) or _layout.CommittedDir(step, self.root / remote[step])
+                for step in sorted(set(local) | set(remote), reverse=True)
+            ]
+            candidates = [c for c in candidates if c.path not in tried]
+            if not tried and not candidates:
+                self._check_other_layout()
+            vanished = False
+            for c in candidates:
+                tried.add(c.path)
+                try:
+                    if c.step not in local:  # newest in the store only: fetch it here first
+                        self._fetch(remote[c.step], c.path)
+                    report = self.load_dir(state, c.path, strict, c.step)
+                except StateMismatch:
+                    raise  # the caller's mistake: an older checkpoint would not fit either
+                # DCP's CheckpointException derives from BaseException, not Exception.
+                except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back
+                    if isinstance(e, Vanished) or not c.path.is_dir():
+                        log.debug("checkpoint step %d at %s was pruned while read", c.step, c.path)
+                        vanished = True
+                        continue
+                    errors.append(f"step {c.step}: {e}")
+                    msg = (
+                        f"checkpoint step {c.step} at {c.path} is unusable ({e}); "
+                        "trying an older one"
+                    )
+                    log.error(msg)
+                    warnings.warn(msg, stacklevel=3)
+                    continue
+                self._loaded(report, c.step, c.path)
+                return c.step
+            if not vanished or errors:
+                break
+        if not errors:
+            return None
+        raise NoValidCheckpoint(
+            f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
+        )
+
+    def _remote_only(self) -> dict[int, str]:
+        """Steps committed in the store and not on disk (step -> name), read once per load."""
+        store = self.remote.open()
+        local = {c.step for c in self.committed()}
+        return {c.step: c.name for c in store.committed(self.layout) if c.step not in local}
+
+    def _fetch(self, name: str, final: Path) -> None:
+        """Download a committed checkpoint of the store into the local root, as a commit there
+        (temporary, then rename: a crash mid-download leaves only a leftover)."""
+        from .commit import new_token, rename_into_place
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        step = _layout.parse_dir_name(self.layout, name)
+        tmp_dir = self.root / _layout.tmp_name(self.layout, step, new_token())
+        log.info("fetching %s/%s into %s", self.remote.url, name, final)
+        try:
+            self.remote.open().fetch(name, tmp_dir)
+            rename_into_place(tmp_dir, final)
+        except BaseException:
+            if tmp_dir.exists():
+                from .commit import remove_tree
+
+                remove_tree(tmp_dir)
+            raise
+
+    def load(
+        self,
+        state: Any,
+        step: int | None = None,
+        path: str | os.PathLike | None = None,
+        strict: bool = True,
+    ) -> int:
+        if (step is None) == (path is None):
+            raise ValueError("pass exactly one of step= or path=")
+        if path is not None:
+            directory = Path(path)
+            if not directory.is_dir():
+                raise FileNotFoundError(f"no checkpoint directory at {directory}")
+            if _layout.is_leftover(directory.name):
+                raise CorruptCheckpoint(
+                    f"{directory} is an uncommitted temporary, not a checkpoint"
+                )
+            found = _layout.parse_dir_name(self.layout, directory.name)
+        else:
+            check_step(step)
+            directory = self.root / _layout.dir_name(self.layout, step)
+            if not directory.is_dir():
+                raise FileNotFoundError(f"step {step} is not committed in {self.root}")
+            found = step
+        report = self.load_dir(state, directory, strict, found)
+        self._loaded(report, found, directory)
+        return found if found is not None else -1
+
+    def list_checkpoints(self) -> list[CheckpointInfo]:
+        from .prune import list_checkpoints
+
+        return list_checkpoints(self.root, self.layout)
