@@ -22,20 +22,17 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import faults
 from .. import layout as _layout
-from ..manifest import CHECKSUM, file_checksum
+from ..manifest import file_checksum
+from .base import StoredCheckpoint
 from .remote import UploadFailed
 
-
-@dataclass(frozen=True)
-class RemoteCheckpoint:
-    step: int
-    name: str  # the checkpoint's directory name under the store's root (layout.dir_name)
+#: The store's committed checkpoints are the protocol's (storage/base.py).
+RemoteCheckpoint = StoredCheckpoint
 
 
 class FsspecStore:
@@ -82,7 +79,7 @@ class FsspecStore:
         return f"{self.url}/{name}"
 
     # ---------------------------------------------------------------- what is committed
-    def committed(self, layout: str) -> list[RemoteCheckpoint]:
+    def committed(self, layout: str) -> list[StoredCheckpoint]:
         """Checkpoints whose marker exists, oldest step first (one listing)."""
         self.fs.invalidate_cache()  # another process (a trainer, the CLI) may have written
         out = []
@@ -90,7 +87,7 @@ class FsspecStore:
             name = marker.rstrip("/").split("/")[-2]
             step = _layout.parse_dir_name(layout, name)
             if step is not None:
-                out.append(RemoteCheckpoint(step, name))
+                out.append(StoredCheckpoint(step, name))
         out.sort(key=lambda c: c.step)
         return out
 
@@ -295,4 +292,4 @@ class FsspecStore:
         return removed
 
 
-__all__ = ["CHECKSUM", "FsspecStore", "RemoteCheckpoint"]
+__all__ = ["FsspecStore", "RemoteCheckpoint"]

@@ -19,6 +19,7 @@ from ..errors import SaveFailed
 from ..retention import CheckpointInfo, RetentionPolicy, plan_prune
 
 if TYPE_CHECKING:
+    from .base import CommittedStore
     from .fsspec_store import FsspecStore
 
 
@@ -93,8 +94,8 @@ def _check_backend(url: str, scheme: str) -> None:
         raise UnsupportedStorage(f"{url}: no fsspec back-end knows {scheme}:// ({e})") from e
 
 
-def remote_infos(store: FsspecStore, layout: str) -> list[CheckpointInfo]:
-    """What a retention policy sees of the store: each committed checkpoint's manifest."""
+def remote_infos(store: CommittedStore, layout: str) -> list[CheckpointInfo]:
+    """What a retention policy sees of a store (any tier): each committed one's manifest."""
     out = []
     for c in store.committed(layout):
         try:
