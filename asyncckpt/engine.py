@@ -2,24 +2,24 @@
 
 ``_Core`` is the engine proper: synchronous and thread-safe, so that the async
 ``CheckpointEngine`` (anyio: asyncio and trio) and the blocking ``SyncCheckpointEngine`` are thin
-facades over one implementation. A reader thread owns the worker's event pipe: it completes
-handles, notices a dead or hung worker, fails what it held, and starts a new one.
+facades over one implementation. Here: saving (validation, staging slots and back-pressure,
+the hand-off to the worker, the table of saves in flight and their handles). Beside it:
+``supervisor.py`` (the worker's lifecycle: a reader thread owns its event pipe, notices a dead
+or hung worker, settles what it held and starts a new one), ``restore.py`` (loading) and
+``preemption.py`` (SIGTERM).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import logging
-import multiprocessing.connection as mpc
 import os
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +32,8 @@ from . import messages as M
 from .errors import (
     CheckpointError,
     ExportFailed,
-    RootLocked,
     SaveFailed,
     WorkerDied,
-    WriteTimeout,
 )
 from .flatplan import FlattenCache
 from .formats import FORMAT_ALIASES, FORMATS, default_format
@@ -49,16 +47,14 @@ from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
 from .staging import StagingSlot, layout_key
 from .stats import SaveStats
 from .storage import RemoteTier, UploadFailed
+from .supervisor import WorkerLink, WorkerSupervision
 from .throttle import ThrottleConfig, WritePause, resolve
-from .worker import PruneRequest, SaveJob, WorkerConfig, worker_main
+from .worker import PruneRequest, SaveJob
 
 if TYPE_CHECKING:
     from .export import HFExport
 
 log = logging.getLogger("asyncckpt")
-
-#: How long ``start`` waits for a spawned worker to import torch and report ready.
-WORKER_START_TIMEOUT = 180.0
 
 
 class SaveHandle:
@@ -128,18 +124,6 @@ KEEP_RESUMED = ("until_newer", "run")
 
 
 @dataclass
-class _WorkerLink:
-    """One worker process's pipe and what was sent down it: the staging arenas it maps, the
-    tensor specs of each arena set, the paths of the last job. A new worker gets a new link,
-    so nothing is assumed of it that was sent to the one before."""
-
-    conn: Any = None
-    arenas: set[int] = field(default_factory=set)
-    specs: set[tuple[int, ...]] = field(default_factory=set)
-    paths: Any = None
-
-
-@dataclass
 class EngineOptions:
     layout: str = "global_step"
     format: str | None = None
@@ -171,7 +155,7 @@ class EngineOptions:
     export: Any = None  # export.HFExport: safetensors of a component every N steps
 
 
-class _Core:
+class _Core(WorkerSupervision):
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
         self.opts = opts
         self.root, self.remote, self.local_keep = _resolve_root(root, opts)
@@ -258,7 +242,7 @@ class _Core:
         self.worker_report: Any = None
         self.worker_start_error: str | None = None
         # What the current worker holds (arenas, specs, paths); a new worker, a new link.
-        self.link = _WorkerLink()
+        self.link = WorkerLink()
         self.reader: threading.Thread | None = None
         self.lock_fd: int | None = None
         self.restarts = 0
@@ -328,88 +312,6 @@ class _Core:
             except BaseException:  # noqa: BLE001 - exiting anyway
                 log.exception("stopping the checkpoint engine at exit failed")
 
-    def _open_root(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint root {self.root}: {e}") from e
-        if not self.root.is_dir():
-            raise CheckpointError(f"checkpoint root {self.root} is not a directory")
-        probe = self.root / f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise CheckpointError(f"checkpoint root {self.root} is not writable: {e}") from e
-        lock_path = self.root / f"{_layout.LOCK_NAME}.rank{self.opts.rank}"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RootLocked(
-                f"another CheckpointEngine (rank {self.opts.rank}) is using {self.root}; "
-                "two engines must not write one root"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.lock_fd = fd
-        # A worker orphaned by a killed trainer exits within a fraction of a second; wait for
-        # it (it holds the worker lock) before cleaning the temporaries it may still touch.
-        wlock = _worker_lock_path(self.root, self.opts.rank)
-        wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RootLocked(f"a worker process still holds {wlock}") from None
-                    time.sleep(0.05)
-        finally:
-            os.close(wfd)
-
-    def _spawn_worker(self) -> None:
-        ctx = tmp.get_context("spawn")
-        jobs_r, jobs_w = ctx.Pipe(duplex=False)
-        events_r, events_w = ctx.Pipe(duplex=False)
-        config = WorkerConfig(
-            root=str(self.root),
-            layout=self.layout,
-            fmt=self.fmt,
-            rank=self.opts.rank,
-            run_id=self.run_id,
-            throttle=self.throttle,
-            parent_pid=os.getpid(),
-            local_rank=self.local_rank,
-            dist=self.dist_cfg,
-            remote=self.remote,
-            export=self.opts.export,
-        )
-        proc = ctx.Process(
-            target=worker_main,
-            args=(config, jobs_r, events_w, self.write_pause),
-            name=f"asyncckpt-worker-{self.opts.rank}",
-            daemon=True,
-        )
-        self.worker_ready.clear()
-        self.worker_start_error = None
-        with _main_module_hidden():
-            proc.start()
-        jobs_r.close()
-        events_w.close()
-        self.proc, self.events_conn = proc, events_r
-        self.link = _WorkerLink(jobs_w)
-        self.last_event_at = time.monotonic()
-
-    def _wait_ready(self) -> None:
-        if not self.worker_ready.wait(WORKER_START_TIMEOUT):
-            raise CheckpointError("the checkpoint worker process did not start in time")
-        if self.worker_start_error is not None:
-            raise CheckpointError(self.worker_start_error)
-
     def stop(self, *, drain: bool = True) -> None:
         """Wait for staged saves to commit (``drain``), then stop the worker."""
         if not self.started:
@@ -461,27 +363,6 @@ class _Core:
                 self.cond.wait(0.5 if left is None else min(0.5, left))
 
     # ------------------------------------------------------------------ reader thread
-    def _read_events(self) -> None:
-        while not self.stopping:
-            proc, conn = self.proc, self.events_conn
-            try:
-                ready = mpc.wait([conn, proc.sentinel], timeout=0.1)
-            except OSError:
-                ready = [proc.sentinel]
-            if conn in ready:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    msg = None
-                if msg is not None:
-                    self._on_event(msg)
-                    continue
-            if (proc.sentinel in ready or conn in ready) and not self.stopping:
-                proc.join(1)
-                self._on_worker_death(proc, None)
-                continue
-            self._check_timeouts()
-
     def _on_event(self, msg: Any) -> None:
         self.last_event_at = time.monotonic()
         if isinstance(msg, M.Ready):
@@ -682,80 +563,6 @@ class _Core:
         self.cond.notify_all()
         log.error("%s", err)
         job.handle._finish(err)
-
-    def _on_worker_death(self, proc: Any, reason: SaveFailed | None) -> None:
-        code = proc.exitcode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        was_ready = self.worker_ready.is_set()
-        self.worker_ready.clear()  # saves from now on wait for the replacement
-        if not was_ready:
-            # Died while starting: restarting would only loop. Fail start/save clearly.
-            self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
-            with self.cond:  # a save staged while it started must not wait forever
-                for job_id in list(self.inflight):
-                    self._fail(job_id, WorkerDied(self.worker_start_error))
-            self.stopping = True
-            self.worker_ready.set()
-            return
-        # Before failing the handles: a save made as soon as one fails must wait for the new
-        # worker, not write into the dead one's pipe, and must see the death counted.
-        self.worker_ready.clear()
-        self.restarts += 1
-        finished = []
-        with self.cond:
-            for job_id, job in list(self.inflight.items()):
-                # Died after the rename (before the tracker): committed; the handle says so.
-                manifest = self._committed_on_disk(job_id, job)
-                if manifest is not None:
-                    cause = reason or WorkerDied(f"worker (pid {proc.pid}) died with {how}")
-                    err = self._finish_commit(job_id, job, manifest, cause)
-                    if err is None:
-                        finished.append(job)
-                        continue
-                else:
-                    err = reason or WorkerDied(
-                        f"the checkpoint worker (pid {proc.pid}) died with {how} while writing "
-                        f"step {job.handle.step}; nothing was committed for it"
-                    )
-                self._fail(job_id, err)
-        for job in finished:
-            self._report(job.handle.stats)
-            job.handle._finish()
-        if reason is None:
-            log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
-        self._spawn_worker()
-
-    def _check_timeouts(self) -> None:
-        limit = self.opts.write_timeout
-        if limit is None:
-            return
-        now = time.monotonic()
-        with self.cond:
-            late = [j for j in self.inflight.values() if j.begun_at and now - j.begun_at > limit]
-            queued = [j for j in self.inflight.values() if j.begun_at is None]
-            stuck = None
-            if queued and len(queued) == len(self.inflight) and self.worker_ready.is_set():
-                # Nothing is being written, yet a save waits: the worker is stuck elsewhere
-                # (e.g. pruning after the last commit) if it has been silent for the limit.
-                # (Not while a new worker starts: its "ready" is the first sign of life.)
-                oldest = min(queued, key=lambda j: j.sent_at)
-                if now - max(oldest.sent_at, self.last_event_at) > limit:
-                    stuck = oldest
-        if late or stuck:
-            proc = self.proc
-            if late:
-                what = f"writing step {late[0].handle.step} took longer than"
-            else:
-                what = (
-                    f"step {stuck.handle.step} waited for a worker that made no progress "
-                    "(hung outside a write, e.g. pruning) for longer than"
-                )
-            err = WriteTimeout(
-                f"{what} write_timeout={limit}s; the worker was killed and restarted"
-            )
-            proc.kill()
-            proc.join(5)
-            self._on_worker_death(proc, err)
 
     # ------------------------------------------------------------------ save
     def check_can_save(self, step: Any) -> int:
@@ -983,7 +790,7 @@ class _Core:
                 self.proc.kill()
             raise
 
-    def _send_arenas(self, slot: StagingSlot, link: _WorkerLink) -> None:
+    def _send_arenas(self, slot: StagingSlot, link: WorkerLink) -> None:
         # The worker first drops the arenas of this slot's old layout (both processes must
         # let go of them for the shared memory to be freed), then maps the new ones.
         for aid in slot.take_retired():
@@ -1056,24 +863,6 @@ class _Core:
         self.preemption.uninstall()
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Any:
-    # The spawn start method re-runs the trainer's main script in the child unless it is
-    # guarded by `if __name__ == "__main__"`. The worker needs nothing from it (user objects
-    # reach it already serialised), so hide it for the moment of the spawn.
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__spec__ = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
-
-
 def _check_picklable(**options: Any) -> None:
     """What travels to the worker process must pickle: refused here, not at the first save."""
     import pickle
@@ -1140,10 +929,6 @@ def _default_spool(url: str) -> Path:
     scheme, rest = url.split("://", 1)
     parts = [p for p in rest.split("/") if p not in ("", ".", "..")]
     return base.joinpath(scheme, *parts)
-
-
-def _worker_lock_path(root: Path, rank: int) -> Path:
-    return root / f"{_layout.LOCK_NAME}.worker{rank}"
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

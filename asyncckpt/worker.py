@@ -210,7 +210,7 @@ class Worker:
         commits nothing. One rank is the same path with a group of one and no messages.
         """
         faults.install(job.faults)
-        if job.paths is None:  # the same as the last job's (engine: _WorkerLink.paths)
+        if job.paths is None:  # the same as the last job's (engine: WorkerLink.paths)
             if self.last_paths is None:
                 raise RuntimeError("a job without paths reached a worker that has none")
             job.paths = self.last_paths
