@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -341,3 +342,49 @@ def test_readme_object_storage_snippet_runs_as_written(s3, tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == printed.replace("my-bucket", s3.bucket)
+
+
+#: The worker's fault points before its commit on disk: the save fails and commits nothing,
+#: and the store never sees step 2; after it (and after the upload): step 2 is in the store.
+LOCAL_POINTS = {
+    "before_shard_write": [1],
+    "mid_shard_write": [1],
+    "after_shard_write": [1],
+    "before_metadata": [1],
+    "before_rename": [1],
+    "before_tracker": [1],  # renamed on disk; the trainer finishes it, the upload never ran
+    "after_commit": [2],  # published (and step 1 pruned from the store) before the kill
+    "mid_prune": [2],
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("point", sorted(LOCAL_POINTS))
+def test_a_kill_at_every_local_point_of_a_url_root_leaves_the_store_whole(s3, tmp_path, point):
+    """The store holds only whole checkpoints whatever the point; a new machine resumes from
+    its newest, bit for bit."""
+    from asyncckpt import SaveFailed
+
+    with SyncCheckpointEngine(
+        s3.url, storage_options=s3.options, spool=tmp_path / "spool", keep=KeepLast(1)
+    ) as eng:
+        eng.save(1, make_state(1)).committed_sync(60)
+        faults.inject(point, "kill")
+        handle = eng.save(2, make_state(2))
+        try:
+            handle.committed_sync(60)
+        except SaveFailed:
+            pass  # before the commit, or committed on disk but not published: both are said
+        deadline = time.monotonic() + 30  # after_commit / mid_prune: killed after the handle
+        while eng.worker_restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.worker_restarts == 1
+    store = FsspecStore(s3.url, s3.options)
+    assert [c.step for c in store.committed("global_step")] == LOCAL_POINTS[point]
+    for c in store.committed("global_step"):
+        assert store.check(c.name) == []
+    state = blank()
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "new") as eng:
+        assert eng.load_latest(state) == max(LOCAL_POINTS[point])
+    assert_same(state, make_state(max(LOCAL_POINTS[point])))
+    assert store.leftovers("global_step") == []
