@@ -388,3 +388,37 @@ def test_a_kill_at_every_local_point_of_a_url_root_leaves_the_store_whole(s3, tm
         assert eng.load_latest(state) == max(LOCAL_POINTS[point])
     assert_same(state, make_state(max(LOCAL_POINTS[point])))
     assert store.leftovers("global_step") == []
+
+
+def save_two_ranks_to_a_bucket(rank: int, world: int, url: str, options: dict, spool: str) -> str:
+    """A rank's body (tests/test_multirank.run_ranks): two saves of a DTensor state."""
+    from test_multirank import make_state as ranked_state
+
+    with SyncCheckpointEngine(
+        url, storage_options=options, spool=spool, keep=KeepLast(1), dist_timeout=60
+    ) as eng:
+        for step in (1, 2):
+            stats = eng.save(step, ranked_state(rank, world, step)).committed_sync(120)
+    return stats.remote_path
+
+
+@pytest.mark.integration
+def test_two_ranks_commit_once_and_rank0_publishes(s3, tmp_path):
+    from test_multirank import ROWS, full_weight, run_ranks
+
+    out = run_ranks(
+        save_two_ranks_to_a_bucket, 2, tmp_path, s3.url, s3.options, str(tmp_path / "spool")
+    )
+    assert out == {r: f"{s3.url}/global_step_2" for r in range(2)}  # every rank's handle
+    store = FsspecStore(s3.url, s3.options)
+    assert [c.step for c in store.committed("global_step")] == [2]
+    manifest = store.read_manifest("global_step_2")
+    assert manifest["world_size"] == 2 and store.check("global_step_2") == []
+    target = {
+        "model": {"w": torch.zeros(ROWS, 3), "bias": torch.zeros(5, dtype=torch.bfloat16)},
+        "step": -1,
+        "extra": {},
+    }
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "new") as eng:
+        assert eng.load_latest(target) == 2  # both ranks' shards, resharded to one process
+    assert torch.equal(target["model"]["w"], full_weight(2)) and target["step"] == 2
