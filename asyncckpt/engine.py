@@ -36,7 +36,7 @@ from .errors import (
     WorkerDied,
 )
 from .flatplan import FlattenCache
-from .formats import FORMAT_ALIASES, FORMATS, default_format
+from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
 from .loadcheck import LoadReport
 from .manifest import fsync_dir, read_manifest
@@ -174,10 +174,8 @@ class _Core(WorkerSupervision):
             self.components = check_spec(opts.components)
             self.fmt = COMPONENTS
         else:
-            self.fmt = opts.format or default_format(self.layout)
-            self.fmt = FORMAT_ALIASES.get(self.fmt, self.fmt)
-            if self.fmt not in FORMATS:
-                raise ValueError(f"unknown format {self.fmt!r}; expected one of {FORMATS}")
+            # Built-in or registered (formats.register_format); aliases resolved.
+            self.fmt = check_format(opts.format or default_format(self.layout))
         if not isinstance(opts.max_in_flight, int) or opts.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {opts.max_in_flight!r}")
         if opts.keep is not None and not isinstance(opts.keep, RetentionPolicy):

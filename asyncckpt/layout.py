@@ -27,6 +27,26 @@ LOCK_NAME = ".asyncckpt.lock"
 #: in its prefix: written after every other file, deleted before them (storage/fsspec_store.py).
 COMMIT_MARKER = ".asyncckpt-committed"
 
+# Names inside a checkpoint directory, written by its format (``formats/``).
+#: torch.distributed.checkpoint's metadata file (``dcp`` and ``torch_dist``): the index of
+#: every stored item, written last by its rank 0.
+DCP_METADATA = ".metadata"
+#: The suffix of DCP's shard files (``__<rank>_<n>.distcp``; DCP's FileSystemWriter picks the
+#: names, the loader goes by ``.metadata``'s index).
+DCP_SHARD_SUFFIX = ".distcp"
+#: Megatron ``torch_dist``: its config (written last: "this is a complete checkpoint") and the
+#: common (non-sharded) state, beside DCP's files.
+TORCH_DIST_CONFIG = "metadata.json"
+TORCH_DIST_COMMON = "common.pt"
+#: Megatron-LM's legacy per-rank files (``--ckpt-format torch``) in a rank directory named
+#: ``LEGACY_RANK_DIR``, with ``LEGACY_PP_SUFFIX`` when pipeline parallel and
+#: ``LEGACY_EP_SUFFIX`` when expert parallel (``mp_rank_01_002_005``).
+LEGACY_MODEL = "model_optim_rng.pt"
+LEGACY_DISTRIB_OPTIM = "distrib_optim.pt"
+LEGACY_RANK_DIR = "mp_rank_{tp:02d}"
+LEGACY_PP_SUFFIX = "_{pp:03d}"
+LEGACY_EP_SUFFIX = "_{ep:03d}"
+
 _PATTERNS = {
     "global_step": re.compile(r"^global_step_(\d+)$"),
     "megatron": re.compile(r"^iter_(\d{7,})$"),
@@ -122,7 +142,7 @@ def scan(root: str | os.PathLike, layout: str) -> list[CommittedDir]:
         if step is None or not entry.is_dir(follow_symlinks=False):
             continue
         p = Path(entry.path)
-        if (p / MANIFEST).exists() or (p / ".metadata").exists():
+        if (p / MANIFEST).exists() or (p / DCP_METADATA).exists():
             out.append(CommittedDir(step, p))
     out.sort(key=lambda c: c.step)
     return out

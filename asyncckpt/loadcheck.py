@@ -1,7 +1,7 @@
 """Before a load writes anything: does the target fit the checkpoint? (invariant 11)
 
 Pure comparisons of the caller's state with what a checkpoint holds (DCP's ``.metadata``, or
-the tensors of a Megatron legacy file), by DCP key. A shape or dtype that differs, a tensor the
+the tensors of a Megatron legacy file: each format's ``Format.entries``), by DCP key. A shape or dtype that differs, a tensor the
 checkpoint lacks or one the target does not declare is the caller's mistake, not damage:
 ``check`` raises ``StateMismatch`` naming every such key before a single byte of the target is
 overwritten.
@@ -111,42 +111,6 @@ def walk(state: Any) -> Entries:
 
     visit("", state, True)
     return out
-
-
-def dcp_entries(metadata: Any, *, objects_known: bool = True) -> Entries:
-    """What a DCP checkpoint holds, from its ``Metadata`` (``FileSystemReader.read_metadata``)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    out = Entries(objects_known=objects_known)
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            out.leaves[fqn] = (tuple(md.size), md.properties.dtype)
-        else:
-            out.leaves[fqn] = None
-    return out
-
-
-def legacy_entries(
-    directory: str | os.PathLike,
-    tp_rank: int = 0,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    distrib_optim_key: str = "distrib_optim",
-) -> Entries:
-    """What this rank's Megatron legacy files hold, read memory-mapped (tensor data untouched)."""
-    from .formats import megatron_legacy as lg
-
-    rank_dir = Path(directory) / lg.legacy_rank_dir(tp_rank, pp_rank, pp_size)
-
-    def load(p: Path) -> Any:
-        # Same trust as Megatron-LM's loader (and read_legacy): weights_only=False.
-        return torch.load(p, map_location="cpu", mmap=True, weights_only=False)
-
-    state = load(rank_dir / lg.MODEL_FNAME)
-    optim = rank_dir / lg.DISTRIB_OPTIM_FNAME
-    if isinstance(state, dict) and optim.exists():
-        state[distrib_optim_key] = load(optim)
-    return walk(state)
 
 
 def _under(key: str, prefixes: set[str]) -> bool:
@@ -277,6 +241,19 @@ class Vanished(CheckpointError, FileNotFoundError):
     ``load_latest`` skips it quietly and tries the next older one."""
 
 
+def _format(fmt: str, directory: Path) -> Any:
+    """The registered format ``fmt`` (a name from a manifest, or the engine's)."""
+    from .formats import get_format
+
+    try:
+        return get_format(fmt)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{directory}: {e} (a format of one's own is registered with "
+            "asyncckpt.formats.register_format before the load)"
+        ) from None
+
+
 def check(
     fmt: str,
     state: Any,
@@ -286,7 +263,8 @@ def check(
     legacy: Any = None,
     weights_only: bool = True,
 ) -> LoadReport:
-    """Compare ``state`` with the checkpoint in ``directory`` before anything is read into it.
+    """Compare ``state`` with the checkpoint in ``directory`` before anything is read into it
+    (what it holds: format ``fmt``'s ``Format.entries``).
 
     For format ``pt`` (one ``torch.save`` file of a component) ``directory`` is that file,
     read memory-mapped with ``weights_only``.
@@ -295,50 +273,32 @@ def check(
     metadata cannot be read) or ``Vanished``. A state holding megatron ShardedTensors is left
     to megatron's loader, which validates it itself.
     """
-    from .formats.dcp import read_dcp_metadata
+    from .formats.base import LegacyRanks, LoadOptions
 
     directory = Path(directory)
     where = str(directory)
+    fmt_ = _format(fmt, directory)
     try:
-        if fmt == "pt":
-            from .formats import pt
-
-            ckpt = walk(pt.read(directory, weights_only=weights_only, mmap=True))
-        elif fmt == "megatron_legacy":
-            from .formats.staged import LegacyRanks
-
-            r = legacy or LegacyRanks()
-            ckpt = legacy_entries(directory, r.tp_rank, r.pp_rank, r.pp_size, r.distrib_optim_key)
-        elif (directory / ".metadata").exists():
-            if has_sharded_base(state):
-                return LoadReport(strict=strict)
-            # torch_dist keeps the non-tensor leaves in common.pt, outside .metadata.
-            torch_dist = fmt == "torch_dist" and (directory / "common.pt").exists()
-            ckpt = dcp_entries(read_dcp_metadata(directory), objects_known=not torch_dist)
-        else:
-            return LoadReport(strict=strict)  # nothing to compare with; the read will say why
+        options = LoadOptions(legacy=legacy or LegacyRanks(), weights_only=weights_only)
+        ckpt = fmt_.entries(state, directory, options)
     except StateMismatch:
         raise
     except Exception as e:
         if not directory.exists():
             raise Vanished(f"{directory} went away while it was read") from e
         raise CorruptCheckpoint(f"{directory}: cannot read the checkpoint's metadata: {e}") from e
+    if ckpt is None:
+        return LoadReport(strict=strict)  # nothing to compare with; the read will say why
     return compare(walk(state), ckpt, strict=strict, where=where)
 
 
 def read_by_check(rel: str, parts: list[Any], directory: Path) -> bool:
     """True for a file of the checkpoint (path relative to ``directory``) that ``check``
-    reads: verified before the check trusts it. DCP's and torch_dist's metadata files, and
-    the whole of a legacy or pt part (the check reads those files themselves)."""
-    if rel.rsplit("/", 1)[-1] in METADATA_FILES:
-        return True
+    reads for one of ``parts`` (``Format.read_by_check``): verified before the check trusts
+    it. DCP's and torch_dist's metadata files, and the whole of a legacy or pt part (the check
+    reads those files themselves)."""
     path = directory / rel
-    for p in parts:
-        if p.fmt == "pt" and path == p.location:
-            return True
-        if p.fmt == "megatron_legacy" and p.location in path.parents:
-            return True
-    return False
+    return any(_format(p.fmt, directory).read_by_check(path, p.location) for p in parts)
 
 
 def merge_reports(parts: list[Any], reports: list[LoadReport], strict: bool) -> LoadReport:
@@ -351,10 +311,6 @@ def merge_reports(parts: list[Any], reports: list[LoadReport], strict: bool) -> 
         out.unexpected += [part.key(k) for k in r.unexpected]
         out.missing_objects += [part.key(k) for k in r.missing_objects]
     return out
-
-
-#: Small files that describe a checkpoint (DCP, torch_dist): verified before the check.
-METADATA_FILES = frozenset({".metadata", "metadata.json", "common.pt"})
 
 
 def _raised_in_load_state_dict(e: BaseException) -> bool:

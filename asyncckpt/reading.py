@@ -14,6 +14,7 @@ from typing import Any
 
 from . import layout as _layout
 from .errors import CheckpointError, CorruptCheckpoint
+from .formats import Format, format_names, get_format
 
 
 def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
@@ -22,11 +23,11 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
     Tensors come back on the CPU; dicts and lists are rebuilt with their original key types;
     Stateful objects come back as the ``state_dict()`` they were saved as. With ``verify`` the
     files are checked against the manifest's checksums first (``CorruptCheckpoint`` on a mismatch).
-    Only the ``dcp`` format (the ``global_step`` layout's default) is supported.
+    Only formats that read back without a target (``Format.read``) are supported: ``dcp`` (the
+    ``global_step`` layout's default) of the built-in ones.
     """
     import torch.distributed.checkpoint as dcp_api
 
-    from .formats import dcp
     from .manifest import check_files, read_manifest
 
     directory = Path(path)
@@ -35,12 +36,15 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
     if _layout.is_leftover(directory.name):
         raise CorruptCheckpoint(f"{directory} is an uncommitted temporary, not a checkpoint")
     paths = None
+    fmt = _readable("dcp")  # a checkpoint without a manifest: DCP's files, if any
     if (directory / _layout.MANIFEST).exists():
         manifest = read_manifest(directory)
-        fmt = manifest.get("format") or "dcp"
-        if fmt != "dcp":
+        name = manifest.get("format") or "dcp"
+        fmt = _readable(name)
+        if fmt is None:
+            readable = " and ".join(repr(n) for n in format_names() if _readable(n))
             raise CheckpointError(
-                f"{directory} is in the {fmt!r} format; read_checkpoint reads 'dcp' only "
+                f"{directory} is in the {name!r} format; read_checkpoint reads {readable} only "
                 "(load it in place with engine.load(state, path=...))"
             )
         paths = manifest.get("paths")
@@ -48,12 +52,18 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
             problems = check_files(directory, manifest)
             if problems:
                 raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
-    elif not (directory / ".metadata").exists():
+    elif not (directory / _layout.DCP_METADATA).exists():
         raise CheckpointError(f"{directory} holds no checkpoint (no manifest, no .metadata)")
     try:
-        flat = dcp.read_flat(directory)
-        if paths is None:
-            paths = dcp._paths_from_dcp(dcp.read_dcp_metadata(directory))
+        return fmt.read(directory, paths)
     except (Exception, dcp_api.CheckpointException) as e:  # noqa: BLE001 - re-raised as ours
         raise CorruptCheckpoint(f"{directory}: could not be read ({e})") from e
-    return dcp.unflatten(flat, paths)
+
+
+def _readable(name: str) -> Format | None:
+    """The registered format ``name`` if it reads back without a target, else None."""
+    try:
+        fmt = get_format(name)
+    except ValueError:
+        return None
+    return fmt if fmt.reads_without_target() else None

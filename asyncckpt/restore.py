@@ -213,7 +213,7 @@ class Restorer:
             _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
         )
         if (
-            (root / ".metadata").exists()
+            (root / _layout.DCP_METADATA).exists()
             or (root / _layout.MANIFEST).exists()
             # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
             or (looks_like_one and any(root.iterdir()) and not self.committed())

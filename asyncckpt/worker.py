@@ -301,7 +301,7 @@ class Worker:
         else:  # only this rank's files (the others fsync theirs); DCP's metadata is rank 0's
             mine = [tmp / n for n in crcs]
             if rank == 0:
-                mine += list(tmp.rglob(".metadata"))
+                mine += list(tmp.rglob(_layout.DCP_METADATA))
         for p in mine:
             if p.is_file() and not p.is_symlink():
                 fsync_file(p)

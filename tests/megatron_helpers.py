@@ -1,7 +1,8 @@
-"""Megatron-side helpers for ``test_formats_megatron.py``; never imports asyncckpt.
+"""Megatron-side helpers for ``test_formats_megatron.py``; only ``write_dir`` imports asyncckpt.
 
-Imported by the tests to build states, and run as a script in a fresh interpreter, so that
-megatron's own code reads (or writes) a checkpoint in a process that has no asyncckpt in it::
+Imported by the tests to build states (and write them), and run as a script in a fresh
+interpreter, so that megatron's own code reads (or writes) a checkpoint in a process that has
+no asyncckpt in it::
 
     python tests/megatron_helpers.py load <scenario> <ckpt_dir>
     python tests/megatron_helpers.py reference-save <scenario> <ckpt_dir>
@@ -43,6 +44,19 @@ def plain_state() -> dict:
         "name": "run-a",
         "empty": {},
     }
+
+
+def write_dir(state: dict, directory: str | os.PathLike, fmt: str = "torch_dist") -> None:
+    """Write ``state`` into ``directory`` the way the engine writes a step, in this process:
+    the format's trainer side (``staged.prepare``) then its worker side (``staged.write``),
+    the staged tensors being the state's own (no staging copy, no worker, no manifest)."""
+    from pathlib import Path
+
+    from asyncckpt.formats import staged
+
+    prepared = staged.prepare(fmt, state)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    staged.write(fmt, prepared.tensors, prepared.objects, prepared.extra, Path(directory))
 
 
 def _map_tensors(x: Any, fn: Any, path: tuple = ()) -> Any:

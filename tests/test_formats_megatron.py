@@ -1,7 +1,10 @@
 """Megatron formats: what asyncckpt writes, megatron-core's own loaders read back.
 
-Every megatron load runs in a fresh interpreter (``megatron_helpers.py``) that has never
-imported asyncckpt, under a world-size-1 gloo group, as a user's resume would.
+Directories are written by the formats' own code, as the engine runs it: the trainer's
+``prepare`` and the worker's ``write`` (``megatron_helpers.write_dir``, one process), or the
+engine itself (two ranks). Every megatron load runs in a fresh interpreter
+(``megatron_helpers.py``) that has never imported asyncckpt, under a world-size-1 gloo group,
+as a user's resume would.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from pathlib import Path
 import megatron_helpers as mh
 import pytest
 import torch
+from test_multirank import run_ranks
 
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt import layout as L
 from asyncckpt.formats import megatron_legacy as legacy
+from asyncckpt.formats import staged
 from asyncckpt.formats import torch_dist as td
 
 HELPERS = Path(__file__).with_name("megatron_helpers.py")
@@ -92,7 +99,7 @@ def test_metadata_json_is_megatron_s(tmp_path: Path) -> None:
 
     save_config(CheckpointingConfig("torch_dist", 1), str(tmp_path))
     assert json.loads((tmp_path / "metadata.json").read_text()) == td.CONFIG
-    td.write_torch_dist({"x": torch.ones(1)}, tmp_path / "ours")
+    mh.write_dir({"x": torch.ones(1)}, tmp_path / "ours")
     assert (tmp_path / "ours" / "metadata.json").read_bytes() == (
         tmp_path / "metadata.json"
     ).read_bytes()
@@ -102,7 +109,7 @@ def test_metadata_json_is_megatron_s(tmp_path: Path) -> None:
 def test_plain_state_loads_with_megatron(tmp_path: Path) -> None:
     _megatron()
     state = mh.plain_state()
-    td.write_torch_dist(state, tmp_path / "ck")
+    mh.write_dir(state, tmp_path / "ck")
     mh.assert_same(state, mh.plain_state())  # the input is not modified
     assert sorted(os.listdir(tmp_path / "ck")) == [
         ".metadata",
@@ -116,7 +123,7 @@ def test_plain_state_loads_with_megatron(tmp_path: Path) -> None:
 @pytest.mark.integration  # fresh interpreters importing megatron
 def test_megatron_sharded_state_loads_with_megatron(tmp_path: Path) -> None:
     _megatron()
-    td.write_torch_dist(mh.megatron_state(), tmp_path / "ck")
+    mh.write_dir(mh.megatron_state(), tmp_path / "ck")
     _megatron_load("megatron", tmp_path / "ck")
 
 
@@ -127,23 +134,22 @@ def test_same_files_as_megatron_save(tmp_path: Path, scenario: str) -> None:
     _megatron()
     _run("reference-save", scenario, str(tmp_path / "theirs"))
     state = mh.plain_state() if scenario == "plain" else mh.megatron_state()
-    td.write_torch_dist(state, tmp_path / "ours")
+    mh.write_dir(state, tmp_path / "ours")
     _assert_same_layout(tmp_path / "ours", tmp_path / "theirs")
 
 
 @pytest.mark.integration  # fresh interpreters importing megatron
 def test_plain_layout_without_megatron(tmp_path: Path) -> None:
-    """With megatron unimportable the module imports and writes the very same files."""
+    """With megatron unimportable the format imports and writes the very same files."""
     code = (
         "import sys; sys.modules['megatron'] = None\n"  # any megatron import now fails
         "import megatron_helpers as mh\n"
-        "from asyncckpt.formats.torch_dist import write_torch_dist\n"
-        "write_torch_dist(mh.plain_state(), sys.argv[1])\n"
+        "mh.write_dir(mh.plain_state(), sys.argv[1])\n"
         "assert not any(m.startswith('megatron.') for m in sys.modules)\n"
         "print('OK')\n"
     )
     assert "OK" in _run(str(tmp_path / "bare"), code=code)
-    td.write_torch_dist(mh.plain_state(), tmp_path / "full")
+    mh.write_dir(mh.plain_state(), tmp_path / "full")
     _assert_same_layout(tmp_path / "bare", tmp_path / "full")
     for name in ("common.pt", "__0_0.distcp"):
         assert (tmp_path / "bare" / name).read_bytes() == (tmp_path / "full" / name).read_bytes()
@@ -159,47 +165,26 @@ def _has_megatron() -> bool:
     return True
 
 
-_RANK_WRITER = """
-import os, sys, torch.distributed as dist
-rank, store, d_mcore, d_plain = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-import megatron_helpers as mh
-from asyncckpt.formats.torch_dist import write_torch_dist
-write_torch_dist(mh.multirank_state(rank), d_mcore, process_group=dist.group.WORLD)
-write_torch_dist(mh.plain_state(), d_plain, process_group=dist.group.WORLD)
-dist.destroy_process_group()
-print("OK", rank, flush=True)
-# gloo's store threads can abort C++ teardown at interpreter exit ("terminate called without
-# an active exception") after all the work is done; skip that teardown.
-os._exit(0)
-"""
+STEP = 7
 
 
-@pytest.mark.integration  # fresh interpreters importing megatron
+def _save_two_ranks(rank: int, world: int, mcore: str, plain: str) -> None:
+    """One rank: its engine's worker writes this rank's shards, rank 0's the global files."""
+    for root, state in ((mcore, mh.multirank_state(rank)), (plain, mh.plain_state())):
+        with SyncCheckpointEngine(
+            root, layout="megatron", format="torch_dist", dist_timeout=60
+        ) as engine:
+            engine.save(STEP, state).committed_sync(timeout=120)
+
+
+@pytest.mark.integration  # several ranks, fresh interpreters importing megatron
 def test_two_rank_save_loads_with_megatron(tmp_path: Path) -> None:
-    """Two processes, one gloo group: each writes its shards, rank 0 the global files."""
+    """Two ranks, two engines: their workers' side group plans the save together."""
     _megatron()
-    mcore, plain = tmp_path / "mcore", tmp_path / "plain"
-    args = [str(tmp_path / "store"), str(mcore), str(plain)]
-    env = {
-        **os.environ,
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{HELPERS.parent}",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK_WRITER, str(r), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    run_ranks(_save_two_ranks, 2, tmp_path, str(tmp_path / "mcore"), str(tmp_path / "plain"))
+    mcore, plain = (tmp_path / d / L.dir_name("megatron", STEP) for d in ("mcore", "plain"))
     expected = [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
-    assert sorted(os.listdir(mcore)) == expected
+    assert sorted(os.listdir(mcore)) == sorted([*expected, L.MANIFEST])
     # Rank 1's own chunk and object landed in rank 1's file; the replica was written once.
     files = {(i.fqn, i.offset): s.relative_path for i, s in _metadata(mcore).storage_data.items()}
     assert files == {
@@ -213,7 +198,7 @@ def test_two_rank_save_loads_with_megatron(tmp_path: Path) -> None:
     # Plain state replicated on both ranks: DCP writes each tensor once, megatron reads it.
     stored = _metadata(plain).storage_data.values()
     assert len(stored) == len(td.split_common(mh.plain_state())[0])
-    on_disk = sum(f.stat().st_size for f in plain.glob("*.distcp"))
+    on_disk = sum(f.stat().st_size for f in plain.glob(f"*{L.DCP_SHARD_SUFFIX}"))
     assert on_disk == sum(s.length for s in stored)  # no byte written twice
     _megatron_load("plain", plain)
 
@@ -223,7 +208,7 @@ def test_two_rank_save_loads_with_megatron(tmp_path: Path) -> None:
 
 def test_read_torch_dist_round_trip_in_place(tmp_path: Path) -> None:
     state = mh.plain_state()
-    td.write_torch_dist(state, tmp_path / "ck")
+    mh.write_dir(state, tmp_path / "ck")
     target = mh.plain_state()
     for t in (target["model"]["w"], target["layers"][0]):
         t.zero_()
@@ -253,47 +238,33 @@ def test_split_common_plain_convention() -> None:
     ],
 )
 def test_bad_input_fails_before_writing(tmp_path: Path, state: dict, match: str) -> None:
-    with pytest.raises(Exception, match=match):
-        td.write_torch_dist(state, tmp_path / "ck")
-    assert not (tmp_path / "ck").exists()
-
-
-def test_writer_factory_is_used(tmp_path: Path) -> None:
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    made = []
-
-    def factory(d: str) -> FileSystemWriter:
-        made.append(d)
-        return FileSystemWriter(d, thread_count=2)
-
-    td.write_torch_dist(
-        {"a": torch.arange(10), "b": torch.ones(3)}, tmp_path, writer_factory=factory
-    )
-    assert made == [str(tmp_path)]
-    target = {"a": torch.zeros(10, dtype=torch.int64), "b": torch.zeros(3)}
-    mh.assert_same(
-        td.read_torch_dist(tmp_path, target), {"a": torch.arange(10), "b": torch.ones(3)}
-    )
+    with SyncCheckpointEngine(tmp_path, layout="megatron", handle_sigterm=False) as engine:
+        with pytest.raises(Exception, match=match):
+            engine.save(1, state)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("iter_") or L.is_leftover(n)]
 
 
 class Opaque:
     """A class torch.load(weights_only=True) will not rebuild, megatron imported or not."""
 
 
-def test_common_must_be_what_megatron_can_read(tmp_path: Path) -> None:
-    """Common leaves must load with weights_only=True plus megatron-core's safe globals."""
+def test_common_state_megatron_can_read_round_trips(tmp_path: Path) -> None:
+    """Common leaves load with weights_only=True plus megatron-core's safe globals."""
     import argparse
 
+    if not _has_megatron():  # megatron-core registers argparse.Namespace (Megatron-LM's args)
+        pytest.skip("megatron-core not installed (pip install asyncckpt[megatron])")
+    args = argparse.Namespace(lr=0.1, tensor_model_parallel_size=2)
+    mh.write_dir({"w": torch.ones(2), "args": args}, tmp_path / "ok")
+    target: dict = {"w": torch.zeros(2), "args": None}
+    td.read_torch_dist(tmp_path / "ok", target)
+    assert target["args"] == args and torch.equal(target["w"], torch.ones(2))
+
+
+def test_common_state_megatron_cannot_read_is_refused() -> None:
+    """Before: such a state committed, then every load of it failed as a CorruptCheckpoint."""
     with pytest.raises(TypeError, match="weights_only"):
-        td.write_torch_dist({"w": torch.ones(1), "o": Opaque()}, tmp_path / "bad")
-    assert not (tmp_path / "bad").exists()
-    if _has_megatron():  # megatron-core registers argparse.Namespace (Megatron-LM's args)
-        args = argparse.Namespace(lr=0.1, tensor_model_parallel_size=2)
-        td.write_torch_dist({"w": torch.ones(2), "args": args}, tmp_path / "ok")
-        target: dict = {"w": torch.zeros(2), "args": None}
-        td.read_torch_dist(tmp_path / "ok", target)
-        assert target["args"] == args and torch.equal(target["w"], torch.ones(2))
+        staged.prepare("torch_dist", {"w": torch.ones(1), "o": Opaque()})
 
 
 # --- legacy per-rank format ---------------------------------------------------------------

@@ -436,15 +436,14 @@ def test_loading_while_another_process_prunes(root, quiet):
 def test_torch_dist_restores_a_fresh_optimizers_state(tmp_path):
     """A fresh optimizer (empty state) takes a stepped one's moments from torch_dist, also
     from a checkpoint without asyncckpt's manifest (the paths are guessed from the target)."""
-    from asyncckpt.formats import torch_dist as td
-    from asyncckpt.formats.staged import materialize
-
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
-    td.write_torch_dist(materialize({"model": model, "optim": opt}), tmp_path / "iter_0000001")
+    with SyncCheckpointEngine(tmp_path, layout="megatron") as engine:
+        engine.save(1, {"model": model, "optim": opt})
+    (tmp_path / L.dir_name("megatron", 1) / L.MANIFEST).unlink()  # megatron's files only
     model2 = torch.nn.Linear(3, 2)
     opt2 = torch.optim.Adam(model2.parameters())
     engine = SyncCheckpointEngine(tmp_path, layout="megatron")

@@ -196,15 +196,16 @@ def test_dcp_saves_a_main_class_the_trainer_pickles(tmp_path: Path, main_class) 
 
 
 def test_read_torch_dist_without_a_manifest_places_int_keyed_state(tmp_path: Path) -> None:
-    """A torch_dist checkpoint without our manifest's paths (an older asyncckpt's, or
-    ``write_torch_dist``'s own): the optimizer's state still loads into a fresh optimizer."""
+    """A torch_dist checkpoint read without our manifest's paths (an older asyncckpt's, or
+    megatron's own): the optimizer's state still loads into a fresh optimizer."""
     from asyncckpt.formats import torch_dist as td
 
     model, optim = _model_and_optimizer(0, steps=1)
-    td.write_torch_dist({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path)
+    with _engine(tmp_path, "megatron", "torch_dist") as engine:
+        engine.save(1, {"model": model.state_dict(), "optim": optim.state_dict()})
     model2, optim2 = _model_and_optimizer(1, steps=0)
     target = {"model": model2.state_dict(), "optim": optim2.state_dict()}
-    td.read_torch_dist(tmp_path, target)
+    td.read_torch_dist(tmp_path / L.dir_name("megatron", 1), target)  # no paths given
     optim2.load_state_dict(target["optim"])
     assert_same(optim2.state_dict(), optim.state_dict())
     assert_same(model2.state_dict(), model.state_dict())

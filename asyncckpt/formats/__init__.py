@@ -1,13 +1,96 @@
 """On-disk formats: how a flat state becomes files in a directory, and back.
 
 ``dcp`` is plain torch.distributed.checkpoint. ``torch_dist`` (Megatron dist_checkpointing)
-and ``megatron_legacy`` (``--ckpt-format torch``) build on it.
+and ``megatron_legacy`` (``--ckpt-format torch``) build on it; ``pt`` is one ``torch.save``
+file (a component's format only). Each is a ``Format`` (``base.py``), looked up by name in a
+registry that a user's own format joins with ``register_format``; the built-in ones are
+imported on first use, so ``import asyncckpt`` stays free of torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+from .base import Format
+
+#: The built-in formats a checkpoint (``format=``) can have; a registered format that owns a
+#: directory can be one too (``check_format``). A plain tuple, not a view of the registry.
 FORMATS = ("dcp", "torch_dist", "megatron_legacy")
-#: Other spellings accepted for ``format=`` ("torch" is Megatron-LM's ``--ckpt-format torch``).
+#: Other spellings accepted for a format ("torch" is Megatron-LM's ``--ckpt-format torch``);
+#: ``register_format(..., aliases=)`` adds to it.
 FORMAT_ALIASES = {"torch": "megatron_legacy", "legacy": "megatron_legacy"}
+
+#: name -> the format, or for a built-in not used yet "module:class" in this package.
+_REGISTRY: dict[str, Format | str] = {
+    "dcp": "dcp:DCPFormat",
+    "torch_dist": "torch_dist:TorchDistFormat",
+    "megatron_legacy": "megatron_legacy:MegatronLegacyFormat",
+    "pt": "pt:PtFormat",
+}
+BUILTIN_FORMATS = tuple(_REGISTRY)
 
 
 def default_format(layout: str) -> str:
     return "torch_dist" if layout == "megatron" else "dcp"
+
+
+def format_names() -> tuple[str, ...]:
+    """Every registered format's name, built-in ones first."""
+    return tuple(_REGISTRY)
+
+
+def register_format(fmt: Format, *, aliases: Iterable[str] = ()) -> None:
+    """Make ``fmt`` usable by name: ``format=fmt.name`` (a format that owns a directory) or
+    ``Component(fmt.name)``. Refuses a name or alias already taken."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a Format instance, not {fmt!r}")
+    name = getattr(fmt, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"format {fmt!r} needs a non-empty string name")
+    aliases = tuple(aliases)
+    taken = [n for n in (name, *aliases) if n in _REGISTRY or n in FORMAT_ALIASES]
+    if taken or len(set(aliases) | {name}) != len(aliases) + 1:
+        raise ValueError(
+            f"format name {name!r} or alias already taken ({taken or 'repeated'}); registered: "
+            f"{format_names()}, aliases: {sorted(FORMAT_ALIASES)}"
+        )
+    _REGISTRY[name] = fmt
+    FORMAT_ALIASES.update(dict.fromkeys(aliases, name))
+
+
+def unregister_format(name: str) -> None:
+    """Forget a registered format and its aliases (built-in ones stay)."""
+    if name in BUILTIN_FORMATS:
+        raise ValueError(f"format {name!r} is built in")
+    if _REGISTRY.pop(name, None) is None:
+        raise ValueError(f"format {name!r} is not registered")
+    for alias in [a for a, n in FORMAT_ALIASES.items() if n == name]:
+        del FORMAT_ALIASES[alias]
+
+
+def get_format(name: str) -> Format:
+    """The registered format of that name or alias; ``ValueError`` naming the registered
+    ones if there is none."""
+    canonical = FORMAT_ALIASES.get(name, name)
+    fmt = _REGISTRY.get(canonical) if isinstance(canonical, str) else None
+    if fmt is None:
+        raise ValueError(f"unknown format {name!r}; expected one of {format_names()}")
+    if isinstance(fmt, str):  # a built-in, imported on first use
+        module, cls = fmt.split(":")
+        fmt = _REGISTRY[canonical] = getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+    return fmt
+
+
+def check_format(name: str, *, component: bool = False) -> str:
+    """The canonical name of the format a checkpoint (or with ``component``, a component) is
+    written in; ``ValueError`` listing the possible ones otherwise. A checkpoint's format
+    must own a directory (``pt``, one file, is a component's only)."""
+    try:
+        fmt = get_format(name)
+        if component or fmt.owns_directory:
+            return fmt.name
+    except ValueError:
+        pass
+    possible = tuple(n for n in _REGISTRY if component or get_format(n).owns_directory)
+    raise ValueError(f"unknown format {name!r}; expected one of {possible}")

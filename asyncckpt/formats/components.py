@@ -19,6 +19,8 @@ manifest-less checkpoint's spec from the engine).
 
 from __future__ import annotations
 
+import dataclasses
+import posixpath
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,25 +29,24 @@ from typing import Any
 from .. import layout as _layout
 from ..commit import write_synced
 from ..manifest import checksum
+from . import check_format, format_names, get_format
 
 #: The engine's format name for a checkpoint made of components (recorded in its manifest).
+#: Not a registered format: its parts are, each written in its own (``write``).
 COMPONENTS = "components"
-#: Formats a component can have: the engine's own, plus one ``torch.save`` file (``pt``).
-COMPONENT_FORMATS = ("dcp", "torch_dist", "megatron_legacy", "pt")
-_ALIASES = {"torch": "megatron_legacy", "legacy": "megatron_legacy"}
-#: Formats that own a whole directory (nothing else may be put inside it).
-_DIRECTORY_FORMATS = ("dcp", "torch_dist", "megatron_legacy")
 
 
 @dataclass(frozen=True)
 class Component:
     """One part of a step: its format and where it goes inside the step directory.
 
-    ``path`` is relative to the step directory (``global_step_N/``) and may use ``{step}``
+    ``format`` is any registered format (``asyncckpt.formats.format_names()``). ``path`` is
+    relative to the step directory (``global_step_N/``) and may use ``{step}``
     (``"actor/iter_{step:07d}"``) and, for ``pt`` files written by every rank, ``{rank}`` and
     ``{world_size}``; by default it is the component's name. A ``dcp``, ``torch_dist`` or
-    ``megatron_legacy`` component owns the directory at its path; a ``pt`` component is one
-    file there (written by rank 0 only, unless its path uses ``{rank}``).
+    ``megatron_legacy`` component (a format that ``owns_directory``) owns the directory at its
+    path; a ``pt`` component is one file there (written by rank 0 only, unless its path uses
+    ``{rank}``).
 
     ``tracker``: a file (relative to the step directory) holding the step number, written
     with the component: RLinf points Megatron-LM's ``--load`` at ``global_step_N/actor``,
@@ -62,16 +63,17 @@ class Component:
     weights_only: bool = True
 
     def __post_init__(self) -> None:
-        fmt = _ALIASES.get(self.format, self.format)
-        if fmt not in COMPONENT_FORMATS:
+        try:
+            fmt = check_format(self.format, component=True)
+        except ValueError:
             raise ValueError(
-                f"unknown component format {self.format!r}; expected one of {COMPONENT_FORMATS}"
-            )
+                f"unknown component format {self.format!r}; expected one of {format_names()}"
+            ) from None
         object.__setattr__(self, "format", fmt)
         for what in ("path", "tracker"):
             value = getattr(self, what)
             if value is not None:
-                _check_relative(value, what, pt=fmt == "pt" and what == "path")
+                _check_relative(value, what, file=not self.owns_directory and what == "path")
 
     def resolve(self, name: str, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The component's path inside the step directory for ``step`` (and ``rank``); by
@@ -82,9 +84,14 @@ class Component:
         return None if self.tracker is None else _expand(self.tracker, step, 0, 1)
 
     @property
+    def owns_directory(self) -> bool:
+        """A directory at its path (dcp, torch_dist, megatron_legacy), not one file (pt)."""
+        return get_format(self.format).owns_directory
+
+    @property
     def per_rank(self) -> bool:
         """A ``pt`` file every rank writes (its path names the rank)."""
-        return self.format == "pt" and "{rank" in (self.path or "")
+        return not self.owns_directory and "{rank" in (self.path or "")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,7 +101,7 @@ def _expand(template: str, step: int, rank: int, world_size: int) -> str:
     return template.format(step=step, rank=rank, world_size=world_size)
 
 
-def _check_relative(value: Any, what: str, *, pt: bool) -> None:
+def _check_relative(value: Any, what: str, *, file: bool) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"component {what} must be a non-empty string, not {value!r}")
     try:
@@ -104,7 +111,7 @@ def _check_relative(value: Any, what: str, *, pt: bool) -> None:
             f"component {what} {value!r}: only {{step}}, {{rank}} and {{world_size}} may be "
             f"used ({e!r})"
         ) from None
-    if "{rank" in value and not pt:
+    if "{rank" in value and not file:
         raise ValueError(
             f"component {what} {value!r}: only a pt file's path may name the rank (the other "
             "formats write every rank's shards into one directory)"
@@ -159,8 +166,8 @@ def check_spec(spec: Any) -> dict[str, Component]:
         add(name, c, None)
     # Where each one lands (step 0, rank 0 stand for any): two in one place, or one inside a
     # directory another format owns, would overwrite each other's files.
-    places = [(f"component {n!r}", c.resolve(n, 0), c.format) for n, c in out.items()]
-    places += [(f"tracker of {n!r}", c.resolve_tracker(0), "pt") for n, c in out.items()]
+    places = [(f"component {n!r}", c.resolve(n, 0), c) for n, c in out.items()]
+    places += [(f"tracker of {n!r}", c.resolve_tracker(0), None) for n, c in out.items()]
     places = [p for p in places if p[1] is not None]
     seen: dict[str, str] = {}
     for who, where, _ in places:
@@ -168,8 +175,9 @@ def check_spec(spec: Any) -> dict[str, Component]:
             raise ValueError(f"{seen[where]} and {who} are both at {where!r}")
         seen[where] = who
     for who, where, _ in places:
-        for other, there, fmt in places:
-            if fmt in _DIRECTORY_FORMATS and where.startswith(there + "/"):
+        for other, there, owner in places:
+            if owner is not None and owner.owns_directory and where.startswith(there + "/"):
+                fmt = owner.format
                 raise ValueError(
                     f"{who} at {where!r} lies inside {other}'s directory {there!r} ({fmt})"
                 )
@@ -234,7 +242,8 @@ def strip(mapping: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any = None) -> Any:
     """Every component's part prepared in its format, keys prefixed by the component name."""
-    from .staged import Prepared, prepare, prepare_pt
+    from .base import LegacyRanks, Prepared, SaveOptions
+    from .staged import prepare_part
 
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=True)
@@ -243,12 +252,14 @@ def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any
     paths: dict = {}
     parts = []
     for name, c in spec.items():
+        # A one-file part is rank 0's (or every rank's, when its path names the rank); a
+        # directory format decides itself (megatron_legacy: LegacyRanks.write).
+        writes = c.owns_directory or rank == 0 or c.per_rank
+        options = SaveOptions(
+            legacy=legacy or LegacyRanks(), writes=writes, what=f"component {name!r}"
+        )
         try:
-            if c.format == "pt":
-                writes = rank == 0 or c.per_rank
-                part = prepare_pt(state[name], write=writes, what=f"component {name!r}")
-            else:
-                part = prepare(c.format, state[name], legacy=legacy)
+            part = prepare_part(get_format(c.format), state[name], options)
         except (TypeError, ValueError) as e:
             raise type(e)(f"component {name!r}: {e}") from e
         p = prefix(name)
@@ -272,36 +283,32 @@ def write(
     directory: Path,
     *,
     step: int,
-    rank: int,
     world_size: int,
-    **kw: Any,
+    options: Any,
 ) -> dict[str, tuple[int, int]]:
     """Write every component into its place under ``directory``; crcs by relative path.
 
     Components are written in the order they were declared, the same on every rank, so the
-    collective formats (dcp, torch_dist) meet their peers.
+    collective formats (dcp, torch_dist) meet their peers. ``options``: the worker's
+    ``base.WriteOptions``.
     """
-    from . import pt
-    from .staged import unpickle_with_refs
-    from .staged import write as write_format
+    from .base import Prepared
+    from .staged import format_of
 
+    rank = options.rank
     crcs: dict[str, tuple[int, int]] = {}
     for name, c, part_extra in extra["components"]:
         rel = c.resolve(name, step, rank, world_size)
         target = directory / rel
-        if c.format == "pt":
-            if part_extra.get("skeleton") is not None:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                state = unpickle_with_refs(part_extra["skeleton"], strip(views, name))
-                crcs[rel] = pt.save_synced(state, target)
-        else:
+        fmt = format_of(c.format, part_extra)
+        if fmt.owns_directory:
             target.mkdir(parents=True, exist_ok=True)
-            cache = f"{kw['plan_cache']}/{name}" if kw.get("plan_cache") else None
-            written = write_format(
-                c.format, strip(views, name), strip(objects, name), part_extra, target,
-                rank=rank, **{**kw, "plan_cache": cache},
-            )  # fmt: skip
-            crcs.update({f"{rel}/{k}": v for k, v in written.items()})
+        cache = f"{options.plan_cache}/{name}" if options.plan_cache else None
+        part = Prepared(strip(views, name), strip(objects, name), {}, part_extra)
+        written = fmt.write(part, target, dataclasses.replace(options, plan_cache=cache))
+        # A directory's files are named from it, a one-file part's from its directory.
+        base = rel if fmt.owns_directory else posixpath.dirname(rel)
+        crcs.update({posixpath.join(base, k): v for k, v in written.items()})
         tracker = c.resolve_tracker(step)
         if tracker is not None and rank == 0:
             (directory / tracker).parent.mkdir(parents=True, exist_ok=True)

@@ -27,10 +27,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import faults
+from .. import layout as L
 from ..directio import DirectFile, open_for_write
+from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
+from ..loadcheck import Entries, has_sharded_base
 from ..manifest import checksum
-from ..staging import PathItem, flatten_state, is_stateful
+from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..throttle import write_all
+from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 
 
 @contextmanager
@@ -255,7 +259,7 @@ _metadata_lock = threading.Lock()
 
 def read_dcp_metadata(directory: str | os.PathLike) -> Any:
     """DCP's ``Metadata`` of the checkpoint in ``directory`` (read once, then cached)."""
-    path = Path(directory) / ".metadata"
+    path = Path(directory) / L.DCP_METADATA
     st = os.stat(path)
     key = (str(path.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
     with _metadata_lock:
@@ -280,15 +284,6 @@ class CachedMetadataReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
         return metadata
-
-
-def _encode_path(path: list[PathItem]) -> list:
-    return [[kind, key] for kind, key in path]
-
-
-def encode_paths(paths: Mapping[str, list[PathItem]]) -> dict[str, list]:
-    """Paths for the manifest (JSON keeps int vs str keys, which DCP's planner_data loses)."""
-    return {fqn: _encode_path(p) for fqn, p in paths.items()}
 
 
 def _paths_from_dcp(metadata: Any) -> dict[str, list[PathItem]]:
@@ -432,3 +427,99 @@ def load_into(state: Any, directory: str | os.PathLike, paths: Mapping[str, list
         state.load_state_dict(loaded)
     else:
         merge_into(state, loaded)
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+def local_piece(t: torch.Tensor, key: str, shards: dict, tensors: dict) -> None:
+    """Stage ``t`` under ``key``: a DTensor as this rank's local piece (with where it sits in
+    the global tensor, in ``shards``), any other tensor as it is."""
+    if is_dtensor(t):
+        shards[key] = (dtensor_shard_info(t), [key])
+        tensors[key] = t.to_local()
+    else:
+        tensors[key] = t
+
+
+def assemble(views: Mapping[str, torch.Tensor], shards: Mapping[str, Any]) -> dict[str, Any]:
+    """The staged views put back together: each sharded key's pieces as one ``LocalShard``."""
+    flat: dict[str, Any] = {}
+    grouped: set[str] = set()
+    for key, (info, keys) in shards.items():
+        flat[key] = LocalShard([views[k] for k in keys], info)
+        grouped.update(keys)
+    for k, v in views.items():
+        if k not in grouped:
+            flat[k] = v
+    return flat
+
+
+def dcp_entries(metadata: Any, *, objects_known: bool = True) -> Entries:
+    """What a DCP checkpoint holds, from its ``Metadata`` (``FileSystemReader.read_metadata``)."""
+    out = Entries(objects_known=objects_known)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            out.leaves[fqn] = (tuple(md.size), md.properties.dtype)
+        else:
+            out.leaves[fqn] = None
+    return out
+
+
+class DCPFormat(Format):
+    """Plain DCP: the state flattened to DCP keys, DTensors as their local pieces; loads at
+    any world size (DCP reshards)."""
+
+    name = "dcp"
+    #: The files describing the checkpoint, read by the pre-load check.
+    metadata_files = frozenset({L.DCP_METADATA})
+    #: The DCP save planner's class (None: ``write_flat``'s default).
+    planner: type | None = None
+
+    def prepare(self, state: Any, options: SaveOptions) -> Prepared:
+        cache = options.cache
+        flat = cache.flatten(state) if cache is not None else flatten_state(state)
+        tensors: dict[str, torch.Tensor] = flat.tensors
+        shards: dict[str, tuple[ShardInfo, list[str]]] = {}
+        key = flat.key
+        if any(is_dtensor_type(t) for t in set(map(type, tensors.values()))):
+            tensors, key = {}, None  # the local pieces are what is staged
+            for fqn, t in flat.tensors.items():
+                local_piece(t, fqn, shards, tensors)
+        objects = serialize_objects(flat.objects)
+        return Prepared(tensors, objects, flat.paths, {"shards": shards}, key=key)
+
+    def write(self, part: Prepared, location: Path, options: WriteOptions) -> Crcs:
+        flat: dict[str, Any] = {k: Serialized(v) for k, v in part.objects.items()}
+        flat.update(assemble(part.tensors, part.extra.get("shards", {})))
+        return write_flat(
+            flat,
+            location,
+            thread_count=options.thread_count,
+            pace=options.pace,
+            direct_io=options.direct_io,
+            process_group=options.process_group,
+            planner=None if self.planner is None else self.planner(),  # None: the default
+            plan_cache=options.plan_cache,
+        )
+
+    def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
+        load_into(state, location, paths)
+
+    def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries | None:
+        if not (location / L.DCP_METADATA).exists() or has_sharded_base(state):
+            return None  # megatron's loader validates a sharded state dict itself
+        return dcp_entries(read_dcp_metadata(location), objects_known=self.objects_known(location))
+
+    def objects_known(self, location: Path) -> bool:
+        """Whether ``.metadata`` lists the non-tensor leaves too."""
+        return True
+
+    def read_by_check(self, path: Path, location: Path) -> bool:
+        return path.name in self.metadata_files and path.parent == location
+
+    def read(self, location: Path, paths: Paths) -> dict[str, Any]:
+        flat = read_flat(location)
+        if paths is None:
+            paths = _paths_from_dcp(read_dcp_metadata(location))
+        return unflatten(flat, paths)

@@ -17,17 +17,20 @@ committed once every rank's files are durable.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..commit import write_synced
-
-MODEL_FNAME = "model_optim_rng.pt"
-DISTRIB_OPTIM_FNAME = "distrib_optim.pt"
+from .. import layout as L
+from ..dist import is_dtensor
+from ..loadcheck import Entries, walk
+from ..staging import is_stateful
+from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
+from .dcp import merge_into
+from .pt import save_synced
+from .staged import pickle_with_refs, state_dicts, unpickle_with_refs
 
 
 def legacy_rank_dir(
@@ -36,15 +39,10 @@ def legacy_rank_dir(
     """The per-rank directory name inside ``iter_NNNNNNN``; Megatron-LM's exact spelling."""
     if min(tp_rank, pp_rank, ep_rank) < 0 or pp_rank >= pp_size or ep_rank >= ep_size:
         raise ValueError(f"bad ranks tp={tp_rank} pp={pp_rank}/{pp_size} ep={ep_rank}/{ep_size}")
-    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return name + (f"_{ep_rank:03d}" if ep_size > 1 else "")
-
-
-def _save_synced(obj: Any, path: Path) -> None:
-    # Serialise in memory first: a pickling error must not leave a half-written file behind.
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    write_synced(path, buf.getbuffer())
+    name = L.LEGACY_RANK_DIR.format(tp=tp_rank)
+    if pp_size > 1:
+        name += L.LEGACY_PP_SUFFIX.format(pp=pp_rank)
+    return name + (L.LEGACY_EP_SUFFIX.format(ep=ep_rank) if ep_size > 1 else "")
 
 
 def write_legacy(
@@ -68,11 +66,11 @@ def write_legacy(
     rank_dir = Path(directory) / legacy_rank_dir(tp_rank, pp_rank, pp_size, ep_rank, ep_size)
     model = {k: v for k, v in state.items() if k != distrib_optim_key}
     rank_dir.mkdir(parents=True, exist_ok=True)
-    written = [rank_dir / MODEL_FNAME]
-    _save_synced(model, written[0])
+    written = [rank_dir / L.LEGACY_MODEL]
+    save_synced(model, written[0])
     if distrib_optim_key in state:
-        written.append(rank_dir / DISTRIB_OPTIM_FNAME)
-        _save_synced(state[distrib_optim_key], written[1])
+        written.append(rank_dir / L.LEGACY_DISTRIB_OPTIM)
+        save_synced(state[distrib_optim_key], written[1])
     return written
 
 
@@ -93,8 +91,72 @@ def read_legacy(
     numpy RNG state); pass True for files from an untrusted source.
     """
     rank_dir = Path(directory) / legacy_rank_dir(tp_rank, pp_rank, pp_size, ep_rank, ep_size)
-    state = torch.load(rank_dir / MODEL_FNAME, map_location="cpu", weights_only=weights_only)
-    optim = rank_dir / DISTRIB_OPTIM_FNAME
-    if optim.exists():
-        state[distrib_optim_key] = torch.load(optim, map_location="cpu", weights_only=weights_only)
+    return _read_rank_dir(rank_dir, distrib_optim_key, weights_only=weights_only)
+
+
+def _read_rank_dir(
+    rank_dir: Path, distrib_optim_key: str, *, weights_only: bool, mmap: bool = False
+) -> Any:
+    def load(p: Path) -> Any:
+        return torch.load(p, map_location="cpu", weights_only=weights_only, mmap=mmap)
+
+    state = load(rank_dir / L.LEGACY_MODEL)
+    optim = rank_dir / L.LEGACY_DISTRIB_OPTIM
+    if isinstance(state, dict) and optim.exists():
+        state[distrib_optim_key] = load(optim)
     return state
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+class MegatronLegacyFormat(Format):
+    """Each rank's state dict pickled with its tensors staged (the trainer may go on), then
+    ``torch.save``d by the worker into this rank's ``mp_rank_*`` directory. No collective:
+    a multi-rank save is committed once every rank's files are durable."""
+
+    name = "megatron_legacy"
+
+    def prepare(self, state: Any, options: SaveOptions) -> Prepared:
+        # State dicts, not the objects: Megatron-LM's files hold state dicts, and the load then
+        # restores the caller's modules and optimizers in place (load_state_dict).
+        state = state_dicts(state)
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"format megatron_legacy needs a dict state, not {type(state).__name__}"
+            )
+        skeleton, tensors = b"", {}
+        if options.legacy.write:
+            skeleton, tensors = pickle_with_refs(state, L.LEGACY_MODEL)
+        for k, t in tensors.items():
+            if is_dtensor(t):
+                raise TypeError(f"format megatron_legacy stores per-rank files; {k} is a DTensor")
+        return Prepared(tensors, {}, {}, {"skeleton": skeleton, "ranks": options.legacy})
+
+    def write(self, part: Prepared, location: Path, options: WriteOptions) -> Crcs:
+        ranks = part.extra["ranks"]
+        if ranks.write:
+            state = unpickle_with_refs(part.extra["skeleton"], part.tensors)
+            write_legacy(
+                state, location, ranks.tp_rank, ranks.pp_rank, ranks.pp_size,
+                ranks.distrib_optim_key,
+            )  # fmt: skip
+        return {}
+
+    def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
+        r = options.legacy
+        loaded = read_legacy(location, r.tp_rank, r.pp_rank, r.pp_size, r.distrib_optim_key)
+        if is_stateful(state):
+            state.load_state_dict(loaded)
+        else:
+            merge_into(state, loaded)
+
+    def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries:
+        """This rank's files, read memory-mapped (tensor data untouched); same trust as
+        Megatron-LM's loader (and ``read_legacy``): weights_only=False."""
+        r = options.legacy
+        rank_dir = location / legacy_rank_dir(r.tp_rank, r.pp_rank, r.pp_size)
+        return walk(_read_rank_dir(rank_dir, r.distrib_optim_key, weights_only=False, mmap=True))
+
+    def read_by_check(self, path: Path, location: Path) -> bool:
+        return location in path.parents  # the check reads the files themselves

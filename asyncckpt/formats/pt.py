@@ -14,6 +14,7 @@ restored in place with ``load_state_dict`` (as Megatron-LM's ``model_optim_rng.p
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ from typing import Any
 import torch
 
 from ..commit import write_synced
+from ..dist import is_dtensor
+from ..loadcheck import Entries, walk
 from ..manifest import checksum
+from ..staging import is_stateful
+from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
+from .dcp import merge_into
+from .staged import pickle_with_refs, state_dicts, unpickle_with_refs
 
 
 def save_synced(obj: Any, path: Path) -> tuple[int, int]:
@@ -29,8 +36,6 @@ def save_synced(obj: Any, path: Path) -> tuple[int, int]:
 
     Serialised in memory first: a pickling error must not leave half a file behind.
     """
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getbuffer()
@@ -46,3 +51,43 @@ def read(path: str | os.PathLike, *, weights_only: bool = True, mmap: bool = Fal
     ``weights_only=False``, which unpickles arbitrary code: only for files you trust.
     """
     return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+
+
+class PtFormat(Format):
+    """One ``torch.save`` file, a component's format (the component's path is the file):
+    state dicts, tensors staged; written by rank 0, or by every rank when the path names it
+    (``SaveOptions.writes``)."""
+
+    name = "pt"
+    owns_directory = False
+
+    def prepare(self, state: Any, options: SaveOptions) -> Prepared:
+        what = options.what or "a .pt file"
+        state = state_dicts(state)
+        if not options.writes:  # nothing at all on a rank that does not write the file
+            return Prepared({}, {}, {}, {"skeleton": None})
+        skeleton, tensors = pickle_with_refs(state, what)
+        for k, t in tensors.items():
+            if is_dtensor(t):
+                raise TypeError(f"{what} is one torch.save file; {k} is a DTensor (save it as dcp)")
+        return Prepared(tensors, {}, {}, {"skeleton": skeleton})
+
+    def write(self, part: Prepared, location: Path, options: WriteOptions) -> Crcs:
+        if part.extra.get("skeleton") is None:
+            return {}
+        location.parent.mkdir(parents=True, exist_ok=True)
+        state = unpickle_with_refs(part.extra["skeleton"], part.tensors)
+        return {location.name: save_synced(state, location)}
+
+    def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
+        loaded = read(location, weights_only=options.weights_only)
+        if is_stateful(state):
+            state.load_state_dict(loaded)
+        else:
+            merge_into(state, loaded)
+
+    def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries:
+        return walk(read(location, weights_only=options.weights_only, mmap=True))
+
+    def read_by_check(self, path: Path, location: Path) -> bool:
+        return path == location  # the check reads the whole file

@@ -26,51 +26,53 @@ sharded state dict built with ``from_rank_offsets(path, tensor)`` at each tensor
 that holds any megatron ``ShardedBase`` is treated exactly as megatron does instead: only
 ``ShardedTensor``/``ShardedObject`` go to DCP, plain tensors go to ``common.pt``.
 
-Multi-rank saves (what the worker must wire, one call per rank with the same ``process_group``):
+The trainer (``TorchDistFormat.prepare``) stages this rank's chunks and pickles the common
+state; the worker (``write``) writes them. Multi-rank saves, one ``write`` per rank with the
+same ``process_group`` (the workers' side group, never the trainer's):
 
-- every rank calls ``write_torch_dist(its_state, same_dir, process_group=pg)``; DCP plans
-  collectively over ``pg`` (gather local plans to rank 0, scatter the global plan back), each
-  rank writes only its own chunks to ``__<plan index>_<n>.distcp``, then rank 0 gathers the
-  write results and alone writes ``.metadata`` (so ``.metadata`` implies all shards landed);
-- ``pg`` must be a side group of the worker (gloo over its own TCPStore), never the trainer's;
-- replicated chunks: megatron shards are filtered to ``is_main_replica`` before planning, and
-  identical plain tensors on several ranks are deduplicated by DCP's global plan;
-- ``common.pt`` and ``metadata.json`` come from rank 0 of ``pg`` only (megatron assumes the
+- DCP plans collectively over the group (gather local plans to rank 0, scatter the global plan
+  back), each rank writes only its own chunks to ``__<plan index>_<n>.distcp``, then rank 0
+  gathers the write results and alone writes ``.metadata`` (so ``.metadata`` implies all
+  shards landed);
+- replicated chunks: identical plain tensors on several ranks are deduplicated by DCP's
+  global plan;
+- ``common.pt`` and ``metadata.json`` come from rank 0 of the group only (megatron assumes the
   common state is identical on all ranks); ``metadata.json`` after ``.metadata``;
-- the commit (fsync of the directory, rename) must wait for every rank's call to return.
+- the commit (fsync of the directory, rename) waits for every rank's write to return.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
 import os
 import pickle
 import sys
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    FileSystemWriter,
-    SavePlan,
-    StorageWriter,
-)
+from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan
 
+from .. import layout as L
 from ..commit import write_synced
-from ..manifest import checksum
-from .dcp import CachedMetadataReader, read_dcp_metadata
+from ..dist import ShardInfo
+from ..staging import serialize_objects
+from .base import Crcs, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
+from .dcp import (
+    CachedMetadataReader,
+    DCPFormat,
+    _PassThroughPlanner,
+    _quiet_single_process,
+    local_piece,
+    merge_into,
+    read_dcp_metadata,
+)
+from .staged import materialize
 
-CONFIG_FNAME = "metadata.json"
-COMMON_FNAME = "common.pt"
 #: What megatron's ``save_config`` writes for ``torch_dist``; key order matters for the bytes.
 CONFIG = {
     "sharded_backend": "torch_dist",
@@ -79,7 +81,6 @@ CONFIG = {
     "common_backend_version": 1,
 }
 
-WriterFactory = Callable[[str], StorageWriter]
 #: DCP key -> this rank's pieces under that key: one plain tensor, or megatron ShardedTensors
 #: (several when a rank holds several chunks of one global tensor) or ShardedObjects.
 Sharded = dict[str, list[Any]]
@@ -187,52 +188,9 @@ def split_common(state: dict, paths: dict | None = None) -> tuple[Sharded, dict]
     return dict(grouped), common
 
 
-def _checkpointable(pieces: list[Any]) -> Any:
-    """megatron ShardedTensors -> the DCP-protocol wrappers megatron itself saves through.
-
-    Not ``mcore_to_pyt_state_dict``: it calls ``torch.distributed.get_rank()``, which needs a
-    default process group the single-process worker does not have.
-    """
-    from megatron.core.dist_checkpointing.strategies.checkpointable import (
-        CheckpointableShardedTensor,
-        LocalShardsContainer,
-    )
-
-    out = []
-    for sh in pieces:
-        if sh.data is None:
-            raise ValueError(f"ShardedTensor {sh.key!r} has no data")
-        if sh.flattened_range is not None:
-            raise ValueError(f"ShardedTensor {sh.key!r}: flattened_range is not supported")
-        data = sh.data.detach().contiguous()
-        if sh.prepend_axis_num:
-            # Same chunk as megatron's legacy path writes: local data unsqueezed to full rank.
-            shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-            sh = dataclasses.replace(
-                sh, data=data.view(shape), local_shape=shape, prepend_axis_num=0
-            )
-        else:
-            sh = dataclasses.replace(sh, data=data)
-        out.append(CheckpointableShardedTensor.from_sh_ten(sh))
-    return out[0] if len(out) == 1 else LocalShardsContainer(out)
-
-
-def _to_dcp(sharded: Sharded) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, pieces in sharded.items():
-        first = pieces[0]
-        if isinstance(first, torch.Tensor):  # plain mode: one whole tensor
-            out[key] = first.detach()
-        elif hasattr(first, "unique_key"):  # ShardedObject
-            # DefaultSavePlanner torch.saves non-tensors: these are megatron's bytes exactly.
-            out[key] = [p.data for p in pieces]
-        else:
-            out[key] = _checkpointable(pieces)
-    return out
-
-
-class _Planner(DefaultSavePlanner):
-    """Flat keys as given; tensor properties recorded as megatron records them.
+class _TorchDistPlanner(_PassThroughPlanner):
+    """Flat keys as given; tensor properties recorded as megatron records them; pre-pickled
+    objects written as they are.
 
     Megatron saves detached GPU tensors, so ``.metadata`` says requires_grad=False and
     pin_memory=False; our sources are pinned staging views, which would say otherwise.
@@ -256,84 +214,10 @@ class _Planner(DefaultSavePlanner):
         return self.plan
 
 
-def write_torch_dist(
-    state: dict,
-    directory: str | os.PathLike,
-    *,
-    writer_factory: WriterFactory | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> dict[str, tuple[int, int]]:
-    """Write ``state`` into ``directory`` (created if missing) as a megatron torch_dist checkpoint.
-
-    Everything that can fail on bad input (splitting, pickling the common state) happens before
-    the first byte is written. ``process_group=None`` is a single-process save (``no_dist``).
-    Returns ``{file name: (checksum, size)}`` for the files written here besides DCP's own.
-    """
-    directory = Path(directory)
-    sharded, common = split_common(state)
-    dcp_state = _to_dcp(sharded)
-    common_pt = common_bytes(common)  # bad common state fails here, before any file exists
-    is_rank0 = process_group is None or dist.get_rank(process_group) == 0
-
-    config = json.dumps(CONFIG).encode()
-    crcs = {COMMON_FNAME: _crc(common_pt), CONFIG_FNAME: _crc(config)} if is_rank0 else {}
-    directory.mkdir(parents=True, exist_ok=True)
-    if is_rank0:
-        write_synced(directory / COMMON_FNAME, common_pt)
-    writer = (writer_factory or _default_writer)(str(directory))
-    with _quiet_single_process():
-        dcp.save(
-            dcp_state,
-            storage_writer=writer,
-            planner=_Planner(),
-            process_group=process_group,
-            no_dist=process_group is None,
-        )
-    if is_rank0:  # last: megatron treats metadata.json as "this is a complete checkpoint"
-        write_synced(directory / CONFIG_FNAME, config)
-    return crcs
-
-
-def common_bytes(common: dict) -> bytes:
-    """``common.pt``'s bytes, refused (TypeError) unless megatron's loader could read them.
-
-    megatron reads ``common.pt`` with ``torch.load(weights_only=True)`` (plus the safe globals
-    megatron-core registers), so anything else would save fine and fail only at resume.
-    """
-    buf = io.BytesIO()
-    try:
-        torch.save(common, buf)
-        buf.seek(0)
-        _load_weights_only(buf)
-    except Exception as e:
-        raise TypeError(
-            f"the non-tensor state cannot go to common.pt (megatron loads it with "
-            f"torch.load(weights_only=True)): {e}"
-        ) from e
-    return buf.getvalue()
-
-
-def _crc(data: bytes) -> tuple[int, int]:
-    return checksum(data), len(data)
-
-
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    # DCP warns "assuming the intent is to save in a single process" even when no_dist=True
-    # says so; once per save that is noise in the worker's log.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
-        yield
-
-
-def _default_writer(directory: str) -> StorageWriter:
-    return FileSystemWriter(directory, single_file_per_rank=True, sync_files=True)
-
-
 def read_config(directory: str | os.PathLike) -> dict | None:
     """``metadata.json`` as a dict, or None when the directory is not a dist checkpoint."""
     try:
-        return json.loads((Path(directory) / CONFIG_FNAME).read_text())
+        return json.loads((Path(directory) / L.TORCH_DIST_CONFIG).read_text())
     except FileNotFoundError:
         return None
 
@@ -354,11 +238,9 @@ def read_torch_dist(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp import merge_into
-
     directory = Path(directory)
     if read_config(directory) != CONFIG:
-        raise ValueError(f"{directory} is not a torch_dist checkpoint (bad {CONFIG_FNAME})")
+        raise ValueError(f"{directory} is not a torch_dist checkpoint (bad {L.TORCH_DIST_CONFIG})")
     target_paths: dict[str, list] = {}
     sharded, _ = split_common(target_state, target_paths)
     if any(not isinstance(p[0], torch.Tensor) for p in sharded.values()):
@@ -383,7 +265,7 @@ def read_torch_dist(
             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             no_dist=True,
         )
-    with open(directory / COMMON_FNAME, "rb") as f:
+    with open(directory / L.TORCH_DIST_COMMON, "rb") as f:
         loaded = _load_weights_only(f)
     for key, t in request.items():
         _place(loaded, where[key], t)
@@ -463,3 +345,135 @@ def _load_weights_only(f: BinaryIO) -> Any:
             pass
         f.seek(0)
         return torch.load(f, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+class TorchDistFormat(DCPFormat):
+    """Megatron ``torch_dist``: DCP shards of this rank's chunks plus ``common.pt`` and
+    ``metadata.json`` from rank 0, as ``megatron.core.dist_checkpointing.save`` writes them."""
+
+    name = "torch_dist"
+    metadata_files = frozenset({L.DCP_METADATA, L.TORCH_DIST_CONFIG, L.TORCH_DIST_COMMON})
+    planner = _TorchDistPlanner
+
+    def prepare(self, state: Any, options: SaveOptions) -> Prepared:
+        state = materialize(state)
+        if not isinstance(state, dict):
+            raise TypeError(f"format torch_dist needs a dict state, not {type(state).__name__}")
+        paths: dict[str, list] = {}  # plain tensors' typed paths, for the manifest
+        sharded, common = split_common(state, paths)
+        buf = io.BytesIO()
+        try:
+            torch.save(common, buf)
+        except Exception as e:
+            raise TypeError(f"the non-tensor state cannot be saved to common.pt: {e}") from e
+        # Megatron (and our own load) read common.pt with weights_only=True: a state it cannot
+        # read would commit and then fail every load as corrupt. Refused here, before any write.
+        buf.seek(0)
+        try:
+            _load_weights_only(buf)
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            raise TypeError(
+                "the non-tensor state cannot be read back from common.pt with "
+                f"torch.load(weights_only=True), as Megatron and asyncckpt load it: {e}; keep "
+                "plain Python values there (numbers, strings, lists, dicts, argparse.Namespace)"
+            ) from e
+        tensors: dict[str, torch.Tensor] = {}
+        objects: dict[str, bytes] = {}
+        shards: dict[str, tuple[ShardInfo, list[str]]] = {}
+        for key, pieces in sharded.items():
+            first = pieces[0]
+            if isinstance(first, torch.Tensor):  # plain state: the whole tensor under its path
+                local_piece(first, key, shards, tensors)
+            elif hasattr(first, "unique_key"):  # ShardedObject: megatron stores a list of data
+                objects[key] = serialize_objects({key: [p.data for p in pieces]})[key]
+            else:  # megatron ShardedTensor(s): this rank's chunks of one global tensor
+                keys, chunks = [], []
+                for i, sh in enumerate(pieces):
+                    if sh.data is None:
+                        raise ValueError(f"ShardedTensor {sh.key!r} has no data")
+                    if sh.flattened_range is not None:
+                        raise ValueError(
+                            f"ShardedTensor {sh.key!r}: flattened_range is not supported"
+                        )
+                    shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+                    sk = f"{key}#{i}"
+                    tensors[sk] = sh.data.detach().reshape(shape)
+                    keys.append(sk)
+                    chunks.append((tuple(sh.global_offset), shape))
+                shards[key] = (ShardInfo(tuple(pieces[0].global_shape), tuple(chunks)), keys)
+        return Prepared(tensors, objects, paths, {"shards": shards, "common": buf.getvalue()})
+
+    def write(self, part: Prepared, location: Path, options: WriteOptions) -> Crcs:
+        if options.rank == 0:
+            write_synced(location / L.TORCH_DIST_COMMON, part.extra["common"])
+        crcs = super().write(part, location, options)
+        if options.rank == 0:  # last, as megatron does: "this is a complete checkpoint"
+            write_synced(location / L.TORCH_DIST_CONFIG, json.dumps(CONFIG).encode())
+        return crcs
+
+    def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
+        if not (location / L.TORCH_DIST_COMMON).exists():
+            return super().load_into(state, location, paths, options)
+        # Tensors are read in place into the state's own tensors (a module's state_dict()
+        # tensors are its parameters); the rest is merged back, Stateful objects get
+        # load_state_dict.
+        target = materialize(state)
+        mapping = _mcore_mapping()
+        if mapping is not None and _has_sharded_base(target, mapping.ShardedBase):
+            _load_megatron(target, location)
+        else:
+            read_torch_dist(location, target, paths)
+        merge_into(state, target)
+
+    def objects_known(self, location: Path) -> bool:
+        # The non-tensor leaves are in common.pt, outside .metadata.
+        return not (location / L.TORCH_DIST_COMMON).exists()
+
+
+def _load_megatron(state: dict, directory: Path) -> None:
+    """megatron's own loader (it needs torch.distributed), results copied back in place."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "loading a megatron sharded state dict needs torch.distributed initialised "
+            "(megatron's loader runs collectives); a gloo group is enough on CPU"
+        )
+
+    def copy(x: Any) -> Any:
+        # megatron's loader rewrites the containers and ShardedTensors it is given; hand it a
+        # copy so the caller's tensors stay where they are and are filled in place below.
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [copy(v) for v in x]
+        return dataclasses.replace(x) if isinstance(x, ShardedBase) else x
+
+    loaded = dc.load(copy(state), str(directory))
+
+    def put(target: Any, got: Any) -> Any:
+        if isinstance(target, ShardedBase):
+            data = getattr(target, "data", None)
+            if isinstance(data, torch.Tensor) and isinstance(got, torch.Tensor):
+                if data is not got:
+                    with torch.no_grad():
+                        data.copy_(got.reshape(data.shape))
+                return target
+            target.data = got
+            return target
+        if isinstance(target, dict) and isinstance(got, dict):
+            for k, v in got.items():
+                target[k] = put(target[k], v) if k in target else v
+            return target
+        if isinstance(target, list) and isinstance(got, list) and len(target) == len(got):
+            for i, v in enumerate(got):
+                target[i] = put(target[i], v)
+            return target
+        return got
+
+    put(state, loaded)
