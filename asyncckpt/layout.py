@@ -155,3 +155,15 @@ def read_tracker(root: str | os.PathLike) -> int | None:
     except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
     return int(text) if text.isdigit() else None
+
+
+def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:
+    """Which layout ``root`` uses, from its directory names; ``default`` for an empty root."""
+    try:
+        names = [e.name for e in os.scandir(root)]
+    except FileNotFoundError:
+        return default
+    found = [lay for lay in LAYOUTS if any(parse_dir_name(lay, n) is not None for n in names)]
+    if len(found) > 1:
+        raise ValueError(f"{root} holds directories of several layouts {found}; pass layout=")
+    return found[0] if found else default

@@ -352,15 +352,6 @@ class VerifyReport:
         return all(c.ok for c in self.checkpoints) and self.tracker_problem is None
 
 
-def detect_layout(root: str | os.PathLike) -> str:
-    """The layout whose names appear in ``root`` (global_step if none do)."""
-    names = os.listdir(root) if os.path.isdir(root) else []
-    for lay in ("megatron", "torchtitan", "global_step"):
-        if any(_layout.parse_dir_name(lay, n) is not None for n in names):
-            return lay
-    return "global_step"
-
-
 def verify(
     root: str | os.PathLike,
     layout: str | None = None,
@@ -375,7 +366,7 @@ def verify(
     checkpoint checked; without it nothing is reported.
     """
     root = check_local_root(root)  # an s3:// URL is not an empty local directory
-    layout = layout or detect_layout(root)
+    layout = layout or _layout.detect_layout(root)
     dirs = _layout.scan(root, layout)
     manifests: list[dict[str, Any] | CorruptCheckpoint] = []
     for c in dirs:

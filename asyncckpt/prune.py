@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from asyncckpt import layout as L
 from asyncckpt.commit import remove_tree
 from asyncckpt.errors import CheckpointError
+from asyncckpt.layout import detect_layout  # re-exported: prune.detect_layout is public
 from asyncckpt.manifest import check_dir, fsync_dir, manifest_bytes, read_manifest
 from asyncckpt.retention import (
     CheckpointInfo,
@@ -167,18 +168,6 @@ def read_checkpoint_info(path: str | os.PathLike, step: int | None = None) -> Ch
 def list_checkpoints(root: str | os.PathLike, layout: str) -> list[CheckpointInfo]:
     """Every committed checkpoint under ``root`` (``layout.scan``), oldest first."""
     return [read_checkpoint_info(c.path, c.step) for c in L.scan(root, layout)]
-
-
-def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:
-    """Which layout ``root`` uses, from its directory names; ``default`` for an empty root."""
-    try:
-        names = [e.name for e in os.scandir(root)]
-    except FileNotFoundError:
-        return default
-    found = [lay for lay in L.LAYOUTS if any(L.parse_dir_name(lay, n) is not None for n in names)]
-    if len(found) > 1:
-        raise ValueError(f"{root} holds directories of several layouts {found}; pass layout=")
-    return found[0] if found else default
 
 
 def _direct_child(root: Path, path: Path) -> Path:
