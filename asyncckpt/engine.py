@@ -581,7 +581,7 @@ class _Core(WorkerSupervision):
 
     def _check_forward(self, step: int) -> None:
         """Refuse a step below the newest committed or in-flight one (the tracker would lag)."""
-        dirs = self.committed()
+        dirs = self.restorer.committed()
         newest = dirs[-1].step if dirs else None
         with self.cond:
             flying = max((j.handle.step for j in self.inflight.values()), default=None)
@@ -666,11 +666,11 @@ class _Core(WorkerSupervision):
         if mode == "none":
             return None
         if mode == "latest":
-            return self.load_latest(state, strict)
+            return self.restorer.load_latest(state, strict)
         if mode == "from_path":
             if path is None:
                 raise ValueError('resume mode "from_path" needs path=')
-            return self.load(state, path=path, strict=strict)
+            return self.restorer.load(state, path=path, strict=strict)
         raise ValueError(f'resume mode must be "latest", "from_path" or "none", not {mode!r}')
 
     def _stage_and_send(self, pending: _PendingSave) -> SaveHandle:
@@ -832,25 +832,7 @@ class _Core(WorkerSupervision):
             return components.prepare(self.components, state, rank=self.rank, legacy=self.legacy)
         return staged.prepare(self.fmt, state, legacy=self.legacy, cache=self.flatten_cache)
 
-    # ------------------------------------------------------------------ reading (restore.py)
-    def committed(self) -> list[_layout.CommittedDir]:
-        return self.restorer.committed()
-
-    def load_latest(self, state: Any, strict: bool = True) -> int | None:
-        return self.restorer.load_latest(state, strict)
-
-    def load(
-        self,
-        state: Any,
-        step: int | None = None,
-        path: str | os.PathLike | None = None,
-        strict: bool = True,
-    ) -> int:
-        return self.restorer.load(state, step=step, path=path, strict=strict)
-
-    def list_checkpoints(self) -> list[CheckpointInfo]:
-        return self.restorer.list_checkpoints()
-
+    # ------------------------------------------------------------------ reading: restore.py
     def _on_loaded(self, step: int) -> None:
         self.resumed_from = step
 
@@ -1250,7 +1232,9 @@ class CheckpointEngine:
         returns None (a fresh job's first start); a path that is a checkpoint directory, or a
         root of the other layout, raises ``NotACheckpointRoot``.
         """
-        return await anyio.to_thread.run_sync(lambda: self._core.load_latest(state, strict))
+        return await anyio.to_thread.run_sync(
+            lambda: self._core.restorer.load_latest(state, strict)
+        )
 
     async def load(
         self,
@@ -1266,7 +1250,7 @@ class CheckpointEngine:
         ``CorruptCheckpoint``: all ``CheckpointError``) with torch's error as the cause.
         """
         return await anyio.to_thread.run_sync(
-            lambda: self._core.load(state, step=step, path=path, strict=strict)
+            lambda: self._core.restorer.load(state, step=step, path=path, strict=strict)
         )
 
     async def resume(
@@ -1287,8 +1271,8 @@ class CheckpointEngine:
         return self._core.restorer.last_load_report
 
     def latest_step(self) -> int | None:
-        dirs = self._core.committed()
+        dirs = self._core.restorer.committed()
         return dirs[-1].step if dirs else None
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        return self._core.list_checkpoints()
+        return self._core.restorer.list_checkpoints()

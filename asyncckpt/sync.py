@@ -48,7 +48,7 @@ class SyncCheckpointEngine(CheckpointEngine):
         self._core.prepare(state)
 
     def load_latest(self, state: Any, *, strict: bool = True) -> int | None:  # type: ignore[override]
-        return self._core.load_latest(state, strict)
+        return self._core.restorer.load_latest(state, strict)
 
     def load(  # type: ignore[override]
         self,
@@ -58,7 +58,7 @@ class SyncCheckpointEngine(CheckpointEngine):
         *,
         strict: bool = True,
     ) -> int:
-        return self._core.load(state, step=step, path=path, strict=strict)
+        return self._core.restorer.load(state, step=step, path=path, strict=strict)
 
     def resume(  # type: ignore[override]
         self,
