@@ -50,6 +50,9 @@ POINTS = (
     "before_remote_tracker",  # worker: the marker written, the store's tracker not yet
     "mid_remote_prune",  # worker: a remote checkpoint's marker deleted, its files not yet
 )
+#: The points only a save with a remote tier reaches (storage/); the others, every save.
+REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
+LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS)
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
 
 

@@ -226,9 +226,7 @@ def test_a_stalled_upload_times_out_instead_of_hanging(s3, tmp_path):
     assert remote_steps(s3) == []
 
 
-@pytest.mark.parametrize(
-    "point", ["mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune"]
-)
+@pytest.mark.parametrize("point", faults.REMOTE_POINTS)
 def test_worker_killed_while_publishing_leaves_no_half_checkpoint(s3, tmp_path, point):
     spool = tmp_path / "spool"
     with SyncCheckpointEngine(
@@ -356,6 +354,10 @@ LOCAL_POINTS = {
     "after_commit": [2],  # published (and step 1 pruned from the store) before the kill
     "mid_prune": [2],
 }
+
+
+def test_every_fault_point_is_covered_on_a_url_root():
+    assert set(LOCAL_POINTS) == set(faults.LOCAL_POINTS) - {"after_stage"}  # (the trainer's)
 
 
 @pytest.mark.integration
