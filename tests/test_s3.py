@@ -424,3 +424,18 @@ def test_two_ranks_commit_once_and_rank0_publishes(s3, tmp_path):
     with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "new") as eng:
         assert eng.load_latest(target) == 2  # both ranks' shards, resharded to one process
     assert torch.equal(target["model"]["w"], full_weight(2)) and target["step"] == 2
+
+
+def test_python_dash_m_ls_reaches_the_bucket_through_the_aws_environment(s3, tmp_path):
+    """As a user runs it: no --storage-option, the endpoint and keys from AWS_* variables."""
+    from pathlib import Path
+
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
+        eng.save(4, make_state(4))
+    env = {**s3.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "ls", s3.url, "--json"], env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [c["step"] for c in json.loads(out.stdout)["checkpoints"]] == [4]
