@@ -134,9 +134,19 @@ def _listing(keys: list[str]) -> str:
 
 
 def compare(
-    target: Entries, ckpt: Entries, *, strict: bool = True, where: str = "the checkpoint"
+    target: Entries,
+    ckpt: Entries,
+    *,
+    strict: bool = True,
+    where: str = "the checkpoint",
+    shared: bool = False,
 ) -> LoadReport:
-    """Compare the target with a checkpoint; raise ``StateMismatch`` if it does not fit."""
+    """Compare the target with a checkpoint; raise ``StateMismatch`` if it does not fit.
+
+    ``shared``: one checkpoint of several ranks' states, this target one rank's: a key of the
+    checkpoint this rank does not ask for is another rank's (experts each rank owns), not
+    unexpected; a rank cannot see the other ranks' targets without a collective, so a key no
+    rank asks for is not detected there. Missing and mismatched keys are checked as always."""
     report = LoadReport(strict=strict)
     ckpt_objects = {k for k, v in ckpt.leaves.items() if v is None}
     mismatched: list[str] = []
@@ -156,7 +166,7 @@ def compare(
         elif ckpt.objects_known:
             report.missing_objects.append(key)
     for key, found in ckpt.leaves.items():
-        if found is None or key in target.leaves:
+        if found is None or key in target.leaves or shared:
             continue
         if key not in target.open and not _under(key, target.open):
             report.unexpected.append(key)
@@ -262,9 +272,11 @@ def check(
     strict: bool = True,
     legacy: Any = None,
     weights_only: bool = True,
+    world_size: int = 1,
 ) -> LoadReport:
     """Compare ``state`` with the checkpoint in ``directory`` before anything is read into it
-    (what it holds: format ``fmt``'s ``Format.entries``).
+    (what it holds: format ``fmt``'s ``Format.entries``). With ``world_size`` > 1 a checkpoint
+    all ranks share (DCP-based formats) is compared as ``compare(shared=True)``.
 
     For format ``pt`` (one ``torch.save`` file of a component) ``directory`` is that file,
     read memory-mapped with ``weights_only``.
@@ -289,7 +301,10 @@ def check(
         raise CorruptCheckpoint(f"{directory}: cannot read the checkpoint's metadata: {e}") from e
     if ckpt is None:
         return LoadReport(strict=strict)  # nothing to compare with; the read will say why
-    return compare(walk(state), ckpt, strict=strict, where=where)
+    from .formats.dcp import DCPFormat
+
+    shared = world_size > 1 and isinstance(fmt_, DCPFormat)  # not a rank's own file
+    return compare(walk(state), ckpt, strict=strict, where=where, shared=shared)
 
 
 def read_by_check(rel: str, parts: list[Any], directory: Path) -> bool:

@@ -114,6 +114,7 @@ class Restorer:
                     strict=strict,
                     legacy=self.legacy,
                     weights_only=p.weights_only,
+                    world_size=self.world_size,
                 )  # fmt: skip
                 for p in parts
             ]

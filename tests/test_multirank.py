@@ -247,3 +247,36 @@ def test_a_failure_on_one_rank_commits_nowhere(
     # Step 2 never committed (on no rank), step 1 stayed the latest until step 3.
     _assert_clean_root(root, [1, 3], 3)
     assert not (root / "global_step_2").exists()
+
+
+def save_and_load_rank_owned_keys(rank: int, world: int, root: str) -> dict:
+    """Each rank owns its own experts (keys no other rank has), as in expert parallelism."""
+    from asyncckpt import StateMismatch, SyncCheckpointEngine
+
+    def experts(fill: float) -> dict:
+        return {"model": {f"expert{rank}.w": torch.full((4,), fill + rank)}, "step": int(fill)}
+
+    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+        engine.save(1, experts(1.0)).committed_sync(120)
+    target = experts(0.0)
+    loaded = SyncCheckpointEngine(root).load_latest(target)  # strict: the default
+    # What this rank asks for and the checkpoint lacks is still a mismatch.
+    typo = {"model": {f"expert{rank}.w": torch.zeros(4), "expert9.w": torch.zeros(4)}}
+    try:
+        SyncCheckpointEngine(root).load_latest(typo)
+        missing_caught = False
+    except StateMismatch as e:
+        missing_caught = "expert9.w" in str(e)
+    return {
+        "step": loaded,
+        "mine": target["model"][f"expert{rank}.w"].tolist(),
+        "missing_caught": missing_caught,
+    }
+
+
+def test_rank_owned_keys_load_strictly_on_every_rank(tmp_path):
+    """Before: each rank's strict load failed on the other rank's keys ("unexpected in the
+    checkpoint"); found running benchmarks/scale.py under torchrun."""
+    out = run_ranks(save_and_load_rank_owned_keys, 2, tmp_path, str(tmp_path / "ckpts"))
+    for rank in (0, 1):
+        assert out[rank] == {"step": 1, "mine": [1.0 + rank] * 4, "missing_caught": True}
