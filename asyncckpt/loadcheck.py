@@ -43,7 +43,9 @@ class LoadReport:
 
     ``missing``: tensor keys of the target that the checkpoint lacks (kept as they were);
     ``unexpected``: tensor keys of the checkpoint that the target lacks (not loaded);
-    ``missing_objects``: non-tensor keys of the target that the checkpoint lacks (kept).
+    ``missing_objects``: non-tensor keys of the target that the checkpoint lacks (kept);
+    ``other_ranks``: keys of a checkpoint several ranks share that this rank's target does not
+    ask for (another rank's; not read here, and not a mismatch).
     """
 
     step: int | None = None
@@ -52,6 +54,7 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     missing_objects: list[str] = field(default_factory=list)
+    other_ranks: list[str] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -166,10 +169,10 @@ def compare(
         elif ckpt.objects_known:
             report.missing_objects.append(key)
     for key, found in ckpt.leaves.items():
-        if found is None or key in target.leaves or shared:
+        if found is None or key in target.leaves:
             continue
         if key not in target.open and not _under(key, target.open):
-            report.unexpected.append(key)
+            (report.other_ranks if shared else report.unexpected).append(key)
     problems = []
     if mismatched:
         problems.append(
@@ -325,6 +328,7 @@ def merge_reports(parts: list[Any], reports: list[LoadReport], strict: bool) -> 
         out.missing += [part.key(k) for k in r.missing]
         out.unexpected += [part.key(k) for k in r.unexpected]
         out.missing_objects += [part.key(k) for k in r.missing_objects]
+        out.other_ranks += [part.key(k) for k in r.other_ranks]
     return out
 
 

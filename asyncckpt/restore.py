@@ -153,7 +153,8 @@ class Restorer:
         from .formats import staged
 
         try:
-            if report.missing or report.unexpected:  # strict=False, and something to skip
+            # strict=False and something to skip, or other ranks' keys: read only the target's
+            if report.missing or report.unexpected or report.other_ranks:
                 self._load_partial(part, report)
             else:
                 # Any world size: each rank reads what its state asks for (DCP reshards).

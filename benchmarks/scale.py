@@ -244,7 +244,10 @@ def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, 
                 t0 = time.perf_counter()
                 load()
                 out[f"{name}:{cache}"].append(time.perf_counter() - t0)
-                assert torch.equal(leaves(target)[-1], leaves(state)[-1])
+                got, want = leaves(target), leaves(state)
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (
+                    f"{name} ({cache}) on rank {rank.rank} did not restore the state"
+                )
     C.barrier(rank)
     if rank.rank == 0:
         C.rmtree(root)

@@ -270,6 +270,7 @@ def save_and_load_rank_owned_keys(rank: int, world: int, root: str) -> dict:
     return {
         "step": loaded,
         "mine": target["model"][f"expert{rank}.w"].tolist(),
+        "keys": sorted(target["model"]),  # nothing of the other rank's added to it
         "missing_caught": missing_caught,
     }
 
@@ -279,4 +280,9 @@ def test_rank_owned_keys_load_strictly_on_every_rank(tmp_path):
     checkpoint"); found running benchmarks/scale.py under torchrun."""
     out = run_ranks(save_and_load_rank_owned_keys, 2, tmp_path, str(tmp_path / "ckpts"))
     for rank in (0, 1):
-        assert out[rank] == {"step": 1, "mine": [1.0 + rank] * 4, "missing_caught": True}
+        assert out[rank] == {
+            "step": 1,
+            "mine": [1.0 + rank] * 4,
+            "keys": [f"expert{rank}.w"],
+            "missing_caught": True,
+        }
