@@ -276,26 +276,40 @@ def check_files(
     problems = []
     for rel, want in manifest.get("files", {}).items():
         p = directory / rel
-        if not p.is_file():
-            problems.append(f"{rel}: missing")
-            continue
-        size = p.stat().st_size
-        if size != want["size"]:
-            problems.append(f"{rel}: size {size} != {want['size']} (truncated or grown)")
-            continue
-        if quick:
-            continue
-        try:
-            algorithm, expected = file_checksum(want)
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{rel}: the manifest records no checksum")
-            continue
-        crc, _ = checksum_file(p, on_bytes, algorithm)
-        if crc != expected:
-            problems.append(
-                f"{rel}: checksum mismatch ({algorithm} {crc:#010x} != {expected:#010x})"
-            )
+        problem = entry_problem(
+            rel,
+            want,
+            p.stat().st_size if p.is_file() else None,
+            None if quick else (lambda alg, p=p: checksum_file(p, on_bytes, alg)[0]),
+        )
+        if problem is not None:
+            problems.append(problem)
     return problems
+
+
+def entry_problem(
+    rel: str,
+    want: dict[str, Any],
+    size: int | None,
+    read_checksum: Callable[[str], int] | None,
+) -> str | None:
+    """What is wrong with one file against its manifest entry, or None: ``size`` is the
+    file's (None: it is missing), ``read_checksum(algorithm)`` reads it (None: sizes only).
+    The one rule for every tier (local files, object stores)."""
+    if size is None:
+        return f"{rel}: missing"
+    if size != want["size"]:
+        return f"{rel}: size {size} != {want['size']} (truncated or grown)"
+    if read_checksum is None:
+        return None
+    try:
+        algorithm, expected = file_checksum(want)
+    except (KeyError, TypeError, ValueError):
+        return f"{rel}: the manifest records no checksum"
+    crc = read_checksum(algorithm)
+    if crc != expected:
+        return f"{rel}: checksum mismatch ({algorithm} {crc:#010x} != {expected:#010x})"
+    return None
 
 
 def verify_dir(directory: str | os.PathLike) -> None:

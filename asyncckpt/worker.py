@@ -297,7 +297,7 @@ class Worker:
             raise self.thread_errors[0]
         faults.point("after_shard_write")
         if self.config.dist is None:
-            mine = [p for p in tmp.rglob("*")]
+            mine = list(tmp.rglob("*"))
         else:  # only this rank's files (the others fsync theirs); DCP's metadata is rank 0's
             mine = [tmp / n for n in crcs]
             if rank == 0:

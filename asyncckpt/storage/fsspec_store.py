@@ -27,12 +27,8 @@ from typing import Any
 
 from .. import faults
 from .. import layout as _layout
-from ..manifest import file_checksum
 from .base import StoredCheckpoint
 from .remote import UploadFailed
-
-#: The store's committed checkpoints are the protocol's (storage/base.py).
-RemoteCheckpoint = StoredCheckpoint
 
 
 class FsspecStore:
@@ -128,11 +124,9 @@ class FsspecStore:
             )
         faults.point("before_marker")
         marker = json.dumps({"step_dir": name, "committed_at": time.time()}).encode()
-        self._with_retries(f"{name}/{_layout.COMMIT_MARKER}", self._pipe, name, marker)
+        marker_path = self.path(name, _layout.COMMIT_MARKER)
+        self._with_retries(marker_path, self.fs.pipe_file, marker_path, marker)
         return total
-
-    def _pipe(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(name, _layout.COMMIT_MARKER), data)
 
     def _put_all(
         self, files: list[tuple[Path, str]], on_bytes: Callable[[int], None] | None
@@ -222,37 +216,32 @@ class FsspecStore:
 
         Every file is streamed once from the store and checksummed as it arrives; ``quick``
         compares sizes only (one listing, no data read)."""
-        from ..manifest import checksum_stream
+        from ..manifest import checksum_stream, entry_problem
 
         try:
             manifest = self.read_manifest(name)
         except (OSError, ValueError) as e:
             return [f"{_layout.MANIFEST}: unreadable ({e})"]
+        prefix = self.path(name)
+        sizes = {  # one listing for every file's size
+            p[len(prefix) + 1 :]: int(d.get("size", -1))
+            for p, d in self.fs.find(prefix, detail=True).items()
+        }
+
+        def read_checksum(rel: str, algorithm: str) -> int:
+            with self.fs.open(self.path(name, rel), "rb") as f:
+                return checksum_stream(f, on_bytes, algorithm)[0]
+
         problems = []
-        if quick:
-            prefix = self.path(name)
-            sizes = {
-                p[len(prefix) + 1 :]: int(d.get("size", -1))
-                for p, d in self.fs.find(prefix, detail=True).items()
-            }
-            for rel, want in sorted(manifest.get("files", {}).items()):
-                if rel not in sizes:
-                    problems.append(f"{rel}: missing")
-                elif sizes[rel] != int(want.get("size", -1)):
-                    problems.append(f"{rel}: size {sizes[rel]}, expected {want.get('size')}")
-            return problems
         for rel, want in sorted(manifest.get("files", {}).items()):
-            algorithm, crc = file_checksum(want)
-            try:
-                with self.fs.open(self.path(name, rel), "rb") as f:
-                    got, size = checksum_stream(f, on_bytes, algorithm)
-            except FileNotFoundError:
-                problems.append(f"{rel}: missing")
-                continue
-            if size != int(want.get("size", -1)):
-                problems.append(f"{rel}: size {size}, expected {want.get('size')}")
-            elif got != crc:
-                problems.append(f"{rel}: {algorithm} mismatch")
+            problem = entry_problem(
+                rel,
+                want,
+                sizes.get(rel),
+                None if quick else (lambda alg, rel=rel: read_checksum(rel, alg)),
+            )
+            if problem is not None:
+                problems.append(problem)
         return problems
 
     # ---------------------------------------------------------------- delete
@@ -292,4 +281,4 @@ class FsspecStore:
         return removed
 
 
-__all__ = ["FsspecStore", "RemoteCheckpoint"]
+__all__ = ["FsspecStore"]
