@@ -422,48 +422,66 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
     layout = _layout(args)
     with _progress() as bar:
         report = verify(args.root, layout, progress=bar)
-    good = [c.step for c in report.checkpoints if c.ok]
-    if args.json:
-        out = {
-            "root": str(report.root),
-            "layout": report.layout,
-            "ok": report.ok,
-            "checkpoints": [
-                {"step": c.step, "path": str(c.path), "ok": c.ok, "problems": c.problems}
-                for c in report.checkpoints
-            ],
-            "tracker": report.tracker_step,
-            "tracker_problem": report.tracker_problem,
-            "newest_good": good[-1] if good else None,
-            "leftovers": report.leftovers,
-        }
-        console.print_json(json.dumps(out))
-        if not report.checkpoints:
-            raise _Failure(_no_checkpoints(args.root, layout))
-        return 0 if report.ok else 1
+    if not report.checkpoints and not args.json:
+        raise _Failure(_no_checkpoints(args.root, layout))
+    checkpoints = [
+        {"step": c.step, "path": str(c.path), "ok": c.ok, "problems": c.problems}
+        for c in report.checkpoints
+    ]
+    code = _print_verify(
+        args, console, str(report.root), report.layout, checkpoints,
+        report.tracker_step, report.tracker_problem, report.leftovers,
+    )  # fmt: skip
     if not report.checkpoints:
         raise _Failure(_no_checkpoints(args.root, layout))
+    return code
+
+
+def _print_verify(
+    args: argparse.Namespace,
+    console: Console,
+    root: str,
+    layout: str,
+    checkpoints: list[dict[str, Any]],
+    tracker: int | None,
+    tracker_problem: str | None,
+    leftovers: list[str],
+) -> int:
+    """``verify``'s output for any tier: JSON, or a table, the tracker and a verdict."""
+    good = [c["step"] for c in checkpoints if c["ok"]]
+    ok = len(good) == len(checkpoints) and tracker_problem is None
+    if args.json:
+        out = {
+            "root": root,
+            "layout": layout,
+            "ok": ok,
+            "checkpoints": checkpoints,
+            "tracker": tracker,
+            "tracker_problem": tracker_problem,
+            "newest_good": good[-1] if good else None,
+            "leftovers": leftovers,
+        }
+        console.print_json(json.dumps(out))
+        return 0 if ok else 1
     rows = [
-        (str(c.step), "ok" if c.ok else "BAD", "; ".join(c.problems)) for c in report.checkpoints
+        (str(c["step"]), "ok" if c["ok"] else "BAD", "; ".join(c["problems"])) for c in checkpoints
     ]
-    console.print(_table(f"{args.root} ({report.layout})", rows, ("step", "status", "problems")))
-    if report.tracker_problem:
-        console.print(f"tracker: BAD: {report.tracker_problem}", style="red")
+    console.print(_table(f"{args.root} ({layout})", rows, ("step", "status", "problems")))
+    if tracker_problem:
+        console.print(f"tracker: BAD: {tracker_problem}", style="red")
     else:
-        console.print(f"tracker: {report.tracker_step}")
-    if report.leftovers:
+        console.print(f"tracker: {tracker}")
+    if leftovers:
         console.print(
             "leftovers (an engine at work, or a crash; removed at the next start): "
-            + ", ".join(report.leftovers)
+            + ", ".join(leftovers)
         )
-    bad = len(report.checkpoints) - len(good)
-    if report.ok:
+    if ok:
         console.print(f"OK: {len(good)} checkpoint(s) verified")
         return 0
     newest = f"; newest good: step {good[-1]}" if good else "; no good checkpoint"
-    console.print(
-        f"BAD: {bad} of {len(report.checkpoints)} checkpoint(s) failed{newest}", style="red"
-    )
+    bad = len(checkpoints) - len(good)
+    console.print(f"BAD: {bad} of {len(checkpoints)} checkpoint(s) failed{newest}", style="red")
     return 1
 
 
@@ -530,39 +548,13 @@ def _run_verify_url(args: argparse.Namespace, console: Console) -> int:
         if tracker is not None
         else "missing"
     )
-    good = [c.step for c in infos if not problems[c.step]]
-    ok = len(good) == len(infos) and tracker_problem is None
-    if args.json:
-        out = {
-            "root": args.root,
-            "layout": layout,
-            "ok": ok,
-            "checkpoints": [
-                {"step": c.step, "ok": not problems[c.step], "problems": problems[c.step]}
-                for c in infos
-            ],
-            "tracker": tracker,
-            "tracker_problem": tracker_problem,
-            "newest_good": good[-1] if good else None,
-            "leftovers": store.leftovers(layout),
-        }
-        console.print_json(json.dumps(out))
-        return 0 if ok else 1
-    rows = [
-        (str(c.step), "BAD" if problems[c.step] else "ok", "; ".join(problems[c.step]))
-        for c in infos
+    checkpoints = [
+        {"step": c.step, "ok": not problems[c.step], "problems": problems[c.step]} for c in infos
     ]
-    console.print(_table(f"{args.root} ({layout})", rows, ("step", "status", "problems")))
-    if tracker_problem:
-        console.print(f"tracker: BAD: {tracker_problem}", style="red")
-    else:
-        console.print(f"tracker: {tracker}")
-    if ok:
-        console.print(f"OK: {len(good)} checkpoint(s) verified")
-        return 0
-    newest = f"; newest good: step {good[-1]}" if good else "; no good checkpoint"
-    console.print(f"BAD: {len(infos) - len(good)} of {len(infos)} failed{newest}", style="red")
-    return 1
+    return _print_verify(
+        args, console, args.root, layout, checkpoints, tracker, tracker_problem,
+        store.leftovers(layout),
+    )  # fmt: skip
 
 
 def _run_prune_url(args: argparse.Namespace, console: Console, policy: RetentionPolicy) -> int:
