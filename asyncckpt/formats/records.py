@@ -1,0 +1,285 @@
+"""``torch.save`` records of small tensors written from a template, byte for byte as torch writes them.
+
+DCP stores every tensor as its own ``torch.save`` record (a small zip archive) inside a shard
+file, and plain ``dcp.load`` reads each one back with ``torch.load``. For a state of 20,000
+small tensors that is 20,000 calls into the pickler and the C++ zip writer (~190 us each here),
+most of a save's time. For a given dtype and shape those bytes never change except in four
+places: the tensor's data, the data record's CRC-32 (in its local header and in the central
+directory), and the archive's ``.data/serialization_id``, which is a hash of the record names
+(constant) followed by a hash of every record's CRC-32 (so it depends on the data's), together
+with that record's own CRC-32.
+
+A :class:`RecordTemplate` is made once per (dtype, shape) by running ``torch.save`` on a
+tensor of that layout and parsing the archive; it is then *proven* against ``torch.save`` of a
+random tensor of the same layout, byte for byte, before it is used. Any layout or torch version
+whose archive does not match (another archive structure, a serialization setting) gets no
+template and keeps ``torch.save``. So what lands on disk is exactly what ``torch.save`` would
+have written, and any reader of ``torch.save`` files (``torch.load``, ``zipfile``) reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import threading
+import zipfile
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+#: Tensors up to this size are written from a template; larger ones keep ``torch.save``, whose
+#: fixed cost is nothing next to their data (and their template would cost a save of that size).
+MAX_TEMPLATE_BYTES = 1 << 20
+
+#: Templates one writer keeps (each is a few KiB); a state with more distinct layouts than
+#: this still works, it just makes some templates again.
+MAX_TEMPLATES = 4096
+
+_DATA_RECORD = "data/0"
+_ID_RECORD = ".data/serialization_id"
+_ID_DIGITS = 20  # each half of the id: a 64-bit number, zero-padded (std::setw(20))
+_MASK64 = (1 << 64) - 1
+_LOCAL_HEADER_CRC = 14  # offset of the CRC-32 in a zip local file header
+_CENTRAL_HEADER_CRC = 16  # ... and in a central directory entry
+_CENTRAL_SIGNATURE = b"PK\x01\x02"
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+
+
+def _hash_combine(seed: int, value: int) -> int:
+    """``c10::hash_combine`` on 64-bit ``size_t``: how torch folds record CRCs into the id."""
+    return (
+        seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _MASK64) + (seed >> 2)) & _MASK64)
+    ) & _MASK64
+
+
+def _torch_save_bytes(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class RecordTemplate:
+    """The bytes ``torch.save`` writes for one tensor layout, split around the data."""
+
+    head: bytes  # everything before the data
+    tail: bytes  # everything after it
+    data_size: int
+    head_crcs: tuple[int, ...]  # where the data record's CRC-32 goes in head
+    tail_crcs: tuple[int, ...]  # ... and in tail (descriptor, central directory)
+    id_at: int  # the serialization id's text (offset in tail)
+    id_crcs: tuple[int, ...]  # where the id record's CRC-32 goes (offsets in tail)
+    id_names: bytes  # the id's first half (hash of the record names)
+    seed_before: int  # records' CRCs folded up to the data record
+    crcs_after: tuple[int, ...]  # CRCs of the records between the data and the id
+    #: False where torch was told not to compute CRCs (``compute_crc32``, as the worker
+    #: does): every CRC is 0 and the bytes around the data never change.
+    with_crc: bool = True
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.data_size + len(self.tail)
+
+    def render(self, data: memoryview) -> tuple[bytes, memoryview, bytes]:
+        """The record for ``data`` (this layout's bytes), as three pieces to write in order."""
+        if len(data) != self.data_size:
+            raise ValueError(f"{len(data)} bytes for a template of {self.data_size}")
+        if not self.with_crc:
+            return self.head, data, self.tail
+        crc = zlib.crc32(data)
+        packed = struct.pack("<I", crc)
+        seed = _hash_combine(self.seed_before, crc)
+        for c in self.crcs_after:
+            seed = _hash_combine(seed, c)
+        ident = self.id_names + str(seed).zfill(_ID_DIGITS).encode()
+        id_crc = struct.pack("<I", zlib.crc32(ident))
+        head = self.head
+        if self.head_crcs:
+            head = bytearray(head)
+            for at in self.head_crcs:
+                head[at : at + 4] = packed
+        tail = bytearray(self.tail)
+        for at in self.tail_crcs:
+            tail[at : at + 4] = packed
+        tail[self.id_at : self.id_at + len(ident)] = ident
+        for at in self.id_crcs:
+            tail[at : at + 4] = id_crc
+        return bytes(head), data, bytes(tail)
+
+
+def _central_entries(raw: bytes, start: int, count: int) -> dict[str, int]:
+    """Offset of each central directory entry, by file name."""
+    out: dict[str, int] = {}
+    at = start
+    for _ in range(count):
+        if raw[at : at + 4] != _CENTRAL_SIGNATURE:
+            raise ValueError("unexpected central directory")
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", raw, at + 28)
+        name = raw[at + 46 : at + 46 + name_len].decode()
+        out[name] = at
+        at += 46 + name_len + extra_len + comment_len
+    return out
+
+
+def _crc_places(raw: bytes, info: zipfile.ZipInfo, central_at: int) -> tuple[int, list[int]]:
+    """Where one record's payload starts, and every offset its CRC-32 is stored at.
+
+    The central directory always holds it; the local header holds it unless the record has a
+    data descriptor (general-purpose flag bit 3: CRC 0 in the header, the CRC after the payload,
+    with or without the descriptor's signature), which is how torch's writer stores it.
+    """
+    flags, name_len, extra_len = (
+        struct.unpack_from("<H", raw, info.header_offset + 6)[0],
+        *struct.unpack_from("<HH", raw, info.header_offset + 26),
+    )
+    payload = info.header_offset + 30 + name_len + extra_len
+    places = [central_at + _CENTRAL_HEADER_CRC]
+    if flags & 0x08:
+        after = payload + info.file_size
+        places.append(after + 4 if raw[after : after + 4] == _DESCRIPTOR_SIGNATURE else after)
+    else:
+        places.append(info.header_offset + _LOCAL_HEADER_CRC)
+    for at in places:
+        if struct.unpack_from("<I", raw, at)[0] != info.CRC:
+            raise ValueError(f"no CRC where expected for {info.filename}")
+    return payload, places
+
+
+def _parse(raw: bytes, data_size: int) -> RecordTemplate:
+    """A template from one ``torch.save`` archive; ValueError where it is not the shape we know."""
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        infos = z.infolist()
+        start_dir = z.start_dir
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    names = [i.filename[len(prefix) :] for i in infos]
+    if _DATA_RECORD not in names or names[-1] != _ID_RECORD:
+        raise ValueError(f"unexpected records {names}")
+    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        raise ValueError("compressed records")
+    central = _central_entries(raw, start_dir, len(infos))
+    k = names.index(_DATA_RECORD)
+    data_info, id_info = infos[k], infos[-1]
+    if data_info.file_size != data_size:
+        raise ValueError("data record size")
+    data_at, data_crcs = _crc_places(raw, data_info, central[data_info.filename])
+    id_at, id_crcs = _crc_places(raw, id_info, central[id_info.filename])
+    tail_at = data_at + data_size
+    with_crc = data_info.CRC == zlib.crc32(raw[data_at:tail_at])
+    if not with_crc and data_info.CRC != 0:
+        raise ValueError("the data record's CRC is neither its CRC-32 nor 0")
+    if id_at < tail_at:
+        raise ValueError("the id record precedes the data")
+    ident = raw[id_at : id_at + id_info.file_size]
+    if len(ident) != 2 * _ID_DIGITS or not ident.isdigit():
+        raise ValueError("unexpected serialization id")
+    seed = 0
+    for info in infos[:k]:
+        seed = _hash_combine(seed, info.CRC)
+    return RecordTemplate(
+        head=raw[:data_at],
+        tail=raw[tail_at:],
+        data_size=data_size,
+        head_crcs=tuple(at for at in data_crcs if at < data_at),
+        tail_crcs=tuple(at - tail_at for at in data_crcs if at >= tail_at),
+        id_at=id_at - tail_at,
+        id_crcs=tuple(at - tail_at for at in id_crcs),
+        id_names=ident[:_ID_DIGITS],
+        seed_before=seed,
+        crcs_after=tuple(i.CRC for i in infos[k + 1 : -1]),
+        with_crc=with_crc,
+    )
+
+
+def torch_computes_crc() -> bool:
+    """Whether ``torch.save`` writes CRC-32s now (``torch.utils.serialization.config``)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return True
+    return bool(getattr(config.save, "compute_crc32", True))
+
+
+def make_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate | None:
+    """A template for this layout under torch's current serialization settings, proven equal
+    to ``torch.save`` on random data; None where it is not."""
+    probe = torch.empty(shape, dtype=dtype)
+    size = probe.numel() * probe.element_size()
+    if size == 0 or size > MAX_TEMPLATE_BYTES:
+        return None
+    try:
+        template = _parse(_torch_save_bytes(torch.zeros(shape, dtype=dtype)), size)
+        # The proof: random bytes (every dtype can hold any bit pattern in a byte view).
+        sample = torch.randint(0, 256, (size,), dtype=torch.uint8).view(dtype).view(shape)
+        rendered = b"".join(template.render(tensor_bytes(sample)))
+        if rendered != _torch_save_bytes(sample):
+            return None
+    except (ValueError, RuntimeError, TypeError, zipfile.BadZipFile, struct.error):
+        return None
+    return template
+
+
+class RecordWriter:
+    """Writes ``torch.save`` records, from a template where the tensor allows it.
+
+    Templates are kept per (dtype, shape) for the life of the writer (a persistent worker
+    writes the same layouts again and again: ``default_writer`` serves its saves); a layout
+    without one is remembered too.
+    """
+
+    def __init__(self) -> None:
+        self._templates: dict[tuple[torch.dtype, tuple[int, ...], bool], RecordTemplate | None]
+        self._templates = {}
+        self._lock = threading.Lock()
+        self.templated = 0  # records written from a template (for tests and benchmarks)
+
+    def template_for(self, t: torch.Tensor, with_crc: bool) -> RecordTemplate | None:
+        """The template for ``t`` with torch's CRC setting ``with_crc``; None: use torch.save."""
+        if (
+            type(t) is not torch.Tensor
+            or t.device.type != "cpu"
+            or t.requires_grad
+            or not t.is_contiguous()
+            or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+            or t.is_quantized
+            or t.is_sparse
+        ):
+            return None
+        key = (t.dtype, tuple(t.shape), with_crc)
+        try:
+            return self._templates[key]
+        except KeyError:
+            pass
+        template = make_template(t.dtype, tuple(t.shape))
+        if template is not None and template.with_crc != with_crc:
+            template = None  # the setting changed under us: make it on the next call
+        with self._lock:
+            if len(self._templates) >= MAX_TEMPLATES:
+                self._templates.clear()  # a state of countless distinct shapes: start over
+            self._templates[key] = template
+        return template
+
+    def write(self, t: torch.Tensor, stream: io.IOBase, with_crc: bool | None = None) -> None:
+        """Write ``t`` as ``torch.save(t, stream)`` would.
+
+        ``with_crc``: ``torch_computes_crc()``, read once by a caller writing many records.
+        """
+        if with_crc is None:
+            with_crc = torch_computes_crc()
+        template = self.template_for(t, with_crc)
+        if template is None:
+            torch.save(t, stream)
+            return
+        for piece in template.render(tensor_bytes(t)):
+            stream.write(piece)
+        self.templated += 1
+
+
+#: The process's writer: a persistent worker's saves share its templates.
+default_writer = RecordWriter()

@@ -1,0 +1,183 @@
+"""torch.save records written from templates (formats/records.py): byte for byte torch.save's."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from asyncckpt.formats import records
+from asyncckpt.formats.dcp import Serialized, _PassThroughPlanner, write_flat
+from asyncckpt.formats.records import MAX_TEMPLATE_BYTES, RecordWriter, make_template
+
+
+def torch_save_bytes(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    n = torch.empty(shape, dtype=dtype).nbytes
+    return torch.randint(0, 256, (n,), dtype=torch.uint8).view(dtype).view(shape)
+
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.float8_e4m3fn,
+]
+SHAPES = [(), (1,), (1024,), (3, 5), (257, 3), (2, 3, 4, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_records_equal_torch_save_for_every_dtype_and_shape(dtype: torch.dtype) -> None:
+    writer = RecordWriter()
+    for shape in SHAPES:
+        for _ in range(3):  # the same template with other data
+            t = random_tensor(dtype, shape)
+            if dtype == torch.bool:
+                t = t.view(torch.uint8).remainder(2).view(torch.bool)
+            out = io.BytesIO()
+            writer.write(t, out)
+            assert out.getvalue() == torch_save_bytes(t), (dtype, shape)
+            back = torch.load(io.BytesIO(out.getvalue()), weights_only=True)
+            assert back.dtype == dtype and back.shape == t.shape
+            assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    assert writer.templated == 3 * len(SHAPES)  # none of them fell back to torch.save
+
+
+def test_tensors_a_template_does_not_fit_keep_torch_save() -> None:
+    writer = RecordWriter()
+    big = torch.randn(MAX_TEMPLATE_BYTES // 4 + 1)
+    base = torch.randn(64)
+    cases = [
+        big,  # too large to be worth a template
+        base[8:40],  # a view: torch.save writes its whole storage
+        base.view(8, 8).t(),  # not contiguous
+        torch.randn(16, requires_grad=True),
+        torch.empty(0),
+    ]
+    for t in cases:
+        out = io.BytesIO()
+        writer.write(t, out)
+        assert out.getvalue() == torch_save_bytes(t)
+    assert writer.templated == 0
+
+
+def test_records_equal_torch_save_with_its_crc_switched_off(monkeypatch) -> None:
+    # The worker switches torch's CRC computation off (the manifest checksums every byte):
+    # the archive then holds zeros where CRCs go, and the templates must write the same.
+    config = pytest.importorskip("torch.utils.serialization").config
+    writer = RecordWriter()
+    t = torch.randn(1024)
+    for compute in (False, True, False):  # one writer, the setting changed between writes
+        monkeypatch.setattr(config.save, "compute_crc32", compute)
+        out = io.BytesIO()
+        writer.write(t, out)
+        assert out.getvalue() == torch_save_bytes(t), compute
+        assert torch.equal(torch.load(io.BytesIO(out.getvalue()), weights_only=True), t)
+    assert writer.templated == 3
+
+
+def test_an_unrecognised_archive_gets_no_template(monkeypatch) -> None:
+    monkeypatch.setattr(records, "_torch_save_bytes", lambda t: b"not a zip archive")
+    assert make_template(torch.float32, (4,)) is None
+
+
+def test_write_flat_files_equal_dcps_own(tmp_path) -> None:
+    """The worker's DCP writer produces the very files DCP's FileSystemWriter does."""
+    base = torch.randn(64)
+    flat = {
+        "model.w": torch.randn(32, 16),
+        "model.b": torch.randn(16).to(torch.bfloat16),
+        "model.mask": torch.rand(10) > 0.5,
+        "model.big": torch.randn(MAX_TEMPLATE_BYTES // 4 + 3),  # torch.save path
+        "model.view": base[4:20],  # cloned, as DCP does
+        "optim.step": torch.tensor(7),
+        "extra": Serialized(pickle.dumps({"epoch": 3})),
+    }
+    ours = write_flat(flat, tmp_path / "ours")
+    theirs = tmp_path / "theirs"
+    dcp.save(
+        dict(flat),
+        storage_writer=FileSystemWriter(theirs, single_file_per_rank=True, thread_count=1),
+        planner=_PassThroughPlanner(),  # the same pre-serialised bytes item in both
+        no_dist=True,
+    )
+    shard = "__0_0.distcp"
+    assert shard in ours
+    assert (tmp_path / "ours" / shard).read_bytes() == (theirs / shard).read_bytes()
+    ours_md = dcp.FileSystemReader(tmp_path / "ours").read_metadata()
+    theirs_md = dcp.FileSystemReader(theirs).read_metadata()
+    assert ours_md.storage_data == theirs_md.storage_data
+    assert ours_md.state_dict_metadata == theirs_md.state_dict_metadata
+
+    target = {k: torch.zeros_like(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    dcp.load(target, checkpoint_id=tmp_path / "ours", no_dist=True)
+    for k, v in target.items():
+        assert torch.equal(v, flat[k]), k
+
+
+def test_write_flat_with_several_threads_loads_back(tmp_path) -> None:
+    flat = {f"t{i}": torch.randn(100 + i) for i in range(40)}
+    crcs = write_flat(flat, tmp_path / "ck", thread_count=3)
+    assert len([n for n in crcs if n.endswith(".distcp")]) == 3
+    target = {k: torch.zeros_like(v) for k, v in flat.items()}
+    dcp.load(target, checkpoint_id=tmp_path / "ck", no_dist=True)
+    assert all(torch.equal(target[k], flat[k]) for k in flat)
+
+
+def test_local_plan_reused_while_the_layout_holds(tmp_path, monkeypatch) -> None:
+    from torch.distributed.checkpoint import default_planner
+
+    calls = []
+    original = default_planner.create_default_local_save_plan
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan", counting)
+    key = f"test:{tmp_path.name}"
+
+    def save_and_load(flat: dict, name: str) -> dict:
+        write_flat(flat, tmp_path / name, plan_cache=key)
+        target = {k: torch.zeros_like(v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        dcp.load(target, checkpoint_id=tmp_path / name, no_dist=True)
+        for k, v in target.items():
+            assert torch.equal(v, flat[k]), (name, k)
+        return dcp.FileSystemReader(tmp_path / name).read_metadata().state_dict_metadata
+
+    def state(shape_b: tuple[int, ...] = (8,), extra: bool = False) -> dict:
+        flat = {"a": torch.randn(4, 4), "b": torch.randn(shape_b), "o": Serialized(b"x")}
+        if extra:
+            flat["c"] = torch.arange(3)
+        return flat
+
+    first = save_and_load(state(), "s1")
+    assert len(calls) == 1
+    assert save_and_load(state(), "s2") == first  # new values, same layout: plan reused
+    assert len(calls) == 1
+    changed = save_and_load(state(shape_b=(2, 5)), "s3")  # a shape changed: planned afresh
+    assert len(calls) == 2 and changed["b"].size == torch.Size([2, 5])
+    save_and_load(state(shape_b=(2, 5), extra=True), "s4")  # a key added
+    assert len(calls) == 3
+    save_and_load(state(shape_b=(2, 5), extra=True), "s5")
+    assert len(calls) == 3
+    # Not a flat state of plain tensors (a nested dict): nothing is reused, every time.
+    nested = {"m": {"w": torch.randn(3)}}
+    for name in ("n1", "n2"):
+        write_flat(nested, tmp_path / name, plan_cache=key)
+    assert len(calls) == 5
