@@ -821,8 +821,16 @@ class _Core(WorkerSupervision):
                         self._wait_ready()
                         with self._sending():
                             self._send_arenas(self.slots[i], self.link)
+                            self._send_paths(flat.paths, self.link)
                 finally:
                     self.preemption.run_deferred()
+
+    @staticmethod
+    def _send_paths(paths: Any, link: WorkerLink) -> None:
+        # Ahead of the first save, which then sends none (see _stage_and_send).
+        if paths is not None and link.paths is not paths:
+            M.send(link.conn, M.encode(M.Paths(paths)))
+            link.paths = paths
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""

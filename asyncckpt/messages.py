@@ -33,6 +33,14 @@ class Specs:
 
 
 @dataclass(frozen=True)
+class Paths:
+    """Where each key of the state sits (``engine.prepare`` sends them ahead of the first
+    save: 100,000 paths pickled into that save's job cost it ~0.5 s); jobs then carry none."""
+
+    paths: dict
+
+
+@dataclass(frozen=True)
 class Drop:
     """An arena the trainer freed (a slot re-laid out): forget it and its layouts."""
 

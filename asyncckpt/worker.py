@@ -96,7 +96,7 @@ class PruneRequest:
 
 
 # ------------------------------------------------------------------------------ messages
-# Messages: asyncckpt/messages.py (trainer -> worker: Arena, Specs, Drop, Save, Stop;
+# Messages: asyncckpt/messages.py (trainer -> worker: Arena, Specs, Paths, Drop, Save, Stop;
 # worker -> trainer: Ready, FaultFired, Begun, Released, Committed, Failed, Pruned).
 
 
@@ -167,6 +167,8 @@ class Worker:
                 self.arenas[msg.arena_id] = msg.tensor
             elif isinstance(msg, M.Specs):
                 self.specs[msg.arena_ids] = msg.specs
+            elif isinstance(msg, M.Paths):
+                self.last_paths = msg.paths
             elif isinstance(msg, M.Drop):
                 self.arenas.pop(msg.arena_id, None)
                 self.specs = {k: v for k, v in self.specs.items() if msg.arena_id not in k}
