@@ -300,23 +300,20 @@ class _DCPSource(_Source):
                 self.skipped.append(name)
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
-        from .formats.dcp import CachedMetadataReader, _quiet_single_process
+        from .formats.dcp import load_flat
 
         request = {
             self.fqn[n]: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype)
             for n in names
         }
-        # no_dist: the worker has no process group here, and needs none to read every chunk.
-        with _quiet_single_process():
-            dcp.load(
-                request,
-                storage_reader=CachedMetadataReader(str(self.directory)),
-                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                no_dist=True,
-            )
+        # No process group: the worker has none here, and needs none to read every chunk.
+        load_flat(
+            request,
+            self.directory,
+            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        )
         return {n: request[self.fqn[n]] for n in names}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 
 import pytest
@@ -15,7 +16,7 @@ from asyncckpt.formats.dcp import Serialized, _PassThroughPlanner, write_flat
 from asyncckpt.formats.records import MAX_TEMPLATE_BYTES, RecordWriter, make_template
 
 
-def torch_save_bytes(t: torch.Tensor) -> bytes:
+def torch_save_bytes(t: object) -> bytes:
     buf = io.BytesIO()
     torch.save(t, buf)
     return buf.getvalue()
@@ -181,3 +182,102 @@ def test_local_plan_reused_while_the_layout_holds(tmp_path, monkeypatch) -> None
     for name in ("n1", "n2"):
         write_flat(nested, tmp_path / name, plan_cache=key)
     assert len(calls) == 5
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def record_file(tmp_path, tensors: list[torch.Tensor], crc: bool = True, monkeypatch=None):
+    """A file of torch.save records one after another (as a DCP shard), with their spans."""
+    config = pytest.importorskip("torch.utils.serialization").config
+    if monkeypatch is not None:
+        monkeypatch.setattr(config.save, "compute_crc32", crc)
+    path = tmp_path / "records.bin"
+    spans = []
+    with open(path, "wb") as f:
+        f.write(b"\0" * 13)  # records start anywhere in a shard
+        for t in tensors:
+            start = f.tell()
+            torch.save(t, f)
+            spans.append((start, f.tell() - start))
+    if monkeypatch is not None:
+        monkeypatch.setattr(config.save, "compute_crc32", True)  # read with the default
+    return path, spans
+
+
+@pytest.mark.parametrize("crc", [True, False], ids=["crc", "no-crc"])
+def test_read_record_gives_what_torch_load_gives(tmp_path, monkeypatch, crc) -> None:
+    tensors = [random_tensor(dtype, shape) for dtype in DTYPES[:-1] for shape in SHAPES]
+    tensors = [
+        t.view(torch.uint8).remainder(2).view(torch.bool) if t.dtype == torch.bool else t
+        for t in tensors
+    ]
+    big = torch.randn(MAX_TEMPLATE_BYTES // 4 + 5, 1)  # no template: located by torch
+    tensors.append(big)
+    path, spans = record_file(tmp_path, tensors, crc, monkeypatch)
+    records.read_counts.clear()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for t, (offset, length) in zip(tensors, spans, strict=True):
+            expected = torch.load(io.BytesIO(path.read_bytes()[offset : offset + length]))
+            fresh = records.read_record(fd, offset, length, t.dtype, tuple(t.shape))
+            out = torch.empty_like(t)
+            into = records.read_record(fd, offset, length, t.dtype, tuple(t.shape), out)
+            assert into is out  # straight into the target, no second tensor
+            for got in (fresh, into):
+                assert got.dtype == t.dtype and got.shape == t.shape
+                assert torch.equal(
+                    got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+                )
+    finally:
+        os.close(fd)
+    assert records.read_counts == {"template": 2 * (len(tensors) - 1), "located": 2}
+
+
+def test_records_that_are_not_one_whole_tensor_are_read_by_torch_load(tmp_path) -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    view = base[8:40]  # torch.save writes the whole storage
+    path, spans = record_file(tmp_path, [view, torch.randn(1024)])
+    records.read_counts.clear()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = records.read_record(fd, *spans[0], torch.float32, (32,))
+        assert torch.equal(got, view)
+        # A record whose pickle says float32, asked for as int32 (another tensor's metadata):
+        # neither the int32 template nor torch's parsing accepts it, so torch.load reads it
+        # for what it is and the caller's copy_ converts, as DCP does.
+        other = records.read_record(fd, *spans[1], torch.int32, (1024,))
+        assert other.dtype == torch.float32
+    finally:
+        os.close(fd)
+    assert records.read_counts == {"torch.load": 2}
+
+
+def test_dcp_checkpoints_read_back_equal_through_the_fast_reader(tmp_path) -> None:
+    """A checkpoint written by DCP itself (CRCs on, DCP's own writer) and one by ours read
+    back through read_flat equal to plain dcp.load, partial targets included."""
+    from asyncckpt.formats.dcp import read_flat
+
+    flat = {
+        "a": torch.randn(64, 3),
+        "b": torch.randn(MAX_TEMPLATE_BYTES // 4 + 7),
+        "c": torch.tensor([True, False, True]),
+        "d": torch.randn(5).to(torch.bfloat16),
+        "o": Serialized(torch_save_bytes({"x": 1})),  # as the trainer serialises objects
+    }
+    dcp.save(
+        dict(flat),
+        storage_writer=FileSystemWriter(tmp_path / "theirs", single_file_per_rank=True),
+        planner=_PassThroughPlanner(),
+        no_dist=True,
+    )
+    write_flat(flat, tmp_path / "ours")
+    for name in ("theirs", "ours"):
+        records.read_counts.clear()
+        target = {"a": torch.zeros(64, 3), "b": torch.zeros(MAX_TEMPLATE_BYTES // 4 + 7)}
+        got = read_flat(tmp_path / name, target)
+        assert got["a"] is target["a"] and got["b"] is target["b"]  # read in place
+        for k in ("a", "b", "c", "d"):
+            assert torch.equal(got[k], flat[k]), (name, k)
+        assert got["o"] == {"x": 1}
+        assert records.read_counts["torch.load"] == 0, records.read_counts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import operator
 import os
 import threading
 import warnings
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
@@ -32,7 +34,14 @@ from torch.distributed.checkpoint.filesystem import (
     _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -44,6 +53,7 @@ from ..loadcheck import Entries, has_sharded_base
 from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..throttle import write_all
+from . import records
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 from .records import RecordWriter, default_writer, torch_computes_crc
 
@@ -409,7 +419,67 @@ def read_dcp_metadata(directory: str | os.PathLike) -> Any:
 
 
 class CachedMetadataReader(FileSystemReader):
-    """DCP's reader, with the metadata from ``read_dcp_metadata`` (not unpickled again)."""
+    """DCP's reader, with the metadata from ``read_dcp_metadata`` (not unpickled again), and
+    tensors read from their records straight into the targets (``records.read_record``).
+
+    DCP's own ``read_data`` runs ``torch.load`` on every record (unpickling, a new storage)
+    and copies the result into the target: for 20,000 small tensors that is most of a load,
+    for large ones a second copy of every byte. Here each file's records are read in file
+    order, a tensor's bytes go straight into the target when the request covers the whole
+    stored tensor, and into a new tensor that is narrowed and copied as DCP does otherwise.
+    Stream extensions (compression) leave the reading to DCP.
+    """
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kw: Any):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kw)
+        self._metadata = metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        if any(info.transform_descriptors for info in infos):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[tuple[Any, Any]]] = {}
+        for item, info in zip(plan.items, infos, strict=True):
+            per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
+        for name, items in per_file.items():
+            items.sort(key=operator.itemgetter(0))
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+            try:
+                for _, item, info in items:
+                    self._read_item(fd, item, info, planner)
+            finally:
+                os.close(fd)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, fd: int, item: Any, info: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(os.pread(fd, info.length, info.offset)))
+            return
+        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        offsets = tuple(item.storage_index.offset or ())
+        chunk = next(
+            (c for c in md.chunks if tuple(c.offsets) == offsets),
+            md.chunks[0] if len(md.chunks) == 1 else None,
+        )
+        if chunk is None:
+            raise ValueError(f"no stored chunk of {item.storage_index.fqn} at {offsets}")
+        shape = tuple(chunk.sizes)
+        target = planner.resolve_tensor(item).detach()
+        whole = not any(item.storage_offsets) and tuple(item.lengths) == shape
+        tensor = records.read_record(
+            fd, info.offset, info.length, md.properties.dtype, shape, target if whole else None
+        )
+        if tensor is not target:
+            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            if target.size() != tensor.size():
+                raise ValueError(
+                    f"{item.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                    f"target {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+        planner.commit_tensor(item, target)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("rank") is not None:  # a per-rank metadata file: not ours to cache
@@ -485,14 +555,45 @@ def read_flat(
                 flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         else:
             flat[fqn] = None  # replaced by the unpickled object
-    with _quiet_single_process():
-        dcp.load(
-            flat,
-            storage_reader=CachedMetadataReader(directory),
-            process_group=process_group,
-            no_dist=process_group is None,
-        )
+    load_flat(flat, directory, process_group=process_group)
     return flat
+
+
+def load_flat(
+    flat: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    planner: Any = None,
+    process_group: Any = None,
+) -> None:
+    """``dcp.load`` of a flat dict (DCP keys to tensors and placeholders), in place.
+
+    ``dcp.load`` first asks every top-level entry whether it is ``Stateful`` (a runtime
+    protocol check, ~25 us each: 0.5 s for 20,000 keys); a flat dict holds none, so its inner
+    loader is called directly where torch has it.
+    """
+    from torch.distributed.checkpoint import state_dict_loader
+
+    reader = CachedMetadataReader(str(directory))
+    no_dist = process_group is None
+    inner = getattr(state_dict_loader, "_load_state_dict", None)
+    with _quiet_single_process():
+        if inner is None:
+            dcp.load(
+                flat,
+                storage_reader=reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+        else:
+            inner(
+                flat,
+                storage_reader=reader,
+                process_group=process_group,
+                no_dist=no_dist,
+                planner=planner,
+            )
 
 
 def target_tensors(state: Any) -> dict[str, torch.Tensor]:

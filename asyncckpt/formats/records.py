@@ -20,11 +20,17 @@ have written, and any reader of ``torch.save`` files (``torch.load``, ``zipfile`
 from __future__ import annotations
 
 import io
+import math
+import os
 import struct
+import sys
 import threading
 import zipfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -81,6 +87,9 @@ class RecordTemplate:
     #: False where torch was told not to compute CRCs (``compute_crc32``, as the worker
     #: does): every CRC is 0 and the bytes around the data never change.
     with_crc: bool = True
+    #: Where any record's CRC-32 is, in the whole record: reading ignores them all, so one
+    #: template recognises records written with CRCs and without.
+    crc_spots: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -111,6 +120,41 @@ class RecordTemplate:
         for at in self.id_crcs:
             tail[at : at + 4] = id_crc
         return bytes(head), data, bytes(tail)
+
+    @cached_property
+    def _fixed(self) -> tuple[tuple[int, int], ...]:
+        """The spans of a whole record (head, data, tail) that are the same for every tensor
+        of this layout: all but the data, its CRCs and the serialization id with its CRCs."""
+        base = len(self.head) + self.data_size
+        varying = sorted(
+            [(at, at + 4) for at in self.head_crcs]
+            + [(len(self.head), base)]
+            + [(base + at, base + at + 4) for at in (*self.tail_crcs, *self.id_crcs)]
+            + [(base + self.id_at, base + self.id_at + 2 * _ID_DIGITS)]
+            + [(at, at + 4) for at in self.crc_spots]
+        )
+        spans, at = [], 0
+        for start, end in varying:
+            if start > at:
+                spans.append((at, start))
+            at = max(at, end)
+        spans.append((at, self.size))
+        return tuple(spans)
+
+    @cached_property
+    def _whole(self) -> bytes:
+        return self.head + bytes(self.data_size) + self.tail
+
+    def data_span(self, record: bytes) -> tuple[int, int] | None:
+        """Where the tensor's bytes are in ``record``, if it is this layout's record (every
+        fixed byte equal, with or without CRCs); None if it is not."""
+        if len(record) != self.size:
+            return None
+        whole = self._whole
+        for start, end in self._fixed:
+            if record[start:end] != whole[start:end]:
+                return None
+        return len(self.head), len(self.head) + self.data_size
 
 
 def _central_entries(raw: bytes, start: int, count: int) -> dict[str, int]:
@@ -193,6 +237,9 @@ def _parse(raw: bytes, data_size: int) -> RecordTemplate:
         seed_before=seed,
         crcs_after=tuple(i.CRC for i in infos[k + 1 : -1]),
         with_crc=with_crc,
+        crc_spots=tuple(
+            at for info in infos for at in _crc_places(raw, info, central[info.filename])[1]
+        ),
     )
 
 
@@ -251,12 +298,17 @@ class RecordWriter:
             or t.is_sparse
         ):
             return None
-        key = (t.dtype, tuple(t.shape), with_crc)
+        return self.template_for_layout(t.dtype, tuple(t.shape), with_crc)
+
+    def template_for_layout(
+        self, dtype: torch.dtype, shape: tuple[int, ...], with_crc: bool
+    ) -> RecordTemplate | None:
+        key = (dtype, shape, with_crc)
         try:
             return self._templates[key]
         except KeyError:
             pass
-        template = make_template(t.dtype, tuple(t.shape))
+        template = make_template(dtype, shape)
         if template is not None and template.with_crc != with_crc:
             template = None  # the setting changed under us: make it on the next call
         with self._lock:
@@ -279,6 +331,126 @@ class RecordWriter:
         for piece in template.render(tensor_bytes(t)):
             stream.write(piece)
         self.templated += 1
+
+
+# ---------------------------------------------------------------------------------- reading
+
+#: How records were read (tests and benchmarks read it): "template" (compared with this
+#: layout's template), "located" (found by torch.load on the meta device) or "torch.load".
+read_counts: Counter[str] = Counter()
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``start`` of an open file."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._length - self._pos)
+        if n <= 0:
+            return 0
+        got = os.preadv(self._fd, [memoryview(b)[:n]], self._start + self._pos)
+        self._pos += got
+        return got
+
+
+def pread_into(fd: int, into: memoryview, offset: int) -> None:
+    """Fill ``into`` from ``offset`` of ``fd`` (a short read is an error: a truncated file)."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got <= 0:
+            raise EOFError(f"file ends {len(into) - done} bytes short of a record")
+        done += got
+
+
+def _locate(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple) -> int | None:
+    """Where the tensor's bytes start in a record of any size, by torch.load on the meta
+    device (torch's own parsing, no data read); None unless it is one contiguous tensor of
+    ``dtype`` and ``shape`` whose storage is exactly its bytes, in this machine's byte order."""
+    try:
+        t = torch.load(_FileSlice(fd, offset, length), map_location="meta", weights_only=True)
+        archive = torch._C.PyTorchFileReader(_FileSlice(fd, offset, length))
+        byteorder = (
+            archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
+        )
+    except Exception:  # noqa: BLE001 - any record torch cannot parse so goes to torch.load
+        return None
+    if (
+        type(t) is not torch.Tensor
+        or t.dtype != dtype
+        or tuple(t.shape) != tuple(shape)
+        or not t.is_contiguous()
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.nbytes
+        or bytes(byteorder).decode() != sys.byteorder
+    ):
+        return None
+    at = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    if not isinstance(at, int) or at < 0 or at + t.nbytes > length:
+        return None
+    return at
+
+
+def read_record(
+    fd: int,
+    offset: int,
+    length: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tensor in the ``torch.save`` record at ``offset`` of ``fd``: what ``torch.load``
+    of those bytes returns, without its unpickling or its second copy.
+
+    A record of a small tensor is read whole and compared with its layout's template; a
+    larger one is located by ``torch.load`` on the meta device. Either way its bytes go
+    straight into ``out`` when given (a contiguous CPU tensor of ``dtype`` and ``shape``),
+    else into a new tensor. A record that is neither (another torch, a non-contiguous or
+    shared storage) is read by ``torch.load`` as DCP reads it.
+    """
+    if out is not None and not (
+        out.device.type == "cpu"
+        and out.dtype == dtype
+        and tuple(out.shape) == tuple(shape)
+        and out.is_contiguous()
+    ):
+        out = None
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if 0 < nbytes <= MAX_TEMPLATE_BYTES:
+        template = default_writer.template_for_layout(dtype, tuple(shape), torch_computes_crc())
+        if template is not None and length == template.size:
+            record = os.pread(fd, length, offset)
+            span = template.data_span(record)
+            if span is not None:
+                dst = out if out is not None else torch.empty(shape, dtype=dtype)
+                tensor_bytes(dst)[:] = memoryview(record)[span[0] : span[1]]
+                read_counts["template"] += 1
+                return dst
+    if nbytes > 0:
+        at = _locate(fd, offset, length, dtype, tuple(shape))
+        if at is not None:
+            dst = out if out is not None else torch.empty(shape, dtype=dtype)
+            pread_into(fd, tensor_bytes(dst), offset + at)
+            read_counts["located"] += 1
+            return dst
+    read_counts["torch.load"] += 1
+    return torch.load(_FileSlice(fd, offset, length), map_location="cpu", weights_only=True)
 
 
 #: The process's writer: a persistent worker's saves share its templates.

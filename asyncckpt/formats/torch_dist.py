@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan
 
 from .. import layout as L
@@ -63,10 +62,9 @@ from ..dist import ShardInfo
 from ..staging import serialize_objects
 from .base import Crcs, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 from .dcp import (
-    CachedMetadataReader,
     DCPFormat,
     _PassThroughPlanner,
-    _quiet_single_process,
+    load_flat,
     local_piece,
     merge_into,
     read_dcp_metadata,
@@ -258,13 +256,11 @@ def read_torch_dist(
             continue  # as megatron's loader: what the target does not ask for stays on disk
         request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         where[key] = path
-    with _quiet_single_process():
-        dcp.load(
-            request,
-            storage_reader=CachedMetadataReader(str(directory)),
-            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            no_dist=True,
-        )
+    load_flat(
+        request,
+        directory,
+        planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+    )
     with open(directory / L.TORCH_DIST_COMMON, "rb") as f:
         loaded = _load_weights_only(f)
     for key, t in request.items():
