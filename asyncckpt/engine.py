@@ -683,7 +683,7 @@ class _Core(WorkerSupervision):
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
-        slot.copy_in(flat.tensors)
+        slot.copy_in(flat.tensors, any_cuda=pin)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
         faults.point("after_stage")

@@ -155,7 +155,14 @@ def test_scale_runs_and_reports_every_field(tmp_path):
     has(rep, "environment", "rows", "counts", "targets", "big_summary", "rank", "world_size")
     assert [r["tensors"] for r in rep["rows"]] == [200, 1000]
     for r in rep["rows"]:
-        has(r, "foreach_copy_s", "asyncckpt_stall_s", "stall_vs_foreach", "dcp_thread_stall_s")
+        has(
+            r,
+            "foreach_copy_s",
+            "paired_foreach_s",
+            "asyncckpt_stall_s",
+            "stall_vs_foreach",
+            "dcp_thread_stall_s",
+        )
         has(r, "asyncckpt_durable_s", "dcp_thread_durable_s", "durable_vs_dcp_thread")
         has(r, "load_latest_warm_s", "dcp_load_warm_s", "load_vs_dcp_load_warm")
         has(r, "load_latest_cold_s", "dcp_load_cold_s", "load_vs_dcp_load_cold")

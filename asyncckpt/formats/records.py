@@ -1,20 +1,27 @@
-"""``torch.save`` records of small tensors written from a template, byte for byte as torch writes them.
+"""DCP's per-tensor ``torch.save`` records, written from templates and read without ``torch.load``.
 
 DCP stores every tensor as its own ``torch.save`` record (a small zip archive) inside a shard
 file, and plain ``dcp.load`` reads each one back with ``torch.load``. For a state of 20,000
 small tensors that is 20,000 calls into the pickler and the C++ zip writer (~190 us each here),
 most of a save's time. For a given dtype and shape those bytes never change except in four
-places: the tensor's data, the data record's CRC-32 (in its local header and in the central
+places: the tensor's data, the data record's CRC-32 (after the data and in the central
 directory), and the archive's ``.data/serialization_id``, which is a hash of the record names
 (constant) followed by a hash of every record's CRC-32 (so it depends on the data's), together
 with that record's own CRC-32.
 
-A :class:`RecordTemplate` is made once per (dtype, shape) by running ``torch.save`` on a
-tensor of that layout and parsing the archive; it is then *proven* against ``torch.save`` of a
-random tensor of the same layout, byte for byte, before it is used. Any layout or torch version
-whose archive does not match (another archive structure, a serialization setting) gets no
-template and keeps ``torch.save``. So what lands on disk is exactly what ``torch.save`` would
-have written, and any reader of ``torch.save`` files (``torch.load``, ``zipfile``) reads it.
+Writing. A :class:`RecordTemplate` is made once per (dtype, shape) by running ``torch.save`` on
+a tensor of that layout and parsing the archive; it is then *proven* against ``torch.save`` of
+a random tensor of the same layout, byte for byte, before it is used. Any layout or torch
+version whose archive does not match (another archive structure, a serialization setting)
+gets no template and keeps ``torch.save``. So what lands on disk is exactly what
+``torch.save`` would have written, and any reader of ``torch.save`` files reads it.
+
+Reading (``read_record``). A record equal to its layout's template in every byte but the data,
+the CRCs and the id is that layout's tensor, and its bytes are where the template's are; a
+larger record is parsed by ``torch.load`` onto the meta device (no data read), which says
+where the data record starts. The bytes are then read straight into the caller's tensor.
+Anything else is read by ``torch.load``, as DCP reads it. Integrity is not this module's job:
+loads verify every file against the manifest before reading.
 """
 
 from __future__ import annotations
