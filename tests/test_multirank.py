@@ -286,3 +286,45 @@ def test_rank_owned_keys_load_strictly_on_every_rank(tmp_path):
             "keys": [f"expert{rank}.w"],
             "missing_caught": True,
         }
+
+
+def save_cached_plans_and_load(rank: int, world: int, root: str) -> dict:
+    """Saves that reuse DCP's plans across ranks (the same layout), one with a new layout,
+    and one after rank 0's worker (DCP's coordinator) was killed and replaced."""
+    import signal
+    import time
+
+    from asyncckpt import SyncCheckpointEngine
+
+    def state(step: int, rows: int = 4) -> dict:
+        own = {f"r{rank}.e{i}": torch.full((rows,), step * 10.0 + i + rank) for i in range(3)}
+        return {"model": own, "step": step}
+
+    layouts = {1: 4, 2: 4, 3: 4, 4: 6, 5: 6, 6: 6}
+    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+        for step, rows in layouts.items():
+            if step == 6 and rank == 0:  # the coordinator: it holds the cached plans
+                link = engine._core.link
+                os.kill(engine.worker_pid, signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while engine._core.link is link and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            engine.save(step, state(step, rows)).committed_sync(120)
+    loaded = {}
+    for step, rows in layouts.items():
+        target = state(0, rows)
+        assert SyncCheckpointEngine(root).load(target, step=step) == step
+        expected = state(step, rows)["model"]
+        same = target["model"].keys() == expected.keys() and all(
+            torch.equal(target["model"][k], v) for k, v in expected.items()
+        )
+        loaded[step] = same or {k: v.tolist() for k, v in target["model"].items()}
+    return loaded
+
+
+def test_dcp_plan_caching_across_ranks_keeps_every_checkpoint_right(tmp_path):
+    """DCP's plans are reused across ranks while the layout and every rank's worker stay the
+    same; a new layout and a replaced worker plan afresh. Every step loads back as saved."""
+    out = run_ranks(save_cached_plans_and_load, 2, tmp_path, str(tmp_path / "ckpts"))
+    for rank in (0, 1):
+        assert out[rank] == {step: True for step in range(1, 7)}, out[rank]

@@ -14,6 +14,7 @@ import io
 import operator
 import os
 import threading
+import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -133,20 +134,17 @@ class _PassThroughPlanner(DefaultSavePlanner):
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
         key = self._cached_plans_key
-        self._signature = layout_signature(state_dict) if self._enable_plan_caching else None
+        sig = layout_signature(state_dict) if self._enable_plan_caching else None
+        self._signature = None if sig is None else (is_coordinator, sig)
+        # What DCP's caching needs from the last save: every rank its own local and final
+        # plans, the coordinator also every rank's plans and the metadata.
+        caches = [SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan]
+        if is_coordinator:
+            caches += [SavePlanner._cached_all_plans, SavePlanner._cached_metadata]
         cached = (
             self._signature is not None
             and _PLANNED_LAYOUTS.get(key) == self._signature
-            and is_coordinator
-            and all(
-                key in cache
-                for cache in (
-                    SavePlanner._cached_save_plan,
-                    SavePlanner._cached_all_plans,
-                    SavePlanner._cached_final_save_plan,
-                    SavePlanner._cached_metadata,
-                )
-            )
+            and all(key in cache for cache in caches)
         )
         if not cached:
             self._reuse = None
@@ -354,6 +352,19 @@ class ChecksumWriter(FileSystemWriter):
         return out
 
 
+#: This process, as other ranks' workers know it (a pid can be reused; this cannot).
+_PROCESS_ID = uuid.uuid4().hex
+
+
+def _all_processes(process_group: Any) -> list[str]:
+    """Every rank's ``_PROCESS_ID``, in rank order (one small collective)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, _PROCESS_ID, group=process_group)
+    return out
+
+
 def write_flat(
     flat: Mapping[str, Any],
     directory: Path,
@@ -370,15 +381,20 @@ def write_flat(
     With a ``process_group``, every rank of it calls this for the same directory: DCP plans
     across them, each writes its own shards, and rank 0 alone writes ``.metadata``.
     ``plan_cache`` names what is written (a persistent worker writes the same layout again
-    and again): a single-process save reuses DCP's global plan and metadata from the last
-    save under that name while the layout holds (``DefaultSavePlanner``'s plan caching).
+    and again): a save reuses DCP's plans and metadata from the last save under that name
+    while the layout holds (``DefaultSavePlanner``'s plan caching; across ranks, while no
+    rank's process changed).
     """
     writer = ChecksumWriter(directory, thread_count=thread_count, pace=pace, direct_io=direct_io)
     no_dist = process_group is None
     planner = planner or _PassThroughPlanner()
-    if plan_cache is not None and no_dist and hasattr(planner, "_enable_plan_caching"):
+    if plan_cache is not None and hasattr(planner, "_enable_plan_caching"):
+        # Across ranks, the key names every rank's process: DCP's caching assumes the
+        # coordinator holds the plans every other rank skips sending, which a restarted worker
+        # (its caches empty) would break; a new process anywhere is a new key everywhere.
+        processes = "" if no_dist else ":" + ",".join(_all_processes(process_group))
         planner._enable_plan_caching = True
-        planner._cached_plans_key = f"asyncckpt:{type(planner).__name__}:{plan_cache}"
+        planner._cached_plans_key = f"asyncckpt:{type(planner).__name__}:{plan_cache}{processes}"
     with _quiet_single_process(), _flat_state_dict_as_is():
         dcp.save(
             dict(flat),
