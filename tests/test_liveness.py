@@ -137,6 +137,9 @@ import anyio
 from asyncckpt import CheckpointEngine, SyncCheckpointEngine, WorkerDied, faults
 
 root, sig, mode = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
+# Ctrl-C as in a terminal: a process started with SIGINT ignored (a pytest-xdist worker's
+# children inherit that) never raises KeyboardInterrupt, and the save would just go on.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 state = {"w": torch.ones(1000)}
 
 def later(core):
