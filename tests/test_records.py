@@ -281,3 +281,15 @@ def test_dcp_checkpoints_read_back_equal_through_the_fast_reader(tmp_path) -> No
             assert torch.equal(got[k], flat[k]), (name, k)
         assert got["o"] == {"x": 1}
         assert records.read_counts["torch.load"] == 0, records.read_counts
+
+
+def test_a_template_refused_while_the_setting_changed_is_made_again_later(monkeypatch) -> None:
+    """A template asked for with CRCs while torch writes none comes out without them and is
+    refused; that refusal must not be remembered, or the layout never gets one again."""
+    config = pytest.importorskip("torch.utils.serialization").config
+    writer = RecordWriter()
+    monkeypatch.setattr(config.save, "compute_crc32", False)
+    assert writer.template_for_layout(torch.float32, (8,), True) is None
+    monkeypatch.setattr(config.save, "compute_crc32", True)
+    template = writer.template_for_layout(torch.float32, (8,), True)
+    assert template is not None and template.with_crc

@@ -317,7 +317,7 @@ class RecordWriter:
             pass
         template = make_template(dtype, shape)
         if template is not None and template.with_crc != with_crc:
-            template = None  # the setting changed under us: make it on the next call
+            return None  # the setting changed under us: not remembered, made on the next call
         with self._lock:
             if len(self._templates) >= MAX_TEMPLATES:
                 self._templates.clear()  # a state of countless distinct shapes: start over
