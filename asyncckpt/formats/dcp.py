@@ -54,9 +54,8 @@ from ..loadcheck import Entries, has_sharded_base
 from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..throttle import write_all
-from . import records
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
-from .records import RecordWriter, default_writer, torch_computes_crc
+from .records import RecordWriter, default_writer, read_record, torch_computes_crc
 
 
 @contextmanager
@@ -457,19 +456,22 @@ class CachedMetadataReader(FileSystemReader):
         per_file: dict[str, list[tuple[Any, Any]]] = {}
         for item, info in zip(plan.items, infos, strict=True):
             per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
+        with_crc = torch_computes_crc()
         for name, items in per_file.items():
             items.sort(key=operator.itemgetter(0))
             fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
             try:
                 for _, item, info in items:
-                    self._read_item(fd, item, info, planner)
+                    self._read_item(fd, item, info, planner, with_crc)
             finally:
                 os.close(fd)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_item(self, fd: int, item: Any, info: Any, planner: LoadPlanner) -> None:
+    def _read_item(
+        self, fd: int, item: Any, info: Any, planner: LoadPlanner, with_crc: bool
+    ) -> None:
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(os.pread(fd, info.length, info.offset)))
             return
@@ -484,8 +486,14 @@ class CachedMetadataReader(FileSystemReader):
         shape = tuple(chunk.sizes)
         target = planner.resolve_tensor(item).detach()
         whole = not any(item.storage_offsets) and tuple(item.lengths) == shape
-        tensor = records.read_record(
-            fd, info.offset, info.length, md.properties.dtype, shape, target if whole else None
+        tensor = read_record(
+            fd,
+            info.offset,
+            info.length,
+            md.properties.dtype,
+            shape,
+            target if whole else None,
+            with_crc,
         )
         if tensor is not target:
             tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)

@@ -214,12 +214,12 @@ def _parse(raw: bytes, data_size: int) -> RecordTemplate:
     if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
         raise ValueError("compressed records")
     central = _central_entries(raw, start_dir, len(infos))
+    places = [_crc_places(raw, info, central[info.filename]) for info in infos]
     k = names.index(_DATA_RECORD)
     data_info, id_info = infos[k], infos[-1]
     if data_info.file_size != data_size:
         raise ValueError("data record size")
-    data_at, data_crcs = _crc_places(raw, data_info, central[data_info.filename])
-    id_at, id_crcs = _crc_places(raw, id_info, central[id_info.filename])
+    (data_at, data_crcs), (id_at, id_crcs) = places[k], places[-1]
     tail_at = data_at + data_size
     with_crc = data_info.CRC == zlib.crc32(raw[data_at:tail_at])
     if not with_crc and data_info.CRC != 0:
@@ -244,9 +244,7 @@ def _parse(raw: bytes, data_size: int) -> RecordTemplate:
         seed_before=seed,
         crcs_after=tuple(i.CRC for i in infos[k + 1 : -1]),
         with_crc=with_crc,
-        crc_spots=tuple(
-            at for info in infos for at in _crc_places(raw, info, central[info.filename])[1]
-        ),
+        crc_spots=tuple(at for _, spots in places for at in spots),
     )
 
 
@@ -421,6 +419,7 @@ def read_record(
     dtype: torch.dtype,
     shape: tuple[int, ...],
     out: torch.Tensor | None = None,
+    with_crc: bool | None = None,
 ) -> torch.Tensor:
     """The tensor in the ``torch.save`` record at ``offset`` of ``fd``: what ``torch.load``
     of those bytes returns, without its unpickling or its second copy.
@@ -429,7 +428,9 @@ def read_record(
     larger one is located by ``torch.load`` on the meta device. Either way its bytes go
     straight into ``out`` when given (a contiguous CPU tensor of ``dtype`` and ``shape``),
     else into a new tensor. A record that is neither (another torch, a non-contiguous or
-    shared storage) is read by ``torch.load`` as DCP reads it.
+    shared storage) is read by ``torch.load`` as DCP reads it. ``with_crc``:
+    ``torch_computes_crc()``, read once by a caller reading many records (a template
+    recognises records written either way; this only picks which one is made).
     """
     if out is not None and not (
         out.device.type == "cpu"
@@ -438,9 +439,11 @@ def read_record(
         and out.is_contiguous()
     ):
         out = None
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if 0 < nbytes <= MAX_TEMPLATE_BYTES:
-        template = default_writer.template_for_layout(dtype, tuple(shape), torch_computes_crc())
+        if with_crc is None:
+            with_crc = torch_computes_crc()
+        template = default_writer.template_for_layout(dtype, tuple(shape), with_crc)
         if template is not None and length == template.size:
             record = os.pread(fd, length, offset)
             span = template.data_span(record)
