@@ -7,8 +7,9 @@ training loop keeps from save to save. So the first save records where every lea
 (which container, which key) and later saves fetch the leaves straight from there, checking
 that the structure still holds:
 
-- every container (dict, list, or a Stateful's fresh ``state_dict()``) has the length it had,
-  and every recorded key is still in it (so a dict has exactly the same keys);
+- every container (dict, list, or a Stateful's fresh ``state_dict()``) has the type and the
+  length it had, and every recorded key is still in it (so a dict has exactly the same keys;
+  a list replaced by a dict of the same int keys is a new structure: the paths differ);
 - every leaf has the type it had (a tensor is still a tensor, a DTensor a DTensor, an object
   leaf not a tensor), a leaf list still holds no tensor, a leaf dict is still empty;
 - every tensor has the dtype and shape it had (the staging arenas are laid out for them).
@@ -40,6 +41,7 @@ class FlattenPlan:
     root_stateful: bool
     containers: list[_Step]  # container i + 1 is reached by containers[i] from its parent
     lengths: list[int]  # len() of every container, the root first
+    container_types: list[type]  # type() of every container, the root first
     tensor_refs: list[tuple[int, Any]]  # (container index, key) of each tensor leaf
     object_refs: list[tuple[int, Any]]
     tensor_types: list[type]
@@ -91,6 +93,7 @@ class FlattenPlan:
             root_stateful=root_stateful,
             containers=steps,
             lengths=[len(c) for c in conts],
+            container_types=[type(c) for c in conts],
             tensor_refs=tensor_refs,
             object_refs=object_refs,
             tensor_types=[type(t) for t in tensors],
@@ -108,11 +111,19 @@ class FlattenPlan:
         """``state`` flattened by this plan, or None if its structure is not the recorded one."""
         if is_stateful(state) != self.root_stateful:
             return None
+        types = self.container_types
         try:
             conts = [state.state_dict() if self.root_stateful else state]
-            for parent, key, call in self.containers:
+            # Each container's type is checked before it is indexed: a dict that became a
+            # tensor (or a list an int-keyed dict) answers the same keys with other things.
+            if type(conts[0]) is not types[0]:
+                return None
+            for i, (parent, key, call) in enumerate(self.containers, 1):
                 child = conts[parent][key]
-                conts.append(child.state_dict() if call and is_stateful(child) else child)
+                child = child.state_dict() if call and is_stateful(child) else child
+                if type(child) is not types[i]:
+                    return None
+                conts.append(child)
             if [len(c) for c in conts] != self.lengths:
                 return None
             tensors = [conts[c][k] for c, k in self.tensor_refs]

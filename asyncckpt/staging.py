@@ -20,6 +20,8 @@ import numpy as np
 import psutil
 import torch
 
+from .cachekeys import arena_key
+
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
 ALIGN = 64
 #: An arena holds at most this many bytes, unless one tensor alone is larger.
@@ -154,9 +156,8 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def layout_key(tensors: dict[str, torch.Tensor]) -> tuple:
-    """Two states with the same key share staging arenas."""
-    return tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
+#: Two states with the same key share staging arenas (``cachekeys`` says what each cache covers).
+layout_key = arena_key
 
 
 def plan_arenas(

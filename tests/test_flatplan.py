@@ -69,6 +69,9 @@ def test_replay_is_what_a_fresh_flatten_gives():
         lambda s: s.update(lrs=[torch.ones(1)]),  # a leaf list now holds a tensor
         lambda s: s.update(empty={"now": 1}),  # an empty dict leaf is no longer empty
         lambda s: s.update(model=torch.nn.Linear(3, 3)),  # a module of another shape
+        lambda s: s.update(layers=dict(enumerate(s["layers"]))),  # a list -> an int-keyed dict
+        lambda s: s.update(by_id=[s["by_id"][0], s["by_id"][7]]),  # a dict -> a list, same length
+        lambda s: s.update(layers=[torch.zeros(2, 2), s["layers"][1]]),  # a container -> a tensor
     ],
 )
 def test_any_change_of_structure_is_flattened_afresh(change):

@@ -328,3 +328,54 @@ def test_dcp_plan_caching_across_ranks_keeps_every_checkpoint_right(tmp_path):
     out = run_ranks(save_cached_plans_and_load, 2, tmp_path, str(tmp_path / "ckpts"))
     for rank in (0, 1):
         assert out[rank] == {step: True for step in range(1, 7)}, out[rank]
+
+
+def save_rank_own_dtype_changes(rank: int, world: int, root: str) -> dict:
+    """One rank's layout changes while the other's holds (the coordinator's, then the
+    other's), and a layout comes back: DCP's plan cache must follow every rank's change."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from asyncckpt import SyncCheckpointEngine
+
+    # step -> this rank's dtype; a change on one rank only, then a layout that comes back.
+    dtypes = {
+        0: {
+            1: torch.float32,
+            2: torch.float64,
+            3: torch.float64,
+            4: torch.float32,
+            5: torch.float32,
+        },
+        1: {
+            1: torch.float32,
+            2: torch.float32,
+            3: torch.bfloat16,
+            4: torch.bfloat16,
+            5: torch.float32,
+        },
+    }
+
+    def state(step: int, dtype: torch.dtype) -> dict:
+        return {"model": {f"r{rank}.w": (torch.arange(4) + step * 10 + rank).to(dtype)}}
+
+    with SyncCheckpointEngine(root, keep=None, dist_timeout=60) as engine:
+        for step, dtype in dtypes[rank].items():
+            engine.save(step, state(step, dtype)).committed_sync(120)
+    out = {}
+    for step in dtypes[rank]:
+        md = FileSystemReader(f"{root}/global_step_{step}").read_metadata().state_dict_metadata
+        recorded = {k: str(v.properties.dtype) for k, v in md.items()}
+        want = {f"model.r{r}.w": str(dtypes[r][step]) for r in (0, 1)}
+        target = state(0, dtypes[rank][step])
+        SyncCheckpointEngine(root).load(target, step=step)
+        same = torch.equal(
+            target["model"][f"r{rank}.w"], state(step, dtypes[rank][step])["model"][f"r{rank}.w"]
+        )
+        out[step] = recorded == want and same or (recorded, want, same)
+    return out
+
+
+def test_plan_caching_follows_a_layout_change_on_one_rank(tmp_path):
+    out = run_ranks(save_rank_own_dtype_changes, 2, tmp_path, str(tmp_path / "ckpts"))
+    for rank in (0, 1):
+        assert out[rank] == {step: True for step in range(1, 6)}, out[rank]

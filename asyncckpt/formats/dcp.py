@@ -48,6 +48,7 @@ from torch.futures import Future
 
 from .. import faults
 from .. import layout as L
+from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, signature_digest
 from ..directio import DirectFile, open_for_write
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
 from ..loadcheck import Entries, has_sharded_base
@@ -98,22 +99,20 @@ class Serialized(bytes):
     """A leaf already serialised with ``torch.save`` by the trainer; written as is."""
 
 
-#: The layout signature of the last save under each plan-cache key whose plan DCP cached.
-_PLANNED_LAYOUTS: dict[str, tuple] = {}
+#: DCP's plan-cache key per name written again and again (``cachekeys`` says what it covers).
+_PLAN_KEYS = DcpPlanKeys()
 
 
-def layout_signature(flat: Mapping[str, Any]) -> tuple | None:
-    """Everything DCP's local save plan of a flat state depends on; None where it is not
-    a flat state of plain tensors and pre-serialised bytes (then nothing is reused)."""
-    sig = []
-    for k, v in flat.items():
-        if type(v) is torch.Tensor:
-            sig.append((k, v.dtype, v.shape, v.requires_grad, v.layout, v.is_pinned()))
-        elif isinstance(v, Serialized):
-            sig.append((k, Serialized))
-        else:
-            return None
-    return tuple(sig)
+def _dcp_plan_caches() -> list[dict]:
+    """DCP's class-level plan caches (what it keeps per ``_cached_plans_key``)."""
+    names = (
+        "_cached_save_plan",
+        "_cached_all_plans",
+        "_cached_global_plan",
+        "_cached_metadata",
+        "_cached_final_save_plan",
+    )
+    return [c for c in (getattr(SavePlanner, n, None) for n in names) if isinstance(c, dict)]
 
 
 class _PassThroughPlanner(DefaultSavePlanner):
@@ -121,30 +120,24 @@ class _PassThroughPlanner(DefaultSavePlanner):
     as they are, and with plan caching the *local* plan is reused too.
 
     DCP's plan caching skips the global planning when the local plan is unchanged, but builds
-    the local plan every time to find out (~20 us a tensor, 0.4 s at 20,000). A flat state
-    whose ``layout_signature`` equals the last one saved under the same key has the same
-    local plan, so the cached one is taken instead, as DCP does when its comparison succeeds.
+    the local plan every time to find out (~20 us a tensor, 0.4 s at 20,000). ``write_flat``
+    turns caching on only under a key that covers the state's whole layout
+    (``cachekeys.dcp_plan_signature``), so a plan cached under the key is this state's local
+    plan, and it is taken instead, as DCP does when its comparison succeeds.
     """
 
-    _signature: tuple | None = None
     _reuse: SavePlan | None = None
 
     def set_up_planner(
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
         key = self._cached_plans_key
-        sig = layout_signature(state_dict) if self._enable_plan_caching else None
-        self._signature = None if sig is None else (is_coordinator, sig)
         # What DCP's caching needs from the last save: every rank its own local and final
         # plans, the coordinator also every rank's plans and the metadata.
         caches = [SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan]
         if is_coordinator:
             caches += [SavePlanner._cached_all_plans, SavePlanner._cached_metadata]
-        cached = (
-            self._signature is not None
-            and _PLANNED_LAYOUTS.get(key) == self._signature
-            and all(key in cache for cache in caches)
-        )
+        cached = self._enable_plan_caching and all(key in cache for cache in caches)
         if not cached:
             self._reuse = None
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
@@ -160,12 +153,6 @@ class _PassThroughPlanner(DefaultSavePlanner):
             return super().create_local_plan()
         self.plan = self._reuse
         return SavePlan([], usable=False)  # DCP's own answer for an unchanged local plan
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        plan = super().finish_plan(new_plan)  # DCP promotes its cached plans here
-        if self._signature is not None:
-            _PLANNED_LAYOUTS[self._cached_plans_key] = self._signature
-        return plan
 
     def transform_object(self, write_item: Any, object: Any) -> Any:
         if isinstance(object, Serialized):
@@ -355,12 +342,14 @@ class ChecksumWriter(FileSystemWriter):
 _PROCESS_ID = uuid.uuid4().hex
 
 
-def _all_processes(process_group: Any) -> list[str]:
-    """Every rank's ``_PROCESS_ID``, in rank order (one small collective)."""
+def _all_layouts(process_group: Any, signature: tuple | None) -> list[Any]:
+    """Every rank's (``_PROCESS_ID``, digest of its plan signature or None), in rank order
+    (one small collective)."""
     import torch.distributed as dist
 
+    mine = (_PROCESS_ID, None if signature is None else signature_digest(signature))
     out: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(out, _PROCESS_ID, group=process_group)
+    dist.all_gather_object(out, mine, group=process_group)
     return out
 
 
@@ -388,12 +377,21 @@ def write_flat(
     no_dist = process_group is None
     planner = planner or _PassThroughPlanner()
     if plan_cache is not None and hasattr(planner, "_enable_plan_caching"):
-        # Across ranks, the key names every rank's process: DCP's caching assumes the
-        # coordinator holds the plans every other rank skips sending, which a restarted worker
-        # (its caches empty) would break; a new process anywhere is a new key everywhere.
-        processes = "" if no_dist else ":" + ",".join(_all_processes(process_group))
-        planner._enable_plan_caching = True
-        planner._cached_plans_key = f"asyncckpt:{type(planner).__name__}:{plan_cache}{processes}"
+        # DCP's own check of an unchanged local plan ignores dtypes, so its cache is only
+        # turned on under a key that covers the whole layout (``cachekeys``). Across ranks the
+        # key covers every rank's layout and process: the coordinator plans afresh only when
+        # its own key is new, so any rank's change must change the key everywhere; and DCP's
+        # caching assumes the coordinator holds the plans every other rank skips sending,
+        # which a restarted worker (its caches empty) would break.
+        signature = dcp_plan_signature(flat, Serialized)
+        layout: Any = signature
+        if not no_dist:
+            ranks = _all_layouts(process_group, signature)
+            layout = None if any(d is None for _, d in ranks) else (signature, tuple(ranks))
+        if layout is not None:  # the same on every rank: a rank's None disables it everywhere
+            name = f"asyncckpt:{type(planner).__name__}:{plan_cache}"
+            planner._enable_plan_caching = True
+            planner._cached_plans_key = _PLAN_KEYS.key(name, layout, _dcp_plan_caches())
     with _quiet_single_process(), _flat_state_dict_as_is():
         dcp.save(
             dict(flat),
@@ -418,9 +416,7 @@ _metadata_lock = threading.Lock()
 
 def read_dcp_metadata(directory: str | os.PathLike) -> Any:
     """DCP's ``Metadata`` of the checkpoint in ``directory`` (read once, then cached)."""
-    path = Path(directory) / L.DCP_METADATA
-    st = os.stat(path)
-    key = (str(path.resolve()), st.st_ino, st.st_mtime_ns, st.st_size)
+    key = metadata_file_key(Path(directory) / L.DCP_METADATA)
     with _metadata_lock:
         if key in _METADATA_CACHE:
             _METADATA_CACHE.move_to_end(key)

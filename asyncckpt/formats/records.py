@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from ..cachekeys import record_template_key
+
 #: Tensors up to this size are written from a template; larger ones keep ``torch.save``, whose
 #: fixed cost is nothing next to their data (and their template would cost a save of that size).
 MAX_TEMPLATE_BYTES = 1 << 20
@@ -279,13 +281,13 @@ def make_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate 
 class RecordWriter:
     """Writes ``torch.save`` records, from a template where the tensor allows it.
 
-    Templates are kept per (dtype, shape) for the life of the writer (a persistent worker
+    Templates are kept per layout (``cachekeys.record_template_key``) for the life of the writer (a persistent worker
     writes the same layouts again and again: ``default_writer`` serves its saves); a layout
     without one is remembered too.
     """
 
     def __init__(self) -> None:
-        self._templates: dict[tuple[torch.dtype, tuple[int, ...], bool], RecordTemplate | None]
+        self._templates: dict[tuple, RecordTemplate | None]  # by ``cachekeys.record_template_key``
         self._templates = {}
         self._lock = threading.Lock()
         self.templated = 0  # records written from a template (for tests and benchmarks)
@@ -308,7 +310,7 @@ class RecordWriter:
     def template_for_layout(
         self, dtype: torch.dtype, shape: tuple[int, ...], with_crc: bool
     ) -> RecordTemplate | None:
-        key = (dtype, shape, with_crc)
+        key = record_template_key(dtype, shape, with_crc)
         try:
             return self._templates[key]
         except KeyError:
