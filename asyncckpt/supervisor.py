@@ -106,6 +106,7 @@ class WorkerSupervision:
             dist=self.dist_cfg,
             remote=self.remote,
             export=self.opts.export,
+            orphan_deadline_s=self.opts.write_timeout or WorkerConfig.orphan_deadline_s,
         )
         proc = ctx.Process(
             target=worker_main,

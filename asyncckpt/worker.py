@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import threading
@@ -30,6 +31,8 @@ from .formats.dcp import Serialized
 from .manifest import build_manifest, fsync_dir, fsync_file
 from .staging import TensorSpec
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class WorkerConfig:
@@ -44,6 +47,8 @@ class WorkerConfig:
     dist: Any = None  # dist.DistConfig when several ranks save together
     remote: Any = None  # storage.RemoteTier: publish every commit to an object store
     export: Any = None  # export.HFExport: safetensors of a component every N steps
+    # How long it may go on finishing staged saves after its trainer died (write_timeout).
+    orphan_deadline_s: float = 600.0
 
 
 @dataclass
@@ -505,12 +510,41 @@ def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
     }
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # An orphaned worker must not linger: its trainer is gone, and so is the reason to write.
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(3)
+def _watch_parent(parent_pid: int, deadline_s: float) -> None:
+    """Bound the life of a worker whose trainer died.
+
+    A save whose ``save()`` returned is fully staged here (the job is sent only after the
+    copy), so the worker goes on after its trainer's death: it finishes every job that
+    reached it whole, commits, writes the tracker and prunes; then the pipe's end of file
+    ends its loop (a job cut off mid-message never starts). It must never linger, so after
+    ``deadline_s`` it exits whatever it is doing (temporaries are removed at the next start).
+    """
+    while os.getppid() == parent_pid:
         time.sleep(0.2)
+    log.warning(
+        "the trainer (pid %d) is gone: finishing the saves it staged (at most %.0fs)",
+        parent_pid,
+        deadline_s,
+    )
+    time.sleep(deadline_s)
+    os._exit(3)
+
+
+class _ToTrainer:
+    """The worker's side of the events pipe. Once the trainer is gone nobody listens: what
+    would have been reported is dropped and the staged saves are finished all the same."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.gone = False
+
+    def send(self, msg: Any) -> None:
+        if self.gone:
+            return
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self.gone = True
 
 
 def _skip_torch_save_crc() -> None:
@@ -529,7 +563,10 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None)
     """Entry point of the spawned worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
+    events = _ToTrainer(events)
+    threading.Thread(
+        target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
+    ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
     lock_fd = os.open(
         Path(config.root) / f"{_layout.LOCK_NAME}.worker{config.rank}",
