@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, StateMismatch
 from .staging import _is_terminal, is_stateful
 
 #: How many keys of each kind a StateMismatch message names before "... and N more".
@@ -249,7 +249,7 @@ def restrict(loaded: Any, like: Any) -> Any:
     return loaded
 
 
-class Vanished(CheckpointError, FileNotFoundError):
+class Vanished(CheckpointNotFound):
     """The checkpoint directory went away while it was being read (pruned by its engine):
     ``load_latest`` skips it quietly and tries the next older one."""
 

@@ -16,6 +16,7 @@ import torch
 from asyncckpt import (
     CheckpointEngine,
     CheckpointError,
+    CheckpointNotFound,
     CorruptCheckpoint,
     NotACheckpointRoot,
     StateMismatch,
@@ -455,3 +456,63 @@ def test_torch_dist_restores_a_fresh_optimizers_state(tmp_path):
             opt2.state_dict()["state"][p]["exp_avg"],
             opt.state[opt.param_groups[0]["params"][p]]["exp_avg"],
         )
+
+
+# ------------------------------------------------------------------ issue 28 item 8: not found
+
+
+def test_a_missing_step_is_an_error_of_ours(root):
+    """A step never committed, and a directory that is not there, are asyncckpt errors (that
+    are also FileNotFoundError, for callers that caught that before)."""
+    from asyncckpt.reading import read_checkpoint
+
+    target, before = blank(), tensors_of(blank())
+    engine = SyncCheckpointEngine(root)
+    with pytest.raises(CheckpointNotFound, match="step 99"):
+        engine.load(target, step=99)
+    with pytest.raises(CheckpointNotFound, match="no checkpoint directory"):
+        engine.load(target, path=root / "global_step_99")
+    with pytest.raises(CheckpointNotFound):
+        read_checkpoint(root / "global_step_99")
+    assert issubclass(CheckpointNotFound, CheckpointError)
+    assert issubclass(CheckpointNotFound, FileNotFoundError)
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize(
+    "when", ["after_listing", "before_manifest", "before_check", "before_verify", "before_read"]
+)
+def test_a_step_pruned_between_listing_and_reading_is_an_error_of_ours(root, monkeypatch, when):
+    """load(step=N) of a step another process prunes between the caller's listing and the
+    read: the same not-found error (``Vanished`` once the read began) wherever the race
+    falls, never a bare FileNotFoundError nor a report of corruption."""
+    from asyncckpt import loadcheck
+    from asyncckpt import restore as E
+    from asyncckpt.formats import staged
+
+    engine = SyncCheckpointEngine(root)
+    assert 2 in [c.step for c in engine.list_checkpoints()]  # the caller's listing
+    newest = root / L.dir_name("global_step", 2)
+
+    def prune_then(real):
+        def hook(*args, **kwargs):
+            if newest.exists():
+                _trash(newest)
+            return real(*args, **kwargs)
+
+        return hook
+
+    if when == "after_listing":
+        _trash(newest)
+    elif when == "before_manifest":
+        monkeypatch.setattr(E, "read_manifest", prune_then(E.read_manifest))
+    elif when == "before_check":
+        monkeypatch.setattr(loadcheck, "check", prune_then(loadcheck.check))
+    elif when == "before_verify":
+        monkeypatch.setattr(E, "check_files", prune_then(E.check_files))
+    else:
+        monkeypatch.setattr(staged, "load_into", prune_then(staged.load_into))
+    target, before = blank(), tensors_of(blank())
+    with pytest.raises(CheckpointNotFound, match="global_step_2|step 2"):
+        engine.load(target, step=2)
+    assert_unchanged(target, before)
