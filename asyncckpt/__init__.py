@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from . import faults
 from .errors import (
     CheckpointError,
+    CheckpointNotFound,
     CorruptCheckpoint,
     ExportFailed,
     NotACheckpointRoot,
@@ -80,6 +81,7 @@ __all__ = [
     "CheckpointEngine",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointNotFound",
     "Component",
     "CorruptCheckpoint",
     "KeepAll",

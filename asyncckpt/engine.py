@@ -235,6 +235,7 @@ class _Core(WorkerSupervision):
         self.started = False
         self.stopping = False
         self.proc: Any = None
+        self.worker_last_pid: int | None = None  # once stop() closed the process object
         self.events_conn: Any = None
         self.worker_ready = threading.Event()
         self.worker_report: Any = None
@@ -327,6 +328,11 @@ class _Core(WorkerSupervision):
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5)
+            if self.proc.exitcode is not None:
+                # Its sentinel pipes, else freed only when the garbage collector finds the
+                # engine (a trainer opening and closing engines ran out of fds).
+                self.worker_last_pid = self.proc.pid
+                self.proc.close()
             if self.reader is not None:
                 self.reader.join(5)
             for slot in self.slots:
@@ -1122,7 +1128,13 @@ class CheckpointEngine:
 
     @property
     def worker_pid(self) -> int | None:
-        return self._core.proc.pid if self._core.proc is not None else None
+        core = self._core
+        if core.proc is None:
+            return None
+        try:
+            return core.proc.pid
+        except ValueError:  # closed by stop()
+            return core.worker_last_pid
 
     @property
     def worker_restarts(self) -> int:

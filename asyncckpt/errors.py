@@ -31,6 +31,11 @@ class CorruptCheckpoint(CheckpointError):
     """A checkpoint failed its manifest checksums or could not be read."""
 
 
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint at the step or path asked for: never committed, or pruned (also while it
+    was being read). A ``FileNotFoundError`` too, for callers that caught that before."""
+
+
 class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
 

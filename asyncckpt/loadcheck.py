@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpoint, StateMismatch
+from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, StateMismatch
 from .staging import _is_terminal, is_stateful
 
 #: How many keys of each kind a StateMismatch message names before "... and N more".
@@ -75,6 +75,8 @@ class Entries:
     open: set[str] = field(default_factory=set)
     #: Whether the non-tensor leaves are known (torch_dist keeps them outside ``.metadata``).
     objects_known: bool = True
+    #: Keys of tensors whose elements share memory (``expand()``): no load can fill them.
+    overlapping: set[str] = field(default_factory=set)
 
     def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: v for k, v in self.leaves.items() if v is not None}
@@ -84,6 +86,28 @@ def _entry(value: Any) -> Entry:
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype)
     return None
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` are one memory location (``expand()``, some
+    ``as_strided`` views): it cannot hold distinct values, and torch refuses to write into it."""
+    if t.numel() <= 1 or t.is_contiguous():
+        return False
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    if any(st == 0 for st, _ in dims):
+        return True
+    reach = 0  # the furthest offset the dims with smaller strides reach
+    for st, n in dims:
+        if st <= reach:
+            break
+        reach += st * (n - 1)
+    else:
+        return False  # each stride steps past everything the smaller ones reach
+    # Interleaved strides (rare): count the distinct offsets.
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return offsets.unique().numel() < t.numel()
 
 
 def walk(state: Any) -> Entries:
@@ -111,6 +135,8 @@ def walk(state: Any) -> Entries:
             out.open.add(fqn)
         elif not top:
             out.leaves[fqn] = _entry(value)
+            if isinstance(value, torch.Tensor) and self_overlapping(value):
+                out.overlapping.add(fqn)
 
     visit("", state, True)
     return out
@@ -153,6 +179,7 @@ def compare(
     report = LoadReport(strict=strict)
     ckpt_objects = {k for k, v in ckpt.leaves.items() if v is None}
     mismatched: list[str] = []
+    overlapping: list[str] = []
     for key, want in target.leaves.items():
         if key in ckpt.leaves:
             found = ckpt.leaves[key]
@@ -161,6 +188,8 @@ def compare(
                 mismatched.append(
                     f"{key}: target {_fmt_entry(want)}, checkpoint {_fmt_entry(found)}"
                 )
+            elif key in target.overlapping:
+                overlapping.append(key)  # the load would write into it
             continue
         if _under(key, ckpt_objects):
             continue  # the checkpoint replaces this whole container
@@ -180,6 +209,12 @@ def compare(
         )
         if len(mismatched) > MAX_LISTED:
             problems[-1] += f"; ... and {len(mismatched) - MAX_LISTED} more"
+    if overlapping:
+        problems.append(
+            f"{len(overlapping)} target tensor(s) overlap themselves (several elements share "
+            "one memory location, as after expand()) and cannot hold the checkpoint's "
+            f"values: {_listing(overlapping)}; pass tensors of their own (e.g. .clone())"
+        )
     if strict and report.missing:
         problems.append(f"missing from the checkpoint (in the target): {_listing(report.missing)}")
     if strict and report.unexpected:
@@ -188,7 +223,7 @@ def compare(
         )
     if problems:
         hint = ""
-        if not mismatched:
+        if not (mismatched or overlapping):
             hint = " (strict=False loads the matching keys and skips these)"
         raise StateMismatch(
             f"the load target does not fit {where}; nothing was loaded{hint}: "
@@ -249,7 +284,7 @@ def restrict(loaded: Any, like: Any) -> Any:
     return loaded
 
 
-class Vanished(CheckpointError, FileNotFoundError):
+class Vanished(CheckpointNotFound):
     """The checkpoint directory went away while it was being read (pruned by its engine):
     ``load_latest`` skips it quietly and tries the next older one."""
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as _layout
-from .errors import CheckpointError, CorruptCheckpoint
+from .errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from .formats import Format, format_names, get_format
 
 
@@ -32,7 +32,7 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
 
     directory = Path(path)
     if not directory.is_dir():
-        raise FileNotFoundError(f"no checkpoint directory at {directory}")
+        raise CheckpointNotFound(f"no checkpoint directory at {directory}")
     if _layout.is_leftover(directory.name):
         raise CorruptCheckpoint(f"{directory} is an uncommitted temporary, not a checkpoint")
     paths = None

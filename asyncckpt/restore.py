@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import layout as _layout
 from .errors import (
     CheckpointError,
+    CheckpointNotFound,
     CorruptCheckpoint,
     NotACheckpointRoot,
     NoValidCheckpoint,
@@ -344,7 +345,7 @@ class Restorer:
         if path is not None:
             directory = Path(path)
             if not directory.is_dir():
-                raise FileNotFoundError(f"no checkpoint directory at {directory}")
+                raise CheckpointNotFound(f"no checkpoint directory at {directory}")
             if _layout.is_leftover(directory.name):
                 raise CorruptCheckpoint(
                     f"{directory} is an uncommitted temporary, not a checkpoint"
@@ -354,9 +355,18 @@ class Restorer:
             check_step(step)
             directory = self.root / _layout.dir_name(self.layout, step)
             if not directory.is_dir():
-                raise FileNotFoundError(f"step {step} is not committed in {self.root}")
+                raise CheckpointNotFound(f"step {step} is not committed in {self.root}")
             found = step
-        report = self.load_dir(state, directory, strict, found)
+        try:
+            report = self.load_dir(state, directory, strict, found)
+        except (CheckpointNotFound, StateMismatch):
+            raise
+        except CheckpointError as e:
+            # Pruned by another process at any moment of the load (before its manifest was
+            # read, say): gone, not damaged.
+            if not directory.is_dir():
+                raise Vanished(f"{directory} went away while it was read") from e
+            raise
         self._loaded(report, found, directory)
         return found if found is not None else -1
 

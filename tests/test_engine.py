@@ -456,3 +456,54 @@ def test_preemption_save_after_sigterm(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "saved 7" in out.stdout and "exited at 7" in out.stdout
     assert L.read_tracker(tmp_path) == 7
+
+
+# ------------------------------------------------------------------ issue 28 item 10: fds
+
+
+def _fd_counts(root, cycles: int) -> list[int]:
+    """Open files of this process after each open/save/close cycle, both facades in turn,
+    with the garbage collector off: what close() frees, not what a collection would."""
+    import gc
+
+    import anyio
+
+    from asyncckpt import KeepLast
+
+    state = {"x": torch.zeros(1)}
+
+    async def async_cycle(step: int) -> None:
+        async with CheckpointEngine(root, keep=KeepLast(1), handle_sigterm=False) as engine:
+            await engine.save(step, state)
+
+    def cycle(step: int) -> None:
+        if step % 2:
+            with SyncCheckpointEngine(root, keep=KeepLast(1), handle_sigterm=False) as engine:
+                engine.save(step, state)
+                pid = engine.worker_pid
+            assert engine.worker_pid == pid  # still known once closed
+        else:
+            anyio.run(async_cycle, step)
+
+    counts = []
+    gc.collect()
+    gc.disable()
+    try:
+        cycle(1)  # warm: what the first engine of a process opens once
+        for step in range(2, 2 + cycles):
+            cycle(step)
+            counts.append(len(os.listdir("/proc/self/fd")))
+    finally:
+        gc.enable()
+    return counts
+
+
+def test_a_closed_engine_frees_its_file_descriptors(tmp_path):
+    counts = _fd_counts(tmp_path, 3)
+    assert counts == [counts[0]] * len(counts), counts
+
+
+@pytest.mark.integration
+def test_a_hundred_open_close_cycles_leave_the_fd_count_flat(tmp_path):
+    counts = _fd_counts(tmp_path, 100)
+    assert counts == [counts[0]] * len(counts), counts

@@ -16,6 +16,7 @@ import torch
 from asyncckpt import (
     CheckpointEngine,
     CheckpointError,
+    CheckpointNotFound,
     CorruptCheckpoint,
     NotACheckpointRoot,
     StateMismatch,
@@ -455,3 +456,180 @@ def test_torch_dist_restores_a_fresh_optimizers_state(tmp_path):
             opt2.state_dict()["state"][p]["exp_avg"],
             opt.state[opt.param_groups[0]["params"][p]]["exp_avg"],
         )
+
+
+# ------------------------------------------------------------------ issue 28 item 8: not found
+
+
+def test_a_missing_step_is_an_error_of_ours(root):
+    """A step never committed, and a directory that is not there, are asyncckpt errors (that
+    are also FileNotFoundError, for callers that caught that before)."""
+    from asyncckpt.reading import read_checkpoint
+
+    target, before = blank(), tensors_of(blank())
+    engine = SyncCheckpointEngine(root)
+    with pytest.raises(CheckpointNotFound, match="step 99"):
+        engine.load(target, step=99)
+    with pytest.raises(CheckpointNotFound, match="no checkpoint directory"):
+        engine.load(target, path=root / "global_step_99")
+    with pytest.raises(CheckpointNotFound):
+        read_checkpoint(root / "global_step_99")
+    assert issubclass(CheckpointNotFound, CheckpointError)
+    assert issubclass(CheckpointNotFound, FileNotFoundError)
+    assert_unchanged(target, before)
+
+
+@pytest.mark.parametrize(
+    "when", ["after_listing", "before_manifest", "before_check", "before_verify", "before_read"]
+)
+def test_a_step_pruned_between_listing_and_reading_is_an_error_of_ours(root, monkeypatch, when):
+    """load(step=N) of a step another process prunes between the caller's listing and the
+    read: the same not-found error (``Vanished`` once the read began) wherever the race
+    falls, never a bare FileNotFoundError nor a report of corruption."""
+    from asyncckpt import loadcheck
+    from asyncckpt import restore as E
+    from asyncckpt.formats import staged
+
+    engine = SyncCheckpointEngine(root)
+    assert 2 in [c.step for c in engine.list_checkpoints()]  # the caller's listing
+    newest = root / L.dir_name("global_step", 2)
+
+    def prune_then(real):
+        def hook(*args, **kwargs):
+            if newest.exists():
+                _trash(newest)
+            return real(*args, **kwargs)
+
+        return hook
+
+    if when == "after_listing":
+        _trash(newest)
+    elif when == "before_manifest":
+        monkeypatch.setattr(E, "read_manifest", prune_then(E.read_manifest))
+    elif when == "before_check":
+        monkeypatch.setattr(loadcheck, "check", prune_then(loadcheck.check))
+    elif when == "before_verify":
+        monkeypatch.setattr(E, "check_files", prune_then(E.check_files))
+    else:
+        monkeypatch.setattr(staged, "load_into", prune_then(staged.load_into))
+    target, before = blank(), tensors_of(blank())
+    with pytest.raises(CheckpointNotFound, match="global_step_2|step 2"):
+        engine.load(target, step=2)
+    assert_unchanged(target, before)
+
+
+# ------------------------------------------------------------------ issue 28 item 7: view targets
+
+
+def views_state(seed: int) -> dict:
+    """Tensors whose logical values differ from their memory: conjugate and negative views
+    (``torch._neg_view`` is what ``x.conj().imag`` gives a float tensor, made contiguous),
+    small (one template record, one foreach copy) and large (located record, memcpy)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for size, n in (("small", 5), ("large", 300_000)):
+
+        def c(dtype=torch.complex64, n=n):
+            return torch.randn(n, dtype=dtype, generator=g)
+
+        out[size] = {
+            "conj": c().conj(),
+            "neg": torch._neg_view(torch.randn(n, generator=g)),
+            "conj_imag": c(torch.complex128).conj().imag,
+            "neg_conj": torch._neg_view(c().conj()),
+        }
+    return out
+
+
+def logical(state: dict) -> dict:
+    return {
+        size: {k: t.resolve_conj().resolve_neg().clone() for k, t in group.items()}
+        for size, group in state.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "layout, fmt",
+    [("global_step", "dcp"), ("megatron", "torch_dist"), ("megatron", "megatron_legacy")],
+)
+def test_conjugate_and_negative_views_save_and_load_their_logical_values(tmp_path, layout, fmt):
+    """Saved: a view's logical values (what ``resolve_conj().resolve_neg()`` gives). Loaded
+    into a view (the very state that was saved, as a resume does): the view reads back those
+    values, not a "corrupt" checkpoint and a fall back to nothing."""
+    state = views_state(1)
+    want = logical(state)
+    with SyncCheckpointEngine(tmp_path, layout=layout, format=fmt) as engine:
+        engine.save(1, state).committed_sync()
+    # Into plain tensors: what is on disk is the logical values.
+    plain = {size: {k: torch.zeros_like(t) for k, t in g.items()} for size, g in want.items()}
+    engine = SyncCheckpointEngine(tmp_path, layout=layout, format=fmt)
+    assert engine.load_latest(plain) == 1
+    for size, group in want.items():
+        for k, t in group.items():
+            assert torch.equal(plain[size][k], t), (size, k)
+    # Into the views themselves, after the training moved on.
+    for group in state.values():
+        for t in group.values():
+            t.zero_()
+    assert engine.load_latest(state) == 1
+    for size, group in want.items():
+        for k, t in group.items():
+            view = state[size][k]
+            assert view.is_conj() or view.is_neg(), (size, k)  # still the caller's view
+            assert torch.equal(view.resolve_conj().resolve_neg(), t), (size, k)
+    if fmt == "dcp":  # and plain DCP reads the same values
+        import torch.distributed.checkpoint as dcp
+
+        again = {s: {k: torch.zeros_like(t) for k, t in g.items()} for s, g in want.items()}
+        dcp.load(again, checkpoint_id=str(tmp_path / "global_step_1"))
+        for size, group in want.items():
+            for k, t in group.items():
+                assert torch.equal(again[size][k], t), (size, k)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_self_overlapping_target_is_a_mismatch_before_anything_is_read(root, quiet, strict):
+    """An expanded tensor cannot hold distinct values: the caller's StateMismatch naming the
+    key, with nothing changed and no checkpoint called unusable (verify says they are fine)."""
+    target = blank()
+    target["model"]["w"] = torch.full((1, 3), 7.0).expand(4, 3)
+    target["optim"]["m"] = torch.full((4, 1), 7.0, dtype=torch.float64).expand(4, 3)
+    before = tensors_of(target)
+    engine = SyncCheckpointEngine(root)
+    with pytest.raises(StateMismatch, match=r"model\.w.*optim\.m|optim\.m.*model\.w") as info:
+        engine.load_latest(target, strict=strict)
+    assert "overlap" in str(info.value)
+    assert not isinstance(info.value, CorruptCheckpoint)
+    assert_unchanged(target, before)
+    assert target["step"] == -1
+    with pytest.raises(StateMismatch, match=r"model\.w"):
+        engine.load(target, step=1, strict=strict)
+    assert_unchanged(target, before)
+    assert_nothing_said(*quiet)
+    # A tensor of its own loads.
+    target["model"]["w"] = target["model"]["w"].clone()
+    target["optim"]["m"] = target["optim"]["m"].clone()
+    assert engine.load_latest(target, strict=strict) == 2
+    assert torch.equal(target["model"]["w"], state_at(2)["model"]["w"])
+
+
+_BASE = torch.arange(12.0)
+
+
+@pytest.mark.parametrize(
+    "t, overlaps",
+    [
+        (torch.zeros(1).expand(4), True),
+        (torch.zeros(3, 1).expand(3, 4), True),
+        (_BASE.as_strided((3, 3), (1, 1)), True),  # sliding windows share elements
+        (_BASE.as_strided((3, 2), (2, 3)), False),  # interleaved strides, distinct offsets
+        (_BASE.view(3, 4).t(), False),
+        (_BASE[::2], False),
+        (torch.zeros(1, 3).expand(1, 3), False),  # a stride 0 over one element only
+        (torch.zeros(0, 3).expand(0, 3), False),
+    ],
+)
+def test_self_overlap_is_found_exactly(t, overlaps):
+    from asyncckpt.loadcheck import self_overlapping
+
+    assert self_overlapping(t) is overlaps

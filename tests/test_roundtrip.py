@@ -240,3 +240,82 @@ def test_a_list_of_stateful_objects_is_restored_in_place(tmp_path: Path, layout,
     assert_same(target["models"][0].state_dict(), state["models"][0].state_dict())
     for got, want in zip(target["scheds"], state["scheds"], strict=True):
         assert_same(got.state_dict(), want.state_dict())
+
+
+# ------------------------------------------------------------------ issue 28 item 12: NaN, Inf
+
+
+#: (float dtype, the int dtype of its width, exponent bits, mantissa bits)
+_IEEE = [
+    (torch.float32, torch.int32, 8, 23),
+    (torch.float64, torch.int64, 11, 52),
+]
+
+
+def _special_bits(width_dtype: torch.dtype, e: int, m: int) -> torch.Tensor:
+    """Signed zeros, infinities, quiet and signalling NaNs with payloads and either sign,
+    subnormals and the largest finite, as raw bits of a float of ``e``/``m`` bits."""
+    w = 1 + e + m
+    sign, exp = 1 << (w - 1), ((1 << e) - 1) << m
+    quiet = 1 << (m - 1)
+    values = [
+        0,
+        sign,  # -0.0
+        exp,  # +inf
+        sign | exp,  # -inf
+        exp | quiet,  # the canonical quiet NaN
+        exp | quiet | 0x2345,  # a quiet NaN with a payload
+        exp | 1,  # a signalling NaN
+        exp | (quiet >> 1) | 0x15,  # a signalling NaN with a payload
+        sign | exp | quiet | 7,  # a negative NaN with a payload
+        sign | exp | 1,  # a negative signalling NaN
+        1,  # the smallest subnormal
+        quiet | 1,  # a subnormal
+        exp - 1,  # the largest finite
+    ]
+    # Two's complement for the top bit: the int tensor of the float's width holds it.
+    signed = [v - (1 << w) if v & sign else v for v in values]
+    return torch.tensor(signed, dtype=width_dtype)
+
+
+def special_state() -> dict:
+    """Every bit pattern of the 8- and 16-bit floats (NaN payloads, -0.0, +/-inf included),
+    and the special values of float32/64 and complex, small and (memcpy/located path) large."""
+    state: dict = {}
+    for dt in (torch.float16, torch.bfloat16):
+        state[str(dt)] = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+        state[str(dt)] = state[str(dt)].view(dt)
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        state[str(dt)] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt)
+    for dt, ints, e, m in _IEEE:
+        bits = _special_bits(ints, e, m)
+        state[str(dt)] = bits.view(dt)
+        state[f"{dt}.large"] = bits.repeat(200_000 // len(bits)).view(dt)  # over 1 MiB
+    f32 = state["torch.float32"]
+    state["torch.complex64"] = torch.cat([f32, f32.flip(0)]).view(torch.complex64)
+    f64 = state["torch.float64"]
+    state["torch.complex128"] = torch.cat([f64, f64.roll(1)]).view(torch.complex128)
+    return state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.itemsize])
+
+
+@pytest.mark.parametrize(("layout", "fmt"), FORMATS, ids=FORMAT_IDS)
+def test_nan_inf_and_signed_zeros_round_trip_bit_for_bit(tmp_path: Path, layout, fmt) -> None:
+    """What the README promises: a state's NaNs (payload and sign included), infinities and
+    -0.0 load back with the very bits saved, in every float dtype and every format."""
+    state = special_state()
+    nans = sum(int(t.isnan().sum()) for t in state.values())
+    assert nans > 0 and any(bool(t.isinf().any()) for t in state.values())
+    saved = {k: _bits(t).clone() for k, t in state.items()}
+    with _engine(tmp_path, layout, fmt) as engine:
+        engine.save(1, state)
+    target = {k: torch.zeros_like(t) for k, t in state.items()}
+    assert _engine(tmp_path, layout, fmt).load_latest(target) == 1
+    for k, want in saved.items():
+        assert target[k].dtype == state[k].dtype, k
+        assert torch.equal(_bits(target[k]), want), k

@@ -428,9 +428,9 @@ def read_record(
 
     A record of a small tensor is read whole and compared with its layout's template; a
     larger one is located by ``torch.load`` on the meta device. Either way its bytes go
-    straight into ``out`` when given (a contiguous CPU tensor of ``dtype`` and ``shape``),
-    else into a new tensor. A record that is neither (another torch, a non-contiguous or
-    shared storage) is read by ``torch.load`` as DCP reads it. ``with_crc``:
+    straight into ``out`` when given (a contiguous CPU tensor of ``dtype`` and ``shape``, not a
+    conjugate or negative view), else into a new tensor. A record that is neither (another
+    torch, a non-contiguous or shared storage) is read by ``torch.load`` as DCP reads it. ``with_crc``:
     ``torch_computes_crc()``, read once by a caller reading many records (a template
     recognises records written either way; this only picks which one is made).
     """
@@ -439,6 +439,8 @@ def read_record(
         and out.dtype == dtype
         and tuple(out.shape) == tuple(shape)
         and out.is_contiguous()
+        # A conjugate or negative view's memory is not its values: the caller copies in.
+        and not (out.is_conj() or out.is_neg())
     ):
         out = None
     nbytes = math.prod(shape) * dtype.itemsize
