@@ -238,6 +238,7 @@ def prune(
     trusted: Iterable[int] = (),
     progress: Progress | None = None,
     warn: bool = True,
+    committed_step: int | None = None,
 ) -> PruneResult:
     """Apply ``policy`` to the committed checkpoints under ``root``.
 
@@ -250,6 +251,8 @@ def prune(
     (see the module docstring): ``trusted`` steps count as verified unread, ``verify=False``
     skips the check, ``progress`` is told about the bytes read. ``warn=False`` leaves the
     result's ``warnings`` to the caller (the worker: the engine reports them in the trainer).
+    ``committed_step``: the step whose commit this prune follows, never deleted (and nothing
+    above it: ``retention.plan_prune``).
     """
     root = Path(root)
     L.check_layout(layout)
@@ -274,6 +277,7 @@ def prune(
         in_use=in_use,
         run_id=run_id,
         scope=scope,
+        committed_step=committed_step,
     )
     notes = dict(plan.warnings)
     corrupt: dict[int, list[str]] = {}
@@ -329,7 +333,9 @@ def _keep_one_that_verifies(
             corrupt[step] = problems  # reported by the caller (warnings, CLI, JSON)
         return not problems
 
-    for step in sorted(plan.keep, reverse=True):
+    # Trusted ones first: the one the worker just committed verifies without a read, even
+    # when a higher (older run's) step is kept too (allow_older_steps).
+    for step in sorted(plan.keep, key=lambda s: (s in trusted, s), reverse=True):
         if verifies(step):
             return plan
     for step in sorted(plan.delete, reverse=True):
