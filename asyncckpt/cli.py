@@ -30,6 +30,7 @@ from asyncckpt.prune import (
     detect_layout,
     disk_usage,
     list_checkpoints,
+    list_quarantined,
     prune,
 )
 from asyncckpt.retention import (
@@ -160,11 +161,12 @@ def _table(title: str, rows: list[tuple[str, ...]], columns: Sequence[str]) -> T
 def _add_ls(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ls",
-        help="list committed checkpoints, which are protected, leftovers",
+        help="list committed checkpoints, which are protected, leftovers, quarantined ones",
         description="List committed checkpoints: step, commit time, size, metrics, status, "
         "what protects them. The status column ('ok' or 'CORRUPT: reason') compares every "
         "file's size with the manifest by default (fast, reads no data: catches missing and "
-        "truncated shards); --verify also reads every byte and checks its checksum (as `verify`).",
+        "truncated shards); --verify also reads every byte and checks its checksum (as `verify`). "
+        "Checkpoints a load found corrupt, moved into ROOT/.quarantine/, are listed after them.",
     )
     _add_root(p)
     p.add_argument(
@@ -198,6 +200,32 @@ def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) ->
     ]
 
 
+def _quarantined(root: str, layout: str) -> list[dict[str, Any]]:
+    """Checkpoints the engine found corrupt and moved into ``<root>/.quarantine/``: no longer
+    checkpoints (not listed, loaded, pruned or verified), shown so that nobody misses them."""
+    return [
+        {
+            "step": q.step,
+            "name": q.name,
+            "path": str(q.path),
+            "quarantined_at": q.at,
+            "problems": q.problems,
+        }
+        for q in list_quarantined(root, layout)
+    ]
+
+
+def _print_quarantined(console: Console, quarantined: list[dict[str, Any]]) -> None:
+    for q in quarantined:
+        when = _when(q["quarantined_at"]) if q["quarantined_at"] is not None else "?"
+        why = "; ".join(q["problems"]) or "reason unknown"
+        console.print(
+            f"quarantined (found corrupt on {when}, not a checkpoint any more): {q['name']} "
+            f"-> {q['path']}: {why}",
+            style="yellow",
+        )
+
+
 def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
     return [
         (
@@ -227,12 +255,14 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
     leftovers = sorted(e for e in os.listdir(args.root) if L.is_leftover(e))
     usage = disk_usage(args.root, layout)
     entries = _ls_entries(infos, problems, protected)
+    quarantined = _quarantined(args.root, layout)
     if args.json:
         out = {
             "layout": layout,
             "tracker": tracker,
             "checkpoints": entries,
             "leftovers": leftovers,
+            "quarantined": quarantined,
             "usage": usage,
             "checked": "sizes" if report.quick else "checksums",
         }
@@ -254,6 +284,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
         )
     for name in leftovers:
         console.print(f"leftover: {name}")
+    _print_quarantined(console, quarantined)
     return 0
 
 
@@ -431,6 +462,7 @@ def _run_verify(args: argparse.Namespace, console: Console) -> int:
     code = _print_verify(
         args, console, str(report.root), report.layout, checkpoints,
         report.tracker_step, report.tracker_problem, report.leftovers,
+        quarantined=_quarantined(args.root, layout),
     )  # fmt: skip
     if not report.checkpoints:
         raise _Failure(_no_checkpoints(args.root, layout))
@@ -446,8 +478,10 @@ def _print_verify(
     tracker: int | None,
     tracker_problem: str | None,
     leftovers: list[str],
+    quarantined: list[dict[str, Any]] | None = None,
 ) -> int:
-    """``verify``'s output for any tier: JSON, or a table, the tracker and a verdict."""
+    """``verify``'s output for any tier: JSON, or a table, the tracker and a verdict.
+    ``quarantined`` (local roots): shown, not verified and not counted in the verdict."""
     good = [c["step"] for c in checkpoints if c["ok"]]
     ok = len(good) == len(checkpoints) and tracker_problem is None
     if args.json:
@@ -460,6 +494,7 @@ def _print_verify(
             "tracker_problem": tracker_problem,
             "newest_good": good[-1] if good else None,
             "leftovers": leftovers,
+            "quarantined": quarantined or [],
         }
         console.print_json(json.dumps(out))
         return 0 if ok else 1
@@ -476,6 +511,7 @@ def _print_verify(
             "leftovers (an engine at work, or a crash; removed at the next start): "
             + ", ".join(leftovers)
         )
+    _print_quarantined(console, quarantined or [])
     if ok:
         console.print(f"OK: {len(good)} checkpoint(s) verified")
         return 0

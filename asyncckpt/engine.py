@@ -213,6 +213,7 @@ class _Core(WorkerSupervision):
             world_size=self.world_size,
             remote=self.remote,
             on_loaded=self._on_loaded,
+            quarantine=self.prunes_here,  # one rank moves a corrupt checkpoint aside
         )
         self.rendezvous = _dist.Rendezvous()
         self.dist_cfg: Any = None  # dist.DistConfig once started, when world_size > 1
@@ -586,9 +587,24 @@ class _Core(WorkerSupervision):
         return step
 
     def _check_forward(self, step: int) -> None:
-        """Refuse a step below the newest committed or in-flight one (the tracker would lag)."""
-        dirs = self.restorer.committed()
+        """Refuse a step below the newest committed or in-flight one (the tracker would lag).
+
+        A step this engine found corrupt does not count (it is quarantined, or another rank
+        does that). One without asyncckpt's manifest (plain DCP, Megatron: loadable, so it
+        counts) is named as such in the refusal: often it is no checkpoint of this run at all.
+        """
+        known_corrupt = self.restorer.known_corrupt
+        dirs = [d for d in self.restorer.committed() if d.step not in known_corrupt]
         newest = dirs[-1].step if dirs else None
+        if dirs and step < dirs[-1].step and not (dirs[-1].path / _layout.MANIFEST).exists():
+            raise CheckpointError(
+                f"step {step} is older than step {newest}: {dirs[-1].path} is not an asyncckpt "
+                f"checkpoint (it has no {_layout.MANIFEST}; written by another tool, or by "
+                "hand) but holds DCP's .metadata, so it loads and counts as the newest step. "
+                "Steps must increase (the tracker names the newest checkpoint and never moves "
+                "back): move it out of the root if it is not a checkpoint of this run, or pass "
+                "allow_older_steps=True to write older steps anyway"
+            )
         with self.cond:
             flying = max((j.handle.step for j in self.inflight.values()), default=None)
         for other, what in ((newest, "committed"), (flying, "in flight")):

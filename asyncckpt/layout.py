@@ -23,6 +23,11 @@ MANIFEST = "asyncckpt_manifest.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 LOCK_NAME = ".asyncckpt.lock"
+#: Where a checkpoint the engine found corrupt is moved (within the root, never deleted): it
+#: stops counting as a checkpoint (listing, loading, retention, the forward check of steps).
+QUARANTINE_DIR = ".quarantine"
+#: Beside each quarantined directory: ``<its name>.json`` saying where it came from and why.
+QUARANTINE_INFO_SUFFIX = ".json"
 #: On an object store (no rename), a checkpoint is committed exactly when this object exists
 #: in its prefix: written after every other file, deleted before them (storage/fsspec_store.py).
 COMMIT_MARKER = ".asyncckpt-committed"
@@ -100,6 +105,16 @@ def tmp_name(layout: str, step: int, token: str) -> str:
 
 def trash_name(name: str, token: str) -> str:
     return f"{TRASH_PREFIX}{_unsearchable(name)}-{token}"
+
+
+def quarantine_name(name: str, reason: str, when: float) -> str:
+    """The name of a quarantined checkpoint directory inside ``QUARANTINE_DIR``:
+    ``global_step_1000-checksum-20250101T120000Z``. Never a checkpoint name (anchored
+    patterns), and not a direct child of the root, so no scan of the root lists it."""
+    import time
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(when))
+    return f"{name}-{reason}-{stamp}"
 
 
 def tracker_names(layout: str) -> tuple[str, ...]:

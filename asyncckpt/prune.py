@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 import uuid
 import warnings
 from collections.abc import Iterable
@@ -65,6 +66,9 @@ __all__ = [
     "detect_layout",
     "trash_and_delete",
     "clean_leftovers",
+    "quarantine",
+    "list_quarantined",
+    "Quarantined",
     "prune",
     "report_warnings",
     "disk_usage",
@@ -195,6 +199,80 @@ def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
     remove_tree(trash)
 
 
+def _damage_kind(problems: list[str]) -> str:
+    """One word for the name of a quarantined checkpoint, from ``check_dir``'s problems."""
+    text = "; ".join(problems)
+    for needle, kind in (
+        (L.MANIFEST, "manifest"),
+        (": missing", "missing"),
+        ("truncated", "truncated"),
+        ("checksum", "checksum"),
+    ):
+        if needle in text:
+            return kind
+    return "corrupt"
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """A checkpoint moved into ``<root>/.quarantine/``: ``step`` and ``name`` it had,
+    ``path`` where it is now, ``problems`` found, ``at`` when (None: its note is missing)."""
+
+    step: int | None
+    name: str
+    path: Path
+    problems: list[str]
+    at: float | None
+
+
+def quarantine(root: str | os.PathLike, path: str | os.PathLike, problems: list[str]) -> Path:
+    """Move the committed checkpoint ``path`` (a direct child of ``root``) that fails its
+    manifest into ``root/.quarantine/``, with a note of why; returns where it went.
+
+    A rename within the root: nothing is deleted, the directory just stops being a checkpoint
+    (no scan lists it), so retention and the forward check of steps no longer count it. To
+    put one back, move it to its old name (``python -m asyncckpt ls`` lists them).
+    """
+    root = Path(root)
+    path = _direct_child(root, Path(path))
+    qdir = root / L.QUARANTINE_DIR
+    qdir.mkdir(exist_ok=True)
+    now = time.time()
+    name = L.quarantine_name(path.name, _damage_kind(problems), now)
+    if (qdir / name).exists():  # the same step twice in one second (downloaded again)
+        name = f"{name}-{uuid.uuid4().hex[:6]}"
+    target = qdir / name
+    os.rename(path, target)  # FileNotFoundError: it went (pruned by another process)
+    fsync_dir(root)
+    note = {"name": path.name, "quarantined_at": now, "problems": problems}
+    tmp = qdir / f"{L.TMP_PREFIX}{name}"
+    tmp.write_text(json.dumps(note, indent=1))
+    os.replace(tmp, qdir / f"{name}{L.QUARANTINE_INFO_SUFFIX}")
+    fsync_dir(qdir)
+    return target
+
+
+def list_quarantined(root: str | os.PathLike, layout: str) -> list[Quarantined]:
+    """The checkpoints quarantined under ``root`` (``quarantine``), oldest first."""
+    qdir = Path(root) / L.QUARANTINE_DIR
+    try:
+        entries = [e for e in os.scandir(qdir) if e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for e in entries:
+        try:
+            note = json.loads((qdir / f"{e.name}{L.QUARANTINE_INFO_SUFFIX}").read_text())
+            name, at = str(note["name"]), float(note["quarantined_at"])
+            problems = [str(p) for p in note.get("problems", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            name, at, problems = e.name, None, []
+        step = L.parse_dir_name(layout, name)
+        out.append(Quarantined(step, name, Path(e.path), problems, at))
+    out.sort(key=lambda q: (q.at or 0.0, q.path.name))
+    return out
+
+
 def clean_leftovers(root: str | os.PathLike) -> list[str]:
     """Remove temporaries and trash left by a crash; returns the names removed.
 
@@ -238,6 +316,7 @@ def prune(
     trusted: Iterable[int] = (),
     progress: Progress | None = None,
     warn: bool = True,
+    committed_step: int | None = None,
 ) -> PruneResult:
     """Apply ``policy`` to the committed checkpoints under ``root``.
 
@@ -250,6 +329,8 @@ def prune(
     (see the module docstring): ``trusted`` steps count as verified unread, ``verify=False``
     skips the check, ``progress`` is told about the bytes read. ``warn=False`` leaves the
     result's ``warnings`` to the caller (the worker: the engine reports them in the trainer).
+    ``committed_step``: the step whose commit this prune follows, never deleted (and nothing
+    above it: ``retention.plan_prune``).
     """
     root = Path(root)
     L.check_layout(layout)
@@ -274,6 +355,7 @@ def prune(
         in_use=in_use,
         run_id=run_id,
         scope=scope,
+        committed_step=committed_step,
     )
     notes = dict(plan.warnings)
     corrupt: dict[int, list[str]] = {}
@@ -329,7 +411,9 @@ def _keep_one_that_verifies(
             corrupt[step] = problems  # reported by the caller (warnings, CLI, JSON)
         return not problems
 
-    for step in sorted(plan.keep, reverse=True):
+    # Trusted ones first: the one the worker just committed verifies without a read, even
+    # when a higher (older run's) step is kept too (allow_older_steps).
+    for step in sorted(plan.keep, key=lambda s: (s in trusted, s), reverse=True):
         if verifies(step):
             return plan
     for step in sorted(plan.delete, reverse=True):
@@ -362,7 +446,8 @@ def _corrupt_notes(plan: PrunePlan, corrupt: dict[int, list[str]]) -> dict[str, 
 
 def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, int]:
     """Measured bytes: ``committed`` checkpoints, ``leftovers`` (temporaries in flight or left by a
-    crash, and trash), and the filesystem's ``free`` and ``total`` (``shutil.disk_usage``)."""
+    crash, and trash), ``quarantined`` checkpoints (found corrupt, moved aside, still on disk)
+    and the filesystem's ``free`` and ``total`` (``shutil.disk_usage``)."""
     root = Path(root)
     layout = layout or detect_layout(root)
     dirs = L.scan(root, layout)
@@ -372,10 +457,12 @@ def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, 
         if L.is_leftover(entry.name):
             p = Path(entry.path)
             leftovers += _tree_size(p) if entry.is_dir(follow_symlinks=False) else 0
+    quarantined = sum(_tree_size(q.path) for q in list_quarantined(root, layout))
     du = shutil.disk_usage(root)
     return {
         "committed_bytes": committed,
         "leftover_bytes": leftovers,
+        "quarantined_bytes": quarantined,
         "checkpoints": len(dirs),
         "free_bytes": du.free,
         "total_bytes": du.total,

@@ -44,8 +44,24 @@ def check_step(step: Any) -> int:
     return step
 
 
+class _Damaged(CorruptCheckpoint):
+    """The checkpoint fails its own manifest (a checksum, a size, a missing file, the manifest
+    unreadable): damage for certain, which quarantines it. Other ``CorruptCheckpoint``s (data
+    that verified but could not be read, an I/O error) may be the target's or the machine's
+    fault, and leave the checkpoint where it is."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 class Restorer:
-    """Loads into a target from one root (and its remote tier)."""
+    """Loads into a target from one root (and its remote tier).
+
+    ``quarantine``: this rank is the one that moves a checkpoint found corrupt into
+    ``<root>/.quarantine/`` (the rank that prunes: one per shared root); the others only skip
+    it. Steps found corrupt are remembered in ``known_corrupt`` either way.
+    """
 
     def __init__(
         self,
@@ -60,6 +76,7 @@ class Restorer:
         world_size: int,
         remote: RemoteTier | None,
         on_loaded: Callable[[int], None],
+        quarantine: bool = True,
     ) -> None:
         self.root = root
         self.layout = layout
@@ -72,6 +89,10 @@ class Restorer:
         self.remote = remote
         self.on_loaded = on_loaded  # the step a load restored (the engine's resumed-from)
         self.last_load_report: LoadReport | None = None
+        self.quarantine = quarantine
+        # Steps this engine found failing their manifest: they stop counting (the forward
+        # check of steps ignores them) also where they could not be moved aside.
+        self.known_corrupt: set[int] = set()
 
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
@@ -93,7 +114,12 @@ class Restorer:
         manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
         if (directory / _layout.MANIFEST).exists():
-            manifest = read_manifest(directory)
+            try:
+                manifest = read_manifest(directory)
+            except CorruptCheckpoint as e:
+                if not directory.is_dir():
+                    raise loadcheck.Vanished(f"{directory} went away before it was read") from None
+                raise _Damaged(str(e), [str(e)]) from None
             if self.verify_on_load:
                 files = dict(manifest.get("files", {}))
         elif not directory.is_dir():
@@ -172,17 +198,19 @@ class Restorer:
 
     def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
         """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
-        problems = []
+        damage, unreadable = [], []
         for rel, want in files.items():
             try:
-                problems += check_files(directory, {"files": {rel: want}})
+                damage += check_files(directory, {"files": {rel: want}})
             except OSError as e:  # gone between the check and the read, or unreadable
-                problems.append(f"{rel}: {e}")
+                unreadable.append(f"{rel}: {e}")
             progress.verified(int(want.get("size", 0)))
-        if problems:
+        if damage or unreadable:
             if not directory.is_dir():
                 raise Vanished(f"{directory} went away while it was verified")
-            raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+            message = f"{directory}: " + "; ".join(damage + unreadable)
+            # An I/O error alone may pass (a flaky mount): only a mismatch is damage.
+            raise _Damaged(message, damage) if damage else CorruptCheckpoint(message)
 
     def _load_partial(self, part: Part, report: LoadReport) -> None:
         """strict=False: read into a copy of the target's containers without the missing keys,
@@ -291,9 +319,10 @@ class Restorer:
                         vanished = True
                         continue
                     errors.append(f"step {c.step}: {e}")
+                    aside = self._set_aside(c.step, c.path, e, fetched=c.step not in local)
                     msg = (
                         f"checkpoint step {c.step} at {c.path} is unusable ({e}); "
-                        "trying an older one"
+                        f"{aside}trying an older one"
                     )
                     log.error(msg)
                     warnings.warn(msg, stacklevel=3)
@@ -307,6 +336,66 @@ class Restorer:
         raise NoValidCheckpoint(
             f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
         )
+
+    def _damage(self, directory: Path, e: BaseException) -> list[str] | None:
+        """The problems that make ``directory`` damaged for certain, or None.
+
+        A failure other than a manifest mismatch (data that verified and still could not be
+        read, an I/O error, a target the reader refused) is not damage; with
+        ``verify_on_load=False`` the manifest is checked now to tell. A checkpoint without a
+        manifest (plain DCP, Megatron) cannot be told apart from a bad target: never."""
+        if isinstance(e, _Damaged):
+            return e.problems or None
+        if self.verify_on_load or not (directory / _layout.MANIFEST).exists():
+            return None
+        from .manifest import check_dir
+
+        try:
+            return check_dir(directory) or None
+        except OSError:
+            return None
+
+    def _set_aside(self, step: int, directory: Path, e: BaseException, *, fetched: bool) -> str:
+        """A checkpoint of this root found damaged stops counting: moved into
+        ``.quarantine/`` (by the quarantining rank; never deleted). Returns what was done,
+        for the message ("" when it is not damage)."""
+        problems = self._damage(directory, e)
+        if problems is None:
+            return ""
+        self.known_corrupt.add(step)
+        if not self.quarantine:
+            return "another rank sets it aside; "
+        from .prune import quarantine, trash_and_delete
+
+        try:
+            if fetched:
+                # Only a download of the store's copy, which stays where it is (an object
+                # store has no rename to quarantine with): the local copy goes.
+                trash_and_delete(self.root, directory)
+                return (
+                    f"its download from {self.remote.url} was removed (the store's copy stays: "
+                    f"`python -m asyncckpt verify {self.remote.url}`); "
+                )
+            moved = quarantine(self.root, directory, problems)
+        except FileNotFoundError:
+            return ""  # pruned meanwhile
+        except OSError as err:
+            log.warning("could not move the corrupt checkpoint %s aside: %s", directory, err)
+            return ""
+        self._tracker_past(step)
+        return f"moved to {moved} (no longer a checkpoint); "
+
+    def _tracker_past(self, step: int) -> None:
+        """The tracker named the step just quarantined: name the newest one left instead
+        (it must only ever name a committed checkpoint; Megatron's loaders read it)."""
+        from .commit import advance_tracker
+
+        left = self.committed()
+        if _layout.read_tracker(self.root) == step and left:
+            try:
+                advance_tracker(self.root, self.layout, left[-1].step)
+            except OSError as err:
+                log.warning("could not update the tracker of %s: %s", self.root, err)
 
     def _remote_only(self) -> dict[int, str]:
         """Steps committed in the store and not on disk (step -> name), read once per load."""
@@ -366,6 +455,11 @@ class Restorer:
             # read, say): gone, not damaged.
             if not directory.is_dir():
                 raise Vanished(f"{directory} went away while it was read") from e
+            if isinstance(e, _Damaged):
+                ours = found is not None and directory.parent.resolve() == self.root.resolve()
+                aside = self._set_aside(found, directory, e, fetched=False) if ours else ""
+                if aside:
+                    raise CorruptCheckpoint(f"{e}; {aside.rstrip('; ')}") from e
             raise
         self._loaded(report, found, directory)
         return found if found is not None else -1

@@ -428,6 +428,7 @@ def plan_prune(
     in_use: Iterable[int] = (),
     run_id: str | None = None,
     scope: str = "all",
+    committed_step: int | None = None,
 ) -> PrunePlan:
     """Decide what to keep and what to delete; the policy only ever sees deletion candidates.
 
@@ -435,6 +436,13 @@ def plan_prune(
     ``run_id`` is this run's (slime's behaviour: a resumed or sibling run never deletes another
     run's checkpoints, which are kept with reason ``"other-run"``). ``policy=None`` keeps all.
     Raises ValueError on duplicate steps (the caller's scan is broken; deleting would be a guess).
+
+    ``committed_step``: the step whose commit this prune follows (the engine's prune). It is
+    kept (``"just-committed"``), and steps above it are no candidates either
+    (``"above-just-committed"``): with ``allow_older_steps`` they are another timeline's (a
+    stale run's ``global_step_1000`` while this run saves 10, 20, ...), which this run's policy
+    neither deletes nor lets take the places of its own checkpoints. In a run whose steps only
+    go forward the step just committed is the newest, and this changes nothing.
     """
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
@@ -457,6 +465,13 @@ def plan_prune(
                 keep.setdefault(c.step, []).append("other-run")
     else:
         candidates = cps
+    if committed_step is not None:
+        if committed_step in steps:
+            keep.setdefault(committed_step, []).append("just-committed")
+        for c in candidates:
+            if c.step > committed_step:
+                keep.setdefault(c.step, []).append("above-just-committed")
+        candidates = [c for c in candidates if c.step <= committed_step]
     reasons = (policy or KeepAll()).explain(candidates)
     for step in {c.step for c in candidates}:
         if step in reasons:

@@ -79,24 +79,25 @@ class PruneRequest:
     run_id: str | None = None
     scope: str = "all"
 
-    def run(self, root: Path, config: WorkerConfig) -> Any:
+    def run(self, root: Path, config: WorkerConfig, step: int) -> Any:
         from .prune import prune
 
-        # The tracker names the checkpoint this worker has just committed (prune refuses
-        # otherwise), checksummed as it was written: trusted, not read back at every save.
+        # ``step`` is the checkpoint this worker has just committed, checksummed as it was
+        # written: trusted, not read back at every save, and never pruned. (The tracker names
+        # it only when steps go forward: with allow_older_steps it stays on a higher step.)
         # Warnings travel in the report; the engine shows them in the trainer's process.
-        tracker = _layout.read_tracker(root)
         return prune(
             root,
             config.layout,
             self.policy,
-            tracker_step=tracker,
+            tracker_step=_layout.read_tracker(root),
             resumed_from=self.resumed_from,
             pinned=self.pinned,
             run_id=self.run_id,
             scope=self.scope,
-            trusted=() if tracker is None else (tracker,),
+            trusted=(step,),
             warn=False,
+            committed_step=step,
         )
 
 
@@ -287,7 +288,7 @@ class Worker:
         self.events.send(M.Committed(job.job_id, outcome[1]))
         faults.point("after_commit")
         if job.prune is not None:
-            self._prune(job.job_id, job.prune)
+            self._prune(job.job_id, job.prune, job.step)
 
     def _write_shards(self, job: SaveJob, tmp: Path, pg: Any, rank: int) -> dict:
         """This rank's files in ``tmp``, durable; returns their checksums (name -> entry)."""
@@ -485,9 +486,9 @@ class Worker:
             except OSError:
                 pass  # complete and verified; only the tracker lags it
 
-    def _prune(self, job_id: int | None, request: Any) -> None:
+    def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
-            report = request.run(self.root, self.config)
+            report = request.run(self.root, self.config, step)
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))

@@ -378,7 +378,8 @@ def test_a_good_kept_checkpoint_is_read_once_and_trusted_ones_not_at_all(root):
 
 
 def test_the_engines_prune_trusts_the_checkpoint_it_just_committed(root, monkeypatch):
-    """The worker's prune reads nothing back: the tracker's step was checksummed as written."""
+    """The worker's prune reads nothing back: the step it committed was checksummed as written
+    (also when the tracker names a higher step: allow_older_steps, issue 28 item 4)."""
     from types import SimpleNamespace
 
     from asyncckpt.retention import KeepLast
@@ -388,8 +389,11 @@ def test_the_engines_prune_trusts_the_checkpoint_it_just_committed(root, monkeyp
         raise AssertionError("the worker's prune read a checkpoint back")
 
     monkeypatch.setattr("asyncckpt.prune.check_dir", no_read)
-    result = PruneRequest(policy=KeepLast(1)).run(root, SimpleNamespace(layout="global_step"))
-    assert result.deleted == [10, 20, 30] and steps(root) == [40]
+    config = SimpleNamespace(layout="global_step")
+    result = PruneRequest(policy=KeepLast(1)).run(root, config, 30)  # 40 is above: kept
+    assert result.deleted == [10, 20] and steps(root) == [30, 40]
+    result = PruneRequest(policy=KeepLast(1)).run(root, config, 40)
+    assert result.deleted == [30] and steps(root) == [40]
 
 
 def test_ls_marks_corrupt_checkpoints(root, capsys):

@@ -219,6 +219,36 @@ def test_plan_prune_never_deletes_protected(cps, policy, tracker, resumed, pinne
     assert plan_prune(shuffled, policy, **kw) == plan
 
 
+@given(checkpoint_lists(), policies, st.randoms())
+def test_plan_prune_keeps_the_step_just_committed_and_all_above_it(cps, policy, rnd):
+    """Issue 28 item 4: the prune after a commit (committed_step) never deletes that step,
+    nor any step above it (allow_older_steps: another timeline's); the policy decides over
+    the steps up to it as if those above were absent. Forward-only runs: no change."""
+    if not cps:
+        return
+    committed = rnd.choice(cps).step
+    plan = plan_prune(cps, policy, tracker_step=max(c.step for c in cps), committed_step=committed)
+    assert committed not in plan.delete and "just-committed" in plan.keep[committed]
+    assert all(s < committed for s in plan.delete)
+    below = [c for c in cps if c.step <= committed]
+    assert set(plan.delete) == {c.step for c in below} - policy.keep(below) - {committed}
+    newest = max(c.step for c in cps)
+    forward = plan_prune(cps, policy, tracker_step=newest, committed_step=newest)
+    assert forward.delete == plan_prune(cps, policy, tracker_step=newest).delete
+
+
+def test_plan_prune_with_a_stale_higher_step():
+    cps = [ck(1000), ck(10), ck(20), ck(30)]
+    plan = plan_prune(cps, KeepLast(1), tracker_step=1000, committed_step=30)
+    assert plan.delete == [10, 20]
+    assert plan.keep == {
+        30: ["just-committed", "KeepLast(1)"],
+        1000: ["newest", "tracker", "above-just-committed"],
+    }
+    # Without committed_step (the CLI's prune), the policy ranks every step, 1000 first.
+    assert plan_prune(cps, KeepLast(1), tracker_step=1000).delete == [10, 20, 30]
+
+
 def test_plan_prune_reasons():
     cps = [ck(s, loss=float(s % 7)) for s in range(1, 11)]
     plan = plan_prune(

@@ -88,3 +88,24 @@ async def test_protect_and_resumed_from_are_never_pruned(tmp_path):
         # 3 is neither newest, protected nor resumed-from; 2 is resumed-from until 10 commits:
         # that commit releases it, so after it only 1 (protected) and 10 (newest) stay.
         assert steps_on_disk(tmp_path) == [1, 10]
+
+
+@pytest.mark.parametrize("n, kept", [(1, [30, 1000]), (2, [20, 30, 1000])])
+def test_allow_older_steps_never_prunes_the_step_it_just_committed(tmp_path, n, kept):
+    """Issue 28 item 4: a stale higher step (an older run's 1000) made every new save of an
+    allow_older_steps run with KeepLast be deleted by its own prune."""
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1000, {"w": torch.full((4,), 1000.0)})
+        engine.wait()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(n), allow_older_steps=True) as engine:
+        for step in (10, 20, 30):
+            engine.save(step, {"w": torch.full((4,), float(step))})
+            engine.wait()
+    # Closed: every prune has run. The run keeps its own n newest; the stale higher step
+    # (which the tracker names) is left alone and takes none of KeepLast's places.
+    assert steps_on_disk(tmp_path) == kept
+    assert L.read_tracker(tmp_path) == 1000
+    probe = {"w": torch.zeros(4)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        assert engine.load(probe, step=30) == 30
+    assert probe["w"][0] == 30.0

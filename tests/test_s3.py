@@ -168,9 +168,14 @@ def test_corrupt_remote_checkpoint_falls_back_loudly(s3, tmp_path):
     fs.pipe_file(shard, bytes(data))
     state = blank()
     with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s2") as eng:
-        with pytest.warns(UserWarning, match="step 2 .* unusable"):
+        with pytest.warns(UserWarning, match="step 2 .* unusable.* download .* removed"):
             assert eng.load_latest(state) == 1
+        eng.save(3, make_state(3))  # the run saves on (issue 28 item 5)
     assert_same(state, make_state(1))
+    # The store's copy stays (no rename there to quarantine with); the bad download went.
+    assert [c.step for c in FsspecStore(s3.url, s3.options).committed("global_step")] == [1, 2, 3]
+    assert not (tmp_path / "s2" / "global_step_2").exists()
+    assert not (tmp_path / "s2" / L.QUARANTINE_DIR).exists()
 
 
 def test_plain_dcp_loads_from_the_bucket_without_asyncckpt(s3, tmp_path):

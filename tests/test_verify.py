@@ -29,6 +29,7 @@ from asyncckpt import (
 )
 from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.prune import list_quarantined
 
 STEPS = (1, 2, 3)
 
@@ -121,6 +122,15 @@ def test_corrupt_latest_falls_back_loudly(root, case, caplog, capsys):
     status = {c.step: c for c in rep.checkpoints}
     assert status[1].ok and status[2].ok and not status[3].ok
     assert any(problem in p for p in status[3].problems), status[3].problems
+    # the CLI: exit 1, names the bad step and the problem
+    code = main(["verify", str(root)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "BAD" in out and problem in out
+    code = main(["verify", "--json", str(root)])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False and report["newest_good"] == 2
+    assert [c["ok"] for c in report["checkpoints"]] == [True, True, False]
     # load_latest: falls back to step 2, with a warning and an error in the log
     target = blank()
     with caplog.at_level(logging.ERROR, logger="asyncckpt"):
@@ -132,15 +142,13 @@ def test_corrupt_latest_falls_back_loudly(root, case, caplog, capsys):
         r.levelno == logging.ERROR and "step 3" in r.getMessage() and problem in r.getMessage()
         for r in caplog.records
     ), caplog.text
-    # the CLI: exit 1, names the bad step and the problem
-    code = main(["verify", str(root)])
-    out = capsys.readouterr().out
-    assert code == 1
-    assert "BAD" in out and problem in out
+    # ... and moved step 3 into .quarantine/ (issue 28 item 5): no longer a checkpoint, so
+    # verify passes, and shows it with its problem.
     code = main(["verify", "--json", str(root)])
     report = json.loads(capsys.readouterr().out)
-    assert code == 1 and report["ok"] is False and report["newest_good"] == 2
-    assert [c["ok"] for c in report["checkpoints"]] == [True, True, False]
+    assert code == 0 and [c["step"] for c in report["checkpoints"]] == [1, 2]
+    (q,) = report["quarantined"]
+    assert q["step"] == 3 and any(problem in p for p in q["problems"]), q
 
 
 async def test_fallback_through_the_async_engine(root, anyio_backend, caplog):
@@ -162,7 +170,9 @@ def test_several_bad_falls_back_as_far_as_needed(root):
     assert_state(target, 1)
     messages = " ".join(str(w.message) for w in record)
     assert "step 3" in messages and "step 2" in messages
-    assert [c.ok for c in verify(root).checkpoints] == [True, False, False]
+    # both set aside (issue 28 item 5): only step 1 is a checkpoint now
+    assert [(c.step, c.ok) for c in verify(root).checkpoints] == [(1, True)]
+    assert sorted(q.step for q in list_quarantined(root, "global_step")) == [2, 3]
 
 
 def test_nothing_good_left_is_a_clear_error(root):

@@ -113,9 +113,11 @@ def plan_remote_prune(
     tracker_step: int | None,
     pinned: Iterable[int] = (),
     resumed_from: int | None = None,
+    committed_step: int | None = None,
 ) -> list[int]:
     """Steps to delete from the store: the policy over its checkpoints, with the same
-    protections as on disk (newest, tracker, pinned, resumed-from). ``None`` deletes nothing."""
+    protections as on disk (newest, tracker, pinned, resumed-from, the step just published
+    and any above it: ``plan_prune``'s ``committed_step``). ``None`` deletes nothing."""
     if policy is None:
         return []
     return plan_prune(
@@ -124,6 +126,7 @@ def plan_remote_prune(
         tracker_step=tracker_step,
         pinned=pinned,
         resumed_from=resumed_from,
+        committed_step=committed_step,
     ).delete
 
 
@@ -167,6 +170,7 @@ def publish_after_commit(
             tracker_step=max([step, *published]),  # what write_tracker just wrote (or newer)
             pinned=pinned,
             resumed_from=resumed_from,
+            committed_step=step,
         )
         if tier.keep is not None
         else []
