@@ -164,6 +164,10 @@ class _Core(WorkerSupervision):
 
             if not isinstance(opts.export, HFExport):
                 raise TypeError(f"export must be an HFExport, not {opts.export!r}")
+            from .export import _require_safetensors
+
+            # Here, not in the worker after the first due step has committed.
+            _require_safetensors()
         self.layout = _layout.check_layout(opts.layout)
         self.components: dict[str, Component] | None = None
         if opts.components is not None:
@@ -926,6 +930,12 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
             raise TypeError(f"metric names must be str, got {k!r}")
+        if isinstance(v, (str, bytes, bytearray)):
+            # float("0.5") would pass: a string is a caller's mistake (a formatted value, a
+            # wrong key), not a number to convert silently.
+            raise TypeError(
+                f"metric {k!r} must be a number, got the string {v!r}; nothing was saved"
+            )
         try:
             clean[k] = float(v)
         except (TypeError, ValueError):
