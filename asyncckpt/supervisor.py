@@ -106,6 +106,7 @@ class WorkerSupervision:
             dist=self.dist_cfg,
             remote=self.remote,
             export=self.opts.export,
+            spool=self.spooled,
         )
         proc = ctx.Process(
             target=worker_main,

@@ -44,6 +44,7 @@ class WorkerConfig:
     dist: Any = None  # dist.DistConfig when several ranks save together
     remote: Any = None  # storage.RemoteTier: publish every commit to an object store
     export: Any = None  # export.HFExport: safetensors of a component every N steps
+    spool: bool = False  # root is a URL root's spool: record what was published in it
 
 
 @dataclass
@@ -411,6 +412,15 @@ class Worker:
             info = error_info(e)
             info["upload"] = True
             return info
+        if self.config.spool:
+            from .storage.remote import mark_published
+
+            try:
+                mark_published(
+                    self.root, tier, self.config.layout, [job.step, *figures["uploaded_steps"]]
+                )
+            except OSError:
+                pass  # in the store all the same; a restart finds it there and records it
         stats.update(figures)
         stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.config.layout, job.step)}"
         return None
