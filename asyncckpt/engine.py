@@ -515,6 +515,20 @@ class _Core(WorkerSupervision):
             cause,
             "the trainer wrote the tracker" if self.rank == 0 else "rank 0 writes the tracker",
         )
+        export = self.opts.export
+        if export is not None and export.due(step) and self.rank == 0:
+            from .export import export_dir
+
+            out = export_dir(export, step)
+            if not (out / _layout.MANIFEST).is_file():
+                # Killed mid-export: the export did not happen, and the handle must say so.
+                err = ExportFailed(
+                    f"step {step} IS committed at {final} (it loads), but its worker stopped "
+                    f"before its Hugging Face export to {out} was complete; the next worker "
+                    "start writes it again (asyncckpt.export.export_step also does)"
+                )
+                err.__cause__ = cause
+                return err
         if self.remote is not None:
             err = UploadFailed(
                 f"step {step} IS committed locally at {final} (it loads), but its worker stopped "
