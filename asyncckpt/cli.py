@@ -415,6 +415,7 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
             "policy": repr(policy),
             "dry_run": args.dry_run,
             "deleted": result.deleted,
+            "already_gone": result.gone,
             "kept": {str(k): v for k, v in result.kept.items()},
             "errors": {str(k): v for k, v in result.errors.items()},
             "cleaned": cleaned,
@@ -427,6 +428,11 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
         console.print(f"policy: {policy!r}")
         console.print(_table("kept", rows, ("step", "why")))
         console.print(f"{verb}: {', '.join(map(str, result.deleted)) or 'nothing'}")
+        if result.gone:  # a race with the engine's own prune: done, not an error
+            console.print(
+                f"already gone (deleted meanwhile by another process, e.g. the engine): "
+                f"{', '.join(map(str, result.gone))}"
+            )
         for name in cleaned:
             console.print(f"removed leftover: {name}")
         for step, msg in result.errors.items():

@@ -8,6 +8,7 @@ old state or the new one, plus leftovers that ``clean_leftovers`` removes at the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -77,11 +78,18 @@ def advance_tracker(root: Path, layout: str, step: int) -> bool:
         return False
     for name in _layout.tracker_names(layout):
         tmp = root / f"{_layout.TMP_PREFIX}{name}-{new_token()}"
-        with open(tmp, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / name)
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, root / name)
+        except BaseException:
+            # A full disk (ENOSPC) fails the write or the fsync: the temporary must not
+            # stay in the root until the next start.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     fsync_dir(root)
     return True
 

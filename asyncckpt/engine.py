@@ -159,11 +159,17 @@ class _Core(WorkerSupervision):
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
         self.opts = opts
         self.root, self.remote, self.local_keep = _resolve_root(root, opts)
+        # A URL root: self.root is its spool, a local copy of what the store holds.
+        self.spooled = isinstance(root, str) and self.remote is not None and opts.remote is None
         if opts.export is not None:
             from .export import HFExport
 
             if not isinstance(opts.export, HFExport):
                 raise TypeError(f"export must be an HFExport, not {opts.export!r}")
+            from .export import _require_safetensors
+
+            # Here, not in the worker after the first due step has committed.
+            _require_safetensors()
         self.layout = _layout.check_layout(opts.layout)
         self.components: dict[str, Component] | None = None
         if opts.components is not None:
@@ -272,11 +278,16 @@ class _Core(WorkerSupervision):
                         "removed leftovers of an interrupted run in %s: %s", self.root, removed
                     )
                 if self.remote is not None:  # uploads cut by a crash: prefixes with no marker
-                    removed = self.remote.open().clean_leftovers(self.layout)
+                    store = self.remote.open()
+                    removed = store.clean_leftovers(self.layout)
                     if removed:
                         log.warning(
                             "removed uncommitted uploads in %s: %s", self.remote.url, removed
                         )
+                    if self.spooled:  # the store says what exists (remote.reconcile_spool)
+                        from .storage.remote import reconcile_spool
+
+                        reconcile_spool(self.root, self.remote, store, self.layout)
 
         if self.world_size > 1:
             # Rank 0 cleans, then publishes the side store's address (dist.py): the other
@@ -511,6 +522,20 @@ class _Core(WorkerSupervision):
             cause,
             "the trainer wrote the tracker" if self.rank == 0 else "rank 0 writes the tracker",
         )
+        export = self.opts.export
+        if export is not None and export.due(step) and self.rank == 0:
+            from .export import export_dir
+
+            out = export_dir(export, step)
+            if not (out / _layout.MANIFEST).is_file():
+                # Killed mid-export: the export did not happen, and the handle must say so.
+                err = ExportFailed(
+                    f"step {step} IS committed at {final} (it loads), but its worker stopped "
+                    f"before its Hugging Face export to {out} was complete; the next worker "
+                    "start writes it again (asyncckpt.export.export_step also does)"
+                )
+                err.__cause__ = cause
+                return err
         if self.remote is not None:
             err = UploadFailed(
                 f"step {step} IS committed locally at {final} (it loads), but its worker stopped "
@@ -917,7 +942,7 @@ def _resolve_root(
                 f"{root} is already the remote tier; pass remote= only with a local root"
             )
         tier = RemoteTier(root, keep=opts.keep, storage_options=dict(opts.storage_options or {}))
-        spool = Path(opts.spool) if opts.spool is not None else _default_spool(root)
+        spool = Path(opts.spool) if opts.spool is not None else _default_spool(tier)
         return check_local_root(spool), tier, KeepLast(1)
     if opts.storage_options is not None or opts.spool is not None:
         raise ValueError(
@@ -929,16 +954,20 @@ def _resolve_root(
     return check_local_root(root), opts.remote, opts.keep
 
 
-def _default_spool(url: str) -> Path:
-    """``$ASYNCCKPT_SPOOL`` (or the temp dir)/asyncckpt-spool/<scheme>/<bucket>/<path>."""
+def _default_spool(tier: RemoteTier) -> Path:
+    """``$ASYNCCKPT_SPOOL`` (or the temp dir)/asyncckpt-spool/<scheme>/<bucket>/<path>-<key>.
+
+    ``key`` hashes everything that identifies the store (``RemoteTier.identity``: protocol,
+    endpoint, bucket, prefix): two stores with the same bucket and prefix at two endpoints (a
+    staging and a production S3, two test servers) never share a spool."""
     import tempfile
 
     base = Path(
         os.environ.get("ASYNCCKPT_SPOOL") or Path(tempfile.gettempdir()) / "asyncckpt-spool"
     )
-    scheme, rest = url.split("://", 1)
-    parts = [p for p in rest.split("/") if p not in ("", ".", "..")]
-    return base.joinpath(scheme, *parts)
+    scheme, rest = tier.url.split("://", 1)
+    parts = [p for p in rest.split("/") if p not in ("", ".", "..")] or ["root"]
+    return base.joinpath(scheme, *parts[:-1], f"{parts[-1]}-{tier.spool_key()}")
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
@@ -948,6 +977,12 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
             raise TypeError(f"metric names must be str, got {k!r}")
+        if isinstance(v, (str, bytes, bytearray)):
+            # float("0.5") would pass: a string is a caller's mistake (a formatted value, a
+            # wrong key), not a number to convert silently.
+            raise TypeError(
+                f"metric {k!r} must be a number, got the string {v!r}; nothing was saved"
+            )
         try:
             clean[k] = float(v)
         except (TypeError, ValueError):

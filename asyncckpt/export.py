@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from . import faults
 from . import layout as _layout
 from .commit import new_token, remove_tree, write_synced
 from .errors import CorruptCheckpoint
@@ -61,6 +62,7 @@ __all__ = [
     "export_dir",
     "export_step",
     "exports_to_delete",
+    "missing_exports",
     "parse_size",
     "prune_exports",
     "read_full_state",
@@ -588,18 +590,34 @@ def _leftover_re(name: str) -> re.Pattern[str]:
 
 
 class _Staged:
-    """A temporary sibling of ``final``, locked (``flock``) while it is written so that
-    ``prune_exports`` can tell a crashed export's leftover from one in flight."""
+    """A temporary sibling of the topmost directory of ``final`` that does not exist yet,
+    locked (``flock``) while it is written so that ``prune_exports`` can tell a crashed
+    export's leftover from one in flight.
 
-    def __init__(self, final: Path) -> None:
+    Staging at the topmost missing directory (``global_step_N`` itself when no export of that
+    step exists yet), not beside ``final``: a crash mid-export must leave no empty
+    ``global_step_N/`` or ``global_step_N/<component>/`` that a watcher of the export root
+    (SkyRL's ``{export_path}/global_step_N/policy/``) would take for an export. ``base``: the
+    directory never staged itself (the export root), made if missing.
+    """
+
+    def __init__(self, final: Path, base: Path | None = None) -> None:
         self.final = final
-        _makedirs_synced(final.parent)
-        self.tmp = final.parent / f"{_layout.TMP_PREFIX}{final.name}-{new_token()}"
+        if base is not None:
+            _makedirs_synced(base)
+        top = final
+        while top.parent != base and top.parent != top and not os.path.lexists(top.parent):
+            top = top.parent
+        _makedirs_synced(top.parent)
+        self.top = top
+        self.tmp = top.parent / f"{_layout.TMP_PREFIX}{top.name}-{new_token()}"
         self.tmp.mkdir()
+        self.dir = self.tmp.joinpath(*final.relative_to(top).parts)  # where the files go
         self._fd: int | None = None
         try:
             self._fd = os.open(self.tmp, os.O_RDONLY | os.O_DIRECTORY)
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
             self.abort()
             raise
@@ -612,7 +630,15 @@ class _Staged:
         An existing export goes to trash first: a crash between the two renames leaves no
         export of that step (the checkpoint is still there to export again), never a mix.
         """
-        fsync_dir(self.tmp)
+        p = self.dir
+        while True:  # every directory made under the temporary, its entries durable
+            fsync_dir(p)
+            if p == self.tmp:
+                break
+            p = p.parent
+        if self.top != self.final:
+            self._publish_new()
+            return
         trash = None
         if os.path.lexists(self.final):
             trash = self.final.parent / f"{_layout.TRASH_PREFIX}{self.final.name}-{new_token()}"
@@ -631,6 +657,24 @@ class _Staged:
             except OSError as e:  # published already; the next prune removes the trash
                 log.warning("asyncckpt: could not remove the replaced export %s: %s", trash, e)
 
+    def _publish_new(self) -> None:
+        """``self.top`` was missing: rename the whole chain in. If a directory of it appeared
+        meanwhile (another component's export of the same step), go one level down."""
+        src, dst = self.tmp, self.top
+        while True:
+            try:
+                os.rename(src, dst)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or dst == self.final:
+                    raise
+                (child,) = os.listdir(src)  # one directory per level down to the export
+                src, dst = src / child, dst / child
+        fsync_dir(dst.parent)
+        self.close()
+        if src != self.tmp:
+            _remove(self.tmp)  # the emptied levels above
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # releases the lock
@@ -640,6 +684,8 @@ class _Staged:
         self.close()
         try:
             remove_tree(self.tmp)
+        except FileNotFoundError:
+            pass
         except OSError as e:
             log.warning("asyncckpt: could not remove the failed export %s: %s", self.tmp, e)
 
@@ -654,6 +700,7 @@ def _write(
     dtype: torch.dtype | None,
     step: int | None,
     manifest_extra: Mapping[str, Any] | None,
+    base: Path | None = None,
 ) -> dict[str, Any]:
     save_file, _ = _require_safetensors()
     if not entries:
@@ -662,26 +709,27 @@ def _write(
     files, total = _plan(entries, max_shard_bytes)
     weight_map = {name: f for f, names in files.items() for name in names}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    staged = _Staged(out_dir)
+    staged = _Staged(out_dir, base)
     try:
         for filename, names in files.items():
             tensors = source.read(names)
             if dtype is not None:
                 tensors = {n: _cast(t, dtype) for n, t in tensors.items()}
-            path = staged.tmp / filename
+            path = staged.dir / filename
             save_file(_prepare(tensors), str(path), metadata=header)
             del tensors  # one shard's tensors in memory at a time
             fsync_file(path)
+            faults.point("mid_export")
         if len(files) > 1:
             # transformers' own bytes: sorted keys, indent 2, a final newline.
             text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            write_synced(staged.tmp / INDEX_NAME, text.encode())
+            write_synced(staged.dir / INDEX_NAME, text.encode())
         extra = {"total_size": total, "shards": len(files), **dict(manifest_extra or {})}
         manifest = build_manifest(
-            staged.tmp, step=-1 if step is None else step, layout="global_step",
+            staged.dir, step=-1 if step is None else step, layout="global_step",
             fmt=EXPORT_FORMAT, metrics=None, run_id=str(extra.pop("run_id", "")), extra=extra,
         )  # fmt: skip
-        write_manifest(staged.tmp, manifest)
+        write_manifest(staged.dir, manifest)
         staged.publish()
     except BaseException:
         staged.abort()
@@ -757,7 +805,7 @@ def export_step(export: HFExport, step_dir: str | os.PathLike, step: int) -> Pat
     }
     _write(
         source, entries, out, export.max_shard_bytes, None,
-        dtype=export.dtype, step=step, manifest_extra=extra,
+        dtype=export.dtype, step=step, manifest_extra=extra, base=Path(export.path),
     )  # fmt: skip
     log.info("asyncckpt: exported step %d (%s) to %s", step, export.component, out)
     return out
@@ -819,6 +867,64 @@ def _remove(path: Path) -> bool:
     return True
 
 
+def _remove_leftover(path: Path) -> None:
+    if not _locked_elsewhere(path) and _remove(path):
+        log.info("asyncckpt: removed the leftover %s", path)
+
+
+def _remove_empty(step_dir: Path, rel: list[str]) -> None:
+    """rmdir the directories on the way to an export that is not there, deepest first, up to
+    ``global_step_N`` itself: only empty ones (anything else there is someone else's)."""
+    chain = [step_dir.joinpath(*rel[:i]) for i in range(len(rel) - 1, -1, -1)]
+    for p in chain:
+        if not _real_dir(p):
+            continue
+        try:
+            p.rmdir()
+        except OSError:
+            break  # not empty: kept, and so is every level above it
+        log.info("asyncckpt: removed the empty %s (an export that never completed)", p)
+
+
+def wanted_record(export: HFExport) -> dict[str, str]:
+    """What a checkpoint's manifest records of the export due at its step (``hf_export``):
+    the worker writes it before the commit, so an export the worker did not live to finish
+    is found at its next start (``missing_exports``)."""
+    return {"path": os.path.abspath(os.fspath(export.path)), "dir": export.relpath}
+
+
+def missing_exports(
+    export: HFExport, root: str | os.PathLike, layout: str
+) -> list[tuple[int, Path]]:
+    """Committed steps of ``root`` whose manifest records ``export`` as wanted and whose
+    export is not in place, newer than the newest export present (older ones may have been
+    pruned by ``keep``): (step, checkpoint directory), oldest first."""
+    try:
+        steps = [_layout.parse_dir_name("global_step", n) for n in os.listdir(export.path)]
+    except FileNotFoundError:
+        steps = []
+    exported = [
+        s
+        for s in steps
+        if s is not None
+        and _real_dir(export_dir(export, s))
+        and (export_dir(export, s) / _layout.MANIFEST).is_file()
+    ]
+    newest = max(exported, default=None)
+    out = []
+    want = wanted_record(export)
+    for c in _layout.scan(root, layout):
+        if newest is not None and c.step <= newest:
+            continue
+        try:
+            manifest = read_manifest(c.path)
+        except (CorruptCheckpoint, OSError):
+            continue
+        if manifest.get("hf_export") == want:
+            out.append((c.step, c.path))
+    return out
+
+
 def prune_exports(export: HFExport) -> list[Path]:
     """Delete all but the newest ``export.keep`` exports; returns the directories deleted.
 
@@ -833,26 +939,44 @@ def prune_exports(export: HFExport) -> list[Path]:
     root = Path(export.path)
     rel = export.relpath.split("/")
     name = rel[-1]
-    leftover = _leftover_re(name)
     found: dict[int, Path] = {}
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return []
+    # An export staged as a whole step directory (no export of that step existed yet).
+    step_leftover = re.compile(
+        f"^(?:{re.escape(_layout.TMP_PREFIX)}|{re.escape(_layout.TRASH_PREFIX)})"
+        r"global_step_\d+-[0-9a-f]{12}$"
+    )
+    for entry in entries:
+        if step_leftover.match(entry.name):
+            _remove_leftover(root / entry.name)
     for entry in entries:
         step = _layout.parse_dir_name("global_step", entry.name)
         if step is None or not entry.is_dir(follow_symlinks=False):
             continue
-        parent = _parent_in_step(Path(entry.path), rel)
+        step_dir = Path(entry.path)
+        # Leftovers at each level (staged at the topmost level that was missing), and the
+        # empty directories an interrupted export of an older version left on the way.
+        p = step_dir
+        for part in rel:
+            if not _real_dir(p):
+                break
+            leftover = _leftover_re(part)
+            for child in sorted(os.listdir(p)):
+                if leftover.match(child):
+                    _remove_leftover(p / child)
+            p = p / part
+        parent = _parent_in_step(step_dir, rel)  # no symlink on the way is followed
         if parent is None:
+            _remove_empty(step_dir, rel)  # (rmdir of real, empty directories only)
             continue
-        for child in sorted(os.listdir(parent)):
-            if leftover.match(child) and not _locked_elsewhere(parent / child):
-                if _remove(parent / child):
-                    log.info("asyncckpt: removed the leftover %s", parent / child)
         target = parent / name
         if _real_dir(target) and (target / _layout.MANIFEST).is_file():
             found[step] = target
+        elif not os.path.lexists(target):
+            _remove_empty(step_dir, rel)
     removed = []
     for step in sorted(exports_to_delete(found, export.keep)):
         target = found[step]

@@ -49,10 +49,14 @@ POINTS = (
     "before_marker",  # worker: every file uploaded, the commit marker not yet written
     "before_remote_tracker",  # worker: the marker written, the store's tracker not yet
     "mid_remote_prune",  # worker: a remote checkpoint's marker deleted, its files not yet
+    # With an HFExport (export.py): after the commit, before the save's handle resolves.
+    "mid_export",  # worker: a file of a Hugging Face export written, the export not published
 )
 #: The points only a save with a remote tier reaches (storage/); the others, every save.
 REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
-LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS)
+#: The points only a save with a due HFExport reaches.
+EXPORT_POINTS = ("mid_export",)
+LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS)
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
 
 

@@ -92,7 +92,8 @@ class PruneResult:
     ``errors``: step -> message for deletions that failed after the trash rename (the trash is
     removed at the next ``clean_leftovers``); ``warnings``: key -> message, things the user must
     hear (a policy's metric missing from checkpoints, a kept checkpoint that fails its manifest);
-    ``corrupt``: step -> problems of the checkpoints found failing their manifest."""
+    ``corrupt``: step -> problems of the checkpoints found failing their manifest;
+    ``gone``: steps to delete that another process (the engine's own prune) deleted first."""
 
     deleted: list[int]
     kept: dict[int, list[str]]
@@ -100,6 +101,7 @@ class PruneResult:
     errors: dict[int, str] = field(default_factory=dict)
     warnings: dict[str, str] = field(default_factory=dict)
     corrupt: dict[int, list[str]] = field(default_factory=dict)
+    gone: list[int] = field(default_factory=list)
 
 
 def report_warnings(
@@ -170,8 +172,16 @@ def read_checkpoint_info(path: str | os.PathLike, step: int | None = None) -> Ch
 
 
 def list_checkpoints(root: str | os.PathLike, layout: str) -> list[CheckpointInfo]:
-    """Every committed checkpoint under ``root`` (``layout.scan``), oldest first."""
-    return [read_checkpoint_info(c.path, c.step) for c in L.scan(root, layout)]
+    """Every committed checkpoint under ``root`` (``layout.scan``), oldest first; one pruned
+    between the scan and the read of its manifest (by the engine's worker) is left out."""
+    out = []
+    for c in L.scan(root, layout):
+        try:
+            out.append(read_checkpoint_info(c.path, c.step))
+        except FileNotFoundError:
+            if os.path.lexists(c.path):
+                raise
+    return out
 
 
 def _direct_child(root: Path, path: Path) -> Path:
@@ -196,7 +206,10 @@ def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
     os.rename(path, trash)
     fsync_dir(root)
     _fault_point("mid_prune")
-    remove_tree(trash)
+    try:
+        remove_tree(trash)
+    except FileNotFoundError:
+        pass  # out of the namespace already; someone cleaned the trash (clean_leftovers)
 
 
 def _damage_kind(problems: list[str]) -> str:
@@ -369,16 +382,24 @@ def prune(
             list(plan.delete), plan.keep, dry_run=True, warnings=notes, corrupt=corrupt
         )
     paths = {c.step: c.path for c in checkpoints}
-    deleted, errors = [], {}
+    deleted, errors, gone = [], {}, []
     for step in plan.delete:
         try:
             trash_and_delete(root, paths[step])
         except OSError as e:
+            if isinstance(e, FileNotFoundError) and not os.path.lexists(paths[step]):
+                # Deleted meanwhile by another pruner (the engine's worker after a commit,
+                # racing the CLI): what was asked for is done, not an error.
+                log.info("asyncckpt: step %s was already deleted by another process", step)
+                gone.append(step)
+                continue
             log.warning("asyncckpt: pruning step %s failed: %s", step, e)
             errors[step] = str(e)
             continue
         deleted.append(step)
-    return PruneResult(deleted, plan.keep, errors=errors, warnings=notes, corrupt=corrupt)
+    return PruneResult(
+        deleted, plan.keep, errors=errors, warnings=notes, corrupt=corrupt, gone=gone
+    )
 
 
 def _keep_one_that_verifies(

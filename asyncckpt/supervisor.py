@@ -107,6 +107,7 @@ class WorkerSupervision:
             remote=self.remote,
             export=self.opts.export,
             orphan_deadline_s=self.opts.write_timeout or WorkerConfig.orphan_deadline_s,
+            spool=self.spooled,
         )
         proc = ctx.Process(
             target=worker_main,

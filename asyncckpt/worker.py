@@ -31,7 +31,7 @@ from .formats.dcp import Serialized
 from .manifest import build_manifest, fsync_dir, fsync_file
 from .staging import TensorSpec
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("asyncckpt")
 
 
 @dataclass
@@ -49,6 +49,7 @@ class WorkerConfig:
     export: Any = None  # export.HFExport: safetensors of a component every N steps
     # How long it may go on finishing staged saves after its trainer died (write_timeout).
     orphan_deadline_s: float = 600.0
+    spool: bool = False  # root is a URL root's spool: record what was published in it
 
 
 @dataclass
@@ -167,6 +168,7 @@ class Worker:
     def run(self) -> None:
         report = self._apply_throttle()
         self.events.send(M.Ready(os.getpid(), report))
+        self._redo_exports()  # (jobs sent meanwhile wait in the pipe)
         while True:
             msg = self.jobs.recv()
             if isinstance(msg, M.Arena):
@@ -417,6 +419,15 @@ class Worker:
             info = error_info(e)
             info["upload"] = True
             return info
+        if self.config.spool:
+            from .storage.remote import mark_published
+
+            try:
+                mark_published(
+                    self.root, tier, self.config.layout, [job.step, *figures["uploaded_steps"]]
+                )
+            except OSError:
+                pass  # in the store all the same; a restart finds it there and records it
         stats.update(figures)
         stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.config.layout, job.step)}"
         return None
@@ -450,6 +461,7 @@ class Worker:
                 "paths": paths,
                 "job_id": job.job_id,
                 "attempt": job.attempt,
+                **self._export_wanted(job.step),
                 **extra,
             },
             figures={
@@ -467,6 +479,33 @@ class Worker:
             "committed_at": manifest["committed_at"],
             "path": str(final),
         }
+
+    def _export_wanted(self, step: int) -> dict[str, Any]:
+        """The manifest's record of the export due at ``step``: a worker killed before the
+        export was published leaves a checkpoint that says so (``_redo_exports``)."""
+        export = self.config.export
+        if export is None or not export.due(step):
+            return {}
+        from .export import wanted_record
+
+        return {"hf_export": wanted_record(export)}
+
+    def _redo_exports(self) -> None:
+        """At start (rank 0): the exports that committed checkpoints record as wanted and that
+        are not there (the worker before this one died, or its trainer was killed, mid-export),
+        written now, before any job; then crashed exports' leftovers removed."""
+        export = self.config.export
+        if export is None or (self.config.dist is not None and self.config.dist.rank != 0):
+            return
+        from .export import export_step, missing_exports, prune_exports
+
+        try:
+            for step, path in missing_exports(export, self.root, self.config.layout):
+                log.warning("asyncckpt: step %d's export was not completed; exporting it", step)
+                export_step(export, path, step)
+            prune_exports(export)
+        except Exception as e:  # noqa: BLE001 - the next start tries again; saves go on
+            log.warning("asyncckpt: redoing an interrupted export failed: %s", e)
 
     def _undo(self, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
         """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""

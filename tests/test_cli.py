@@ -185,3 +185,41 @@ def test_python_dash_m(root):
         timeout=120,
     )
     assert proc.returncode == 2
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_prune_racing_the_engines_own_prune_succeeds(root, capsys, monkeypatch, as_json):
+    """The engine's worker prunes after each commit; a `prune` run beside it may find a step
+    it planned to delete already gone (between its scan and its manifest read, or between its
+    plan and the deletion). That is what was asked for: exit 0, and say so."""
+    import shutil
+
+    import asyncckpt.prune as P
+
+    real_delete, real_info = P.trash_and_delete, P.read_checkpoint_info
+
+    def engine_first(r, path):
+        if Path(path).name == "global_step_20":
+            real_delete(r, path)  # the engine's prune, a moment earlier
+        real_delete(r, path)
+
+    def vanishing(path, step=None):
+        if step == 10:  # pruned between the scan and the read of its manifest
+            shutil.rmtree(path)
+        return real_info(path, step)
+
+    monkeypatch.setattr(P, "trash_and_delete", engine_first)
+    monkeypatch.setattr(P, "read_checkpoint_info", vanishing)
+    argv = ["prune", str(root), "--keep-last", "2", *(["--json"] if as_json else [])]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, (out, err)
+    if as_json:
+        data = json.loads(out)
+        assert data["deleted"] == [30, 40] and data["already_gone"] == [20]
+        assert data["errors"] == {}
+    else:
+        assert "deleted: 30, 40" in out
+        assert "already gone (deleted meanwhile by another process, e.g. the engine): 20" in out
+        assert "error" not in out
+    assert {c.step for c in L.scan(root, "global_step")} == {50, 60}
+    assert not [n for n in os.listdir(root) if n.startswith(L.TRASH_PREFIX)]

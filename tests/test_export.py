@@ -625,3 +625,121 @@ def test_readme_export_snippet_runs_as_written(tmp_path: Path) -> None:
         "global_step_4",
         "global_step_6",
     ]
+
+
+# ------------------------------------------------------------- killed in the middle of one
+
+
+def _small_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(64, 64, generator=g),
+        "b.weight": torch.randn(64, 64, generator=g),
+    }
+
+
+def test_worker_killed_mid_export_fails_the_handle_and_the_next_worker_exports(
+    tmp_path: Path,
+) -> None:
+    """Before: the handle said committed, no ExportFailed, and the export never appeared."""
+    from asyncckpt import ExportFailed, faults
+
+    export = HFExport(
+        every_steps=2, path=tmp_path / "hf", component="policy.model", max_shard_size=20000
+    )
+    with SyncCheckpointEngine(tmp_path / "ckpt", export=export) as engine:
+        faults.inject("mid_export", "kill")  # after the first of its two files
+        handle = engine.save(2, {"policy": {"model": _small_model(2)}})
+        with pytest.raises(ExportFailed, match="IS committed") as info:
+            handle.committed_sync(120)
+        assert "before its Hugging Face export" in str(info.value)
+        assert engine.worker_restarts == 1
+        # The new worker exports step 2 before it takes the next job.
+        engine.save(3, {"policy": {"model": _small_model(3)}}).committed_sync(120)
+    assert [c.step for c in L.scan(tmp_path / "ckpt", "global_step")] == [2, 3]
+    out = export_dir(export, 2)
+    assert_bit_equal(load_export(out), _small_model(2))
+    assert check_dir(out) == [] and read_manifest(out)["step"] == 2
+    assert os.listdir(tmp_path / "hf") == ["global_step_2"]  # no temporary left
+    assert os.listdir(tmp_path / "hf" / "global_step_2") == ["policy"]
+
+
+_TRAINER = """
+import sys, torch
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt.export import HFExport
+sys.path.insert(0, {tests!r})
+from test_export import _small_model
+export = HFExport(every_steps=2, path={hf!r}, component="policy.model", max_shard_size=20000)
+with SyncCheckpointEngine({ckpt!r}, export=export) as engine:
+    engine.save(2, {{"policy": {{"model": _small_model(2)}}}})
+    print("saved", flush=True)
+    engine.wait()
+"""
+
+
+def test_trainer_killed_mid_export_leaves_nothing_visible_and_the_next_start_exports(
+    tmp_path: Path,
+) -> None:
+    """Before: an empty global_step_2/policy/ stayed in the export root for good (a watcher of
+    SkyRL's {export_path}/global_step_N/policy/ took it for an export)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    code = _TRAINER.format(tests=str(Path(__file__).parent), hf=str(hf), ckpt=str(ckpt))
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "ASYNCCKPT_FAULTS": "mid_export=hang"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        # The worker hangs after the first file of step 2's export: its temporary is there.
+        while not any(p.name.startswith(L.TMP_PREFIX) for p in hf.rglob("*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "never reached the export"
+            time.sleep(0.05)
+        # Nothing a watcher would take for an export: the whole step directory is staged.
+        assert [n[:19] for n in os.listdir(hf)] == [".tmp-global_step_2-"]
+        assert L.scan(ckpt, "global_step")[0].step == 2  # committed before the export
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    export = HFExport(every_steps=2, path=hf, component="policy.model", max_shard_size=20000)
+    # The orphaned worker exits by itself; the next engine waits for it, then exports step 2.
+    with SyncCheckpointEngine(ckpt, export=export) as engine:
+        engine.save(3, {"policy": {"model": _small_model(3)}}).committed_sync(120)
+    assert os.listdir(hf) == ["global_step_2"]  # the leftover temporary removed
+    assert_bit_equal(load_export(export_dir(export, 2)), _small_model(2))
+    assert check_dir(export_dir(export, 2)) == []
+
+
+def test_prune_removes_staged_leftovers_and_empty_directories_of_interrupted_exports(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "hf"
+    export = HFExport(1, root, component="policy.model")  # exports at global_step_N/policy/model
+    write_safetensors({"w": torch.ones(2)}, export_dir(export, 1), 100)
+    crashed_step = root / ".tmp-global_step_2-0123456789ab" / "policy" / "model"
+    crashed_step.mkdir(parents=True)
+    (root / "global_step_3" / ".tmp-policy-0123456789ab").mkdir(parents=True)
+    (root / "global_step_4" / "policy").mkdir(parents=True)  # an older version's leftover
+    (root / "global_step_5" / "policy").mkdir(parents=True)
+    (root / "global_step_5" / "policy" / "notes.txt").write_text("not ours")
+    in_flight = root / ".tmp-global_step_6-bbbbbbbbbbbb"
+    in_flight.mkdir()
+    fd = os.open(in_flight, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert prune_exports(export) == []
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(root)) == [
+        ".tmp-global_step_6-bbbbbbbbbbbb",
+        "global_step_1",
+        "global_step_5",
+    ]
+    assert os.listdir(root / "global_step_5" / "policy") == ["notes.txt"]
+    # A new export of a step with nothing yet appears whole, in one rename.
+    write_safetensors({"w": torch.zeros(2)}, export_dir(export, 7), 100)
+    assert check_dir(export_dir(export, 7)) == []

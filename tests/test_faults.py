@@ -486,3 +486,49 @@ def test_a_kill_fault_at_a_worker_point_fires_once(tmp_path):
         engine.save(2, state_at(2)).committed_sync()
         assert engine.worker_restarts == 1
     assert committed(tmp_path) == [1, 2]
+
+
+@pytest.mark.parametrize("fail_in", ["write", "fsync"])
+def test_enospc_writing_the_tracker_leaves_no_temporary(tmp_path, monkeypatch, fail_in):
+    """A full disk while the tracker's temporary is written (or fsynced): the error reaches
+    the caller, the old tracker stands, and the temporary is gone at once (not at the next
+    start)."""
+    from asyncckpt import commit
+
+    commit.write_tracker(tmp_path, "global_step", 1)
+    (tmp_path / "global_step_2").mkdir()
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            if fail_in == "write":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    real_open = open
+    monkeypatch.setattr(commit, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    if fail_in == "fsync":
+
+        def full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(commit.os, "fsync", full)
+    with pytest.raises(OSError) as info:
+        commit.write_tracker(tmp_path, "global_step", 2)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert L.read_tracker(tmp_path) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["global_step_2", *L.tracker_names("global_step")]
+    )

@@ -74,3 +74,34 @@ def test_a_job_that_cannot_be_pickled_fails_its_save_and_leaves_the_worker_alone
         engine.save(3, {"x": torch.ones(3)}).committed_sync(60)
         assert engine.worker_pid == pid and engine.worker_restarts == 0
     assert [c.step for c in engine.list_checkpoints()] == [1, 3]
+
+
+@pytest.mark.parametrize("value", ["0.5", b"0.5", "nan"])
+def test_a_string_metric_is_refused_before_anything_is_staged(tmp_path, value):
+    """``float("0.5")`` would convert it silently; a string is a mistake the caller must see."""
+    import torch
+
+    from asyncckpt import layout as L
+
+    with SyncCheckpointEngine(tmp_path) as engine:
+        with pytest.raises(TypeError, match=r"metric 'val_loss' must be a number, got the string"):
+            engine.save(1, {"w": torch.ones(2)}, metrics={"val_loss": value})
+        assert L.scan(tmp_path, "global_step") == []
+        # Numbers of every kind still go through, and the same step saves.
+        engine.save(1, {"w": torch.ones(2)}, metrics={"val_loss": torch.tensor(0.5), "acc": 1})
+        engine.wait()
+    assert [c.step for c in L.scan(tmp_path, "global_step")] == [1]
+
+
+def test_a_missing_huggingface_hub_is_refused_when_the_engine_is_made(tmp_path, monkeypatch):
+    """An HF export needs huggingface_hub; without it the engine is not made (before, the
+    first due step committed and only its export failed, in the worker)."""
+    import sys
+
+    from asyncckpt.export import HFExport
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # its import now fails
+    export = HFExport(every_steps=1, path=tmp_path / "hf")
+    with pytest.raises(ImportError, match="huggingface_hub.*pip install"):
+        SyncCheckpointEngine(tmp_path / "ckpt", export=export)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "hf").exists()

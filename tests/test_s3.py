@@ -9,6 +9,7 @@ resolves once the checkpoint is committed in the store.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -444,3 +445,86 @@ def test_python_dash_m_ls_reaches_the_bucket_through_the_aws_environment(s3, tmp
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert [c["step"] for c in json.loads(out.stdout)["checkpoints"]] == [4]
+
+
+# ------------------------------------------------------------------ the spool of a URL root
+_OTHER_SERVER = """
+import sys
+import logging
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.WARNING)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+host, port = server.get_host_and_port()
+print(f"http://{host}:{port}", flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def test_two_stores_with_the_same_bucket_and_prefix_never_share_a_spool(s3, tmp_path, monkeypatch):
+    """The default spool is keyed by the endpoint too: a fresh server with the same
+    s3://bucket/run does not inherit the other one's spooled steps (before, save(1) was refused
+    as "older than step 3, committed in <spool>", and a resume found step 3)."""
+    from s3server import CREDENTIALS, s3fs
+
+    monkeypatch.setenv("ASYNCCKPT_SPOOL", str(tmp_path / "spools"))
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options) as eng:
+        for step in (1, 2, 3):
+            eng.save(step, make_state(step)).committed_sync(60)
+        spool_a = eng.root
+    # Another S3 (its own process: moto's servers in one process share their buckets).
+    other = subprocess.Popen(
+        [sys.executable, "-c", _OTHER_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        options = {"endpoint_url": other.stdout.readline().strip(), **CREDENTIALS}
+        assert options["endpoint_url"].startswith("http://127.0.0.1:")
+        assert options["endpoint_url"] != s3.endpoint
+        s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir(s3.bucket)
+        with SyncCheckpointEngine(s3.url, storage_options=options) as eng:
+            assert eng.root != spool_a
+            assert eng.load_latest(blank()) is None  # the new store holds nothing
+            eng.save(1, make_state(1)).committed_sync(60)
+        assert [c.step for c in FsspecStore(s3.url, options).committed("global_step")] == [1]
+    finally:
+        other.stdin.close()  # the server exits when its stdin closes
+        other.wait(30)
+    assert remote_steps(s3) == [1, 2, 3]  # untouched by the other store's run
+    assert [c.step for c in L.scan(spool_a, "global_step")] == [3]
+
+
+def test_the_spool_is_reconciled_with_its_store_at_start(s3, tmp_path):
+    """At start the store says what exists: a spooled step it lost (wiped, replaced at the
+    same address) is moved aside; one waiting to be uploaded (its upload failed) stays, is
+    resumed from and uploaded by the next save; a spool shared with another store counts for
+    nothing there."""
+    spool = tmp_path / "spool"
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=spool) as eng:
+        eng.save(1, make_state(1)).committed_sync(60)
+        eng.save(2, make_state(2)).committed_sync(60)
+        faults.inject("before_marker", "raise")
+        with pytest.raises(UploadFailed, match="committed locally"):
+            eng.save(3, make_state(3)).committed_sync(60)
+    assert [c.step for c in L.scan(spool, "global_step")] == [2, 3]  # a failed save prunes nothing
+    assert remote_steps(s3) == [1, 2]
+    s3.fs().rm(f"{s3.bucket}/run", recursive=True)  # the store loses everything
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=spool) as eng:
+        # Step 2 was published and the store no longer has it: aside, not used.
+        assert [c.step for c in L.scan(spool, "global_step")] == [3]
+        aside = [n for n in os.listdir(spool) if n.startswith(".orphaned-")]
+        assert len(aside) == 1 and "global_step_2" in aside[0]
+        state = blank()
+        assert eng.load_latest(state) == 3  # pending: the trainer was told it committed here
+        assert_same(state, make_state(3))
+        eng.save(4, make_state(4)).committed_sync(60)
+    assert remote_steps(s3) == [3, 4]  # 3 caught up; 2 was not re-uploaded
+    # Another store (another prefix) with the same spool= directory: nothing of it counts.
+    other = f"{s3.url}-other"
+    with SyncCheckpointEngine(other, storage_options=s3.options, spool=spool) as eng:
+        assert L.scan(spool, "global_step") == []
+        assert eng.load_latest(blank()) is None
+        eng.save(1, make_state(1)).committed_sync(60)
+    assert [c.step for c in FsspecStore(other, s3.options).committed("global_step")] == [1]
+    assert remote_steps(s3) == [3, 4]

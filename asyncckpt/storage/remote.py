@@ -8,6 +8,10 @@ tracker, then the tier's own retention. ``plan_remote_prune`` is the pure decisi
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +21,15 @@ from typing import TYPE_CHECKING, Any
 from .. import layout as _layout
 from ..errors import SaveFailed
 from ..retention import CheckpointInfo, RetentionPolicy, plan_prune
+
+log = logging.getLogger("asyncckpt")
+
+#: In a URL root's spool: which store it belongs to, and which of its steps were published.
+SPOOL_RECORD = ".asyncckpt-spool.json"
+#: Spooled steps the store does not have (and that are not waiting to be uploaded) are moved
+#: aside under this prefix (never a checkpoint name, never removed by the engine).
+ORPHAN_PREFIX = ".orphaned-"
+_PROTOCOL_ALIASES = {"s3a": "s3", "gcs": "gs"}
 
 if TYPE_CHECKING:
     from .base import CommittedStore
@@ -63,6 +76,31 @@ class RemoteTier:
             raise ValueError(f"retries must be an int >= 1, got {self.retries!r}")
         if not isinstance(self.storage_options, dict):
             raise TypeError("storage_options must be a dict")
+
+    def identity(self) -> dict[str, Any]:
+        """What tells this store from another one with the same bucket and prefix: the
+        protocol, the endpoint (``storage_options``' ``endpoint_url``, else the environment's
+        ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` for s3, ``STORAGE_EMULATOR_HOST`` for gs;
+        None: the provider's default), and bucket/prefix. Credentials are not part of it."""
+        scheme, rest = self.url.split("://", 1)
+        scheme = _PROTOCOL_ALIASES.get(scheme, scheme)
+        opts = self.storage_options
+        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+        if not endpoint and scheme == "s3":
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if not endpoint and scheme == "gs":
+            endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+        path = "/".join(p for p in rest.split("/") if p not in ("", "."))
+        return {
+            "protocol": scheme,
+            "endpoint": str(endpoint).rstrip("/") if endpoint else None,
+            "path": path,
+        }
+
+    def spool_key(self) -> str:
+        """A short hash of ``identity()``: the default spool's name (engine._default_spool)."""
+        text = json.dumps(self.identity(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def open(self) -> FsspecStore:
         from .fsspec_store import FsspecStore
@@ -184,3 +222,88 @@ def publish_after_commit(
         "remote_pruned": deleted,
         "remote": tier.url,
     }
+
+
+# ---------------------------------------------------------------------- a URL root's spool
+
+
+def _read_record(spool: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((spool / SPOOL_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_record(spool: Path, identity: dict[str, Any], published: Iterable[int]) -> None:
+    from ..commit import new_token, write_synced
+    from ..manifest import fsync_dir
+
+    tmp = spool / f"{_layout.TMP_PREFIX}{SPOOL_RECORD}-{new_token()}"
+    text = json.dumps({"store": identity, "published": sorted(set(published))})
+    try:
+        write_synced(tmp, text.encode())
+        os.replace(tmp, spool / SPOOL_RECORD)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(spool)
+
+
+def mark_published(spool: Path, tier: RemoteTier, layout: str, steps: Iterable[int]) -> None:
+    """Record in the spool that ``steps`` are in the store (after their marker is written):
+    ``reconcile_spool`` then knows that one of them missing from the store was deleted there,
+    not waiting to be uploaded. Only steps still in the spool are kept in the record."""
+    record = _read_record(spool) or {}
+    identity = tier.identity()
+    published = set(record.get("published") or []) if record.get("store") == identity else set()
+    here = {c.step for c in _layout.scan(spool, layout)}
+    _write_record(spool, identity, (published | set(steps)) & here)
+
+
+def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> list[str]:
+    """At start, before any save: make the spool of a URL root agree with its store (the store
+    says what exists). Returns the names of the spooled steps moved aside.
+
+    A step committed in the spool counts only if the store has it, or if it is waiting to be
+    uploaded: committed here by this store's engine, never published, and newer than the
+    store's newest (an upload that failed or was cut by a crash; the next save uploads it, as
+    its ``UploadFailed`` said). Any other spooled step -- published once and since deleted from
+    the store (a store wiped or replaced at the same address), or written for another store
+    (a ``spool=`` shared by two stores, a spool without a record) -- would otherwise refuse a
+    lower save ("steps must increase") and be resumed from as if the store held it: it is
+    renamed to ``.orphaned-<name>-<token>`` in the spool (kept, never loaded, logged), not
+    deleted. The record is then rewritten for this store.
+    """
+    from ..commit import new_token
+    from ..manifest import fsync_dir
+
+    identity = tier.identity()
+    record = _read_record(spool)
+    same = record is not None and record.get("store") == identity
+    published = set(record.get("published") or []) if same else set()
+    remote = {c.step for c in store.committed(layout)}
+    newest = max(remote, default=-1)
+    moved = []
+    kept = set()
+    for c in _layout.scan(spool, layout):
+        pending = same and c.step not in published and c.step > newest
+        if c.step in remote or pending:
+            kept.add(c.step)
+            continue
+        aside = spool / f"{ORPHAN_PREFIX}{_layout._unsearchable(c.path.name)}-{new_token()}"
+        os.rename(c.path, aside)
+        moved.append(aside.name)
+    if moved:
+        fsync_dir(spool)
+        log.warning(
+            "the spool %s held steps that %s does not have and that were not waiting to be "
+            "uploaded (a store wiped or replaced at the same address, or a spool shared with "
+            "another store); moved aside, not used: %s",
+            spool,
+            tier.url,
+            moved,
+        )
+    _write_record(spool, identity, kept & remote)  # what is pending stays unpublished
+    return moved
