@@ -169,9 +169,12 @@ def make_state(nbytes: int, device: str = "cpu", seed: int = 0) -> dict[str, Any
             shapes[f"blocks.{i}.{name}"] = s
     shapes["head.norm"] = (h,)
 
+    # On a GPU the values are drawn there: 8 GiB of CPU randn took longer than the benchmark.
+    if device != "cpu":
+        g = torch.Generator(device=device).manual_seed(seed)
+
     def rnd(shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(shape, generator=g) * scale
-        return t.to(device) if device != "cpu" else t
+        return torch.randn(shape, generator=g, device=device) * scale
 
     model = {k: rnd(s) for k, s in shapes.items()}
     optim_state = {}
@@ -402,8 +405,10 @@ def environment(device: str) -> dict[str, Any]:
         "load_avg": os.getloadavg(),
         **dict(package_source()),
     }
-    if device == "cuda" and torch.cuda.is_available():
+    if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
     return env
 
 

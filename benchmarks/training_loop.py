@@ -584,6 +584,8 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs, soak=None)
             e["throttle"] = r["throttle"]
         methods[m] = e
     targets = {}
+    # The issues' targets: on CUDA the trainer's CPU is mostly idle, so they are tighter.
+    lim, lim_write = (2, 3) if str(args.device).startswith("cuda") else (3, 5)
     for m in ("asyncckpt", "asyncckpt:offload"):
         if m in methods:
             e = methods[m]
@@ -592,20 +594,20 @@ def build_report(args, rank, nparams, state_bytes, step_s, raw, runs, soak=None)
                 # Paired: every step of the run against the same run's steps with no write in
                 # flight, seconds apart; immune to the machine's drift between runs.
                 "overhead_paired_pct": {
-                    "target": "<= 3 (vs the same run's steps with no write in flight)",
+                    "target": f"<= {lim} (vs the same run's steps with no write in flight)",
                     "measured": paired,
-                    "met": paired <= 3,
+                    "met": paired <= lim,
                 },
                 # A/B: against the no-checkpoint runs of the same round, minutes apart.
                 "overhead_pct": {
-                    "target": "<= 3 (vs the no-checkpoint runs of the same rounds)",
+                    "target": f"<= {lim} (vs the no-checkpoint runs of the same rounds)",
                     "measured": e["overhead_pct"],
-                    "met": e["overhead_pct"] <= 3,
+                    "met": e["overhead_pct"] <= lim,
                 },
                 "during_write_slowdown_pct": {
-                    "target": "<= 5",
+                    "target": f"<= {lim_write}",
                     "measured": e["during_write_slowdown_pct"],
-                    "met": e["during_write_slowdown_pct"] <= 5,
+                    "met": e["during_write_slowdown_pct"] <= lim_write,
                 },
             }
     if soak is not None and "asyncckpt" in targets:

@@ -1,22 +1,50 @@
-"""The same guarantees with CUDA tensors: pinned arenas, side-stream copies (skips without CUDA)."""
+"""The same guarantees with CUDA tensors: pinned arenas, side-stream copies (skips without CUDA).
+
+Run on a GPU by ``benchmarks/gpu_suite.sh`` (which lists every skip with its reason). What needs
+two GPUs says so in its skip.
+"""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from asyncckpt import CheckpointEngine, faults
 
+HAS_CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if HAS_CUDA else 0
+
 pytestmark = [
     pytest.mark.anyio,
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device"),
 ]
 
 
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Same device, dtype, shape and bytes (fp8 has no ``torch.equal`` on every build)."""
+    if (got.device, got.dtype, got.shape) != (want.device, want.dtype, want.shape):
+        return False
+    a = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    b = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def zeros_like_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def fp8_dtypes() -> list[torch.dtype]:
+    return [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 
 async def test_cuda_round_trip_and_mutation_after_save(tmp_path):
@@ -42,3 +70,208 @@ async def test_cuda_round_trip_and_mutation_after_save(tmp_path):
     for k in expected:
         assert target[k].device == expected[k].device
         assert torch.equal(target[k], expected[k]), k
+
+
+def dtype_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every dtype a training state holds, small (< 1 MiB: one foreach copy) and large (the
+    per-tensor path), on the GPU, with two CPU tensors beside them."""
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    state = {
+        "fp32.large": r(512, 1024),  # 2 MiB
+        "fp32.small": r(100),
+        "fp16.large": r(1024, 1024).half(),
+        "fp16.small": r(7, 3).half(),
+        "bf16.large": r(1024, 1024).bfloat16(),
+        "bf16.small": r(5).bfloat16(),
+        "bool.small": r(1000) > 0,
+        "bool.large": r(2 << 20) > 0,
+        "int64.small": torch.randint(-(2**40), 2**40, (17,), device="cuda", generator=gen),
+        "int64.large": torch.randint(-(2**40), 2**40, (200_000,), device="cuda", generator=gen),
+        "int8.small": torch.randint(
+            -128, 128, (9,), device="cuda", generator=gen, dtype=torch.int8
+        ),
+        "scalar": r(()),
+        "empty": torch.empty(0, 4, device="cuda"),
+        "cpu.fp32": torch.randn(300, 300),
+        "cpu.int64": torch.arange(10),
+    }
+    for dt in fp8_dtypes():
+        name = str(dt).removeprefix("torch.")
+        state[f"{name}.small"] = r(64).clamp(-8, 8).to(dt)
+        state[f"{name}.large"] = r(1024, 1100).clamp(-8, 8).to(dt)
+    return state
+
+
+async def test_cuda_dtypes_and_mixed_devices_load_back_to_cuda(tmp_path):
+    state = dtype_state(torch.Generator(device="cuda").manual_seed(1))
+    expected = {k: v.clone() for k, v in state.items()}
+    async with CheckpointEngine(tmp_path) as engine:
+        await (await engine.save(3, state)).committed()
+    target = zeros_like_state(expected)
+    assert await CheckpointEngine(tmp_path).load_latest(target) == 3
+    bad = [k for k in expected if not same_bytes(target[k], expected[k])]
+    assert not bad, f"differ after the round trip (device, dtype, shape or bytes): {bad}"
+    assert all(target[k].is_cuda for k in expected if not k.startswith("cpu."))
+
+
+@pytest.mark.skipif(not fp8_dtypes(), reason="this torch has no float8 dtypes")
+async def test_cuda_fp8_alone(tmp_path):
+    # Separate from the mix above so an fp8-only failure is named as such.
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    state = {str(dt): torch.randn(4096, device="cuda", generator=gen).to(dt) for dt in fp8_dtypes()}
+    expected = {k: v.clone() for k, v in state.items()}
+    async with CheckpointEngine(tmp_path) as engine:
+        await (await engine.save(1, state)).committed()
+    target = zeros_like_state(expected)
+    assert await CheckpointEngine(tmp_path).load_latest(target) == 1
+    assert all(same_bytes(target[k], expected[k]) for k in expected)
+
+
+async def test_cuda_queued_writes_before_save_are_in_it_and_after_are_not(tmp_path):
+    """Kernels queued on the current stream before ``save`` belong to the checkpoint; the
+    in-place update queued right after ``save`` returns (no synchronize) does not."""
+    n = 64 << 20  # 256 MiB of fp32: the copies take long enough for a race to show
+    w = torch.zeros(n, device="cuda")
+    small = torch.zeros(1000, device="cuda")
+    faults.inject("before_shard_write", "delay:0.3")
+    async with CheckpointEngine(tmp_path) as engine:
+        await engine.prepare({"w": w, "small": small})
+        for step in (1, 2, 3):
+            torch.cuda.synchronize()
+            w.fill_(float(step))  # queued, not waited for
+            small.fill_(float(step))
+            handle = await engine.save(step, {"w": w, "small": small})
+            w.add_(1000.0)  # right after save returns, still queued on the stream
+            small.add_(1000.0)
+            await handle.committed()
+            target = {"w": torch.empty_like(w), "small": torch.empty_like(small)}
+            assert await engine.load_latest(target) == step
+            assert torch.all(target["w"] == float(step)), step
+            assert torch.all(target["small"] == float(step)), step
+
+
+def _arena_snapshot(engine: CheckpointEngine) -> tuple[list[int], list[int]]:
+    slots = engine._core.slots
+    return [i for s in slots for i in s.arena_ids], [a.data_ptr() for s in slots for a in s.arenas]
+
+
+async def test_cuda_pinned_arenas_registered_once_and_reused(tmp_path, monkeypatch):
+    from asyncckpt import staging
+
+    calls: list[tuple[int, bool]] = []
+    real = staging.allocate_arena
+
+    def counting(nbytes: int, pin: bool) -> torch.Tensor:
+        calls.append((nbytes, pin))
+        return real(nbytes, pin)
+
+    monkeypatch.setattr(staging, "allocate_arena", counting)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    state = {"w": torch.randn(1 << 20, device="cuda", generator=gen), "cpu": torch.ones(10)}
+    async with CheckpointEngine(tmp_path) as engine:
+        await engine.prepare(state)
+        registered = list(calls)
+        assert registered and all(pin for _, pin in registered), registered
+        before = _arena_snapshot(engine)
+        arenas = [a for s in engine._core.slots for a in s.arenas]
+        assert all(a.is_pinned() for a in arenas), "CUDA does not see the arenas as pinned"
+        for step in range(1, 5):
+            state["w"].add_(1.0)
+            await (await engine.save(step, state)).committed()
+            assert _arena_snapshot(engine) == before, f"arenas replaced at save {step}"
+        assert calls == registered, f"arenas allocated/registered again: {calls[len(registered) :]}"
+    target = {"w": torch.zeros_like(state["w"]), "cpu": torch.zeros(10)}
+    assert await CheckpointEngine(tmp_path).load_latest(target) == 4
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["cpu"], state["cpu"])
+
+
+async def test_cuda_layout_change_dtype_between_saves(tmp_path):
+    """Same keys and shapes, dtypes swapped between saves: the second checkpoint holds the new
+    dtypes (DCP's .metadata too), new pinned arenas replace the old ones, and each step loads
+    back to CUDA with its own dtypes."""
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    s1 = {
+        "w": torch.randn(512, 1024, device="cuda", generator=gen),
+        "b": torch.randn(1000, device="cuda", generator=gen).bfloat16(),
+        "cpu": torch.arange(6, dtype=torch.int64),
+    }
+    s2 = {
+        "w": torch.randn(512, 1024, device="cuda", generator=gen).bfloat16(),
+        "b": torch.randn(1000, device="cuda", generator=gen),
+        "cpu": torch.arange(6, dtype=torch.int32),
+    }
+    async with CheckpointEngine(tmp_path) as engine:
+        await (await engine.save(1, s1)).committed()
+        first = _arena_snapshot(engine)
+        await (await engine.save(2, s2)).committed()
+        second = _arena_snapshot(engine)
+        assert set(first[0]).isdisjoint(second[0]), "the old layout's arenas were reused"
+        assert all(a.is_pinned() for s in engine._core.slots for a in s.arenas)
+        # And back to the first layout: saved with its own dtypes again.
+        await (await engine.save(3, s1)).committed()
+        infos = {c.step: c.path for c in engine.list_checkpoints()}
+    for step, want in ((1, s1), (2, s2), (3, s1)):
+        meta = dcp.FileSystemReader(str(infos[step])).read_metadata().state_dict_metadata
+        got = {k: meta[k].properties.dtype for k in want}
+        assert got == {k: v.dtype for k, v in want.items()}, (step, got)
+        target = zeros_like_state(want)
+        assert await CheckpointEngine(tmp_path).load(target, step=step) == step
+        bad = [k for k in want if not same_bytes(target[k], want[k])]
+        assert not bad, (step, bad)
+
+
+# ------------------------------------------------------------------------------ two ranks
+
+
+def save_and_load_on_rank(rank: int, world: int, root: str, device_index: int | None) -> int:
+    """One rank of a 2-rank save of CUDA state: rank-owned and replicated tensors, then each
+    rank loads it back to its GPU."""
+    from asyncckpt import SyncCheckpointEngine
+
+    dev = rank % torch.cuda.device_count() if device_index is None else device_index
+    torch.cuda.set_device(dev)
+
+    def state(step: int) -> dict[str, Any]:
+        gen = torch.Generator(device="cuda").manual_seed(100 * step + rank)
+        return {
+            "model": {
+                f"own{rank}": torch.randn(3000, device="cuda", generator=gen),
+                "shared": torch.full((257,), float(step), device="cuda").bfloat16(),
+            },
+            "step": step,
+        }
+
+    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+        assert engine._core.world_size == world and engine._core.rank == rank
+        for step in (1, 2):
+            engine.save(step, state(step)).committed_sync(timeout=120)
+    want = state(2)
+    # Non-tensor leaves come back where the target names them.
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "step": None}
+    got = SyncCheckpointEngine(root).load_latest(target)
+    for k, v in want["model"].items():
+        assert target["model"][k].device == v.device and torch.equal(target["model"][k], v), k
+    assert target["step"] == 2
+    return got
+
+
+def _run_two_ranks(tmp_path: Path, backend: str, device_index: int | None) -> None:
+    from test_multirank import run_ranks
+
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_and_load_on_rank, 2, tmp_path, str(root), device_index, backend=backend)
+    assert out == {0: 2, 1: 2}
+    files = set(os.listdir(root / "global_step_2"))
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= files, files
+
+
+def test_cuda_two_ranks_gloo_save_and_load(tmp_path):
+    # One GPU is enough: both ranks use device 0 over gloo (NCCL refuses two ranks per GPU).
+    _run_two_ranks(tmp_path, "gloo", 0 if GPUS < 2 else None)
+
+
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs for an NCCL group (this machine has {GPUS})")
+def test_cuda_two_ranks_nccl_save_and_load(tmp_path):
+    _run_two_ranks(tmp_path, "nccl", None)

@@ -29,12 +29,16 @@ ROWS = 8  # rows of the sharded tensor; divisible by 1, 2 and 4 ranks
 # ------------------------------------------------------------------------------ harness
 
 
-def _entry(fn: Any, rank: int, world: int, store_path: str, args: tuple, results: Any) -> None:
+def _entry(
+    fn: Any, rank: int, world: int, store_path: str, args: tuple, results: Any, backend: str
+) -> None:
     import torch.distributed as dist
 
     try:
+        if backend == "nccl":  # one GPU per rank, chosen before the group binds one
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         out = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -43,13 +47,16 @@ def _entry(fn: Any, rank: int, world: int, store_path: str, args: tuple, results
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Any, world: int, tmp_path: Path, *args: Any) -> dict[int, Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; their results by rank."""
+def run_ranks(
+    fn: Any, world: int, tmp_path: Path, *args: Any, backend: str = "gloo"
+) -> dict[int, Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks (``backend``: gloo, or nccl in
+    tests/test_cuda.py); their results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tmp_path / f"store-{os.urandom(4).hex()}"
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, str(store), args, results))
+        ctx.Process(target=_entry, args=(fn, r, world, str(store), args, results, backend))
         for r in range(world)
     ]
     for p in procs:
