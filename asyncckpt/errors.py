@@ -40,6 +40,10 @@ class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
 
 
+class UploadFailed(SaveFailed):
+    """A checkpoint committed locally could not be published to the object store."""
+
+
 class ExportFailed(SaveFailed):
     """A step committed, but its Hugging Face export (``HFExport``) could not be written."""
 

@@ -10,9 +10,10 @@ imported on first use, so ``import asyncckpt`` stays free of torch.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from .base import Format
+from .base import Format, Prepared, SaveOptions
 
 #: The built-in formats a checkpoint (``format=``) can have; a registered format that owns a
 #: directory can be one too (``check_format``). A plain tuple, not a view of the registry.
@@ -94,3 +95,34 @@ def check_format(name: str, *, component: bool = False) -> str:
         pass
     possible = tuple(n for n in _REGISTRY if component or get_format(n).owns_directory)
     raise ValueError(f"unknown format {name!r}; expected one of {possible}")
+
+
+# ------------------------------------------------- a format on its way to the worker and back
+
+#: Where a registered (not built-in) format rides along in ``Prepared.extra`` to the worker.
+FORMAT_KEY = "asyncckpt.format"
+#: Modules the worker (a spawned process that never runs the trainer's script) cannot import.
+_UNIMPORTABLE_IN_WORKER = ("__main__", "__mp_main__")
+
+
+def prepare_part(fmt: Format, state: Any, options: SaveOptions) -> Prepared:
+    """``fmt.prepare``, with a format that is not built in attached for the worker."""
+    prepared = fmt.prepare(state, options)
+    if fmt.name not in BUILTIN_FORMATS:
+        cls = type(fmt)
+        if cls.__module__ in _UNIMPORTABLE_IN_WORKER:
+            raise TypeError(
+                f"format {fmt.name!r} is {cls.__module__}.{cls.__qualname__}, defined in the "
+                "trainer's __main__: the worker (a spawned process that does not run the "
+                "trainer's script) could not unpickle it; define it in an importable module"
+            )
+        prepared.extra = {**prepared.extra, FORMAT_KEY: fmt}
+    return prepared
+
+
+def format_of(fmt: str | Format, extra: Mapping[str, Any] | None) -> Format:
+    """The format to write with: given as one, carried by the job, else registered here."""
+    if isinstance(fmt, Format):
+        return fmt
+    carried = (extra or {}).get(FORMAT_KEY)
+    return carried if carried is not None else get_format(fmt)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from ..loadcheck import Entries
+    from ..entries import Entries
 
 #: (checksum, size) of each file a format wrote, by path (see ``Format.write``).
 Crcs = dict[str, tuple[int, int]]
@@ -101,6 +101,9 @@ class Format(ABC):
     #: component's); False: one file, which only a component can be (its path may name the
     #: rank, every rank writing its own).
     owns_directory: ClassVar[bool] = True
+    #: True: every rank's part lands in one checkpoint all ranks share (DCP's), so a rank's
+    #: load target may lack keys another rank saved; False: a rank reads its own file.
+    shared_by_ranks: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, state: Any, options: SaveOptions) -> Prepared:

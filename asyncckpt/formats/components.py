@@ -29,7 +29,7 @@ from typing import Any
 from .. import layout as _layout
 from ..commit import write_synced
 from ..manifest import checksum
-from . import check_format, format_names, get_format
+from . import check_format, format_names, format_of, get_format, prepare_part
 
 #: The engine's format name for a checkpoint made of components (recorded in its manifest).
 #: Not a registered format: its parts are, each written in its own (``write``).
@@ -243,7 +243,6 @@ def strip(mapping: Mapping[str, Any], name: str) -> dict[str, Any]:
 def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any = None) -> Any:
     """Every component's part prepared in its format, keys prefixed by the component name."""
     from .base import LegacyRanks, Prepared, SaveOptions
-    from .staged import prepare_part
 
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=True)
@@ -293,7 +292,6 @@ def write(
     ``base.WriteOptions``.
     """
     from .base import Prepared
-    from .staged import format_of
 
     rank = options.rank
     crcs: dict[str, tuple[int, int]] = {}

@@ -51,7 +51,7 @@ from .. import layout as L
 from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, signature_digest
 from ..directio import DirectFile, open_for_write
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
-from ..loadcheck import Entries, has_sharded_base
+from ..entries import Entries, has_sharded_base
 from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..throttle import write_all
@@ -726,6 +726,7 @@ class DCPFormat(Format):
     any world size (DCP reshards)."""
 
     name = "dcp"
+    shared_by_ranks = True
     #: The files describing the checkpoint, read by the pre-load check.
     metadata_files = frozenset({L.DCP_METADATA})
     #: The DCP save planner's class (None: ``write_flat``'s default).

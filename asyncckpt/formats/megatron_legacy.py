@@ -25,7 +25,7 @@ import torch
 
 from .. import layout as L
 from ..dist import is_dtensor
-from ..loadcheck import Entries, walk
+from ..entries import Entries, walk
 from ..staging import is_stateful
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 from .dcp import merge_into

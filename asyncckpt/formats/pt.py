@@ -23,7 +23,7 @@ import torch
 
 from ..commit import write_synced
 from ..dist import is_dtensor
-from ..loadcheck import Entries, walk
+from ..entries import Entries, walk
 from ..manifest import checksum
 from ..staging import is_stateful
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions

@@ -27,11 +27,15 @@ from typing import Any
 import torch
 
 from ..staging import is_stateful
-from . import BUILTIN_FORMATS, components, get_format
+from . import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names of this module too
+    _UNIMPORTABLE_IN_WORKER,
+    FORMAT_KEY,
+    components,
+    format_of,
+    get_format,
+    prepare_part,
+)
 from .base import Format, LegacyRanks, LoadOptions, Prepared, SaveOptions, WriteOptions
-
-#: Where a registered (not built-in) format rides along in ``Prepared.extra`` to the worker.
-FORMAT_KEY = "asyncckpt.format"
 
 
 def legacy_ranks(rank: int, world_size: int, given: Any = None) -> LegacyRanks:
@@ -63,10 +67,6 @@ def materialize(x: Any) -> Any:
     if isinstance(x, list):
         return [materialize(v) for v in x]
     return x
-
-
-#: Modules the worker (a spawned process that never runs the trainer's script) cannot import.
-_UNIMPORTABLE_IN_WORKER = ("__main__", "__mp_main__")
 
 
 class _MainReference(Exception):
@@ -188,30 +188,7 @@ def prepare(
     return prepare_part(get_format(fmt), state, options)
 
 
-def prepare_part(fmt: Format, state: Any, options: SaveOptions) -> Prepared:
-    """``fmt.prepare``, with a format that is not built in attached for the worker."""
-    prepared = fmt.prepare(state, options)
-    if fmt.name not in BUILTIN_FORMATS:
-        cls = type(fmt)
-        if cls.__module__ in _UNIMPORTABLE_IN_WORKER:
-            raise TypeError(
-                f"format {fmt.name!r} is {cls.__module__}.{cls.__qualname__}, defined in the "
-                "trainer's __main__: the worker (a spawned process that does not run the "
-                "trainer's script) could not unpickle it; define it in an importable module"
-            )
-        prepared.extra = {**prepared.extra, FORMAT_KEY: fmt}
-    return prepared
-
-
 # ------------------------------------------------------------------------------ worker side
-
-
-def format_of(fmt: str | Format, extra: Mapping[str, Any] | None) -> Format:
-    """The format to write with: given as one, carried by the job, else registered here."""
-    if isinstance(fmt, Format):
-        return fmt
-    carried = (extra or {}).get(FORMAT_KEY)
-    return carried if carried is not None else get_format(fmt)
 
 
 def write(

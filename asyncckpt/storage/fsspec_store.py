@@ -27,8 +27,8 @@ from typing import Any
 
 from .. import faults
 from .. import layout as _layout
+from ..errors import UploadFailed
 from .base import StoredCheckpoint
-from .remote import UploadFailed
 
 
 class FsspecStore:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import layout as _layout
-from ..errors import SaveFailed
+from ..errors import UploadFailed
 from ..retention import CheckpointInfo, RetentionPolicy, plan_prune
 
 log = logging.getLogger("asyncckpt")
@@ -34,10 +34,6 @@ _PROTOCOL_ALIASES = {"s3a": "s3", "gcs": "gs"}
 if TYPE_CHECKING:
     from .base import CommittedStore
     from .fsspec_store import FsspecStore
-
-
-class UploadFailed(SaveFailed):
-    """A checkpoint committed locally could not be published to the object store."""
 
 
 @dataclass(frozen=True)
