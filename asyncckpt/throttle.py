@@ -1,7 +1,7 @@
 """Throttling of the background writer: priority, cores, threads, I/O priority and write rate.
 
 With optimizer offload the CPU runs the optimizer step, so the checkpoint worker must not take
-cycles, cores or disk bandwidth from it (DESIGN.md invariant 7). The worker is a process, so
+cycles, cores or disk bandwidth from it (invariant 7, docs/design.md). The worker is a process, so
 each lever applies to it as a whole:
 
 * ``nice``            -- ``os.nice``: the scheduler prefers the trainer when both want a core.
