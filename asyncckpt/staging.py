@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import torch
 
+from ._torch import foreach_copy_, host_register, host_unregister
 from .cachekeys import arena_key
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
@@ -204,14 +205,12 @@ def allocate_arena(nbytes: int, pin: bool) -> torch.Tensor:
     arena = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
     if pin:
         # Registering the shared pages makes them pinned without a second copy.
-        rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
-        if int(rc) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with code {int(rc)}")
+        host_register(arena.data_ptr(), nbytes)
     return arena
 
 
 def unpin_arena(arena: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+    host_unregister(arena.data_ptr())
 
 
 def arena_view(arena: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
@@ -320,7 +319,7 @@ class StagingSlot:
                 cpu_dst, cpu_src = self.small_views, small
             if cpu_src:
                 with torch.no_grad():
-                    torch._foreach_copy_(cpu_dst, cpu_src)
+                    foreach_copy_(cpu_dst, cpu_src)
         if cuda_pairs:
             _copy_from_cuda(cuda_pairs)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import operator
 import os
 import threading
@@ -25,14 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
     SerializationFormat,
-    _split_by_size_and_type,
-    _StorageInfo,
 )
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -48,6 +46,13 @@ from torch.futures import Future
 
 from .. import faults
 from .. import layout as L
+from .._torch import (
+    StorageInfo,
+    dcp_plan_cache,
+    dcp_plan_caches,
+    inner_dcp_load,
+    stateful_entries_as_is,
+)
 from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, signature_digest
 from ..directio import DirectFile, open_for_write
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
@@ -68,29 +73,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _flat_state_dict_as_is() -> Iterator[None]:
-    """Skip DCP's pass over the top-level entries looking for Stateful objects.
-
-    ``dcp.save`` calls each top-level entry's ``state_dict()`` through a logging wrapper (a
-    dict of log fields and two log records per entry): for a flat state of 20,000 entries
-    that is ~1 s. The worker's states are flat, built of tensors and pre-serialised bytes,
-    with no Stateful entry (the trainer took their state dicts), so a shallow copy is what
-    that pass would return. Where torch has no such function, nothing is replaced.
-    """
-    from torch.distributed.checkpoint import state_dict_saver as saver
-
-    original = getattr(saver, "_stateful_to_state_dict", None)
-    if original is None:
-        yield
-        return
-    saver._stateful_to_state_dict = dict
-    try:
-        yield
-    finally:
-        saver._stateful_to_state_dict = original
-
-
 #: Largest piece a shard stream hands to the file (and to the throttle) at once.
 PIECE_BYTES = 1 << 20
 
@@ -101,18 +83,6 @@ class Serialized(bytes):
 
 #: DCP's plan-cache key per name written again and again (``cachekeys`` says what it covers).
 _PLAN_KEYS = DcpPlanKeys()
-
-
-def _dcp_plan_caches() -> list[dict]:
-    """DCP's class-level plan caches (what it keeps per ``_cached_plans_key``)."""
-    names = (
-        "_cached_save_plan",
-        "_cached_all_plans",
-        "_cached_global_plan",
-        "_cached_metadata",
-        "_cached_final_save_plan",
-    )
-    return [c for c in (getattr(SavePlanner, n, None) for n in names) if isinstance(c, dict)]
 
 
 class _PassThroughPlanner(DefaultSavePlanner):
@@ -134,16 +104,17 @@ class _PassThroughPlanner(DefaultSavePlanner):
         key = self._cached_plans_key
         # What DCP's caching needs from the last save: every rank its own local and final
         # plans, the coordinator also every rank's plans and the metadata.
-        caches = [SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan]
+        names = ["_cached_save_plan", "_cached_final_save_plan"]
         if is_coordinator:
-            caches += [SavePlanner._cached_all_plans, SavePlanner._cached_metadata]
+            names += ["_cached_all_plans", "_cached_metadata"]
+        caches = [dcp_plan_cache(n) for n in names]
         cached = self._enable_plan_caching and all(key in cache for cache in caches)
         if not cached:
             self._reuse = None
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
             return
         # A flat state flattens to itself: the traversal is skipped with the planning.
-        self._reuse = SavePlanner._cached_save_plan[key]
+        self._reuse = dcp_plan_cache("_cached_save_plan")[key]
         self.mappings = self._reuse.planner_data
         self.state_dict = state_dict
         self.is_coordinator = is_coordinator
@@ -257,6 +228,37 @@ class _ChecksummingFileSystem(FileSystem):
         self._crcs[Path(path).name] = (stream.crc, stream.size)
 
 
+def _split_by_size_and_type(bins: int, items: list[Any]) -> list[list[Any]]:
+    """Items into ``bins`` files as DCP's ``FileSystemWriter`` splits them: byte items round
+    robin, tensors largest first into the lightest file (torch's own helper is private)."""
+    if bins == 1:
+        return [items]
+    buckets: list[list[Any]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for n, item in enumerate(byte_items):
+        buckets[n % bins].append(item)
+    for item in sorted(tensor_items, key=_item_bytes, reverse=True):
+        lightest = min(range(bins), key=sizes.__getitem__)
+        buckets[lightest].append(item)
+        sizes[lightest] += _item_bytes(item)
+    return buckets
+
+
+def _item_bytes(item: Any) -> int:
+    data = item.tensor_data
+    return math.prod(data.size) * data.properties.dtype.itemsize
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, sizes: Any) -> torch.Tensor:
+    """The chunk at ``offsets`` of ``sizes`` inside ``tensor`` (a view)."""
+    for dim, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+        if size < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, size)
+    return tensor
+
+
 class ChecksumWriter(FileSystemWriter):
     """DCP's FileSystemWriter whose files are checksummed (and paced) while written, with
     ``O_DIRECT`` where ``direct_io`` asks for it and the filesystem allows it, and small
@@ -330,7 +332,7 @@ class ChecksumWriter(FileSystemWriter):
                         tensor = tensor.clone()  # as DCP: torch.save writes whole storages
                     self.records.write(tensor, stream, with_crc)
                 length = stream.tell() - offset
-                info = _StorageInfo(relative_path=name, offset=offset, length=length)
+                info = StorageInfo(relative_path=name, offset=offset, length=length)
                 out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             stream.flush()
             if self.sync_files:
@@ -391,8 +393,8 @@ def write_flat(
         if layout is not None:  # the same on every rank: a rank's None disables it everywhere
             name = f"asyncckpt:{type(planner).__name__}:{plan_cache}"
             planner._enable_plan_caching = True
-            planner._cached_plans_key = _PLAN_KEYS.key(name, layout, _dcp_plan_caches())
-    with _quiet_single_process(), _flat_state_dict_as_is():
+            planner._cached_plans_key = _PLAN_KEYS.key(name, layout, dcp_plan_caches())
+    with _quiet_single_process(), stateful_entries_as_is():
         dcp.save(
             dict(flat),
             storage_writer=writer,
@@ -492,7 +494,7 @@ class CachedMetadataReader(FileSystemReader):
             with_crc,
         )
         if tensor is not target:
-            tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+            tensor = _narrow(tensor, item.storage_offsets, item.lengths)
             if target.size() != tensor.size():
                 raise ValueError(
                     f"{item.storage_index.fqn}: stored {tuple(tensor.size())}, "
@@ -592,11 +594,10 @@ def load_flat(
     protocol check, ~25 us each: 0.5 s for 20,000 keys); a flat dict holds none, so its inner
     loader is called directly where torch has it.
     """
-    from torch.distributed.checkpoint import state_dict_loader
 
     reader = CachedMetadataReader(str(directory))
     no_dist = process_group is None
-    inner = getattr(state_dict_loader, "_load_state_dict", None)
+    inner = inner_dcp_load()
     with _quiet_single_process():
         if inner is None:
             dcp.load(
