@@ -517,12 +517,7 @@ def _skip_torch_save_crc() -> None:
     # torch.save computes a crc32 of every record it writes; the manifest already checksums
     # every byte of every file (and is what load verifies), so that pass is pure CPU cost.
     # Readers do not need it: torch.load accepts archives written without it.
-    try:
-        from torch.utils.serialization import config
-
-        config.save.compute_crc32 = False
-    except (ImportError, AttributeError):
-        pass
+    torch.serialization.set_crc32_options(False)
 
 
 def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:
