@@ -55,6 +55,34 @@ def test_setup_commands_are_what_ci_runs():
     assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
     assert "venv" in ci and "[" not in example
+    # The test command runs in a fresh venv too (its own, activated in CI's shell, not the
+    # machine's Python, whose older tools once hid a failing fresh set-up).
+    before = [ln.strip() for ln in ci[: ci.index(tests)].splitlines()]
+    before = [ln for ln in before if ln and not ln.startswith("#")]
+    activated = shlex.split(before[-1])
+    assert activated[0] == "source" and activated[1].endswith("/bin/activate"), before[-1]
+    venv = activated[1].removesuffix("/bin/activate")
+    assert ["python", "-m", "venv", venv] in [shlex.split(ln) for ln in before], venv
+
+
+def test_the_test_command_installs_from_the_committed_constraints():
+    """A fresh machine resolves the test tools CI passed with, not the newest of the day."""
+    tests = next(b.strip() for b in blocks("bash") if "pytest" in b and "pip install" in b)
+    found = re.search(r"pip install -c (\S+) ", tests)
+    assert found, "the test command must install with -c <constraints file>"
+    pins = {}
+    for line in (REPO / found.group(1)).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not an exact pin: {line}"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for tool in ("pytest", "pytest-asyncio", "pytest-xdist", "hypothesis", "trio", "ruff", "moto"):
+        assert tool in pins, f"{tool} is not pinned"
+    # torch is the first command's (and scripts/torch_matrix.sh's) choice, not the file's.
+    assert "torch" not in pins
+    pyproject = (REPO / "pyproject.toml").read_text()
+    megatron = re.search(r'"megatron-core==([^"]+)"', pyproject)
+    assert megatron and pins["megatron-core"] == megatron.group(1)
 
 
 def test_python_snippets_run_as_written(tmp_path):
