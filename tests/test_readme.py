@@ -55,14 +55,16 @@ def test_setup_commands_are_what_ci_runs():
     assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
     assert "venv" in ci and "[" not in example
-    # The test command runs in a fresh venv too (its own, activated in CI's shell, not the
-    # machine's Python, whose older tools once hid a failing fresh set-up).
-    before = [ln.strip() for ln in ci[: ci.index(tests)].splitlines()]
-    before = [ln for ln in before if ln and not ln.startswith("#")]
-    activated = shlex.split(before[-1])
-    assert activated[0] == "source" and activated[1].endswith("/bin/activate"), before[-1]
-    venv = activated[1].removesuffix("/bin/activate")
-    assert ["python", "-m", "venv", venv] in [shlex.split(ln) for ln in before], venv
+    # Both run in a fresh venv made by .ci/run and activated in its own shell (not in a
+    # subshell that ends before the tests): the machine's Python, with its older tools, once
+    # hid a failing fresh set-up. The example goes first, before any extra is installed.
+    assert ci.index(example) < ci.index(tests)
+    top = [shlex.split(ln) for ln in ci[: ci.index(example)].splitlines() if ln[:1].isalpha()]
+    sourced = [w[1] for w in top if w[0] == "source" and w[1].endswith("/bin/activate")]
+    assert sourced, ".ci/run must activate a fresh venv before the README's commands"
+    venv = sourced[-1].removesuffix("/bin/activate")
+    assert ["python", "-m", "venv", venv] in top, venv
+    assert "deactivate" not in ci[ci.index(example) : ci.index(tests)]
 
 
 def test_the_test_command_installs_from_the_committed_constraints():
