@@ -137,6 +137,7 @@ class Worker:
         self.config = config
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
+        self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -293,7 +294,11 @@ class Worker:
             arena = self.arenas[job.arena_ids[spec.arena]]
             flat[spec.fqn] = worker_view(arena, spec)
         self.thread_errors.clear()
+        from .formats.records import default_writer
+
+        before = default_writer.fallbacks  # one save at a time: the difference is this one's
         crcs = self._write_format(flat, tmp, job, pg)
+        self.records_fallbacks = default_writer.fallbacks - before
         del flat
         if self.thread_errors:
             raise self.thread_errors[0]
@@ -457,6 +462,7 @@ class Worker:
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
             "commit_seconds": time.perf_counter() - t_written,
+            "records_fallbacks": self.records_fallbacks,
             "bytes": manifest["bytes"],
             "committed_at": manifest["committed_at"],
             "path": str(final),

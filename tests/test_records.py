@@ -329,3 +329,32 @@ def test_a_load_reports_records_that_fell_back_to_torch_load(tmp_path, monkeypat
     assert records.fallbacks[reason] == 2
     logged = [r for r in caplog.records if reason in r.getMessage()]
     assert len(logged) == 1, logged
+
+
+def test_a_layout_without_template_is_counted_and_logged_once(monkeypatch, caplog) -> None:
+    """Small records written by torch.save because no template was proven (another torch's
+    archive) are counted (the worker reports them in SaveStats.records_fallbacks)."""
+    monkeypatch.setattr(records, "_torch_save_bytes", lambda t: b"not a zip archive")
+    monkeypatch.setattr(records, "_logged", set())  # this process may have logged it already
+    caplog.set_level("WARNING", logger="asyncckpt")
+    writer = RecordWriter()
+    for shape in ((3,), (3,), (5,)):
+        t = torch.randn(shape)
+        out = io.BytesIO()
+        writer.write(t, out)
+        assert out.getvalue() == torch_save_bytes(t)
+    big = torch.randn(MAX_TEMPLATE_BYTES // 4 + 1)  # no template by design: not a fallback
+    writer.write(big, io.BytesIO())
+    assert (writer.templated, writer.fallbacks) == (0, 3)
+    assert len([r for r in caplog.records if "no template proven" in r.getMessage()]) == 1
+
+
+def test_saves_on_the_fast_path_report_no_fallback(tmp_path) -> None:
+    from asyncckpt import SyncCheckpointEngine
+
+    state = {"a": torch.randn(16, 4), "b": torch.arange(7), "big": torch.randn(300_000)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        handle = engine.save(1, state)
+        handle.committed_sync(120)
+    assert handle.stats.records_fallbacks == 0
+    assert handle.stats.as_dict()["records_fallbacks"] == 0

@@ -290,10 +290,14 @@ class RecordWriter:
         self._templates = {}
         self._lock = threading.Lock()
         self.templated = 0  # records written from a template (for tests and benchmarks)
+        #: records of small plain tensors written by torch.save all the same (no template
+        #: could be proven for their layout): slower, and counted in ``SaveStats``
+        self.fallbacks = 0
 
-    def template_for(self, t: torch.Tensor, with_crc: bool) -> RecordTemplate | None:
-        """The template for ``t`` with torch's CRC setting ``with_crc``; None: use torch.save."""
-        if (
+    @staticmethod
+    def _plain(t: torch.Tensor) -> bool:
+        """A contiguous CPU tensor that is its whole storage: what a template can write."""
+        return not (
             type(t) is not torch.Tensor
             or t.device.type != "cpu"
             or t.requires_grad
@@ -302,7 +306,11 @@ class RecordWriter:
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()
             or t.is_quantized
             or t.is_sparse
-        ):
+        )
+
+    def template_for(self, t: torch.Tensor, with_crc: bool) -> RecordTemplate | None:
+        """The template for ``t`` with torch's CRC setting ``with_crc``; None: use torch.save."""
+        if not self._plain(t):
             return None
         return self.template_for_layout(t.dtype, tuple(t.shape), with_crc)
 
@@ -332,6 +340,11 @@ class RecordWriter:
             with_crc = torch_computes_crc()
         template = self.template_for(t, with_crc)
         if template is None:
+            if self._plain(t) and 0 < t.nbytes <= MAX_TEMPLATE_BYTES:
+                # A layout that should have had one: this torch's archive was not proven.
+                with self._lock:
+                    self.fallbacks += 1
+                _log_once("writing", "no template proven for this layout", "RecordWriter.fallbacks")
             torch.save(t, stream)
             return
         for piece in template.render(tensor_bytes(t)):
@@ -349,7 +362,7 @@ read_counts: Counter[str] = Counter()
 #: ``torch.load`` (a second copy of every byte), by reason, for the life of the process.
 fallbacks: Counter[str] = Counter()
 _tally = threading.local()  # the counter of the load running in this thread, if any
-_logged: set[str] = set()
+_logged: set[tuple[str, str]] = set()
 _logged_lock = threading.Lock()
 
 
@@ -358,14 +371,20 @@ def _fell_back(why: str) -> None:
     counter = getattr(_tally, "counter", None)
     if counter is not None:
         counter[why] += 1
+    _log_once("reading", why, "records.fallbacks and LoadReport.records_fallbacks")
+
+
+def _log_once(doing: str, why: str, counted: str) -> None:
     with _logged_lock:
-        first = why not in _logged
-        _logged.add(why)
-    if first:  # once per reason and process: a load of 20,000 such records logs one line
+        first = (doing, why) not in _logged
+        _logged.add((doing, why))
+    if first:  # once per reason and process: 20,000 such records log one line
         log.warning(
-            "reading a DCP record with torch.load (%s): slower than the direct read, still "
-            "correct; records.fallbacks and the load report count these (torch %s)",
+            "%s DCP records the slow way (%s): correct, but slower than the direct path; "
+            "%s count them (torch %s)",
+            doing,
             why,
+            counted,
             torch.__version__,
         )
 
