@@ -459,6 +459,7 @@ class _Core(WorkerSupervision):
         s.remote_path = st.get("remote_path")
         s.export_seconds = st.get("export_seconds", 0.0)
         s.export_path = st.get("export_path")
+        s.records_fallbacks = st.get("records_fallbacks", 0)
         self._release(job)
         del self.inflight[job_id]
         if (

@@ -44,7 +44,10 @@ class LoadReport:
     ``unexpected``: tensor keys of the checkpoint that the target lacks (not loaded);
     ``missing_objects``: non-tensor keys of the target that the checkpoint lacks (kept);
     ``other_ranks``: keys of a checkpoint several ranks share that this rank's target does not
-    ask for (another rank's; not read here, and not a mismatch).
+    ask for (another rank's; not read here, and not a mismatch);
+    ``records_fallbacks``: tensor records the fast reader left to ``torch.load`` (correct but
+    slower: a torch whose archives it cannot place, or records of views written by another
+    tool; ``asyncckpt.formats.records.fallbacks`` has the reasons).
     """
 
     step: int | None = None
@@ -54,6 +57,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     missing_objects: list[str] = field(default_factory=list)
     other_ranks: list[str] = field(default_factory=list)
+    records_fallbacks: int = 0
 
     @property
     def exact(self) -> bool:

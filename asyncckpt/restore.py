@@ -110,6 +110,7 @@ class Restorer:
         checked before any is read.
         """
         from . import loadcheck
+        from .formats import records
 
         manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
@@ -147,9 +148,12 @@ class Restorer:
             ]
             self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
             progress.reading()
-            for part, report in zip(parts, reports, strict=True):
-                self._read_part(part, report, directory)
-        return loadcheck.merge_reports(parts, reports, strict)
+            with records.count_fallbacks() as fallbacks:
+                for part, report in zip(parts, reports, strict=True):
+                    self._read_part(part, report, directory)
+        merged = loadcheck.merge_reports(parts, reports, strict)
+        merged.records_fallbacks = fallbacks.total()
+        return merged
 
     def _parts(
         self, state: Any, directory: Path, manifest: dict[str, Any] | None, step: int | None

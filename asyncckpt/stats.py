@@ -44,6 +44,9 @@ class SaveStats:
     #: with an ``HFExport`` due at this step: seconds writing it, and where
     export_seconds: float = 0.0
     export_path: str | None = None
+    #: records of small tensors written by ``torch.save`` because no template could be proven
+    #: for their layout on this torch (correct, slower; logged once); rank 0's own
+    records_fallbacks: int = 0
 
     @property
     def blocked_seconds(self) -> float:

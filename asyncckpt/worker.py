@@ -144,6 +144,7 @@ class Worker:
         self.config = config
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
+        self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -301,7 +302,11 @@ class Worker:
             arena = self.arenas[job.arena_ids[spec.arena]]
             flat[spec.fqn] = worker_view(arena, spec)
         self.thread_errors.clear()
+        from .formats.records import default_writer
+
+        before = default_writer.fallbacks  # one save at a time: the difference is this one's
         crcs = self._write_format(flat, tmp, job, pg)
+        self.records_fallbacks = default_writer.fallbacks - before
         del flat
         if self.thread_errors:
             raise self.thread_errors[0]
@@ -475,6 +480,7 @@ class Worker:
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
             "commit_seconds": time.perf_counter() - t_written,
+            "records_fallbacks": self.records_fallbacks,
             "bytes": manifest["bytes"],
             "committed_at": manifest["committed_at"],
             "path": str(final),
@@ -591,12 +597,7 @@ def _skip_torch_save_crc() -> None:
     # torch.save computes a crc32 of every record it writes; the manifest already checksums
     # every byte of every file (and is what load verifies), so that pass is pure CPU cost.
     # Readers do not need it: torch.load accepts archives written without it.
-    try:
-        from torch.utils.serialization import config
-
-        config.save.compute_crc32 = False
-    except (ImportError, AttributeError):
-        pass
+    torch.serialization.set_crc32_options(False)
 
 
 def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:

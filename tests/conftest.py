@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from asyncckpt import faults
 
@@ -15,3 +16,33 @@ def _no_faults_left_armed():
     faults.clear()
     yield
     faults.clear()
+
+
+@pytest.fixture
+def torch_crc32():
+    """Set ``torch.save``'s CRC-32 option (``torch_crc32(False)``) through torch's public API;
+    the test's value is undone after it.
+
+    Never monkeypatch torch's config proxy: pytest 9.2's undo deletes the setting, and every
+    later ``torch.save`` in the process fails.
+    """
+    before = torch.serialization.get_crc32_options()
+    try:
+        yield torch.serialization.set_crc32_options
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+@pytest.fixture(autouse=True)
+def _torch_save_settings_intact():
+    # A test that leaves torch's save settings changed (or deleted) breaks every later save in
+    # its process, far from the cause: fail the test that did it instead.
+    before = torch.serialization.get_crc32_options()
+    yield
+    try:
+        after = torch.serialization.get_crc32_options()
+    except AttributeError as e:
+        pytest.fail(f"this test deleted torch's compute_crc32 setting ({e})")
+    if after != before:
+        torch.serialization.set_crc32_options(before)
+        pytest.fail(f"this test left torch's compute_crc32 at {after} (was {before})")

@@ -55,6 +55,36 @@ def test_setup_commands_are_what_ci_runs():
     assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
     assert "venv" in ci and "[" not in example
+    # Both run in a fresh venv made by .ci/run and activated in its own shell (not in a
+    # subshell that ends before the tests): the machine's Python, with its older tools, once
+    # hid a failing fresh set-up. The example goes first, before any extra is installed.
+    assert ci.index(example) < ci.index(tests)
+    top = [shlex.split(ln) for ln in ci[: ci.index(example)].splitlines() if ln[:1].isalpha()]
+    sourced = [w[1] for w in top if w[0] == "source" and w[1].endswith("/bin/activate")]
+    assert sourced, ".ci/run must activate a fresh venv before the README's commands"
+    venv = sourced[-1].removesuffix("/bin/activate")
+    assert ["python", "-m", "venv", venv] in top, venv
+    assert "deactivate" not in ci[ci.index(example) : ci.index(tests)]
+
+
+def test_the_test_command_installs_from_the_committed_constraints():
+    """A fresh machine resolves the test tools CI passed with, not the newest of the day."""
+    tests = next(b.strip() for b in blocks("bash") if "pytest" in b and "pip install" in b)
+    found = re.search(r"pip install -c (\S+) ", tests)
+    assert found, "the test command must install with -c <constraints file>"
+    pins = {}
+    for line in (REPO / found.group(1)).read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not an exact pin: {line}"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    for tool in ("pytest", "pytest-asyncio", "pytest-xdist", "hypothesis", "trio", "ruff", "moto"):
+        assert tool in pins, f"{tool} is not pinned"
+    # torch is the first command's (and scripts/torch_matrix.sh's) choice, not the file's.
+    assert "torch" not in pins
+    pyproject = (REPO / "pyproject.toml").read_text()
+    megatron = re.search(r'"megatron-core==([^"]+)"', pyproject)
+    assert megatron and pins["megatron-core"] == megatron.group(1)
 
 
 def test_python_snippets_run_as_written(tmp_path):

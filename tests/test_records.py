@@ -77,14 +77,13 @@ def test_tensors_a_template_does_not_fit_keep_torch_save() -> None:
     assert writer.templated == 0
 
 
-def test_records_equal_torch_save_with_its_crc_switched_off(monkeypatch) -> None:
+def test_records_equal_torch_save_with_its_crc_switched_off(torch_crc32) -> None:
     # The worker switches torch's CRC computation off (the manifest checksums every byte):
     # the archive then holds zeros where CRCs go, and the templates must write the same.
-    config = pytest.importorskip("torch.utils.serialization").config
     writer = RecordWriter()
     t = torch.randn(1024)
     for compute in (False, True, False):  # one writer, the setting changed between writes
-        monkeypatch.setattr(config.save, "compute_crc32", compute)
+        torch_crc32(compute)
         out = io.BytesIO()
         writer.write(t, out)
         assert out.getvalue() == torch_save_bytes(t), compute
@@ -187,11 +186,11 @@ def test_local_plan_reused_while_the_layout_holds(tmp_path, monkeypatch) -> None
 # ---------------------------------------------------------------------------------- reading
 
 
-def record_file(tmp_path, tensors: list[torch.Tensor], crc: bool = True, monkeypatch=None):
-    """A file of torch.save records one after another (as a DCP shard), with their spans."""
-    config = pytest.importorskip("torch.utils.serialization").config
-    if monkeypatch is not None:
-        monkeypatch.setattr(config.save, "compute_crc32", crc)
+def record_file(tmp_path, tensors: list[torch.Tensor], crc: bool = True, set_crc32=None):
+    """A file of torch.save records one after another (as a DCP shard), with their spans;
+    ``set_crc32``: the ``torch_crc32`` fixture, to write them with ``crc``."""
+    if set_crc32 is not None:
+        set_crc32(crc)
     path = tmp_path / "records.bin"
     spans = []
     with open(path, "wb") as f:
@@ -200,13 +199,13 @@ def record_file(tmp_path, tensors: list[torch.Tensor], crc: bool = True, monkeyp
             start = f.tell()
             torch.save(t, f)
             spans.append((start, f.tell() - start))
-    if monkeypatch is not None:
-        monkeypatch.setattr(config.save, "compute_crc32", True)  # read with the default
+    if set_crc32 is not None:
+        set_crc32(True)  # read with the default
     return path, spans
 
 
 @pytest.mark.parametrize("crc", [True, False], ids=["crc", "no-crc"])
-def test_read_record_gives_what_torch_load_gives(tmp_path, monkeypatch, crc) -> None:
+def test_read_record_gives_what_torch_load_gives(tmp_path, torch_crc32, crc) -> None:
     tensors = [random_tensor(dtype, shape) for dtype in DTYPES[:-1] for shape in SHAPES]
     tensors = [
         t.view(torch.uint8).remainder(2).view(torch.bool) if t.dtype == torch.bool else t
@@ -214,7 +213,7 @@ def test_read_record_gives_what_torch_load_gives(tmp_path, monkeypatch, crc) -> 
     ]
     big = torch.randn(MAX_TEMPLATE_BYTES // 4 + 5, 1)  # no template: located by torch
     tensors.append(big)
-    path, spans = record_file(tmp_path, tensors, crc, monkeypatch)
+    path, spans = record_file(tmp_path, tensors, crc, torch_crc32)
     records.read_counts.clear()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -240,17 +239,19 @@ def test_records_that_are_not_one_whole_tensor_are_read_by_torch_load(tmp_path) 
     path, spans = record_file(tmp_path, [view, torch.randn(1024)])
     records.read_counts.clear()
     fd = os.open(path, os.O_RDONLY)
-    try:
-        got = records.read_record(fd, *spans[0], torch.float32, (32,))
-        assert torch.equal(got, view)
-        # A record whose pickle says float32, asked for as int32 (another tensor's metadata):
-        # neither the int32 template nor torch's parsing accepts it, so torch.load reads it
-        # for what it is and the caller's copy_ converts, as DCP does.
-        other = records.read_record(fd, *spans[1], torch.int32, (1024,))
-        assert other.dtype == torch.float32
-    finally:
-        os.close(fd)
+    with records.count_fallbacks() as fallbacks:
+        try:
+            got = records.read_record(fd, *spans[0], torch.float32, (32,))
+            assert torch.equal(got, view)
+            # A record whose pickle says float32, asked for as int32 (another tensor's
+            # metadata): neither the int32 template nor torch's parsing accepts it, so
+            # torch.load reads it for what it is and the caller's copy_ converts, as DCP does.
+            other = records.read_record(fd, *spans[1], torch.int32, (1024,))
+            assert other.dtype == torch.float32
+        finally:
+            os.close(fd)
     assert records.read_counts == {"torch.load": 2}
+    assert fallbacks == {"not one whole tensor": 2}  # the slow reads are counted, not silent
 
 
 def test_dcp_checkpoints_read_back_equal_through_the_fast_reader(tmp_path) -> None:
@@ -283,13 +284,77 @@ def test_dcp_checkpoints_read_back_equal_through_the_fast_reader(tmp_path) -> No
         assert records.read_counts["torch.load"] == 0, records.read_counts
 
 
-def test_a_template_refused_while_the_setting_changed_is_made_again_later(monkeypatch) -> None:
+def test_a_template_refused_while_the_setting_changed_is_made_again_later(torch_crc32) -> None:
     """A template asked for with CRCs while torch writes none comes out without them and is
     refused; that refusal must not be remembered, or the layout never gets one again."""
-    config = pytest.importorskip("torch.utils.serialization").config
     writer = RecordWriter()
-    monkeypatch.setattr(config.save, "compute_crc32", False)
+    torch_crc32(False)
     assert writer.template_for_layout(torch.float32, (8,), True) is None
-    monkeypatch.setattr(config.save, "compute_crc32", True)
+    torch_crc32(True)
     template = writer.template_for_layout(torch.float32, (8,), True)
     assert template is not None and template.with_crc
+
+
+def test_a_load_reports_records_that_fell_back_to_torch_load(tmp_path, monkeypatch, caplog):
+    """A large record the fast reader cannot place is read by torch.load: correct, slower, and
+    visible: counted in the load report and in ``records.fallbacks``, logged once per reason.
+    On the fast path the count stays 0."""
+    from asyncckpt import SyncCheckpointEngine
+
+    state = {"big": torch.randn(MAX_TEMPLATE_BYTES // 4 + 9), "small": torch.randn(4)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync(120)
+
+    def target() -> dict:
+        return {k: torch.zeros_like(v) for k, v in state.items()}
+
+    before = records.fallbacks.copy()
+    engine = SyncCheckpointEngine(tmp_path)
+    got = target()
+    assert engine.load_latest(got) == 1
+    assert engine.last_load_report.records_fallbacks == 0
+    assert records.fallbacks == before
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+    # What a torch whose archives the reader cannot place does (as 2.9 did before _locate
+    # parsed the zip entries itself): every large record falls back.
+    reason = f"forced in {tmp_path.name}"  # a reason of its own: logged once per process
+    monkeypatch.setattr(records, "_locate", lambda *args: (None, reason))
+    caplog.set_level("WARNING", logger="asyncckpt")
+    for _ in range(2):
+        got = target()
+        assert engine.load_latest(got) == 1
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        assert engine.last_load_report.records_fallbacks == 1  # "big"; "small" has a template
+    assert records.fallbacks[reason] == 2
+    logged = [r for r in caplog.records if reason in r.getMessage()]
+    assert len(logged) == 1, logged
+
+
+def test_a_layout_without_template_is_counted_and_logged_once(monkeypatch, caplog) -> None:
+    """Small records written by torch.save because no template was proven (another torch's
+    archive) are counted (the worker reports them in SaveStats.records_fallbacks)."""
+    monkeypatch.setattr(records, "_torch_save_bytes", lambda t: b"not a zip archive")
+    monkeypatch.setattr(records, "_logged", set())  # this process may have logged it already
+    caplog.set_level("WARNING", logger="asyncckpt")
+    writer = RecordWriter()
+    for shape in ((3,), (3,), (5,)):
+        t = torch.randn(shape)
+        out = io.BytesIO()
+        writer.write(t, out)
+        assert out.getvalue() == torch_save_bytes(t)
+    big = torch.randn(MAX_TEMPLATE_BYTES // 4 + 1)  # no template by design: not a fallback
+    writer.write(big, io.BytesIO())
+    assert (writer.templated, writer.fallbacks) == (0, 3)
+    assert len([r for r in caplog.records if "no template proven" in r.getMessage()]) == 1
+
+
+def test_saves_on_the_fast_path_report_no_fallback(tmp_path) -> None:
+    from asyncckpt import SyncCheckpointEngine
+
+    state = {"a": torch.randn(16, 4), "b": torch.arange(7), "big": torch.randn(300_000)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        handle = engine.save(1, state)
+        handle.committed_sync(120)
+    assert handle.stats.records_fallbacks == 0
+    assert handle.stats.as_dict()["records_fallbacks"] == 0

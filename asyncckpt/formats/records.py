@@ -18,15 +18,17 @@ gets no template and keeps ``torch.save``. So what lands on disk is exactly what
 
 Reading (``read_record``). A record equal to its layout's template in every byte but the data,
 the CRCs and the id is that layout's tensor, and its bytes are where the template's are; a
-larger record is parsed by ``torch.load`` onto the meta device (no data read), which says
-where the data record starts. The bytes are then read straight into the caller's tensor.
+larger record is located by its zip entries, and ``torch.load`` onto the meta device (no data
+read) says which tensor it holds. The bytes are then read straight into the caller's tensor.
 Anything else is read by ``torch.load``, as DCP reads it. Integrity is not this module's job:
 loads verify every file against the manifest before reading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import math
 import os
 import struct
@@ -35,6 +37,7 @@ import threading
 import zipfile
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -42,6 +45,8 @@ from typing import Any
 import torch
 
 from ..cachekeys import record_template_key
+
+log = logging.getLogger("asyncckpt")
 
 #: Tensors up to this size are written from a template; larger ones keep ``torch.save``, whose
 #: fixed cost is nothing next to their data (and their template would cost a save of that size).
@@ -251,12 +256,8 @@ def _parse(raw: bytes, data_size: int) -> RecordTemplate:
 
 
 def torch_computes_crc() -> bool:
-    """Whether ``torch.save`` writes CRC-32s now (``torch.utils.serialization.config``)."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
-        return True
-    return bool(getattr(config.save, "compute_crc32", True))
+    """Whether ``torch.save`` writes CRC-32s now (``torch.serialization.set_crc32_options``)."""
+    return bool(torch.serialization.get_crc32_options())
 
 
 def make_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate | None:
@@ -291,10 +292,14 @@ class RecordWriter:
         self._templates = {}
         self._lock = threading.Lock()
         self.templated = 0  # records written from a template (for tests and benchmarks)
+        #: records of small plain tensors written by torch.save all the same (no template
+        #: could be proven for their layout): slower, and counted in ``SaveStats``
+        self.fallbacks = 0
 
-    def template_for(self, t: torch.Tensor, with_crc: bool) -> RecordTemplate | None:
-        """The template for ``t`` with torch's CRC setting ``with_crc``; None: use torch.save."""
-        if (
+    @staticmethod
+    def _plain(t: torch.Tensor) -> bool:
+        """A contiguous CPU tensor that is its whole storage: what a template can write."""
+        return not (
             type(t) is not torch.Tensor
             or t.device.type != "cpu"
             or t.requires_grad
@@ -303,7 +308,11 @@ class RecordWriter:
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()
             or t.is_quantized
             or t.is_sparse
-        ):
+        )
+
+    def template_for(self, t: torch.Tensor, with_crc: bool) -> RecordTemplate | None:
+        """The template for ``t`` with torch's CRC setting ``with_crc``; None: use torch.save."""
+        if not self._plain(t):
             return None
         return self.template_for_layout(t.dtype, tuple(t.shape), with_crc)
 
@@ -333,6 +342,11 @@ class RecordWriter:
             with_crc = torch_computes_crc()
         template = self.template_for(t, with_crc)
         if template is None:
+            if self._plain(t) and 0 < t.nbytes <= MAX_TEMPLATE_BYTES:
+                # A layout that should have had one: this torch's archive was not proven.
+                with self._lock:
+                    self.fallbacks += 1
+                _log_once("writing", "no template proven for this layout", "RecordWriter.fallbacks")
             torch.save(t, stream)
             return
         for piece in template.render(tensor_bytes(t)):
@@ -345,6 +359,49 @@ class RecordWriter:
 #: How records were read (tests and benchmarks read it): "template" (compared with this
 #: layout's template), "located" (found by torch.load on the meta device) or "torch.load".
 read_counts: Counter[str] = Counter()
+
+#: Records of tensors with data that the fast reader could not place and left to
+#: ``torch.load`` (a second copy of every byte), by reason, for the life of the process.
+fallbacks: Counter[str] = Counter()
+_tally = threading.local()  # the counter of the load running in this thread, if any
+_logged: set[tuple[str, str]] = set()
+_logged_lock = threading.Lock()
+
+
+def _fell_back(why: str) -> None:
+    fallbacks[why] += 1
+    counter = getattr(_tally, "counter", None)
+    if counter is not None:
+        counter[why] += 1
+    _log_once("reading", why, "records.fallbacks and LoadReport.records_fallbacks")
+
+
+def _log_once(doing: str, why: str, counted: str) -> None:
+    with _logged_lock:
+        first = (doing, why) not in _logged
+        _logged.add((doing, why))
+    if first:  # once per reason and process: 20,000 such records log one line
+        log.warning(
+            "%s DCP records the slow way (%s): correct, but slower than the direct path; "
+            "%s count them (torch %s)",
+            doing,
+            why,
+            counted,
+            torch.__version__,
+        )
+
+
+@contextlib.contextmanager
+def count_fallbacks() -> Iterator[Counter[str]]:
+    """Count, by reason, the records read in this thread that fell back to ``torch.load``."""
+    before = getattr(_tally, "counter", None)
+    _tally.counter = counter = Counter()
+    try:
+        yield counter
+    finally:
+        _tally.counter = before
+        if before is not None:
+            before.update(counter)
 
 
 class _FileSlice(io.RawIOBase):
@@ -386,32 +443,57 @@ def pread_into(fd: int, into: memoryview, offset: int) -> None:
         done += got
 
 
-def _locate(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple) -> int | None:
-    """Where the tensor's bytes start in a record of any size, by torch.load on the meta
-    device (torch's own parsing, no data read); None unless it is one contiguous tensor of
-    ``dtype`` and ``shape`` whose storage is exactly its bytes, in this machine's byte order."""
+def _payload_at(fd: int, offset: int, info: zipfile.ZipInfo) -> int:
+    """Where a stored zip entry's bytes start, from its local header (record at ``offset``)."""
+    header = os.pread(fd, 30, offset + info.header_offset)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"no local header for {info.filename}")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _locate(
+    fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple
+) -> tuple[int | None, str]:
+    """Where the tensor's bytes start in a record of any size, and if not, why not.
+
+    The archive's own zip entries say where its one data record's payload is and how long it
+    is; ``torch.load`` onto the meta device under ``skip_data`` (no data read, on every torch:
+    before 2.11 a plain meta load reads the data and records no offset) says what tensor that
+    record holds. None unless it is one contiguous tensor of ``dtype`` and ``shape`` whose
+    storage is exactly that record, in this machine's byte order.
+    """
     try:
-        t = torch.load(_FileSlice(fd, offset, length), map_location="meta", weights_only=True)
-        archive = torch._C.PyTorchFileReader(_FileSlice(fd, offset, length))
-        byteorder = (
-            archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
-        )
-    except Exception:  # noqa: BLE001 - any record torch cannot parse so goes to torch.load
-        return None
+        with zipfile.ZipFile(_FileSlice(fd, offset, length)) as z:
+            infos = z.infolist()
+        prefix = infos[0].filename.split("/", 1)[0] + "/"
+        by_name = {i.filename[len(prefix) :]: i for i in infos}
+        data = [i for name, i in by_name.items() if name.startswith("data/")]
+        if len(data) != 1 or any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+            return None, "not one stored tensor"
+        at = _payload_at(fd, offset, data[0])
+        byteorder = b"little"
+        if "byteorder" in by_name:  # read raw: zipfile would check a CRC torch may not write
+            info = by_name["byteorder"]
+            byteorder = os.pread(fd, info.file_size, offset + _payload_at(fd, offset, info))
+        with torch.serialization.skip_data():
+            t = torch.load(_FileSlice(fd, offset, length), map_location="meta", weights_only=True)
+    except Exception:  # noqa: BLE001 - any record we cannot parse so goes to torch.load
+        return None, "archive not parsed"
     if (
         type(t) is not torch.Tensor
         or t.dtype != dtype
         or tuple(t.shape) != tuple(shape)
         or not t.is_contiguous()
         or t.storage_offset() != 0
-        or t.untyped_storage().nbytes() != t.nbytes
-        or bytes(byteorder).decode() != sys.byteorder
+        or data[0].file_size != t.nbytes
     ):
-        return None
-    at = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-    if not isinstance(at, int) or at < 0 or at + t.nbytes > length:
-        return None
-    return at
+        return None, "not one whole tensor"
+    if bytes(byteorder).decode() != sys.byteorder:
+        return None, "other byte order"
+    if at + t.nbytes > length:
+        return None, "archive not parsed"
+    return at, ""
 
 
 def read_record(
@@ -457,12 +539,13 @@ def read_record(
                 read_counts["template"] += 1
                 return dst
     if nbytes > 0:
-        at = _locate(fd, offset, length, dtype, tuple(shape))
+        at, why = _locate(fd, offset, length, dtype, tuple(shape))
         if at is not None:
             dst = out if out is not None else torch.empty(shape, dtype=dtype)
             pread_into(fd, tensor_bytes(dst), offset + at)
             read_counts["located"] += 1
             return dst
+        _fell_back(why)
     read_counts["torch.load"] += 1
     return torch.load(_FileSlice(fd, offset, length), map_location="cpu", weights_only=True)
 
