@@ -8,8 +8,9 @@ paths) and logged once per process on the ``asyncckpt`` logger.
 
 What has no public way (DCP's ``_StorageInfo``, which ``.metadata`` pickles by its path) is
 imported here too, so a torch without it fails at ``import asyncckpt.formats.dcp`` naming it.
-The private parts of the ``torch.save`` record reader live beside the reader
-(``formats/records.py``): that module is itself a guarded fast path, with its own counter.
+The ``torch.save`` record reader and writer (``formats/records.py``) use public API only; their
+fallbacks to ``torch.save``/``torch.load`` have counters of their own (``SaveStats`` and
+``LoadReport.records_fallbacks``).
 """
 
 from __future__ import annotations
