@@ -4,7 +4,7 @@ One persistent process per rank, started by the engine with the ``spawn`` start 
 forked copy of the trainer's memory). It receives the staging arenas once, then small job
 messages naming an arena set, and answers with events. It ignores SIGINT and SIGTERM so that a
 scheduler's preemption notice reaches the trainer, which drains the worker before stopping it;
-it exits by itself if the trainer dies.
+if the trainer dies, it finishes the saves already staged, then exits.
 """
 
 from __future__ import annotations
