@@ -3,14 +3,22 @@
 Training ranks never run a collective for asyncckpt after ``start``. What happens instead:
 
 - **At start (once).** The engine learns its rank and world size (explicit ``rank=`` /
-  ``world_size=``, else ``torch.distributed`` if it is initialised). Rank 0's *trainer process*
-  hosts a small ``TCPStore`` server of its own (a C++ thread; it outlives worker restarts) and
-  publishes ``host:port:run-token`` under one key of the training group's *store* -- a key
-  ``set``/``get``, not a collective, so no training collective is ever issued or reordered.
-  Without an initialised process group, ``store=(host, port)`` (or ``MASTER_ADDR`` and
-  ``MASTER_PORT + 1``) says where rank 0 hosts it and the token travels through that store.
-  Rank 0 cleans the leftovers of an interrupted run *before* it publishes, so that publication
-  is also the only start-up barrier the other ranks wait on.
+  ``world_size=``, else ``torch.distributed`` if it is initialised). Rank 0's trainer binds a
+  listening socket for the workers' side store and publishes ``host:port:run-token`` under one
+  key of the training group's *store* -- a key ``set``/``get``, not a collective, so no
+  training collective is ever issued or reordered. Without an initialised process group,
+  ``store=(host, port)`` (or ``MASTER_ADDR`` and ``MASTER_PORT + 1``) says where rank 0's
+  trainer hosts a ``TCPStore`` for that publication only. Rank 0 cleans the leftovers of an
+  interrupted run *before* it publishes, so that publication is also the only start-up barrier
+  the other ranks wait on.
+- **Who serves the side store.** Rank 0's *worker*, on the socket its trainer bound and hands
+  to every worker it spawns (``serve``). A save whose ``save()`` returned must commit even if
+  rank 0's trainer is then killed, so the store must not live in the trainer; the worker
+  finishes its staged jobs after its trainer dies (worker.py), and rank 0's worker is the one
+  that commits, so nothing is gained by the store outliving it. The socket (not a port number)
+  is what the trainer keeps: a restarted rank-0 worker serves a fresh store on the same
+  address, so no rank has to learn a new one and no other process can take the port meanwhile
+  (a client that connects during the restart waits in the socket's backlog for the new worker).
 - **Per save.** Every rank's worker joins a fresh gloo group for the job over that store (a
   ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
   broken group behind). DCP plans and writes each rank's own shards over that group; the workers
@@ -30,6 +38,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -88,14 +97,22 @@ def _store_host() -> str:
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
-class Rendezvous:
-    """The engine side: rank 0 hosts the side store; every rank learns where it is.
+def _listen() -> socket.socket:
+    """A listening socket on a free port of every interface (as a ``TCPStore`` server binds)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
 
-    Holding the ``TCPStore`` server object keeps it alive; ``close`` drops it.
+
+class Rendezvous:
+    """The engine side: rank 0 binds the side store's socket; every rank learns where it is.
+
+    ``close`` closes the socket (clients are refused from then on, once no worker holds it).
     """
 
     def __init__(self) -> None:
-        self.server: Any = None
+        self.server: Any = None  # rank 0 with store=(host, port): where the address is published
+        self.listener: socket.socket | None = None  # rank 0: handed to each worker it spawns
 
     def setup(
         self,
@@ -125,17 +142,15 @@ class Rendezvous:
                 )
             store = (addr, int(port) + 1)
         if rank == 0:
+            self.listener = _listen()
+            port = self.listener.getsockname()[1]
             if store is None:
                 host = _store_host()
-                self.server = dist.TCPStore(
-                    host, 0, None, True, td, wait_for_workers=False, use_libuv=True
-                )
-                port = self.server.port
                 publish = dist.distributed_c10d._get_default_store()
             else:
-                host, port = store
+                host = store[0]
                 self.server = dist.TCPStore(
-                    host, port, None, True, td, wait_for_workers=False, use_libuv=True
+                    host, store[1], None, True, td, wait_for_workers=False, use_libuv=True
                 )
                 publish = self.server
             token = uuid.uuid4().hex[:12]
@@ -165,9 +180,30 @@ class Rendezvous:
 
     def close(self) -> None:
         self.server = None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
 
 # ------------------------------------------------------------------------------ worker side
+
+
+def serve(cfg: DistConfig, listener: socket.socket) -> Any:
+    """Rank 0's worker: the side store, served on the socket its trainer bound (keep the
+    returned object alive for as long as the worker runs)."""
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=cfg.timeout)
+    return dist.TCPStore(
+        cfg.host,
+        cfg.port,
+        None,
+        True,
+        td,
+        wait_for_workers=False,
+        use_libuv=True,
+        master_listen_fd=listener.detach(),  # the store owns (and closes) this copy
+    )
 
 
 @contextlib.contextmanager

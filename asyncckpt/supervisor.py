@@ -108,6 +108,7 @@ class WorkerSupervision:
             export=self.opts.export,
             orphan_deadline_s=self.opts.write_timeout or WorkerConfig.orphan_deadline_s,
             spool=self.spooled,
+            store_socket=self.rendezvous.listener,
         )
         proc = ctx.Process(
             target=worker_main,
@@ -160,6 +161,9 @@ class WorkerSupervision:
         if not was_ready:
             # Died while starting: restarting would only loop. Fail start/save clearly.
             self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
+            # Nobody serves the side store now: refuse the other ranks' workers rather than
+            # leave them waiting on a socket that no process answers.
+            self.rendezvous.close()
             with self.cond:  # a save staged while it started must not wait forever
                 for job_id in list(self.inflight):
                     self._fail(job_id, WorkerDied(self.worker_start_error))

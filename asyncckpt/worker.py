@@ -4,7 +4,7 @@ One persistent process per rank, started by the engine with the ``spawn`` start 
 forked copy of the trainer's memory). It receives the staging arenas once, then small job
 messages naming an arena set, and answers with events. It ignores SIGINT and SIGTERM so that a
 scheduler's preemption notice reaches the trainer, which drains the worker before stopping it;
-it exits by itself if the trainer dies.
+if the trainer dies, it finishes the saves already staged, then exits.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ class WorkerConfig:
     # How long it may go on finishing staged saves after its trainer died (write_timeout).
     orphan_deadline_s: float = 600.0
     spool: bool = False  # root is a URL root's spool: record what was published in it
+    # Rank 0 of several: the socket its trainer bound for the side store, served here so that
+    # the commit's rendezvous outlives the trainer (dist.py).
+    store_socket: Any = None
 
 
 @dataclass
@@ -621,6 +624,11 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None)
     # trainer disarms the point and a restarted worker does not fire it again.
     faults.clear()
     faults.set_reporter(lambda fault_id: events.send(M.FaultFired(fault_id)))
+    side_store = None
+    if config.store_socket is not None:
+        from . import dist as _dist
+
+        side_store = _dist.serve(config.dist, config.store_socket)  # noqa: F841 - kept alive
     try:
         Worker(config, jobs, events, pause).run()
     except (EOFError, OSError):
