@@ -73,12 +73,16 @@ class WorkerSupervision:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.lock_fd = fd
-        # A worker orphaned by a killed trainer exits within a fraction of a second; wait for
-        # it (it holds the worker lock) before cleaning the temporaries it may still touch.
+        # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
+        # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
+        # the worker lock) before cleaning the temporaries it may still touch, and resume
+        # from what it committed.
         wlock = _worker_lock_path(self.root, self.opts.rank)
         wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + 30
+            bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
+            deadline = time.monotonic() + bound + 30
+            told = False
             while True:
                 try:
                     fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -86,6 +90,14 @@ class WorkerSupervision:
                 except BlockingIOError:
                     if time.monotonic() > deadline:
                         raise RootLocked(f"a worker process still holds {wlock}") from None
+                    if not told:
+                        log.warning(
+                            "waiting for the worker of an earlier trainer on %s: it is finishing "
+                            "the saves that trainer staged (at most %.0fs)",
+                            self.root,
+                            bound,
+                        )
+                        told = True
                     time.sleep(0.05)
         finally:
             os.close(wfd)

@@ -42,15 +42,18 @@ def run_trainer(tmp_path, how: str, fault: str, write_timeout: float = 0) -> int
     """Run the trainer until it dies; returns its worker's pid."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "r"), how, str(write_timeout), fault],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Files, not pipes: the orphaned worker inherits the trainer's output, and a pipe would
+    # make this wait for the worker too.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "r"), how, str(write_timeout), fault],
+            stdout=out,
+            stderr=err,
+            timeout=300,
+        )
     want = -signal.SIGKILL if how == "kill" else -signal.SIGABRT
-    assert out.returncode == want, out.stderr
-    return int(out.stdout.split()[-1])
+    assert proc.returncode == want, (tmp_path / "err").read_text()
+    return int((tmp_path / "out").read_text().split()[-1])
 
 
 def gone(pid: int) -> bool:
@@ -100,3 +103,20 @@ def test_a_worker_whose_trainer_died_never_lingers(tmp_path):
         assert engine.load_latest(target) == 1
     assert_same(target, expected(1))
     assert not os.path.exists(tmp_path / "r" / "global_step_2")
+
+
+@pytest.mark.integration
+def test_a_new_engine_waits_for_a_long_orphaned_save(tmp_path, caplog):
+    """The orphan's write outlasts the 30 s an engine used to wait for a worker lock: the new
+    engine says what it waits for, waits, and resumes the step the orphan committed."""
+    import logging
+
+    worker = run_trainer(tmp_path, "kill", "delay:35")
+    assert not gone(worker)  # still writing step 2
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with SyncCheckpointEngine(tmp_path / "r", keep=None) as engine:
+            target = {"w": torch.zeros(1 << 22), "b": torch.zeros(10, dtype=torch.int64)}
+            assert engine.load_latest(target) == 2
+    assert_same(target, expected(2))
+    assert gone(worker)
+    assert any("finishing the saves" in r.getMessage() for r in caplog.records)
