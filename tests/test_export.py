@@ -671,7 +671,8 @@ from asyncckpt.export import HFExport
 sys.path.insert(0, {tests!r})
 from test_export import _small_model
 export = HFExport(every_steps=2, path={hf!r}, component="policy.model", max_shard_size=20000)
-with SyncCheckpointEngine({ckpt!r}, export=export) as engine:
+# write_timeout bounds the orphaned worker, hung in the export, once the trainer is killed.
+with SyncCheckpointEngine({ckpt!r}, export=export, write_timeout=5) as engine:
     engine.save(2, {{"policy": {{"model": _small_model(2)}}}})
     print("saved", flush=True)
     engine.wait()
@@ -706,7 +707,8 @@ def test_trainer_killed_mid_export_leaves_nothing_visible_and_the_next_start_exp
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     export = HFExport(every_steps=2, path=hf, component="policy.model", max_shard_size=20000)
-    # The orphaned worker exits by itself; the next engine waits for it, then exports step 2.
+    # The orphaned worker gives up at write_timeout; the next engine waits for it, then
+    # exports step 2.
     with SyncCheckpointEngine(ckpt, export=export) as engine:
         engine.save(3, {"policy": {"model": _small_model(3)}}).committed_sync(120)
     assert os.listdir(hf) == ["global_step_2"]  # the leftover temporary removed
