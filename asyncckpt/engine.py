@@ -33,6 +33,7 @@ from .errors import (
     CheckpointError,
     ExportFailed,
     SaveFailed,
+    StateModifiedWhileStaging,
     WorkerDied,
 )
 from .flatplan import FlattenCache
@@ -44,7 +45,7 @@ from .preemption import Preemption
 from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
-from .staging import StagingSlot, layout_key
+from .staging import StagingSlot, layout_key, modified_since, ready_events, versions
 from .stats import SaveStats
 from .storage import RemoteTier, UploadFailed
 from .supervisor import WorkerLink, WorkerSupervision
@@ -58,17 +59,46 @@ log = logging.getLogger("asyncckpt")
 
 
 class SaveHandle:
-    """What ``save`` returns: completes when the checkpoint has committed (or failed)."""
+    """What ``save`` returns: completes when the checkpoint has committed (or failed).
+
+    ``staged()`` / ``staged_sync()`` wait until the state has been copied (at once for a
+    blocking save; an overlapped one, ``save(..., overlap=True)``, copies in the background):
+    from then on the state may be mutated.
+    """
 
     def __init__(self, step: int, stats: SaveStats) -> None:
         self.step = step
         self.stats = stats
         self._done = threading.Event()
+        self._staged = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def is_staged(self) -> bool:
+        """True once the state is copied (or the save failed): mutating it is safe."""
+        return self._staged.is_set()
+
+    def staged_sync(self, timeout: float | None = None) -> None:
+        """Block until the state is copied; the training loop may mutate it afterwards.
+
+        Does not raise when the save failed (``committed`` does): either way the copy is over.
+        """
+        if self._staged.is_set():
+            return
+        t0 = time.perf_counter()
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"step {self.step} was not staged within {timeout} s")
+        self.stats.staged_wait_seconds += time.perf_counter() - t0
+
+    async def staged(self) -> None:
+        """Wait (without blocking the event loop) until the state is copied."""
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            await anyio.to_thread.run_sync(self._staged.wait, abandon_on_cancel=True)
+            self.stats.staged_wait_seconds += time.perf_counter() - t0
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -93,6 +123,7 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        self._staged.set()  # (a save that failed while staging touches the state no more)
         self._done.set()
 
     def __repr__(self) -> str:
@@ -233,6 +264,7 @@ class _Core(WorkerSupervision):
         self.cond = threading.Condition()
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
+        self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
         self.pending_error: SaveFailed | None = None
         self.pending_handle: SaveHandle | None = None
         self.pinned: set[int] = set()
@@ -361,6 +393,10 @@ class _Core(WorkerSupervision):
     def drain(self, timeout: float | None = None) -> None:
         """Block until nothing is in flight (committed or failed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        # An overlapped save still copying is not in flight yet: it will be.
+        staging = self.staging
+        if staging is not None and not staging._staged.wait(timeout):
+            raise TimeoutError("an overlapped save is still staging")
         with self.cond:
             while self.inflight:
                 reader = self.reader
@@ -676,7 +712,17 @@ class _Core(WorkerSupervision):
             check_source(state, self.opts.export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
-        return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
+        stats = SaveStats(step)
+        return _PendingSave(
+            step,
+            flat,
+            key,
+            clean,
+            stats,
+            time.perf_counter(),
+            SaveHandle(step, stats),
+            versions(flat.tensors),
+        )
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
@@ -695,9 +741,29 @@ class _Core(WorkerSupervision):
             )
         return True
 
-    def finish_save(self, pending: _PendingSave) -> SaveHandle:
-        """Stage into the reserved slot and hand the job to the worker."""
+    def finish_save(self, pending: _PendingSave, overlap: bool = False) -> SaveHandle:
+        """Stage into the reserved slot and hand the job to the worker.
+
+        ``overlap``: return at once; a background thread copies (and hands the job over) while
+        the training loop goes on, and the handle's ``staged`` says when the copy is done.
+        """
         assert pending.slot is not None
+        if overlap:
+            if any(t.is_cuda for t in pending.flat.tensors.values()):
+                pending.ready = ready_events(pending.flat.tensors)
+            pending.stats.overlapped = True
+            thread = threading.Thread(
+                target=self._stage_behind, args=(pending,), name="asyncckpt-stage", daemon=True
+            )
+            self.staging = pending.handle
+            try:
+                thread.start()
+            except BaseException:
+                self.staging = None
+                self.unreserve(pending.slot)
+                raise
+            self.schedule.mark_saved(pending.step)
+            return pending.handle
         try:
             handle = self._stage_and_send(pending)
         except BaseException:
@@ -705,6 +771,42 @@ class _Core(WorkerSupervision):
             raise
         self.schedule.mark_saved(pending.step)
         return handle
+
+    def _stage_behind(self, pending: _PendingSave) -> None:
+        """An overlapped save's staging, on its own thread: a failure fails the handle."""
+        handle = pending.handle
+        try:
+            self._stage_and_send(pending)
+        except BaseException as e:  # noqa: BLE001 - reported on the handle, not lost
+            self.unreserve(pending.slot)
+            if not handle.done():
+                err = SaveFailed(f"staging step {pending.step} failed: {e!r}; nothing was written")
+                err.__cause__ = e
+                self._fail_unsent(handle, err)
+            else:
+                handle._observed = False  # no caller saw it raise: the next save reports it
+        finally:
+            handle._staged.set()
+
+    def staging_busy(self) -> bool:
+        """True while an overlapped save is still copying."""
+        h = self.staging
+        return h is not None and not h._staged.is_set()
+
+    def wait_staged(self) -> None:
+        """Wait until the overlapped save under way (if any) has copied the state."""
+        h = self.staging
+        if h is not None:
+            h._staged.wait()
+
+    def _fail_unsent(self, handle: SaveHandle, err: SaveFailed) -> None:
+        """Fail a save that was never handed to the worker (nothing was written)."""
+        with self.cond:
+            self.pending_error = err
+            self.pending_handle = handle
+            self.cond.notify_all()
+        log.error("%s", err)
+        handle._finish(err)
 
     def resume(
         self, state: Any, mode: str, path: str | os.PathLike | None, strict: bool = True
@@ -730,11 +832,24 @@ class _Core(WorkerSupervision):
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
-        slot.copy_in(flat.tensors, any_cuda=pin)
+        slot.copy_in(flat.tensors, any_cuda=pin, ready=pending.ready)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
+        handle = pending.handle
+        torn = modified_since(flat.tensors, pending.versions)
+        if torn:
+            # Invariant 13: the arena may hold two moments of the state; never send it.
+            cause = StateModifiedWhileStaging(torn)
+            err = SaveFailed(
+                f"save of step {step} failed: the state changed while it was staged ({cause}); "
+                "nothing was written, older checkpoints are intact. Wait for the copy before "
+                "mutating the state (handle.staged(), engine.stage_before_step(optimizer))"
+            )
+            err.__cause__ = cause
+            self.unreserve(slot_idx)
+            self._fail_unsent(handle, err)
+            return handle
         faults.point("after_stage")
-        handle = SaveHandle(step, stats)
         prune = None
         if self.local_keep is not None and self.prunes_here:
             prune = PruneRequest(
@@ -820,6 +935,7 @@ class _Core(WorkerSupervision):
         finally:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
             self.preemption.run_deferred()
+        handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
 
     @contextlib.contextmanager
@@ -970,6 +1086,12 @@ def _default_spool(tier: RemoteTier) -> Path:
     return base.joinpath(scheme, *parts[:-1], f"{parts[-1]}-{tier.spool_key()}")
 
 
+def _check_overlap(overlap: Any) -> bool:
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, not {overlap!r}")
+    return overlap
+
+
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     if metrics is not None and not isinstance(metrics, Mapping):
         raise TypeError("metrics must be a mapping of name -> number")
@@ -1000,7 +1122,10 @@ class _PendingSave:
     metrics: dict[str, float]
     stats: SaveStats
     started: float
+    handle: SaveHandle
+    versions: list[int]  # the tensors' version counters when save was called (torn states)
     slot: int | None = None
+    ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
 
 
 class PauseHooks:
@@ -1224,14 +1349,27 @@ class CheckpointEngine:
 
     # -------------------------------------------------------------- saving
     async def save(
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        overlap: bool = False,
     ) -> SaveHandle:
-        """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
+        """Stage ``state`` and return once it is safe to mutate; the write goes on behind.
+
+        ``overlap=True``: return at once and copy in the background (a thread; on a GPU, a side
+        stream) while the loop goes on; ``await handle.staged()`` (or an optimizer hooked with
+        ``stage_before_step``) before the state is next mutated. A tensor modified in place
+        before the copy ended fails the save (``SaveFailed``), in either mode.
+        """
         core = self._core
+        if core.staging_busy():  # one copy at a time: the previous overlapped save's first
+            await anyio.to_thread.run_sync(core.wait_staged)
         pending = core.begin_save(step, state, metrics)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
-        return core.finish_save(pending)
+        return core.finish_save(pending, overlap=_check_overlap(overlap))
 
     async def wait(self) -> None:
         """Wait until everything in flight has committed; raise if a save failed."""
@@ -1270,6 +1408,29 @@ class CheckpointEngine:
             yield
         finally:
             pause.exit()
+
+    def stage_before_step(self, optimizer: Any) -> Any:
+        """Make every ``optimizer.step()`` first wait for an overlapped save's copy.
+
+        A step pre-hook (``register_step_pre_hook``): the step, which mutates the parameters
+        and the optimizer's state in place, waits until the copy is over; forward and backward
+        before it overlap the copy. Returns torch's hook handle (``remove()`` takes it off).
+        Other in-place writes (a BatchNorm's running statistics in a forward pass, a
+        scheduler, gradient clipping of a saved tensor) are not held: ``await handle.staged()``
+        before them, or the save fails as torn.
+        """
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(
+                f"stage_before_step needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        core = self._core
+
+        def wait_for_copy(*_: Any) -> None:
+            h = core.staging
+            if h is not None:
+                h.staged_sync()
+
+        return optimizer.register_step_pre_hook(wait_for_copy)
 
     def pause_writes_during(self, optimizer: Any) -> PauseHooks:
         """``pause_writes`` around every ``optimizer.step()``, via the optimizer's step hooks.

@@ -22,6 +22,10 @@ class SaveStats:
     stage_seconds: float = 0.0
     #: seconds ``save`` waited for a free staging buffer (back-pressure)
     wait_seconds: float = 0.0
+    #: an overlapped save (``overlap=True``): ``stage_seconds`` ran behind the training loop
+    overlapped: bool = False
+    #: overlapped: seconds the loop waited in ``handle.staged()`` / the optimizer hook
+    staged_wait_seconds: float = 0.0
     #: seconds allocating arenas (first save of a layout; 0 once ``prepare`` ran)
     alloc_seconds: float = 0.0
     #: seconds the worker spent writing and fsyncing the shards
@@ -47,7 +51,9 @@ class SaveStats:
 
     @property
     def blocked_seconds(self) -> float:
-        """Total time ``save`` held the training loop."""
+        """Total time ``save`` held the training loop (overlapped: waits for the copy)."""
+        if self.overlapped:
+            return self.wait_seconds + self.staged_wait_seconds
         return self.stage_seconds + self.wait_seconds + self.alloc_seconds
 
     @property
