@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -49,7 +50,7 @@ from .staging import StagingSlot, layout_key, modified_since, ready_events, vers
 from .stats import SaveStats
 from .storage import RemoteTier, UploadFailed
 from .supervisor import WorkerLink, WorkerSupervision
-from .throttle import ThrottleConfig, WritePause, resolve
+from .throttle import ThrottleConfig, WritePause, check_durable_within, resolve
 from .worker import PruneRequest, SaveJob
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ class EngineOptions:
     storage_options: Mapping[str, Any] | None = None  # fsspec options of a URL root
     spool: str | os.PathLike | None = None  # a URL root's local directory (default: temp dir)
     export: Any = None  # export.HFExport: safetensors of a component every N steps
+    durable_within: float | None = None  # seconds from save() to durable (throttle.py)
 
 
 class _Core(WorkerSupervision):
@@ -227,6 +229,9 @@ class _Core(WorkerSupervision):
             )
         _check_picklable(keep=self.local_keep, remote=self.remote, export=opts.export)
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
+        if opts.durable_within is not None:
+            check_durable_within(opts.durable_within)
+            self.throttle = dataclasses.replace(self.throttle, durable_within=opts.durable_within)
         # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
         self.write_pause = WritePause(tmp.get_context("spawn"))
         from . import dist as _dist
@@ -495,6 +500,11 @@ class _Core(WorkerSupervision):
         s.remote_path = st.get("remote_path")
         s.export_seconds = st.get("export_seconds", 0.0)
         s.export_path = st.get("export_path")
+        s.throttled_seconds = st.get("throttled_seconds", 0.0)
+        s.escalated_after_seconds = st.get("escalated_after_seconds")
+        s.escalations = list(st.get("escalations", ()))
+        if s.committed_at is not None and s.saved_at is not None:
+            s.durable_seconds = max(0.0, s.committed_at - s.saved_at)
         self._release(job)
         del self.inflight[job_id]
         if (
@@ -712,7 +722,7 @@ class _Core(WorkerSupervision):
             check_source(state, self.opts.export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
-        stats = SaveStats(step)
+        stats = SaveStats(step, saved_at=time.time())
         return _PendingSave(
             step,
             flat,
@@ -879,6 +889,7 @@ class _Core(WorkerSupervision):
                 prune=prune,
                 extra=flat.extra,
                 attempt=self.attempts.get(step, 0),
+                saved_at=stats.saved_at,
                 # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
                 figures={
                     "stage_seconds": stats.stage_seconds,
@@ -1202,6 +1213,13 @@ class CheckpointEngine:
     ``save`` is a dict of name -> that component's state. ``asyncckpt.frameworks`` has the
     specs of SkyRL and RLinf. A load may name only some components (the policy, to evaluate).
 
+    ``durable_within``: seconds within which a save should be durable (committed) even when the
+    training keeps every core busy. The worker stays throttled (gentle) for the first half of
+    it, then escalates: no rate cap, no pauses, its threads back to normal priority and I/O
+    class (where the OS allows). ``SaveStats`` reports ``durable_seconds``,
+    ``throttled_seconds``, ``escalated_after_seconds`` and ``escalations``. A bound aimed at,
+    not a guarantee: a disk slower than the state's size allows still takes its time.
+
     ``keep_resumed``: the checkpoint this engine loaded (resumed from) is never pruned until a
     newer one commits (``"until_newer"``, default), or for as long as this engine runs
     (``"run"``, Lightning's behaviour: the run's starting point survives ``keep=KeepLast(1)``).
@@ -1239,6 +1257,7 @@ class CheckpointEngine:
         storage_options: Mapping[str, Any] | None = None,
         spool: str | os.PathLike | None = None,
         export: HFExport | None = None,
+        durable_within: float | None = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -1271,6 +1290,7 @@ class CheckpointEngine:
                 storage_options=storage_options,
                 spool=spool,
                 export=export,
+                durable_within=durable_within,
             ),
         )
 

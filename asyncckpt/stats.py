@@ -10,7 +10,7 @@ import math
 import os
 import statistics
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,14 @@ class SaveStats:
     commit_seconds: float = 0.0
     #: seconds of ``write_seconds`` the worker held its writes for ``pause_writes`` regions
     paused_seconds: float = 0.0
+    #: seconds from the ``save`` call to the commit (durable: renamed, fsynced, tracker)
+    durable_seconds: float | None = None
+    #: seconds the worker held this save's writes: the rate cap and ``pause_writes`` regions
+    throttled_seconds: float = 0.0
+    #: with ``durable_within``: seconds into the save at which the worker escalated (None:
+    #: it did not need to), and the levers it released
+    escalated_after_seconds: float | None = None
+    escalations: list[str] = field(default_factory=list)
     #: bytes written (all files of the checkpoint)
     bytes: int = 0
     #: bytes staged (tensor data)
@@ -41,6 +49,8 @@ class SaveStats:
     #: unix time at which the checkpoint committed
     committed_at: float | None = None
     path: str | None = None
+    #: unix time of the ``save`` call
+    saved_at: float | None = None
     #: with a remote tier: seconds publishing to the object store, bytes sent, and where
     upload_seconds: float = 0.0
     uploaded_bytes: int = 0
