@@ -281,3 +281,41 @@ def test_batchnorm_forward_during_overlapped_staging_fails_the_save(tmp_path, mo
     # forward pass's num_batches_tracked += 1 does, and fails the save (README: torn states).
     assert info.value.__cause__.keys == ["model.1.num_batches_tracked"]
     assert committed_steps(tmp_path) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_save_on_cuda_copies_what_the_callers_stream_queued(tmp_path):
+    # The copy runs on another thread, whose current stream is not the caller's: it must wait
+    # for the work queued on the caller's stream before save() (staging.ready_events).
+    side = torch.cuda.Stream()
+    w = torch.zeros(1 << 22, device="cuda")
+    with SyncCheckpointEngine(tmp_path) as engine, torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # keep the stream busy, so the fill below is late
+        w.fill_(3.0)
+        handle = engine.save(1, {"w": w}, overlap=True)
+        handle.staged_sync()
+        handle.committed_sync()
+    target = {"w": torch.empty(1 << 22)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.load(target, step=1)
+    assert torch.equal(target["w"], torch.full((1 << 22,), 3.0))
+
+
+def test_overlap_benchmark_runs_quick(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "overlap.json"
+    r = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "overlap.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["failed_overlapped_saves"] == 0
+    assert set(rep["ratios"]) >= {"overlap_stall_vs_copy", "fwd_bwd_slowdown_overlap"}
