@@ -138,3 +138,23 @@ def test_the_default_keeps_the_worker_gentle(tmp_path):
         stats = engine.save(1, _state()).committed_sync()
     assert stats.saved_at >= t0
     assert stats.escalations == [] and stats.escalated_after_seconds is None
+
+
+def test_durable_benchmark_runs_quick(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "durable.json"
+    r = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "durable.py"), "--quick", "--out", str(out),
+         "--modes", "default,deadline"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())["results"]
+    assert set(rep) == {"default", "deadline"}
+    assert rep["default"]["stats"]["escalations"] == []
