@@ -1384,12 +1384,13 @@ class CheckpointEngine:
         before the copy ended fails the save (``SaveFailed``), in either mode.
         """
         core = self._core
+        overlap = _check_overlap(overlap)  # before a slot is reserved
         if core.staging_busy():  # one copy at a time: the previous overlapped save's first
             await anyio.to_thread.run_sync(core.wait_staged)
         pending = core.begin_save(step, state, metrics)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
-        return core.finish_save(pending, overlap=_check_overlap(overlap))
+        return core.finish_save(pending, overlap=overlap)
 
     async def wait(self) -> None:
         """Wait until everything in flight has committed; raise if a save failed."""
@@ -1435,8 +1436,8 @@ class CheckpointEngine:
         A step pre-hook (``register_step_pre_hook``): the step, which mutates the parameters
         and the optimizer's state in place, waits until the copy is over; forward and backward
         before it overlap the copy. Returns torch's hook handle (``remove()`` takes it off).
-        Other in-place writes (a BatchNorm's running statistics in a forward pass, a
-        scheduler, gradient clipping of a saved tensor) are not held: ``await handle.staged()``
+        Other in-place writes to saved tensors (a BatchNorm's running statistics in a forward
+        pass, an EMA of the weights) are not held: ``await handle.staged()``
         before them, or the save fails as torn.
         """
         if not hasattr(optimizer, "register_step_pre_hook"):

@@ -41,10 +41,11 @@ class SyncCheckpointEngine(CheckpointEngine):
         overlap: bool = False,
     ) -> SaveHandle:
         core = self._core
+        overlap = _check_overlap(overlap)  # before a slot is reserved
         core.wait_staged()  # one copy at a time: the previous overlapped save's first
         pending = core.begin_save(step, state, metrics)
         core.take_slot(pending)
-        return core.finish_save(pending, overlap=_check_overlap(overlap))
+        return core.finish_save(pending, overlap=overlap)
 
     def wait(self) -> None:  # type: ignore[override]
         self._core.drain()

@@ -263,7 +263,8 @@ def test_overlap_must_be_a_bool(tmp_path):
     with SyncCheckpointEngine(tmp_path) as engine:
         with pytest.raises(TypeError, match="overlap must be True or False"):
             engine.save(1, fresh_state(), overlap="yes")
-    assert committed_steps(tmp_path) == []
+        # Refused before a staging slot was taken: the only slot is still free.
+        assert engine._core.acquire_slot(("any",), block=False) is not None
 
 
 def test_batchnorm_forward_during_overlapped_staging_fails_the_save(tmp_path, monkeypatch):
