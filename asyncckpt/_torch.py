@@ -16,9 +16,10 @@ fallbacks to ``torch.save``/``torch.load`` have counters of their own (``SaveSta
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -60,6 +61,19 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
             d.copy_(s)
         return
     fn(dst, src)
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def version_counters(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Each tensor's in-place version counter (``Tensor._version``: bumped by every in-place
+    op through autograd's view of it); empty where torch has none (torn states go unseen)."""
+    try:
+        return list(map(_VERSION, tensors))
+    except AttributeError:
+        fell_back("Tensor._version", "no check for tensors modified while staged")
+        return []
 
 
 def host_register(ptr: int, nbytes: int) -> None:

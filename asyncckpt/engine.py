@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -33,6 +34,7 @@ from .errors import (
     CheckpointError,
     ExportFailed,
     SaveFailed,
+    StateModifiedWhileStaging,
     WorkerDied,
 )
 from .flatplan import FlattenCache
@@ -44,11 +46,11 @@ from .preemption import Preemption
 from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy, SaveSchedule
-from .staging import StagingSlot, layout_key
+from .staging import StagingSlot, layout_key, modified_since, ready_events, versions
 from .stats import SaveStats
 from .storage import RemoteTier, UploadFailed
 from .supervisor import WorkerLink, WorkerSupervision
-from .throttle import ThrottleConfig, WritePause, resolve
+from .throttle import ThrottleConfig, WritePause, check_durable_within, resolve
 from .worker import PruneRequest, SaveJob
 
 if TYPE_CHECKING:
@@ -58,17 +60,46 @@ log = logging.getLogger("asyncckpt")
 
 
 class SaveHandle:
-    """What ``save`` returns: completes when the checkpoint has committed (or failed)."""
+    """What ``save`` returns: completes when the checkpoint has committed (or failed).
+
+    ``staged()`` / ``staged_sync()`` wait until the state has been copied (at once for a
+    blocking save; an overlapped one, ``save(..., overlap=True)``, copies in the background):
+    from then on the state may be mutated.
+    """
 
     def __init__(self, step: int, stats: SaveStats) -> None:
         self.step = step
         self.stats = stats
         self._done = threading.Event()
+        self._staged = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def is_staged(self) -> bool:
+        """True once the state is copied (or the save failed): mutating it is safe."""
+        return self._staged.is_set()
+
+    def staged_sync(self, timeout: float | None = None) -> None:
+        """Block until the state is copied; the training loop may mutate it afterwards.
+
+        Does not raise when the save failed (``committed`` does): either way the copy is over.
+        """
+        if self._staged.is_set():
+            return
+        t0 = time.perf_counter()
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"step {self.step} was not staged within {timeout} s")
+        self.stats.staged_wait_seconds += time.perf_counter() - t0
+
+    async def staged(self) -> None:
+        """Wait (without blocking the event loop) until the state is copied."""
+        if not self._staged.is_set():
+            t0 = time.perf_counter()
+            await anyio.to_thread.run_sync(self._staged.wait, abandon_on_cancel=True)
+            self.stats.staged_wait_seconds += time.perf_counter() - t0
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -93,6 +124,7 @@ class SaveHandle:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        self._staged.set()  # (a save that failed while staging touches the state no more)
         self._done.set()
 
     def __repr__(self) -> str:
@@ -153,6 +185,7 @@ class EngineOptions:
     storage_options: Mapping[str, Any] | None = None  # fsspec options of a URL root
     spool: str | os.PathLike | None = None  # a URL root's local directory (default: temp dir)
     export: Any = None  # export.HFExport: safetensors of a component every N steps
+    durable_within: float | None = None  # seconds from save() to durable (throttle.py)
 
 
 class _Core(WorkerSupervision):
@@ -196,6 +229,9 @@ class _Core(WorkerSupervision):
             )
         _check_picklable(keep=self.local_keep, remote=self.remote, export=opts.export)
         self.throttle = resolve(opts.optimizer_offload, opts.throttle)
+        if opts.durable_within is not None:
+            check_durable_within(opts.durable_within)
+            self.throttle = dataclasses.replace(self.throttle, durable_within=opts.durable_within)
         # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
         self.write_pause = WritePause(tmp.get_context("spawn"))
         from . import dist as _dist
@@ -233,6 +269,7 @@ class _Core(WorkerSupervision):
         self.cond = threading.Condition()
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
+        self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
         self.pending_error: SaveFailed | None = None
         self.pending_handle: SaveHandle | None = None
         self.pinned: set[int] = set()
@@ -361,6 +398,10 @@ class _Core(WorkerSupervision):
     def drain(self, timeout: float | None = None) -> None:
         """Block until nothing is in flight (committed or failed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        # An overlapped save still copying is not in flight yet: it will be.
+        staging = self.staging
+        if staging is not None and not staging._staged.wait(timeout):
+            raise TimeoutError("an overlapped save is still staging")
         with self.cond:
             while self.inflight:
                 reader = self.reader
@@ -460,6 +501,11 @@ class _Core(WorkerSupervision):
         s.export_seconds = st.get("export_seconds", 0.0)
         s.export_path = st.get("export_path")
         s.records_fallbacks = st.get("records_fallbacks", 0)
+        s.throttled_seconds = st.get("throttled_seconds", 0.0)
+        s.escalated_after_seconds = st.get("escalated_after_seconds")
+        s.escalations = list(st.get("escalations", ()))
+        if s.committed_at is not None and s.saved_at is not None:
+            s.durable_seconds = max(0.0, s.committed_at - s.saved_at)
         self._release(job)
         del self.inflight[job_id]
         if (
@@ -677,7 +723,17 @@ class _Core(WorkerSupervision):
             check_source(state, self.opts.export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
-        return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
+        stats = SaveStats(step, saved_at=time.time())
+        return _PendingSave(
+            step,
+            flat,
+            key,
+            clean,
+            stats,
+            time.perf_counter(),
+            SaveHandle(step, stats),
+            versions(flat.tensors),
+        )
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
@@ -696,9 +752,29 @@ class _Core(WorkerSupervision):
             )
         return True
 
-    def finish_save(self, pending: _PendingSave) -> SaveHandle:
-        """Stage into the reserved slot and hand the job to the worker."""
+    def finish_save(self, pending: _PendingSave, overlap: bool = False) -> SaveHandle:
+        """Stage into the reserved slot and hand the job to the worker.
+
+        ``overlap``: return at once; a background thread copies (and hands the job over) while
+        the training loop goes on, and the handle's ``staged`` says when the copy is done.
+        """
         assert pending.slot is not None
+        if overlap:
+            if any(t.is_cuda for t in pending.flat.tensors.values()):
+                pending.ready = ready_events(pending.flat.tensors)
+            pending.stats.overlapped = True
+            thread = threading.Thread(
+                target=self._stage_behind, args=(pending,), name="asyncckpt-stage", daemon=True
+            )
+            self.staging = pending.handle
+            try:
+                thread.start()
+            except BaseException:
+                self.staging = None
+                self.unreserve(pending.slot)
+                raise
+            self.schedule.mark_saved(pending.step)
+            return pending.handle
         try:
             handle = self._stage_and_send(pending)
         except BaseException:
@@ -706,6 +782,42 @@ class _Core(WorkerSupervision):
             raise
         self.schedule.mark_saved(pending.step)
         return handle
+
+    def _stage_behind(self, pending: _PendingSave) -> None:
+        """An overlapped save's staging, on its own thread: a failure fails the handle."""
+        handle = pending.handle
+        try:
+            self._stage_and_send(pending)
+        except BaseException as e:  # noqa: BLE001 - reported on the handle, not lost
+            self.unreserve(pending.slot)
+            if not handle.done():
+                err = SaveFailed(f"staging step {pending.step} failed: {e!r}; nothing was written")
+                err.__cause__ = e
+                self._fail_unsent(handle, err)
+            else:
+                handle._observed = False  # no caller saw it raise: the next save reports it
+        finally:
+            handle._staged.set()
+
+    def staging_busy(self) -> bool:
+        """True while an overlapped save is still copying."""
+        h = self.staging
+        return h is not None and not h._staged.is_set()
+
+    def wait_staged(self) -> None:
+        """Wait until the overlapped save under way (if any) has copied the state."""
+        h = self.staging
+        if h is not None:
+            h._staged.wait()
+
+    def _fail_unsent(self, handle: SaveHandle, err: SaveFailed) -> None:
+        """Fail a save that was never handed to the worker (nothing was written)."""
+        with self.cond:
+            self.pending_error = err
+            self.pending_handle = handle
+            self.cond.notify_all()
+        log.error("%s", err)
+        handle._finish(err)
 
     def resume(
         self, state: Any, mode: str, path: str | os.PathLike | None, strict: bool = True
@@ -731,11 +843,24 @@ class _Core(WorkerSupervision):
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
-        slot.copy_in(flat.tensors, any_cuda=pin)
+        slot.copy_in(flat.tensors, any_cuda=pin, ready=pending.ready)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
+        handle = pending.handle
+        torn = modified_since(flat.tensors, pending.versions)
+        if torn:
+            # Invariant 13: the arena may hold two moments of the state; never send it.
+            cause = StateModifiedWhileStaging(torn)
+            err = SaveFailed(
+                f"save of step {step} failed: the state changed while it was staged ({cause}); "
+                "nothing was written, older checkpoints are intact. Wait for the copy before "
+                "mutating the state (handle.staged(), engine.stage_before_step(optimizer))"
+            )
+            err.__cause__ = cause
+            self.unreserve(slot_idx)
+            self._fail_unsent(handle, err)
+            return handle
         faults.point("after_stage")
-        handle = SaveHandle(step, stats)
         prune = None
         if self.local_keep is not None and self.prunes_here:
             prune = PruneRequest(
@@ -765,6 +890,7 @@ class _Core(WorkerSupervision):
                 prune=prune,
                 extra=flat.extra,
                 attempt=self.attempts.get(step, 0),
+                saved_at=stats.saved_at,
                 # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
                 figures={
                     "stage_seconds": stats.stage_seconds,
@@ -821,6 +947,7 @@ class _Core(WorkerSupervision):
         finally:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
             self.preemption.run_deferred()
+        handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
 
     @contextlib.contextmanager
@@ -971,6 +1098,12 @@ def _default_spool(tier: RemoteTier) -> Path:
     return base.joinpath(scheme, *parts[:-1], f"{parts[-1]}-{tier.spool_key()}")
 
 
+def _check_overlap(overlap: Any) -> bool:
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, not {overlap!r}")
+    return overlap
+
+
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     if metrics is not None and not isinstance(metrics, Mapping):
         raise TypeError("metrics must be a mapping of name -> number")
@@ -1001,7 +1134,10 @@ class _PendingSave:
     metrics: dict[str, float]
     stats: SaveStats
     started: float
+    handle: SaveHandle
+    versions: list[int]  # the tensors' version counters when save was called (torn states)
     slot: int | None = None
+    ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
 
 
 class PauseHooks:
@@ -1078,6 +1214,13 @@ class CheckpointEngine:
     ``save`` is a dict of name -> that component's state. ``asyncckpt.frameworks`` has the
     specs of SkyRL and RLinf. A load may name only some components (the policy, to evaluate).
 
+    ``durable_within``: seconds within which a save should be durable (committed) even when the
+    training keeps every core busy. The worker stays throttled (gentle) for the first half of
+    it, then escalates: no rate cap, no pauses, its threads back to normal priority and I/O
+    class (where the OS allows). ``SaveStats`` reports ``durable_seconds``,
+    ``throttled_seconds``, ``escalated_after_seconds`` and ``escalations``. A bound aimed at,
+    not a guarantee: a disk slower than the state's size allows still takes its time.
+
     ``keep_resumed``: the checkpoint this engine loaded (resumed from) is never pruned until a
     newer one commits (``"until_newer"``, default), or for as long as this engine runs
     (``"run"``, Lightning's behaviour: the run's starting point survives ``keep=KeepLast(1)``).
@@ -1115,6 +1258,7 @@ class CheckpointEngine:
         storage_options: Mapping[str, Any] | None = None,
         spool: str | os.PathLike | None = None,
         export: HFExport | None = None,
+        durable_within: float | None = None,
     ) -> None:
         self._core = _Core(
             root,
@@ -1147,6 +1291,7 @@ class CheckpointEngine:
                 storage_options=storage_options,
                 spool=spool,
                 export=export,
+                durable_within=durable_within,
             ),
         )
 
@@ -1225,14 +1370,28 @@ class CheckpointEngine:
 
     # -------------------------------------------------------------- saving
     async def save(
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        overlap: bool = False,
     ) -> SaveHandle:
-        """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
+        """Stage ``state`` and return once it is safe to mutate; the write goes on behind.
+
+        ``overlap=True``: return at once and copy in the background (a thread; on a GPU, a side
+        stream) while the loop goes on; ``await handle.staged()`` (or an optimizer hooked with
+        ``stage_before_step``) before the state is next mutated. A tensor modified in place
+        before the copy ended fails the save (``SaveFailed``), in either mode.
+        """
         core = self._core
+        overlap = _check_overlap(overlap)  # before a slot is reserved
+        if core.staging_busy():  # one copy at a time: the previous overlapped save's first
+            await anyio.to_thread.run_sync(core.wait_staged)
         pending = core.begin_save(step, state, metrics)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
-        return core.finish_save(pending)
+        return core.finish_save(pending, overlap=overlap)
 
     async def wait(self) -> None:
         """Wait until everything in flight has committed; raise if a save failed."""
@@ -1271,6 +1430,29 @@ class CheckpointEngine:
             yield
         finally:
             pause.exit()
+
+    def stage_before_step(self, optimizer: Any) -> Any:
+        """Make every ``optimizer.step()`` first wait for an overlapped save's copy.
+
+        A step pre-hook (``register_step_pre_hook``): the step, which mutates the parameters
+        and the optimizer's state in place, waits until the copy is over; forward and backward
+        before it overlap the copy. Returns torch's hook handle (``remove()`` takes it off).
+        Other in-place writes to saved tensors (a BatchNorm's running statistics in a forward
+        pass, an EMA of the weights) are not held: ``await handle.staged()``
+        before them, or the save fails as torn.
+        """
+        if not hasattr(optimizer, "register_step_pre_hook"):
+            raise TypeError(
+                f"stage_before_step needs a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        core = self._core
+
+        def wait_for_copy(*_: Any) -> None:
+            h = core.staging
+            if h is not None:
+                h.staged_sync()
+
+        return optimizer.register_step_pre_hook(wait_for_copy)
 
     def pause_writes_during(self, optimizer: Any) -> PauseHooks:
         """``pause_writes`` around every ``optimizer.step()``, via the optimizer's step hooks.

@@ -19,6 +19,23 @@ class WriteTimeout(SaveFailed):
     """A write took longer than ``write_timeout``; the hung worker was killed."""
 
 
+class StateModifiedWhileStaging(CheckpointError):
+    """A tensor of the state was modified in place before its save was fully staged.
+
+    The cause of that save's ``SaveFailed``: ``keys`` names the tensors (their flattened keys,
+    as in the checkpoint). Nothing of that save was written.
+    """
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(self.keys[:10]) + (
+            f" and {len(self.keys) - 10} more" if len(self.keys) > 10 else ""
+        )
+        super().__init__(
+            f"{len(self.keys)} tensor(s) modified in place while being staged: {shown}"
+        )
+
+
 class StagingMemoryError(CheckpointError, MemoryError):
     """Not enough free memory to allocate the staging arenas without swapping."""
 

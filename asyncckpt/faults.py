@@ -35,6 +35,7 @@ ENV_VAR = "ASYNCCKPT_FAULTS"
 
 #: Every boundary the pipeline announces, in pipeline order.
 POINTS = (
+    "mid_stage",  # trainer: part of the state copied into the staging arena, not all
     "after_stage",  # trainer: state copied into the staging arena, job not yet sent
     "before_shard_write",  # worker: temp dir created, no shard written yet
     "mid_shard_write",  # worker: inside a shard file, some bytes written
@@ -56,7 +57,10 @@ POINTS = (
 REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
 #: The points only a save with a due HFExport reaches.
 EXPORT_POINTS = ("mid_export",)
-LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS)
+#: A point for tests of torn states (a delay while staging); crash tests cover the trainer's
+#: staging through ``after_stage``.
+STAGE_POINTS = ("mid_stage",)
+LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS)
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import psutil
 import torch
 
-from ._torch import foreach_copy_, host_register, host_unregister
+from . import faults
+from ._torch import foreach_copy_, host_register, host_unregister, version_counters
 from .cachekeys import arena_key
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
@@ -283,7 +284,12 @@ class StagingSlot:
         retired, self.retired = self.retired, []
         return retired
 
-    def copy_in(self, tensors: dict[str, torch.Tensor], any_cuda: bool | None = None) -> None:
+    def copy_in(
+        self,
+        tensors: dict[str, torch.Tensor],
+        any_cuda: bool | None = None,
+        ready: dict[int, Any] | None = None,
+    ) -> None:
         """Copy every tensor into its view; returns once the copies have completed.
 
         Large CPU tensors go to the copy pool (memcpy chunks) first; meanwhile this thread
@@ -291,6 +297,9 @@ class StagingSlot:
         about a microsecond each, not a Python loop's tens). CUDA tensors go on a side stream.
         ``any_cuda``: whether any tensor is on a GPU, where the caller knows (a pass over
         20,000 tensors asking is 4 ms, a tenth of such a save's stall).
+        ``ready``: device index -> a CUDA event recorded where the values to save were queued
+        (an overlapped save, copied on another thread: that thread's current stream is not the
+        trainer's); without it the side stream waits for this thread's current stream.
         """
         srcs = list(tensors.values())
         cuda_pairs = []
@@ -305,6 +314,9 @@ class StagingSlot:
                 else:
                     copier.add(self.dst_bytes[i], src)
             copier.flush()
+            # Some of the state copied (the large CPU tensors under way), not all: a delay here
+            # widens the window a torn-state test writes in.
+            faults.point("mid_stage")
             # All small (the many-tensor case): the plan's indices are 0..n-1, no gather.
             small = srcs if len(self.small) == len(srcs) else [srcs[i] for i in self.small]
             if (any_cuda is None or any_cuda) and any(t.is_cuda for t in small):
@@ -321,7 +333,7 @@ class StagingSlot:
                 with torch.no_grad():
                     foreach_copy_(cpu_dst, cpu_src)
         if cuda_pairs:
-            _copy_from_cuda(cuda_pairs)
+            _copy_from_cuda(cuda_pairs, ready)
 
 
 #: Tensors under this size are copied together by one ``torch._foreach_copy_`` on the
@@ -431,7 +443,9 @@ def _copy_batch(batch: list[tuple[Any, Any]]) -> None:
 _side_streams: dict[int, Any] = {}
 
 
-def _copy_from_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _copy_from_cuda(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: dict[int, Any] | None = None
+) -> None:
     # Non-blocking D2H copies on a side stream that first waits for the work already queued on
     # each tensor's current stream (so we copy the values the training step produced), then a
     # wait on one event per device, not a device-wide synchronize.
@@ -444,7 +458,10 @@ def _copy_from_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             stream = _side_streams.get(dev)
             if stream is None:
                 stream = _side_streams[dev] = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
+            if ready is not None and dev in ready:
+                stream.wait_event(ready[dev])  # the trainer's stream when save() was called
+            else:
+                stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for view, t in items:
                     if t.numel():
@@ -454,3 +471,38 @@ def _copy_from_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             events.append(ev)
     for ev in events:
         ev.synchronize()
+
+
+# ------------------------------------------------------------------ torn states (invariant 13)
+# Every in-place op through autograd's view of a tensor (``add_``, ``copy_``, an optimizer's
+# step, also under ``torch.no_grad``, and through ``.detach()`` aliases, which share the
+# counter) bumps its version counter. Reading the counters of 20,000 tensors is ~1.7 ms of
+# Python, so it is done twice per save (when it is called, when staging ends) and nothing more.
+
+
+def versions(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """The version counters of the tensors to stage, in staging order (empty where torch
+    has none: then nothing is found torn)."""
+    return version_counters(tensors.values())
+
+
+def modified_since(tensors: dict[str, torch.Tensor], before: list[int]) -> list[str]:
+    """The keys of the tensors modified in place since ``before = versions(tensors)``."""
+    after = versions(tensors)
+    if after == before:
+        return []
+    return [k for k, a, b in zip(tensors, after, before, strict=True) if a != b]
+
+
+def ready_events(tensors: dict[str, torch.Tensor]) -> dict[int, Any]:
+    """One CUDA event per device of ``tensors``, recorded on this thread's current stream.
+
+    An overlapped save copies on another thread: its side stream waits on these events, so it
+    copies the values queued before ``save`` was called and no later ones.
+    """
+    events = {}
+    for dev in {t.device.index or 0 for t in tensors.values() if t.is_cuda}:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        events[dev] = ev
+    return events

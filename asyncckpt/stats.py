@@ -10,7 +10,7 @@ import math
 import os
 import statistics
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,10 @@ class SaveStats:
     stage_seconds: float = 0.0
     #: seconds ``save`` waited for a free staging buffer (back-pressure)
     wait_seconds: float = 0.0
+    #: an overlapped save (``overlap=True``): ``stage_seconds`` ran behind the training loop
+    overlapped: bool = False
+    #: overlapped: seconds the loop waited in ``handle.staged()`` / the optimizer hook
+    staged_wait_seconds: float = 0.0
     #: seconds allocating arenas (first save of a layout; 0 once ``prepare`` ran)
     alloc_seconds: float = 0.0
     #: seconds the worker spent writing and fsyncing the shards
@@ -30,6 +34,14 @@ class SaveStats:
     commit_seconds: float = 0.0
     #: seconds of ``write_seconds`` the worker held its writes for ``pause_writes`` regions
     paused_seconds: float = 0.0
+    #: seconds from the ``save`` call to the commit (durable: renamed, fsynced, tracker)
+    durable_seconds: float | None = None
+    #: seconds the worker held this save's writes: the rate cap and ``pause_writes`` regions
+    throttled_seconds: float = 0.0
+    #: with ``durable_within``: seconds into the save at which the worker escalated (None:
+    #: it did not need to), and the levers it released
+    escalated_after_seconds: float | None = None
+    escalations: list[str] = field(default_factory=list)
     #: bytes written (all files of the checkpoint)
     bytes: int = 0
     #: bytes staged (tensor data)
@@ -37,6 +49,8 @@ class SaveStats:
     #: unix time at which the checkpoint committed
     committed_at: float | None = None
     path: str | None = None
+    #: unix time of the ``save`` call
+    saved_at: float | None = None
     #: with a remote tier: seconds publishing to the object store, bytes sent, and where
     upload_seconds: float = 0.0
     uploaded_bytes: int = 0
@@ -50,7 +64,9 @@ class SaveStats:
 
     @property
     def blocked_seconds(self) -> float:
-        """Total time ``save`` held the training loop."""
+        """Total time ``save`` held the training loop (overlapped: waits for the copy)."""
+        if self.overlapped:
+            return self.wait_seconds + self.staged_wait_seconds
         return self.stage_seconds + self.wait_seconds + self.alloc_seconds
 
     @property

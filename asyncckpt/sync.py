@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .engine import CheckpointEngine, SaveHandle
+from .engine import CheckpointEngine, SaveHandle, _check_overlap
 
 
 class SyncCheckpointEngine(CheckpointEngine):
@@ -33,12 +33,19 @@ class SyncCheckpointEngine(CheckpointEngine):
             self._core.uninstall_sigterm()
 
     def save(  # type: ignore[override]
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        overlap: bool = False,
     ) -> SaveHandle:
         core = self._core
+        overlap = _check_overlap(overlap)  # before a slot is reserved
+        core.wait_staged()  # one copy at a time: the previous overlapped save's first
         pending = core.begin_save(step, state, metrics)
         core.take_slot(pending)
-        return core.finish_save(pending)
+        return core.finish_save(pending, overlap=overlap)
 
     def wait(self) -> None:  # type: ignore[override]
         self._core.drain()

@@ -17,6 +17,12 @@ each lever applies to it as a whole:
 * pause hint          -- ``WritePause``: the trainer marks its optimizer step (or any CPU-heavy
                          region) and the worker holds its writes between 1 MiB pieces until
                          the region ends (at most ``max_pause_seconds`` per region).
+* ``durable_within``  -- a bound on the time from ``save`` to durable: once half of it has
+                         gone by, the worker escalates (``Pacer.escalate``): the rate cap and
+                         the pause hint stop holding it, and its threads go back to the
+                         priority and I/O class they had before the throttle (where the OS
+                         allows: lowering niceness needs root or ``RLIMIT_NICE``). The next
+                         save starts throttled again.
 
 ``apply_throttle`` is best-effort: an OS that refuses a lever gets a warning and a note in the
 returned ``AppliedThrottle``, never an exception, since a checkpoint is worth more than a nicety.
@@ -58,6 +64,7 @@ class ThrottleConfig:
     ionice: bool = False
     direct_io: bool = False
     max_pause_seconds: float = 2.0
+    durable_within: float | None = None
 
     def __post_init__(self) -> None:
         # bool is an int subclass; nice=True or cpu_cores=True are almost surely mistakes.
@@ -104,6 +111,7 @@ class ThrottleConfig:
         mp = self.max_pause_seconds
         if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp < 1e9:
             raise ValueError(f"max_pause_seconds must be a number >= 0, got {mp!r}")
+        check_durable_within(self.durable_within)
 
     @classmethod
     def off(cls) -> ThrottleConfig:
@@ -142,6 +150,18 @@ class ThrottleConfig:
         )
 
 
+def check_durable_within(value: Any) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9
+    ):
+        raise ValueError(f"durable_within must be a number of seconds > 0 or None, got {value!r}")
+
+
+#: With ``durable_within=D``, the worker escalates once ``D * ESCALATE_AT`` seconds have gone
+#: by since ``save`` was called: the rest of the budget is for writing at full speed.
+ESCALATE_AT = 0.5
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -178,6 +198,9 @@ def apply_throttle(config: ThrottleConfig, local_rank: int = 0) -> AppliedThrott
     """
     result = AppliedThrottle(pid=os.getpid(), config=config)
     proc = psutil.Process()
+    # Where escalation (durable_within) goes back to.
+    if config.durable_within is not None and hasattr(os, "getpriority"):
+        result.applied["base_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
 
     def attempt(lever: str, fn: Callable[[], Any]) -> None:
         try:
@@ -370,6 +393,10 @@ class Pacer:
     A region the trainer keeps open longer than ``max_pause_seconds`` stops holding the writes
     (for the rest of that region), so a checkpoint always finishes and back-pressure cannot
     turn into a deadlock; ``max_pause_seconds=0`` ignores the hint.
+
+    With ``durable_within``: ``begin(saved_at)`` at the start of each save arms a timer for the
+    escalation (``escalate``); from then on this save is neither rate-capped nor paused, and
+    ``renice`` (the worker's: back to full priority) has run. ``figures()`` says what it did.
     """
 
     POLL_SECONDS = 0.001
@@ -382,6 +409,9 @@ class Pacer:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        durable_within: float | None = None,
+        renice: Callable[[bool], list[str]] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._limiter = limiter
         self._pause = pause if max_pause_seconds > 0 else None
@@ -390,8 +420,88 @@ class Pacer:
         self._sleep = sleep
         self._given_up_on = -1  # the region (by entry count) whose pause ran out
         self.paused_seconds = 0.0
+        self.durable_within = durable_within
+        self._renice = renice
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._saved_at: float | None = None
+        self._limited_before = 0.0  # the limiter's seconds_waited when this save began
+        #: seconds into the save (from its ``save`` call) at which it escalated; None: not
+        self.escalated_after: float | None = None
+        #: the levers escalation released (``write_rate``, ``pause``, ``nice``, ``ionice``)
+        self.escalations: list[str] = []
+
+    def begin(self, saved_at: float | None) -> None:
+        """A new save (``saved_at``: unix time of its ``save`` call): throttled again."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self.escalated_after is not None and self._renice is not None:
+                self._renice(False)
+            self.escalated_after = None
+            self.escalations = []
+            self.paused_seconds = 0.0
+            self._limited_before = self._limiter.seconds_waited if self._limiter else 0.0
+            self._saved_at = saved_at
+            if self.durable_within is None or saved_at is None:
+                return
+            wait = saved_at + self.durable_within * ESCALATE_AT - self._wall()
+            if wait <= 0:
+                self._escalate_locked()
+                return
+            # A timer, not only the next piece: a worker starved of CPU may take long to get
+            # to it, and the renice is what gets it running again.
+            self._timer = threading.Timer(wait, self.escalate)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def end(self) -> None:
+        """The save is over: no escalation for it any more (the next ``begin`` de-escalates)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def escalate(self) -> None:
+        with self._lock:
+            if self.escalated_after is None and self._saved_at is not None:
+                self._escalate_locked()
+
+    def _escalate_locked(self) -> None:
+        assert self._saved_at is not None
+        self.escalated_after = max(0.0, self._wall() - self._saved_at)
+        levers = []
+        if self._limiter is not None and self._limiter.rate is not None:
+            levers.append("write_rate")
+        if self._pause is not None:
+            levers.append("pause")
+        if self._renice is not None:
+            levers.extend(self._renice(True))
+        self.escalations = levers
+        log.info(
+            "durable_within: %.1f s into the save, writing at full speed (%s)",
+            self.escalated_after,
+            ", ".join(levers) or "nothing was throttled",
+        )
+
+    @property
+    def throttled_seconds(self) -> float:
+        """Seconds this save was held: by the rate cap and by the pause hint."""
+        limited = self._limiter.seconds_waited - self._limited_before if self._limiter else 0.0
+        return limited + self.paused_seconds
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "throttled_seconds": self.throttled_seconds,
+            "escalated_after_seconds": self.escalated_after,
+            "escalations": list(self.escalations),
+        }
 
     def __call__(self, nbytes: int) -> None:
+        if self.escalated_after is not None:
+            return  # the deadline is near: neither capped nor paused
         if self._limiter is not None:
             self._limiter.acquire(nbytes)
         pause = self._pause
@@ -405,7 +515,7 @@ class Pacer:
                 region, start = pause.entries, now
             elif region == self._given_up_on:
                 break
-            elif now - start >= self._max_pause:
+            elif self.escalated_after is not None or now - start >= self._max_pause:
                 self._given_up_on = region
                 log.info("pause hint held the writes %.1f s; writing on", self._max_pause)
                 break
@@ -420,3 +530,41 @@ def write_all(raw: Any, chunk: memoryview) -> None:
         if n is None:
             raise BlockingIOError("file is non-blocking and would block")
         chunk = chunk[n:]
+
+
+def renicer(config: ThrottleConfig, applied: AppliedThrottle | None) -> Callable[[bool], list[str]]:
+    """The worker's escalation: ``renice(True)`` gives every thread of the process the nice
+    value and I/O class it had before the throttle, ``renice(False)`` the throttled ones back.
+    Best-effort: returns the levers it changed (a refusal is logged, not raised)."""
+    base = (applied.applied.get("base_nice") if applied else None) or 0
+    throttled = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else base
+
+    def tids() -> list[int]:
+        try:
+            return [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            return [0]
+
+    def renice(up: bool) -> list[str]:
+        done = []
+        if config.nice and hasattr(os, "setpriority"):
+            try:
+                for tid in tids():  # niceness is per thread on Linux
+                    os.setpriority(os.PRIO_PROCESS, tid, base if up else throttled)
+                done.append("nice")
+            except OSError as e:
+                log.warning("durable_within: could not change the worker's niceness (%s)", e)
+        if config.ionice and hasattr(psutil, "IOPRIO_CLASS_BE"):
+            try:
+                for tid in tids():
+                    p = psutil.Process(tid) if tid else psutil.Process()
+                    if up:
+                        p.ionice(psutil.IOPRIO_CLASS_BE, 4)
+                    else:
+                        p.ionice(psutil.IOPRIO_CLASS_IDLE)
+                done.append("ionice")
+            except (psutil.Error, OSError, ValueError) as e:
+                log.warning("durable_within: could not change the worker's I/O class (%s)", e)
+        return done
+
+    return renice

@@ -71,6 +71,7 @@ class SaveJob:
     # The trainer's side of the save's figures (SaveStats: stage/wait/alloc seconds, staged
     # bytes), recorded in the manifest with the worker's own (manifest.build_manifest).
     figures: dict = field(default_factory=dict)
+    saved_at: float | None = None  # unix time of the trainer's save() call (durable_within)
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class Worker:
                 raise TypeError(f"unknown message from the trainer: {msg!r}")
 
     def _apply_throttle(self) -> Any:
-        from .throttle import Pacer, RateLimiter, apply_throttle
+        from .throttle import Pacer, RateLimiter, apply_throttle, renicer
 
         cfg = self.config.throttle
         if cfg is None:
@@ -202,13 +203,26 @@ class Worker:
         self.io_threads = cfg.io_threads
         self.direct_io = cfg.direct_io
         limiter = RateLimiter(cfg.write_rate_bytes_per_s) if cfg.write_rate_bytes_per_s else None
-        if limiter is not None or (self.pause is not None and cfg.max_pause_seconds > 0):
-            self.pacer = Pacer(limiter, self.pause, cfg.max_pause_seconds)
+        paused = self.pause is not None and cfg.max_pause_seconds > 0
+        if limiter is not None or paused or cfg.durable_within is not None:
+            self.pacer = Pacer(
+                limiter,
+                self.pause,
+                cfg.max_pause_seconds,
+                durable_within=cfg.durable_within,
+                renice=renicer(cfg, report) if cfg.durable_within is not None else None,
+            )
         return report
 
-    def _reset_paused(self) -> None:
+    def _reset_paused(self, job: SaveJob) -> None:
         if self.pacer is not None:
-            self.pacer.paused_seconds = 0.0  # counted per save, reported with its commit
+            self.pacer.begin(job.saved_at)  # counted per save, reported with its commit
+
+    def _pacer_figures(self) -> dict[str, Any]:
+        if self.pacer is None:
+            return {}
+        self.pacer.end()
+        return self.pacer.figures()
 
     def _paused_seconds(self) -> float:
         return self.pacer.paused_seconds if self.pacer is not None else 0.0
@@ -240,7 +254,7 @@ class Worker:
         tmp = self.root / _layout.tmp_name(self.config.layout, job.step, token)
         preexisting = final.exists()
         t0 = time.perf_counter()
-        self._reset_paused()
+        self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
         group = (
             _dist.job_group(cfg, f"{job.step}.{job.attempt}")
@@ -480,6 +494,7 @@ class Worker:
         )
         commit_step(self.root, self.config.layout, job.step, tmp, final, manifest)
         return {
+            **self._pacer_figures(),
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
             "commit_seconds": time.perf_counter() - t_written,

@@ -19,6 +19,8 @@ PACKAGE = Path(asyncckpt.__file__).parent
 #: Modules allowed to touch torch's private names: the fence, and LocalShard's wrapper
 #: subclass (``torch.Tensor._make_wrapper_subclass``, how torch documents subclasses).
 FENCED = {"_torch.py", "dist.py"}
+#: Private attributes of tensors the package reads (through ``_torch`` alone).
+TENSOR_PRIVATES = {"_version", "_checkpoint_offset"}
 
 
 def private_uses(path: Path) -> list[str]:
@@ -28,6 +30,8 @@ def private_uses(path: Path) -> list[str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             names = [node.module, *(a.name for a in node.names)]
             out += [n for n in names if any(p.startswith("_") for p in n.split("."))]
+        elif isinstance(node, ast.Attribute) and node.attr in TENSOR_PRIVATES:
+            out.append(f"<tensor>.{node.attr}")
         elif isinstance(node, ast.Attribute):
             chain, cur = [node.attr], node.value
             while isinstance(cur, ast.Attribute):
