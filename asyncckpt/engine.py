@@ -270,6 +270,10 @@ class _Core(WorkerSupervision):
         from .prune import clean_leftovers
 
         def open_and_clean() -> None:
+            if self.remote is not None and self.opts.rank == 0:
+                # A missing or read-only bucket: refused now, as a local root is, not at the
+                # first upload after steps have committed locally.
+                self.remote.open().probe()
             self._open_root()
             if self.opts.rank == 0:
                 removed = clean_leftovers(self.root)

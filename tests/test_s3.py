@@ -528,3 +528,27 @@ def test_the_spool_is_reconciled_with_its_store_at_start(s3, tmp_path):
         eng.save(1, make_state(1)).committed_sync(60)
     assert [c.step for c in FsspecStore(other, s3.options).committed("global_step")] == [1]
     assert remote_steps(s3) == [3, 4]
+
+
+def test_a_missing_bucket_is_refused_at_start_in_one_line(s3, tmp_path, capfd):
+    from asyncckpt.errors import CheckpointError
+
+    missing = f"s3://{s3.bucket}-missing/run"
+    # A URL root, and a local root with a remote tier: refused when the engine starts, not
+    # after two steps have committed to the spool.
+    for kwargs in (
+        {"root": missing, "storage_options": s3.options, "spool": tmp_path / "spool"},
+        {"root": tmp_path / "local", "remote": RemoteTier(missing, storage_options=s3.options)},
+    ):
+        root = kwargs.pop("root")
+        with pytest.raises(CheckpointError) as info:
+            with SyncCheckpointEngine(root, **kwargs):
+                pytest.fail("the engine started on a missing bucket")
+        msg = str(info.value)
+        assert "\n" not in msg and missing in msg and "does not exist" in msg, msg
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "local").exists()
+    assert "Traceback" not in capfd.readouterr().err
+    # The probe of a good bucket leaves nothing behind.
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "good"):
+        pass
+    assert s3.fs().find(s3.bucket) == []
