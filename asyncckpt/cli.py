@@ -685,9 +685,14 @@ def _rate(x: float | None) -> str:
 def _run_stats(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.stats import plot_stats, read_stats, summarize
 
-    layout = _layout(args)
-    records = read_stats(args.root, layout)
+    if is_url(args.root):
+        layout, records = _url_stats(args)
+    else:
+        layout = _layout(args)
+        records = read_stats(args.root, layout)
     if not records:
+        if is_url(args.root):
+            raise _Failure(f"no committed checkpoints in {args.root} (layout {layout})")
         raise _Failure(_no_checkpoints(args.root, layout))
     summary = summarize(records)
     plotted = None
@@ -736,6 +741,27 @@ def _run_stats(args: argparse.Namespace, console: Console) -> int:
     if plotted is not None:
         console.print(f"plot written to {plotted}")
     return 0
+
+
+def _url_stats(args: argparse.Namespace) -> tuple[str, list]:
+    """The recorded figures of a URL root's committed checkpoints (their manifests only)."""
+    from asyncckpt.stats import RecordedStats, record_from_manifest
+
+    store = _store(args)
+    layout = _remote_layout(args, store)
+    records = []
+    for c in store.committed(layout):
+        where = store.url_of(c.name)  # a URL, not a Path: Path() would lose a '/'
+        try:
+            manifest = store.read_manifest(c.name)
+        except (OSError, ValueError) as e:
+            records.append(RecordedStats(c.step, where, error=f"manifest unreadable: {e}"))
+            continue
+        if not isinstance(manifest, dict):
+            records.append(RecordedStats(c.step, where, error="manifest is not an object"))
+            continue
+        records.append(record_from_manifest(c.step, where, manifest))
+    return layout, records
 
 
 def build_parser() -> argparse.ArgumentParser:

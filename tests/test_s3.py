@@ -552,3 +552,29 @@ def test_a_missing_bucket_is_refused_at_start_in_one_line(s3, tmp_path, capfd):
     with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "good"):
         pass
     assert s3.fs().find(s3.bucket) == []
+
+
+def test_every_cli_subcommand_takes_a_url(s3, tmp_path, capsys):
+    import argparse
+
+    from asyncckpt.cli import build_parser, main
+
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
+        for step in (1, 2):
+            eng.save(step, make_state(step), metrics={"loss": 1.0 / step})
+    opts = [f"--storage-option=endpoint_url={s3.endpoint}", "--storage-option=key=testing"]
+    opts.append("--storage-option=secret=testing")
+    extra = {"prune": ["--keep-last", "5", "--dry-run"]}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"ls", "verify", "prune", "stats"}  # a new one is tested here too
+    for command in sub.choices:
+        code = main([command, "--json", *extra.get(command, []), s3.url, *opts])
+        captured = capsys.readouterr()
+        assert code == 0, (command, captured.err)
+        json.loads(captured.out)
+    code = main(["stats", "--json", s3.url, *opts])
+    records = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["bytes"] > 0 and r["write_seconds"] is not None for r in records)
+    assert records[1]["path"] == f"{s3.url}/global_step_2"
+    assert main(["stats", f"s3://{s3.bucket}-nope/run", *opts]) == 1
