@@ -115,7 +115,13 @@ def _rebuild_error(info: dict[str, Any]) -> BaseException:
         err: BaseException = OSError(info["errno"], info["message"])
     else:
         err = RuntimeError(f"{info['type']}: {info['message']}")
-    err.__notes__ = ["worker traceback:\n" + info.get("traceback", "")]  # type: ignore[attr-defined]
+    # Kept, not printed: as a note it filled the user's stderr with the worker's frames
+    # (s3fs, DCP) whenever the error went uncaught. _fail logs it at debug level.
+    err.worker_traceback = info.get("traceback", "")  # type: ignore[attr-defined]
+    err.__notes__ = [  # type: ignore[attr-defined]
+        "the worker's traceback: this exception's .worker_traceback, and the 'asyncckpt' "
+        "logger at DEBUG"
+    ]
     return err
 
 
@@ -419,6 +425,7 @@ class _Core(WorkerSupervision):
                     log.warning(
                         "pruning failed (nothing committed was lost): %s", msg.error["message"]
                     )
+                    log.debug("the worker's traceback:\n%s", msg.error.get("traceback", ""))
         if committed and job:
             self._report(job.handle.stats)
             job.handle._finish()
@@ -595,7 +602,10 @@ class _Core(WorkerSupervision):
         self.pending_error = err
         self.pending_handle = job.handle
         self.cond.notify_all()
-        log.error("%s", err)
+        log.error("%s", " ".join(str(err).split()))  # one line per failure
+        worker_tb = getattr(err.__cause__, "worker_traceback", None)
+        if worker_tb:
+            log.debug("step %d: the worker's traceback:\n%s", job.handle.step, worker_tb)
         job.handle._finish(err)
 
     # ------------------------------------------------------------------ save

@@ -1,0 +1,35 @@
+"""What a new user meets first (issue 25): worker failures told in one line, waits shown where
+a person waits, warnings pointing at the user's own line, and the engine's start-up cost."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import pytest
+import torch
+
+from asyncckpt import SyncCheckpointEngine, faults
+from asyncckpt.errors import SaveFailed
+
+
+def test_a_worker_failure_is_one_log_line_and_the_traceback_is_kept_not_printed(tmp_path, caplog):
+    faults.inject("before_rename", "raise")
+    caplog.set_level(logging.DEBUG, logger="asyncckpt")
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        handle = eng.save(1, {"w": torch.ones(4)})
+        with pytest.raises(SaveFailed) as info:
+            handle.committed_sync(60)
+    err = info.value
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0].getMessage(), errors
+    assert "fault injected at before_rename" in errors[0].getMessage()
+    # The worker's traceback: on the chained cause and at debug level ...
+    tb = err.__cause__.worker_traceback
+    assert "Traceback" in tb and "worker.py" in tb and "before_rename" in tb
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(tb in m for m in debug), debug
+    # ... but not in what Python prints for the exception left uncaught.
+    printed = "".join(traceback.format_exception(err))
+    assert "worker.py" not in printed, printed
+    assert "worker_traceback" in printed  # where to find it is said
