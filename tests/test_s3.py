@@ -205,10 +205,12 @@ def test_plain_dcp_loads_from_the_bucket_without_asyncckpt(s3, tmp_path):
 
 def test_failed_upload_fails_the_save_keeps_the_local_commit_and_is_retried(s3, tmp_path):
     fs = s3.fs()
-    url = f"s3://{s3.bucket}-later/run"  # no such bucket yet
+    url = f"s3://{s3.bucket}-later/run"
     tier = RemoteTier(url, storage_options=s3.options, retries=1)
     root = tmp_path / "fast"
+    fs.mkdir(f"{s3.bucket}-later")  # start refuses a missing bucket (probed) ...
     with SyncCheckpointEngine(root, remote=tier) as eng:
+        fs.rmdir(f"{s3.bucket}-later")  # ... so it goes away after the start
         handle = eng.save(1, make_state(1))
         with pytest.raises(UploadFailed, match="committed locally") as info:
             handle.committed_sync(60)
