@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -1004,6 +1005,20 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     return clean
 
 
+async def _load_in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn`` (a load) in a worker thread; its warnings are re-emitted here, where
+    ``stacklevel`` reaches the awaiting caller's line (from the thread it named anyio's code)."""
+    from .restore import deferring_warnings
+
+    caught: list[str] = []
+    try:
+        return await anyio.to_thread.run_sync(deferring_warnings(fn, caught))
+    finally:
+        for msg in caught:
+            # 1: here, 2: the facade's method, 3: the user's await.
+            warnings.warn(msg, stacklevel=3)
+
+
 @dataclass
 class _PendingSave:
     """A save between validation and hand-off: what both facades pass through ``_Core``."""
@@ -1317,9 +1332,7 @@ class CheckpointEngine:
         returns None (a fresh job's first start); a path that is a checkpoint directory, or a
         root of the other layout, raises ``NotACheckpointRoot``.
         """
-        return await anyio.to_thread.run_sync(
-            lambda: self._core.restorer.load_latest(state, strict)
-        )
+        return await _load_in_thread(lambda: self._core.restorer.load_latest(state, strict))
 
     async def load(
         self,
@@ -1334,7 +1347,7 @@ class CheckpointEngine:
         Checked first like ``load_latest``; raises asyncckpt's errors (``StateMismatch``,
         ``CorruptCheckpoint``: all ``CheckpointError``) with torch's error as the cause.
         """
-        return await anyio.to_thread.run_sync(
+        return await _load_in_thread(
             lambda: self._core.restorer.load(state, step=step, path=path, strict=strict)
         )
 
@@ -1347,7 +1360,7 @@ class CheckpointEngine:
         strict: bool = True,
     ) -> int | None:
         """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
-        return await anyio.to_thread.run_sync(lambda: self._core.resume(state, mode, path, strict))
+        return await _load_in_thread(lambda: self._core.resume(state, mode, path, strict))
 
     @property
     def last_load_report(self) -> LoadReport | None:

@@ -33,3 +33,30 @@ def test_a_worker_failure_is_one_log_line_and_the_traceback_is_kept_not_printed(
     printed = "".join(traceback.format_exception(err))
     assert "worker.py" not in printed, printed
     assert "worker_traceback" in printed  # where to find it is said
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_async_missing_root_warning_points_at_the_users_line(tmp_path, anyio_backend):
+    import warnings
+
+    from asyncckpt import CheckpointEngine
+
+    engine = CheckpointEngine(tmp_path / "never-made")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert await engine.load_latest({"w": torch.zeros(2)}) is None
+    missing = [w for w in caught if "does not exist" in str(w.message)]
+    assert len(missing) == 1, [str(w.message) for w in caught]
+    assert missing[0].filename == __file__, missing[0].filename
+
+
+def test_the_sync_missing_root_warning_points_at_the_users_line(tmp_path):
+    import warnings
+
+    engine = SyncCheckpointEngine(tmp_path / "never-made")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.load_latest({"w": torch.zeros(2)}) is None
+    missing = [w for w in caught if "does not exist" in str(w.message)]
+    assert len(missing) == 1 and missing[0].filename == __file__, missing
