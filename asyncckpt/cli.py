@@ -192,6 +192,7 @@ def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) ->
             "bytes": c.size_bytes,
             "metrics": dict(c.metrics),
             "run_id": c.run_id,
+            "metadata": dict(c.metadata),
             "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
             "status": _status(problems.get(c.step)),
             "problems": problems.get(c.step, []),
@@ -233,6 +234,7 @@ def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
             _when(e["committed_at"]),
             _human(e["bytes"]),
             _metrics(e["metrics"]),
+            json.dumps(e["metadata"], separators=(",", ":")) if e["metadata"] else "",
             e["status"],
             ", ".join(e["protected"]),
         )
@@ -270,7 +272,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
         return 0
     rows = _ls_rows(entries)
     checked = "sizes" if report.quick else "checksums"
-    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
+    cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:
         console.print(_no_checkpoints(args.root, layout))
@@ -568,7 +570,7 @@ def _run_ls_url(args: argparse.Namespace, console: Console) -> int:
         console.print_json(json.dumps(out))
         return 0
     rows = _ls_rows(entries)
-    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
+    cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:
         console.print(f"no committed checkpoints in {args.root} (layout {layout})")

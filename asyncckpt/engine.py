@@ -20,7 +20,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -680,18 +680,27 @@ class _Core(WorkerSupervision):
                 self.cond.notify_all()
 
     def begin_save(
-        self, step: Any, state: Any, metrics: Mapping[str, float] | None
+        self,
+        step: Any,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        metadata: dict[str, Any] | None = None,
     ) -> _PendingSave:
         """Validate and flatten: every error about the input is raised here, before any write."""
+        from .manifest import check_metadata
+
         step = self.check_can_save(step)
         clean = _check_metrics(metrics)
+        meta = check_metadata(metadata)
         if self.opts.export is not None and self.opts.export.due(step):
             from .export import check_source
 
             check_source(state, self.opts.export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
-        return _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
+        pending = _PendingSave(step, flat, key, clean, SaveStats(step), time.perf_counter())
+        pending.metadata = meta
+        return pending
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
@@ -776,6 +785,7 @@ class _Core(WorkerSupervision):
                 objects=objects,
                 paths=flat.paths,  # or None when sent: the worker has them (see below)
                 metrics=dict(metrics),
+                metadata=pending.metadata,
                 prune=prune,
                 extra=flat.extra,
                 attempt=self.attempts.get(step, 0),
@@ -1030,6 +1040,7 @@ class _PendingSave:
     stats: SaveStats
     started: float
     slot: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked
 
 
 class PauseHooks:
@@ -1253,11 +1264,18 @@ class CheckpointEngine:
 
     # -------------------------------------------------------------- saving
     async def save(
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> SaveHandle:
-        """Stage ``state`` and return once it is safe to mutate; the write goes on behind."""
+        """Stage ``state`` and return once it is safe to mutate; the write goes on behind.
+
+        ``metadata``: a small JSON object (<= 64 KiB) stored in the checkpoint's manifest and
+        shown by ``list_checkpoints`` and ``python -m asyncckpt ls``."""
         core = self._core
-        pending = core.begin_save(step, state, metrics)
+        pending = core.begin_save(step, state, metrics, metadata)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
         return core.finish_save(pending)
@@ -1374,3 +1392,11 @@ class CheckpointEngine:
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
         return self._core.restorer.list_checkpoints()
+
+    def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The step of the best committed checkpoint by ``metric`` (``save(metrics=...)``):
+        lowest for ``mode="min"``, highest for ``"max"``; ties go to the newer, NaN is never
+        best. None before any checkpoint; ``ValueError`` if none reports ``metric``."""
+        from .retention import best_step
+
+        return best_step(self.list_checkpoints(), metric, mode)

@@ -33,10 +33,14 @@ class SyncCheckpointEngine(CheckpointEngine):
             self._core.uninstall_sigterm()
 
     def save(  # type: ignore[override]
-        self, step: int, state: Any, metrics: Mapping[str, float] | None = None
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, float] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> SaveHandle:
         core = self._core
-        pending = core.begin_save(step, state, metrics)
+        pending = core.begin_save(step, state, metrics, metadata)
         core.take_slot(pending)
         return core.finish_save(pending)
 
