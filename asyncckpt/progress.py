@@ -7,9 +7,11 @@ The library stays quiet: ``verify(root)`` and ``prune(...)`` report nothing unle
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Progress", "RichProgress"]
+__all__ = ["Progress", "RichProgress", "BytesReadSince"]
 
 
 class Progress:
@@ -84,3 +86,54 @@ class RichProgress(Progress):
         if self._task is not None:
             self._bar.remove_task(self._task)
             self._task = None
+
+
+def io_counter(name: str, pid: int | str = "self") -> int | None:
+    """A counter of ``/proc/<pid>/io`` (``rchar``, ``wchar``: bytes passed to read/write
+    calls, page cache included); None where there is none (not Linux, no permission)."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == name:
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class _Poll:
+    """Calls ``report(counter now - counter at start)`` every ``interval`` s until ``stop``."""
+
+    def __init__(
+        self, read: Callable[[], int | None], report: Callable[[int], None], interval: float
+    ) -> None:
+        self._read, self._report, self._interval = read, report, interval
+        self._start = read()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._start is not None:
+            self._thread = threading.Thread(
+                target=self._run, name="asyncckpt-progress", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            now = self._read()
+            if now is None or self._start is None:
+                return
+            self._report(max(0, now - self._start))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+
+
+class BytesReadSince(_Poll):
+    """The bytes this process has read since it was made, to ``report`` every ``interval`` s
+    (a load's read, which reports no progress of its own); nothing where there is no count."""
+
+    def __init__(self, report: Callable[[int], None], interval: float = 0.2) -> None:
+        super().__init__(lambda: io_counter("rchar"), report, interval)

@@ -60,3 +60,29 @@ def test_the_sync_missing_root_warning_points_at_the_users_line(tmp_path):
         assert engine.load_latest({"w": torch.zeros(2)}) is None
     missing = [w for w in caught if "does not exist" in str(w.message)]
     assert len(missing) == 1 and missing[0].filename == __file__, missing
+
+
+def test_the_read_bar_of_a_large_load_has_a_total_and_completes(tmp_path, monkeypatch):
+    import sys
+
+    from asyncckpt import loadcheck
+
+    bars = []
+
+    class Recorded(loadcheck.Progress):
+        def __enter__(self):
+            bars.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(loadcheck, "Progress", Recorded)
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 0)  # "large": any size here
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(1, state).committed_sync(60)
+        assert eng.load_latest({"w": torch.zeros(1 << 20), "b": torch.zeros(1000)}) == 1
+    (bar,) = bars
+    tasks = {t.description.split()[0]: t for t in bar._bar.tasks}
+    read = tasks["read"]
+    assert read.total is not None and read.total >= state["w"].nbytes, read.total
+    assert read.completed == read.total
