@@ -340,7 +340,7 @@ class _Core(WorkerSupervision):
             return
         try:
             if drain:
-                self.drain()
+                self.drain(progress=True)
         finally:
             self.stopping = True
             try:
@@ -369,11 +369,25 @@ class _Core(WorkerSupervision):
             self.started = False
             atexit.unregister(self._at_exit)
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until nothing is in flight (committed or failed)."""
+    def drain(self, timeout: float | None = None, *, progress: bool = False) -> None:
+        """Block until nothing is in flight (committed or failed); ``progress``: a bar on a
+        terminal once the wait passes ``progress.DRAIN_BAR_AFTER_S`` (``stop``: a person waits)."""
+        from . import progress as _progress
+
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.cond:
+        began, bar = time.monotonic(), None
+        with self.cond, contextlib.ExitStack() as bars:
             while self.inflight:
+                if progress and bar is None:
+                    if time.monotonic() - began >= _progress.DRAIN_BAR_AFTER_S:
+                        jobs = {
+                            i: (j.handle.step, j.handle.stats.staged_bytes)
+                            for i, j in self.inflight.items()
+                        }
+                        bar = _progress.DrainProgress(self.root, jobs)
+                        bars.callback(bar.close)
+                if bar is not None:
+                    bar.in_flight(set(self.inflight))
                 reader = self.reader
                 if reader is None or not reader.is_alive():
                     # Nobody is left to complete them (the reader thread owns the worker's
@@ -387,7 +401,10 @@ class _Core(WorkerSupervision):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("saves still in flight")
-                self.cond.wait(0.5 if left is None else min(0.5, left))
+                wait = 0.5 if left is None else min(0.5, left)
+                if progress and bar is None:
+                    wait = min(wait, max(0.01, _progress.DRAIN_BAR_AFTER_S))
+                self.cond.wait(wait)
 
     # ------------------------------------------------------------------ reader thread
     def _on_event(self, msg: Any) -> None:

@@ -86,3 +86,38 @@ def test_the_read_bar_of_a_large_load_has_a_total_and_completes(tmp_path, monkey
     read = tasks["read"]
     assert read.total is not None and read.total >= state["w"].nbytes, read.total
     assert read.completed == read.total
+
+
+def _terminal(monkeypatch):
+    """What the drain bar draws, as on a terminal."""
+    import io
+
+    from rich.console import Console
+
+    from asyncckpt import progress
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    monkeypatch.setattr(progress, "_stderr_console", lambda: console)
+    monkeypatch.setattr(progress, "DRAIN_BAR_AFTER_S", 0.0)
+    return out
+
+
+def test_close_shows_a_bar_on_a_terminal_while_it_waits_for_a_save(tmp_path, monkeypatch):
+    out = _terminal(monkeypatch)
+    faults.inject("mid_shard_write", "delay", seconds=1.5)  # a big save's write, made slow
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(7, {"w": torch.ones(1 << 16)})
+    assert [c.step for c in eng.list_checkpoints()] == [7]
+    text = out.getvalue()
+    assert "waiting for step 7 to commit" in text, text
+
+
+def test_close_stays_quiet_off_a_terminal(tmp_path, monkeypatch, capfd):
+    from asyncckpt import progress
+
+    monkeypatch.setattr(progress, "DRAIN_BAR_AFTER_S", 0.0)
+    faults.inject("mid_shard_write", "delay", seconds=1.0)
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(7, {"w": torch.ones(1 << 16)})
+    assert "to commit" not in capfd.readouterr().err
