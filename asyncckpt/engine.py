@@ -321,7 +321,9 @@ class _Core(WorkerSupervision):
             target=self._read_events, name="asyncckpt-reader", daemon=True
         )
         self.reader.start()
-        self._wait_ready()
+        # Not waiting for the worker's Ready here: its start (a spawned interpreter importing
+        # torch, seconds) overlaps the trainer's own; a save stages, then waits for it only
+        # if it is not ready yet (_stage_and_send), and a failed start fails that save.
         self.started = True
         # Ours runs before multiprocessing's own exit hook, which would join the worker (it
         # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.

@@ -121,3 +121,42 @@ def test_close_stays_quiet_off_a_terminal(tmp_path, monkeypatch, capfd):
     with SyncCheckpointEngine(tmp_path / "r") as eng:
         eng.save(7, {"w": torch.ones(1 << 16)})
     assert "to commit" not in capfd.readouterr().err
+
+
+def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_it(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from asyncckpt import messages as M
+    from asyncckpt.engine import _Core
+
+    release = threading.Event()
+    original = _Core._on_event
+
+    def held(self, msg):  # the worker's Ready reaches the engine only once the test says so
+        if isinstance(msg, M.Ready):
+            release.wait(120)
+        original(self, msg)
+
+    monkeypatch.setattr(_Core, "_on_event", held)
+    eng = SyncCheckpointEngine(tmp_path / "r")
+    started = threading.Thread(target=eng.__enter__, daemon=True)
+    started.start()
+    started.join(60)
+    try:
+        assert not started.is_alive(), "start() waited for the worker's Ready"
+        assert not eng._core.worker_ready.is_set()
+        handles = []
+        saving = threading.Thread(
+            target=lambda: handles.append(eng.save(1, {"w": torch.ones(8)})), daemon=True
+        )
+        saving.start()
+        saving.join(0.5)
+        assert not handles  # staged, and waiting for the worker before it is sent
+    finally:
+        release.set()
+    saving.join(120)
+    handles[0].committed_sync(60)
+    eng.close()
+    assert [c.step for c in eng.list_checkpoints()] == [1]
