@@ -202,11 +202,13 @@ def test_plain_dcp_loads_from_the_bucket_without_asyncckpt(s3, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
     # The public way (README): a URL as checkpoint_id, the store found through AWS_* variables.
-    public = code.replace(
-        "from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader\n", ""
-    ).replace(
-        f"reader = FsspecReader(\"{s3.url}/global_step_7\", **{s3.options!r})\n", ""
-    ).replace("storage_reader=reader", f"checkpoint_id=\"{s3.url}/global_step_7\"")
+    public = (
+        code.replace(
+            "from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader\n", ""
+        )
+        .replace(f'reader = FsspecReader("{s3.url}/global_step_7", **{s3.options!r})\n', "")
+        .replace("storage_reader=reader", f'checkpoint_id="{s3.url}/global_step_7"')
+    )
     assert "FsspecReader" not in public and "checkpoint_id" in public
     out = subprocess.run(
         [sys.executable, "-c", public], capture_output=True, text=True, timeout=120, env=s3.env()
