@@ -192,6 +192,7 @@ def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) ->
             "bytes": c.size_bytes,
             "metrics": dict(c.metrics),
             "run_id": c.run_id,
+            "metadata": dict(c.metadata),
             "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
             "status": _status(problems.get(c.step)),
             "problems": problems.get(c.step, []),
@@ -233,6 +234,7 @@ def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
             _when(e["committed_at"]),
             _human(e["bytes"]),
             _metrics(e["metrics"]),
+            json.dumps(e["metadata"], separators=(",", ":")) if e["metadata"] else "",
             e["status"],
             ", ".join(e["protected"]),
         )
@@ -270,7 +272,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
         return 0
     rows = _ls_rows(entries)
     checked = "sizes" if report.quick else "checksums"
-    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
+    cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:
         console.print(_no_checkpoints(args.root, layout))
@@ -568,7 +570,7 @@ def _run_ls_url(args: argparse.Namespace, console: Console) -> int:
         console.print_json(json.dumps(out))
         return 0
     rows = _ls_rows(entries)
-    cols = ("step", "committed", "size", "metrics", f"status ({checked})", "protected")
+    cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:
         console.print(f"no committed checkpoints in {args.root} (layout {layout})")
@@ -685,9 +687,14 @@ def _rate(x: float | None) -> str:
 def _run_stats(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.stats import plot_stats, read_stats, summarize
 
-    layout = _layout(args)
-    records = read_stats(args.root, layout)
+    if is_url(args.root):
+        layout, records = _url_stats(args)
+    else:
+        layout = _layout(args)
+        records = read_stats(args.root, layout)
     if not records:
+        if is_url(args.root):
+            raise _Failure(f"no committed checkpoints in {args.root} (layout {layout})")
         raise _Failure(_no_checkpoints(args.root, layout))
     summary = summarize(records)
     plotted = None
@@ -736,6 +743,27 @@ def _run_stats(args: argparse.Namespace, console: Console) -> int:
     if plotted is not None:
         console.print(f"plot written to {plotted}")
     return 0
+
+
+def _url_stats(args: argparse.Namespace) -> tuple[str, list]:
+    """The recorded figures of a URL root's committed checkpoints (their manifests only)."""
+    from asyncckpt.stats import RecordedStats, record_from_manifest
+
+    store = _store(args)
+    layout = _remote_layout(args, store)
+    records = []
+    for c in store.committed(layout):
+        where = store.url_of(c.name)  # a URL, not a Path: Path() would lose a '/'
+        try:
+            manifest = store.read_manifest(c.name)
+        except (OSError, ValueError) as e:
+            records.append(RecordedStats(c.step, where, error=f"manifest unreadable: {e}"))
+            continue
+        if not isinstance(manifest, dict):
+            records.append(RecordedStats(c.step, where, error="manifest is not an object"))
+            continue
+        records.append(record_from_manifest(c.step, where, manifest))
+    return layout, records
 
 
 def build_parser() -> argparse.ArgumentParser:

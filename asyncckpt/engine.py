@@ -19,8 +19,9 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +148,13 @@ def _rebuild_error(info: dict[str, Any]) -> BaseException:
         err: BaseException = OSError(info["errno"], info["message"])
     else:
         err = RuntimeError(f"{info['type']}: {info['message']}")
-    err.__notes__ = ["worker traceback:\n" + info.get("traceback", "")]  # type: ignore[attr-defined]
+    # Kept, not printed: as a note it filled the user's stderr with the worker's frames
+    # (s3fs, DCP) whenever the error went uncaught. _fail logs it at debug level.
+    err.worker_traceback = info.get("traceback", "")  # type: ignore[attr-defined]
+    err.__notes__ = [  # type: ignore[attr-defined]
+        "the worker's traceback: this exception's .worker_traceback, and the 'asyncckpt' "
+        "logger at DEBUG"
+    ]
     return err
 
 
@@ -307,6 +314,10 @@ class _Core(WorkerSupervision):
         from .prune import clean_leftovers
 
         def open_and_clean() -> None:
+            if self.remote is not None and self.opts.rank == 0:
+                # A missing or read-only bucket: refused now, as a local root is, not at the
+                # first upload after steps have committed locally.
+                self.remote.open().probe()
             self._open_root()
             if self.opts.rank == 0:
                 removed = clean_leftovers(self.root)
@@ -347,7 +358,9 @@ class _Core(WorkerSupervision):
             target=self._read_events, name="asyncckpt-reader", daemon=True
         )
         self.reader.start()
-        self._wait_ready()
+        # Not waiting for the worker's Ready here: its start (a spawned interpreter importing
+        # torch, seconds) overlaps the trainer's own; a save stages, then waits for it only
+        # if it is not ready yet (_stage_and_send), and a failed start fails that save.
         self.started = True
         # Ours runs before multiprocessing's own exit hook, which would join the worker (it
         # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
@@ -366,7 +379,7 @@ class _Core(WorkerSupervision):
             return
         try:
             if drain:
-                self.drain()
+                self.drain(progress=True)
         finally:
             self.stopping = True
             try:
@@ -395,15 +408,29 @@ class _Core(WorkerSupervision):
             self.started = False
             atexit.unregister(self._at_exit)
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until nothing is in flight (committed or failed)."""
+    def drain(self, timeout: float | None = None, *, progress: bool = False) -> None:
+        """Block until nothing is in flight (committed or failed); ``progress``: a bar on a
+        terminal once the wait passes ``progress.DRAIN_BAR_AFTER_S`` (``stop``: a person waits)."""
+        from . import progress as _progress
+
         deadline = None if timeout is None else time.monotonic() + timeout
         # An overlapped save still copying is not in flight yet: it will be.
         staging = self.staging
         if staging is not None and not staging._staged.wait(timeout):
             raise TimeoutError("an overlapped save is still staging")
-        with self.cond:
+        began, bar = time.monotonic(), None
+        with self.cond, contextlib.ExitStack() as bars:
             while self.inflight:
+                if progress and bar is None:
+                    if time.monotonic() - began >= _progress.DRAIN_BAR_AFTER_S:
+                        jobs = {
+                            i: (j.handle.step, j.handle.stats.staged_bytes)
+                            for i, j in self.inflight.items()
+                        }
+                        bar = _progress.DrainProgress(self.root, jobs)
+                        bars.callback(bar.close)
+                if bar is not None:
+                    bar.in_flight(set(self.inflight))
                 reader = self.reader
                 if reader is None or not reader.is_alive():
                     # Nobody is left to complete them (the reader thread owns the worker's
@@ -417,7 +444,10 @@ class _Core(WorkerSupervision):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("saves still in flight")
-                self.cond.wait(0.5 if left is None else min(0.5, left))
+                wait = 0.5 if left is None else min(0.5, left)
+                if progress and bar is None:
+                    wait = min(wait, max(0.01, _progress.DRAIN_BAR_AFTER_S))
+                self.cond.wait(wait)
 
     # ------------------------------------------------------------------ reader thread
     def _on_event(self, msg: Any) -> None:
@@ -456,6 +486,7 @@ class _Core(WorkerSupervision):
                     log.warning(
                         "pruning failed (nothing committed was lost): %s", msg.error["message"]
                     )
+                    log.debug("the worker's traceback:\n%s", msg.error.get("traceback", ""))
         if committed and job:
             self._report(job.handle.stats)
             job.handle._finish()
@@ -638,7 +669,10 @@ class _Core(WorkerSupervision):
         self.pending_error = err
         self.pending_handle = job.handle
         self.cond.notify_all()
-        log.error("%s", err)
+        log.error("%s", " ".join(str(err).split()))  # one line per failure
+        worker_tb = getattr(err.__cause__, "worker_traceback", None)
+        if worker_tb:
+            log.debug("step %d: the worker's traceback:\n%s", job.handle.step, worker_tb)
         job.handle._finish(err)
 
     # ------------------------------------------------------------------ save
@@ -712,11 +746,18 @@ class _Core(WorkerSupervision):
                 self.cond.notify_all()
 
     def begin_save(
-        self, step: Any, state: Any, metrics: Mapping[str, float] | None
+        self,
+        step: Any,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        metadata: dict[str, Any] | None = None,
     ) -> _PendingSave:
         """Validate and flatten: every error about the input is raised here, before any write."""
+        from .manifest import check_metadata
+
         step = self.check_can_save(step)
         clean = _check_metrics(metrics)
+        meta = check_metadata(metadata)
         if self.opts.export is not None and self.opts.export.due(step):
             from .export import check_source
 
@@ -724,7 +765,7 @@ class _Core(WorkerSupervision):
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
         stats = SaveStats(step, saved_at=time.time())
-        return _PendingSave(
+        pending = _PendingSave(
             step,
             flat,
             key,
@@ -734,6 +775,8 @@ class _Core(WorkerSupervision):
             SaveHandle(step, stats),
             versions(flat.tensors),
         )
+        pending.metadata = meta
+        return pending
 
     def take_slot(self, pending: _PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none is free."""
@@ -887,6 +930,7 @@ class _Core(WorkerSupervision):
                 objects=objects,
                 paths=flat.paths,  # or None when sent: the worker has them (see below)
                 metrics=dict(metrics),
+                metadata=pending.metadata,
                 prune=prune,
                 extra=flat.extra,
                 attempt=self.attempts.get(step, 0),
@@ -1124,6 +1168,20 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     return clean
 
 
+async def _load_in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn`` (a load) in a worker thread; its warnings are re-emitted here, where
+    ``stacklevel`` reaches the awaiting caller's line (from the thread it named anyio's code)."""
+    from .restore import deferring_warnings
+
+    caught: list[str] = []
+    try:
+        return await anyio.to_thread.run_sync(deferring_warnings(fn, caught))
+    finally:
+        for msg in caught:
+            # 1: here, 2: the facade's method, 3: the user's await.
+            warnings.warn(msg, stacklevel=3)
+
+
 @dataclass
 class _PendingSave:
     """A save between validation and hand-off: what both facades pass through ``_Core``."""
@@ -1138,6 +1196,7 @@ class _PendingSave:
     versions: list[int]  # the tensors' version counters when save was called (torn states)
     slot: int | None = None
     ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
+    metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked
 
 
 class PauseHooks:
@@ -1374,10 +1433,14 @@ class CheckpointEngine:
         step: int,
         state: Any,
         metrics: Mapping[str, float] | None = None,
+        metadata: dict[str, Any] | None = None,
         *,
         overlap: bool = False,
     ) -> SaveHandle:
         """Stage ``state`` and return once it is safe to mutate; the write goes on behind.
+
+        ``metadata``: a small JSON object (<= 64 KiB) stored in the checkpoint's manifest and
+        shown by ``list_checkpoints`` and ``python -m asyncckpt ls``.
 
         ``overlap=True``: return at once and copy in the background (a thread; on a GPU, a side
         stream) while the loop goes on; ``await handle.staged()`` (or an optimizer hooked with
@@ -1388,7 +1451,7 @@ class CheckpointEngine:
         overlap = _check_overlap(overlap)  # before a slot is reserved
         if core.staging_busy():  # one copy at a time: the previous overlapped save's first
             await anyio.to_thread.run_sync(core.wait_staged)
-        pending = core.begin_save(step, state, metrics)
+        pending = core.begin_save(step, state, metrics, metadata)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
         return core.finish_save(pending, overlap=overlap)
@@ -1486,9 +1549,7 @@ class CheckpointEngine:
         returns None (a fresh job's first start); a path that is a checkpoint directory, or a
         root of the other layout, raises ``NotACheckpointRoot``.
         """
-        return await anyio.to_thread.run_sync(
-            lambda: self._core.restorer.load_latest(state, strict)
-        )
+        return await _load_in_thread(lambda: self._core.restorer.load_latest(state, strict))
 
     async def load(
         self,
@@ -1503,7 +1564,7 @@ class CheckpointEngine:
         Checked first like ``load_latest``; raises asyncckpt's errors (``StateMismatch``,
         ``CorruptCheckpoint``: all ``CheckpointError``) with torch's error as the cause.
         """
-        return await anyio.to_thread.run_sync(
+        return await _load_in_thread(
             lambda: self._core.restorer.load(state, step=step, path=path, strict=strict)
         )
 
@@ -1516,7 +1577,7 @@ class CheckpointEngine:
         strict: bool = True,
     ) -> int | None:
         """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
-        return await anyio.to_thread.run_sync(lambda: self._core.resume(state, mode, path, strict))
+        return await _load_in_thread(lambda: self._core.resume(state, mode, path, strict))
 
     @property
     def last_load_report(self) -> LoadReport | None:
@@ -1530,3 +1591,11 @@ class CheckpointEngine:
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
         return self._core.restorer.list_checkpoints()
+
+    def best_step(self, metric: str, mode: str = "min") -> int | None:
+        """The step of the best committed checkpoint by ``metric`` (``save(metrics=...)``):
+        lowest for ``mode="min"``, highest for ``"max"``; ties go to the newer, NaN is never
+        best. None before any checkpoint; ``ValueError`` if none reports ``metric``."""
+        from .retention import best_step
+
+        return best_step(self.list_checkpoints(), metric, mode)

@@ -346,8 +346,19 @@ class Progress:
     def reading(self) -> None:
         if self._bar is not None:
             self._bar.update(self._verify, completed=self.nbytes)
-            self._read = self._bar.add_task(f"read {self.directory.name}", total=None)
+            # The reader (DCP, formats/) reports no bytes: the total is the checkpoint's size,
+            # and what this process has read since (/proc/self/io) moves the bar.
+            self._read = self._bar.add_task(f"read {self.directory.name}", total=self.nbytes)
+            from .progress import BytesReadSince
 
-    def __exit__(self, *exc: Any) -> None:
+            self._reads = BytesReadSince(
+                lambda n: self._bar.update(self._read, completed=min(n, self.nbytes))
+            )
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if self._bar is not None:
+            if getattr(self, "_reads", None) is not None:
+                self._reads.stop()
+                if exc_type is None:  # read whole
+                    self._bar.update(self._read, completed=self.nbytes)
             self._bar.stop()

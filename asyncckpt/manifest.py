@@ -176,6 +176,37 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+#: The largest ``save(..., metadata=...)`` (its JSON): a note per checkpoint, not a data store.
+METADATA_MAX_BYTES = 64 * 1024
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """The user's per-checkpoint metadata as it will be stored (a JSON copy: later changes to
+    the caller's dict do not reach the checkpoint); raises at ``save()``, before anything is
+    staged, if it is not a JSON object with str keys or is over ``METADATA_MAX_BYTES``."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict (a JSON object), not {type(metadata).__name__}")
+    bad = [k for k in metadata if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"metadata keys must be str, got {bad[0]!r}; nothing was saved")
+    try:
+        text = json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"metadata must be JSON-serialisable (str, numbers, bool, None, lists, dicts with "
+            f"str keys; no NaN): {e}; nothing was saved"
+        ) from None
+    if len(text.encode()) > METADATA_MAX_BYTES:
+        raise ValueError(
+            f"metadata is {len(text.encode()) / 1024:.0f} KiB as JSON, over the "
+            f"{METADATA_MAX_BYTES // 1024} KiB limit (it lives in every manifest); save large "
+            "data in the state instead; nothing was saved"
+        )
+    return json.loads(text)
+
+
 def build_manifest(
     directory: Path,
     *,

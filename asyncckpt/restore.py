@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,32 @@ from .loadcheck import LoadReport, Vanished
 from .manifest import check_files, read_manifest
 from .retention import CheckpointInfo
 from .storage import RemoteTier
+
+_deferred = threading.local()
+
+
+def _warn(msg: str, stacklevel: int) -> None:
+    """``warnings.warn``; in a load the async facade runs in a thread (``deferring_warnings``),
+    kept for it to re-emit at the caller's line: a thread's stack never reaches it."""
+    pending = getattr(_deferred, "warnings", None)
+    if pending is not None:
+        pending.append(msg)
+    else:
+        warnings.warn(msg, stacklevel=stacklevel + 1)
+
+
+def deferring_warnings(fn: Callable[[], Any], into: list[str]) -> Callable[[], Any]:
+    """``fn`` with the warnings of this module appended to ``into`` instead of emitted."""
+
+    def run() -> Any:
+        _deferred.warnings = into
+        try:
+            return fn()
+        finally:
+            _deferred.warnings = None
+
+    return run
+
 
 log = logging.getLogger("asyncckpt")
 
@@ -126,7 +153,7 @@ class Restorer:
         elif not directory.is_dir():
             raise loadcheck.Vanished(f"{directory} went away before it was read")
         elif self.verify_on_load:
-            warnings.warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
+            _warn(f"{directory} has no manifest; loading without checksums", stacklevel=3)
         parts = self._parts(state, directory, manifest, step)
         nbytes = sum(int(f.get("size", 0)) for f in files.values())
         with loadcheck.Progress(directory, nbytes) as progress:
@@ -240,7 +267,7 @@ class Restorer:
                 "from scratch (check the path if a checkpoint was expected)"
             )
             log.warning(msg)
-            warnings.warn(msg, stacklevel=4)
+            _warn(msg, stacklevel=4)
             return False
         if not root.is_dir():
             raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
@@ -329,7 +356,7 @@ class Restorer:
                         f"{aside}trying an older one"
                     )
                     log.error(msg)
-                    warnings.warn(msg, stacklevel=3)
+                    _warn(msg, stacklevel=3)
                     continue
                 self._loaded(report, c.step, c.path)
                 return c.step

@@ -31,6 +31,7 @@ __all__ = [
     "KeepSteps",
     "KeepAll",
     "MissingMetricWarning",
+    "best_step",
     "metric_warnings",
     "PrunePlan",
     "protected_steps",
@@ -59,6 +60,8 @@ class CheckpointInfo:
     size_bytes: int = 0
     run_id: str | None = None
     path: Path | None = None
+    #: the user's ``save(..., metadata={...})``: a small JSON object, {} if none
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_manifest(cls, data: Mapping[str, Any], path: Path | None = None) -> CheckpointInfo:
@@ -73,6 +76,7 @@ class CheckpointInfo:
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         run_id = data.get("run_id")
+        metadata = data.get("metadata")
         return cls(
             step=int(data["step"]),
             committed_at=float(data.get("committed_at", 0.0)),
@@ -80,7 +84,27 @@ class CheckpointInfo:
             size_bytes=int(data.get("bytes", 0)),
             run_id=str(run_id) if run_id is not None else None,
             path=path,
+            metadata=dict(metadata) if isinstance(metadata, Mapping) else {},
         )
+
+
+def best_step(checkpoints: Sequence[CheckpointInfo], metric: str, mode: str = "min") -> int | None:
+    """The step of the best checkpoint by ``metric`` (lowest for ``mode="min"``, highest for
+    ``"max"``), ranked as ``KeepBest`` ranks (ties: the newer; NaN never best). None if there
+    are no checkpoints or none has a finite value; ``ValueError`` naming the metrics there are
+    when checkpoints exist but none reports ``metric`` (a misspelt name, not "no best yet")."""
+    policy = KeepBest(1, metric, mode)  # checks metric and mode
+    if not checkpoints:
+        return None
+    if not any(metric in c.metrics for c in checkpoints):
+        present = sorted({k for c in checkpoints for k in c.metrics})
+        raise ValueError(
+            f"no checkpoint reports the metric {metric!r}; metrics found: {present or 'none'} "
+            "(pass it in save(metrics=...))"
+        )
+    finite = [c for c in checkpoints if metric in c.metrics and not math.isnan(c.metrics[metric])]
+    best = policy.keep(finite)
+    return next(iter(best)) if best else None
 
 
 def _check_count(name: str, value: object, minimum: int = 0) -> int:

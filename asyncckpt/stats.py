@@ -107,7 +107,7 @@ class RecordedStats:
     """
 
     step: int
-    path: Path
+    path: Path | str  # a URL (str) for a checkpoint in an object store
     committed_at: float | None = None
     bytes: int | None = None
     staged_bytes: int | None = None

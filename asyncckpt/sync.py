@@ -37,13 +37,14 @@ class SyncCheckpointEngine(CheckpointEngine):
         step: int,
         state: Any,
         metrics: Mapping[str, float] | None = None,
+        metadata: dict[str, Any] | None = None,
         *,
         overlap: bool = False,
     ) -> SaveHandle:
         core = self._core
         overlap = _check_overlap(overlap)  # before a slot is reserved
         core.wait_staged()  # one copy at a time: the previous overlapped save's first
-        pending = core.begin_save(step, state, metrics)
+        pending = core.begin_save(step, state, metrics, metadata)
         core.take_slot(pending)
         return core.finish_save(pending, overlap=overlap)
 

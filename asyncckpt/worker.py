@@ -65,6 +65,7 @@ class SaveJob:
     paths: dict[str, list] | None  # None: the previous job's
     metrics: dict[str, float]
     faults: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)  # save(metadata=...): the manifest's "metadata"
     prune: Any = None  # a prune request, run after the commit
     extra: Any = None  # the format's part of the job (formats.staged.Prepared.extra)
     attempt: int = 0  # how many earlier jobs this engine sent for the same step
@@ -483,6 +484,7 @@ class Worker:
                 "paths": paths,
                 "job_id": job.job_id,
                 "attempt": job.attempt,
+                **({"metadata": job.metadata} if job.metadata else {}),
                 **self._export_wanted(job.step),
                 **extra,
             },

@@ -471,6 +471,39 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     Console(width=200).print(table)
 
 
+def fmt_measured(x: Any) -> str:
+    """A target's measured value as a person reads it: numbers rounded (``fmt``), lists and
+    dicts of them likewise, booleans as yes/no."""
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, (list, tuple)):
+        return ", ".join(fmt_measured(v) for v in x)
+    if isinstance(x, dict):
+        return ", ".join(f"{k}={fmt_measured(v)}" for k, v in x.items())
+    return fmt(x)
+
+
+#: Under the targets table of a --quick run: its verdicts say nothing about the package.
+QUICK_NOTE = (
+    "--quick: tiny sizes on a busy machine, for the tests; the targets are judged on a full run "
+    "(without --quick), so a 'no' here is expected and means nothing"
+)
+
+
+def print_targets(targets: dict[str, dict[str, Any]], quick: bool) -> None:
+    """The targets table: goal, measured (rounded), met (yes/no); with the quick-run note."""
+    print_table(
+        "targets" + (" (--quick: not judged)" if quick else ""),
+        ["target", "goal", "measured", "met"],
+        [
+            [k, v["target"], fmt_measured(v["measured"]), "yes" if v["met"] else "no"]
+            for k, v in targets.items()
+        ],
+    )
+    if quick:
+        print(QUICK_NOTE)
+
+
 def fmt(x: Any) -> str:
     if isinstance(x, float):
         if x != x:

@@ -570,14 +570,7 @@ def print_report(rep: dict) -> None:
             ],
         )
     if rep["targets"]:
-        C.print_table(
-            "targets",
-            ["target", "goal", "measured", "met"],
-            [
-                [k, v["target"], str(v["measured"]), str(v["met"])]
-                for k, v in rep["targets"].items()
-            ],
-        )
+        C.print_targets(rep["targets"], quick=bool(rep.get("args", {}).get("quick")))
 
 
 def plot(rep: dict, path: Path) -> None:

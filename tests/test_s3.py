@@ -201,14 +201,30 @@ def test_plain_dcp_loads_from_the_bucket_without_asyncckpt(s3, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
+    # The public way (README): a URL as checkpoint_id, the store found through AWS_* variables.
+    public = (
+        code.replace(
+            "from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader\n", ""
+        )
+        .replace(f'reader = FsspecReader("{s3.url}/global_step_7", **{s3.options!r})\n', "")
+        .replace("storage_reader=reader", f'checkpoint_id="{s3.url}/global_step_7"')
+    )
+    assert "FsspecReader" not in public and "checkpoint_id" in public
+    out = subprocess.run(
+        [sys.executable, "-c", public], capture_output=True, text=True, timeout=120, env=s3.env()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
 
 
 def test_failed_upload_fails_the_save_keeps_the_local_commit_and_is_retried(s3, tmp_path):
     fs = s3.fs()
-    url = f"s3://{s3.bucket}-later/run"  # no such bucket yet
+    url = f"s3://{s3.bucket}-later/run"
     tier = RemoteTier(url, storage_options=s3.options, retries=1)
     root = tmp_path / "fast"
+    fs.mkdir(f"{s3.bucket}-later")  # start refuses a missing bucket (probed) ...
     with SyncCheckpointEngine(root, remote=tier) as eng:
+        fs.rmdir(f"{s3.bucket}-later")  # ... so it goes away after the start
         handle = eng.save(1, make_state(1))
         with pytest.raises(UploadFailed, match="committed locally") as info:
             handle.committed_sync(60)
@@ -528,3 +544,53 @@ def test_the_spool_is_reconciled_with_its_store_at_start(s3, tmp_path):
         eng.save(1, make_state(1)).committed_sync(60)
     assert [c.step for c in FsspecStore(other, s3.options).committed("global_step")] == [1]
     assert remote_steps(s3) == [3, 4]
+
+
+def test_a_missing_bucket_is_refused_at_start_in_one_line(s3, tmp_path, capfd):
+    from asyncckpt.errors import CheckpointError
+
+    missing = f"s3://{s3.bucket}-missing/run"
+    # A URL root, and a local root with a remote tier: refused when the engine starts, not
+    # after two steps have committed to the spool.
+    for kwargs in (
+        {"root": missing, "storage_options": s3.options, "spool": tmp_path / "spool"},
+        {"root": tmp_path / "local", "remote": RemoteTier(missing, storage_options=s3.options)},
+    ):
+        root = kwargs.pop("root")
+        with pytest.raises(CheckpointError) as info:
+            with SyncCheckpointEngine(root, **kwargs):
+                pytest.fail("the engine started on a missing bucket")
+        msg = str(info.value)
+        assert "\n" not in msg and missing in msg and "does not exist" in msg, msg
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "local").exists()
+    assert "Traceback" not in capfd.readouterr().err
+    # The probe of a good bucket leaves nothing behind.
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "good"):
+        pass
+    assert s3.fs().find(s3.bucket) == []
+
+
+def test_every_cli_subcommand_takes_a_url(s3, tmp_path, capsys):
+    import argparse
+
+    from asyncckpt.cli import build_parser, main
+
+    with SyncCheckpointEngine(s3.url, storage_options=s3.options, spool=tmp_path / "s") as eng:
+        for step in (1, 2):
+            eng.save(step, make_state(step), metrics={"loss": 1.0 / step})
+    opts = [f"--storage-option=endpoint_url={s3.endpoint}", "--storage-option=key=testing"]
+    opts.append("--storage-option=secret=testing")
+    extra = {"prune": ["--keep-last", "5", "--dry-run"]}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"ls", "verify", "prune", "stats"}  # a new one is tested here too
+    for command in sub.choices:
+        code = main([command, "--json", *extra.get(command, []), s3.url, *opts])
+        captured = capsys.readouterr()
+        assert code == 0, (command, captured.err)
+        json.loads(captured.out)
+    code = main(["stats", "--json", s3.url, *opts])
+    records = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["bytes"] > 0 and r["write_seconds"] is not None for r in records)
+    assert records[1]["path"] == f"{s3.url}/global_step_2"
+    assert main(["stats", f"s3://{s3.bucket}-nope/run", *opts]) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -34,6 +35,8 @@ from ..retention import KeepBest, KeepLast, RetentionPolicy
 from ..sync import SyncCheckpointEngine
 
 __all__ = ["AsyncCheckpointCallback", "load_checkpoint", "policy_from_args"]
+
+log = logging.getLogger("asyncckpt")
 
 # TrainerState fields that describe the run's progress; the rest (max_steps, eval_steps, ...)
 # comes from this run's TrainingArguments, as after HF's own resume.
@@ -95,6 +98,13 @@ def _numeric(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     return out
 
 
+class _HoldStrictWarning(logging.Filter):
+    """Drops the engine's "loaded ... with strict=False" warning (load_checkpoint tells it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("loaded %s with strict=False")
+
+
 def load_checkpoint(
     root: str | os.PathLike,
     model: torch.nn.Module,
@@ -115,14 +125,26 @@ def load_checkpoint(
         state["scheduler"] = scheduler
     engine = SyncCheckpointEngine(root)
     # The checkpoint holds more components than asked for: load what was asked, but refuse to
-    # leave any asked-for tensor at its old value.
-    if step is None:
-        loaded = engine.load_latest(state, strict=False)
-        if loaded is None:
-            return None
-    else:
-        loaded = engine.load(state, step=step, strict=False)
+    # leave any asked-for tensor at its old value. The components not asked for are skipped on
+    # purpose: the engine's strict=False warning (every skipped key) is held back, and only
+    # what concerns the asked-for ones is told (below).
+    skipping = _HoldStrictWarning()
+    logging.getLogger("asyncckpt").addFilter(skipping)
+    try:
+        if step is None:
+            loaded = engine.load_latest(state, strict=False)
+            if loaded is None:
+                return None
+        else:
+            loaded = engine.load(state, step=step, strict=False)
+    finally:
+        logging.getLogger("asyncckpt").removeFilter(skipping)
     report = engine.last_load_report
+    unexpected = [k for k in (report.unexpected if report else []) if k.split(".")[0] in state]
+    if unexpected:
+        log.warning(
+            "loaded step %s of %s: did not load %s (not in the target)", loaded, root, unexpected
+        )
     if report is not None and (report.missing or report.missing_objects):
         raise StateMismatch(
             f"checkpoint step {loaded} under {os.fspath(root)!r} lacks parts of the target: "

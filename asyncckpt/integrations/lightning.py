@@ -331,6 +331,11 @@ class AsyncCheckpointIO(CheckpointIO):
         raise CorruptCheckpoint(f"no checkpoint in {root} could be loaded: " + "; ".join(errors))
 
 
+def _step_of(path: str) -> int:
+    step = _layout.parse_dir_name("global_step", os.path.basename(path))
+    return -1 if step is None else step
+
+
 class AsyncModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` whose saves go through asyncckpt, pruned by asyncckpt's retention.
 
@@ -362,7 +367,15 @@ class AsyncModelCheckpoint(ModelCheckpoint):
         keep: RetentionPolicy | None = None,
         engine_options: dict[str, Any] | None = None,
         verbose: bool = False,
+        filename: str | None = None,
     ) -> None:
+        if filename is not None:
+            # Ignoring it would leave the user looking for files that never appear.
+            raise ValueError(
+                f"AsyncModelCheckpoint(filename={filename!r}): asyncckpt names each checkpoint "
+                "dirpath/global_step_<N> (the step, as the engine's retention and resume need); "
+                "drop filename= (the monitored value is recorded as the checkpoint's metric)"
+            )
         for name in ("_save_topk_checkpoint", "_save_last_checkpoint", "_find_last_checkpoints"):
             if not callable(getattr(ModelCheckpoint, name, None)):
                 import lightning
@@ -442,6 +455,7 @@ class AsyncModelCheckpoint(ModelCheckpoint):
             )
             if better:
                 self.best_model_path, self.best_model_score = filepath, self.current_score
+            self._update_best_k(filepath, self.current_score)
         elif self.monitor is None:
             self.best_model_path = filepath
         trainer.save_checkpoint(
@@ -454,6 +468,24 @@ class AsyncModelCheckpoint(ModelCheckpoint):
 
             for logger in trainer.loggers:
                 logger.after_save_checkpoint(proxy(self))
+
+    def _update_best_k(self, filepath: str, score: torch.Tensor) -> None:
+        """Lightning's ``best_k_models`` (path -> score) and ``kth_best_model_path`` /
+        ``kth_value``: the ``save_top_k`` best this run saved (newer first among equals, as
+        ``KeepBest``); the retention policy, not this bookkeeping, deletes checkpoints."""
+        self.best_k_models[filepath] = score
+        sign = 1.0 if self.mode == "min" else -1.0
+        order = sorted(
+            self.best_k_models,
+            key=lambda p: (sign * float(self.best_k_models[p]), -_step_of(p)),
+        )
+        if self.save_top_k >= 0:
+            for p in order[self.save_top_k :]:
+                del self.best_k_models[p]
+            order = order[: self.save_top_k]
+        if order:
+            self.kth_best_model_path = order[-1]
+            self.kth_value = self.best_k_models[order[-1]]
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         # ckpt_path="last": the root itself; load_checkpoint picks its newest good checkpoint.

@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,32 @@ class FsspecStore:
 
     def url_of(self, name: str) -> str:
         return f"{self.url}/{name}"
+
+    def probe(self) -> None:
+        """At engine start: the root exists and takes writes (one small object written and
+        deleted), else ``CheckpointError`` in one line -- not ``UploadFailed`` after a few
+        steps have committed locally. One attempt within ``timeout``, no retries."""
+        from ..errors import CheckpointError
+
+        path = self.path(f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}")
+        pool = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-probe")
+        try:
+            pool.submit(self.fs.pipe_file, path, b"").result(timeout=self.timeout)
+            pool.submit(self.fs.rm_file, path).result(timeout=self.timeout)
+        except cf.TimeoutError:
+            raise CheckpointError(
+                f"checkpoint store {self.url} did not answer within {self.timeout:g} s"
+            ) from None
+        except FileNotFoundError as e:  # s3fs/gcsfs: NoSuchBucket
+            raise CheckpointError(
+                f"checkpoint store {self.url} does not exist (no such bucket?): {_one_line(e)}"
+            ) from e
+        except (OSError, ValueError) as e:  # PermissionError, the service's other errors
+            raise CheckpointError(
+                f"checkpoint store {self.url} is not writable: {_one_line(e)}"
+            ) from e
+        finally:
+            pool.shutdown(wait=False)
 
     # ---------------------------------------------------------------- what is committed
     def committed(self, layout: str) -> list[StoredCheckpoint]:
@@ -279,6 +306,11 @@ class FsspecStore:
         for name in removed:
             self.fs.rm(self.path(name), recursive=True)
         return removed
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 __all__ = ["FsspecStore"]

@@ -1,0 +1,162 @@
+"""What a new user meets first (issue 25): worker failures told in one line, waits shown where
+a person waits, warnings pointing at the user's own line, and the engine's start-up cost."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+import pytest
+import torch
+
+from asyncckpt import SyncCheckpointEngine, faults
+from asyncckpt.errors import SaveFailed
+
+
+def test_a_worker_failure_is_one_log_line_and_the_traceback_is_kept_not_printed(tmp_path, caplog):
+    faults.inject("before_rename", "raise")
+    caplog.set_level(logging.DEBUG, logger="asyncckpt")
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        handle = eng.save(1, {"w": torch.ones(4)})
+        with pytest.raises(SaveFailed) as info:
+            handle.committed_sync(60)
+    err = info.value
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0].getMessage(), errors
+    assert "fault injected at before_rename" in errors[0].getMessage()
+    # The worker's traceback: on the chained cause and at debug level ...
+    tb = err.__cause__.worker_traceback
+    assert "Traceback" in tb and "worker.py" in tb and "before_rename" in tb
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(tb in m for m in debug), debug
+    # ... but not in what Python prints for the exception left uncaught.
+    printed = "".join(traceback.format_exception(err))
+    assert "worker.py" not in printed, printed
+    assert "worker_traceback" in printed  # where to find it is said
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_async_missing_root_warning_points_at_the_users_line(tmp_path, anyio_backend):
+    import warnings
+
+    from asyncckpt import CheckpointEngine
+
+    engine = CheckpointEngine(tmp_path / "never-made")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert await engine.load_latest({"w": torch.zeros(2)}) is None
+    missing = [w for w in caught if "does not exist" in str(w.message)]
+    assert len(missing) == 1, [str(w.message) for w in caught]
+    assert missing[0].filename == __file__, missing[0].filename
+
+
+def test_the_sync_missing_root_warning_points_at_the_users_line(tmp_path):
+    import warnings
+
+    engine = SyncCheckpointEngine(tmp_path / "never-made")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert engine.load_latest({"w": torch.zeros(2)}) is None
+    missing = [w for w in caught if "does not exist" in str(w.message)]
+    assert len(missing) == 1 and missing[0].filename == __file__, missing
+
+
+def test_the_read_bar_of_a_large_load_has_a_total_and_completes(tmp_path, monkeypatch):
+    import sys
+
+    from asyncckpt import loadcheck
+
+    bars = []
+
+    class Recorded(loadcheck.Progress):
+        def __enter__(self):
+            bars.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(loadcheck, "Progress", Recorded)
+    monkeypatch.setattr(loadcheck, "PROGRESS_MIN_BYTES", 0)  # "large": any size here
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(1, state).committed_sync(60)
+        assert eng.load_latest({"w": torch.zeros(1 << 20), "b": torch.zeros(1000)}) == 1
+    (bar,) = bars
+    tasks = {t.description.split()[0]: t for t in bar._bar.tasks}
+    read = tasks["read"]
+    assert read.total is not None and read.total >= state["w"].nbytes, read.total
+    assert read.completed == read.total
+
+
+def _terminal(monkeypatch):
+    """What the drain bar draws, as on a terminal."""
+    import io
+
+    from rich.console import Console
+
+    from asyncckpt import progress
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    monkeypatch.setattr(progress, "_stderr_console", lambda: console)
+    monkeypatch.setattr(progress, "DRAIN_BAR_AFTER_S", 0.0)
+    return out
+
+
+def test_close_shows_a_bar_on_a_terminal_while_it_waits_for_a_save(tmp_path, monkeypatch):
+    out = _terminal(monkeypatch)
+    faults.inject("mid_shard_write", "delay", seconds=1.5)  # a big save's write, made slow
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(7, {"w": torch.ones(1 << 16)})
+    assert [c.step for c in eng.list_checkpoints()] == [7]
+    text = out.getvalue()
+    assert "waiting for step 7 to commit" in text, text
+
+
+def test_close_stays_quiet_off_a_terminal(tmp_path, monkeypatch, capfd):
+    from asyncckpt import progress
+
+    monkeypatch.setattr(progress, "DRAIN_BAR_AFTER_S", 0.0)
+    faults.inject("mid_shard_write", "delay", seconds=1.0)
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(7, {"w": torch.ones(1 << 16)})
+    assert "to commit" not in capfd.readouterr().err
+
+
+def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_it(
+    tmp_path, monkeypatch
+):
+    import threading
+
+    from asyncckpt import messages as M
+    from asyncckpt.engine import _Core
+
+    release = threading.Event()
+    original = _Core._on_event
+
+    def held(self, msg):  # the worker's Ready reaches the engine only once the test says so
+        if isinstance(msg, M.Ready):
+            release.wait(120)
+        original(self, msg)
+
+    monkeypatch.setattr(_Core, "_on_event", held)
+    eng = SyncCheckpointEngine(tmp_path / "r")
+    started = threading.Thread(target=eng.__enter__, daemon=True)
+    started.start()
+    started.join(60)
+    try:
+        assert not started.is_alive(), "start() waited for the worker's Ready"
+        assert not eng._core.worker_ready.is_set()
+        handles = []
+        saving = threading.Thread(
+            target=lambda: handles.append(eng.save(1, {"w": torch.ones(8)})), daemon=True
+        )
+        saving.start()
+        saving.join(0.5)
+        assert not handles  # staged, and waiting for the worker before it is sent
+    finally:
+        release.set()
+    saving.join(120)
+    handles[0].committed_sync(60)
+    eng.close()
+    assert [c.step for c in eng.list_checkpoints()] == [1]
