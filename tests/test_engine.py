@@ -116,9 +116,11 @@ async def test_stateful_module_and_optimizer_restored_in_place(tmp_path, anyio_b
 
 @both_backends
 async def test_save_returns_before_the_write_finishes(tmp_path, anyio_backend):
-    faults.inject("before_shard_write", "delay:1.5")
     state = {"w": torch.randn(100)}
     async with CheckpointEngine(tmp_path) as engine:
+        # The first save also waits for the worker's start-up (start() does not): a warm one.
+        await (await engine.save(0, state)).committed()
+        faults.inject("before_shard_write", "delay:1.5")
         t0 = time.perf_counter()
         handle = await engine.save(1, state)
         returned_after = time.perf_counter() - t0
