@@ -55,16 +55,19 @@ def test_setup_commands_are_what_ci_runs():
     assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
     assert "venv" in ci and "[" not in example
-    # Both run in a fresh venv made by .ci/run and activated in its own shell (not in a
-    # subshell that ends before the tests): the machine's Python, with its older tools, once
-    # hid a failing fresh set-up. The example goes first, before any extra is installed.
-    assert ci.index(example) < ci.index(tests)
-    top = [shlex.split(ln) for ln in ci[: ci.index(example)].splitlines() if ln[:1].isalpha()]
-    sourced = [w[1] for w in top if w[0] == "source" and w[1].endswith("/bin/activate")]
-    assert sourced, ".ci/run must activate a fresh venv before the README's commands"
-    venv = sourced[-1].removesuffix("/bin/activate")
-    assert ["python", "-m", "venv", venv] in top, venv
-    assert "deactivate" not in ci[ci.index(example) : ci.index(tests)]
+    # Each runs in a fresh venv of its own, made by .ci/run and activated right before it: the
+    # machine's Python, with its older tools, once hid a failing fresh set-up. The example
+    # goes first, with no extra installed; the tests' venv stays active for the integration
+    # run (activated in CI's own shell, not in a subshell that ends before it).
+    assert ci.index(example) < ci.index(tests) < ci.index(integration)
+    made = [v.strip('"') for v in re.findall(r"^\s*python -m venv (\S+)$", ci, re.M)]
+    sourced = re.findall(r'^(\s*)source "?([^"\s]+)/bin/activate"?$', ci, re.M)
+    assert len(set(made)) == 2 and [v for _, v in sourced] == made, (made, sourced)
+    before_example = ci[: ci.index(example)]
+    before_tests = ci[ci.index(example) + len(example) : ci.index(tests)]
+    assert f"{made[0]}/bin/activate" in before_example
+    assert f'python -m venv "{made[1]}"' in before_tests
+    assert ("", made[1]) in sourced, "the tests' venv is activated in CI's own shell"
 
 
 def test_the_test_command_installs_from_the_committed_constraints():
