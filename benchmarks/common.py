@@ -519,9 +519,12 @@ def fmt(x: Any) -> str:
 def plot_bars(
     path: Path,
     title: str,
-    panels: Sequence[tuple[str, Sequence[str], Sequence[float], float | None]],
+    panels: Sequence[tuple],
 ) -> Path:
-    """One bar chart per panel: (ylabel, labels, values, reference line or None)."""
+    """One bar chart per panel: (ylabel, labels, values, reference line or None[, errors]).
+
+    ``errors`` (one per bar, or None): the uncertainty the tables state beside the value, drawn
+    as an error bar, so a difference within it does not read as a gain."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -530,10 +533,13 @@ def plot_bars(
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6))
     if len(panels) == 1:
         axes = [axes]
-    for ax, (ylabel, labels, values, ref) in zip(axes, panels, strict=True):
+    for ax, panel in zip(axes, panels, strict=True):
+        ylabel, labels, values, ref = panel[:4]
+        errors = panel[4] if len(panel) > 4 else None
         vals = [v if v == v else 0.0 for v in values]
         colors = ["tab:green" if lab.startswith("asyncckpt") else "tab:gray" for lab in labels]
-        ax.bar(range(len(vals)), vals, color=colors)
+        yerr = None if errors is None else [e if e == e else 0.0 for e in errors]
+        ax.bar(range(len(vals)), vals, color=colors, yerr=yerr, capsize=4 if yerr else 0)
         ax.set_xticks(range(len(vals)))
         ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)

@@ -682,10 +682,11 @@ def plot(rep: dict, path: Path) -> None:
         f"{rep['state_bytes'] / C.MiB:.0f} MiB state, every {rep['save_every_steps']} steps)",
         [
             (
-                "step-time overhead, A/B (%)",
+                "step-time overhead, A/B (%, ± 1 s.e.m.)",
                 names,
                 [rep["methods"][m]["overhead_pct"] for m in names],
                 3.0,
+                [rep["methods"][m]["overhead_sem_pct"] for m in names],
             ),
             (
                 "step-time overhead, paired (%)",
