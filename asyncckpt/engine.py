@@ -291,6 +291,7 @@ class _Core(WorkerSupervision):
         self.worker_ready = threading.Event()
         self.worker_report: Any = None
         self.worker_start_error: str | None = None
+        self.start_kills = 0  # workers killed while starting since the last one became ready
         # What the current worker holds (arenas, specs, paths); a new worker, a new link.
         self.link = WorkerLink()
         self.reader: threading.Thread | None = None
@@ -454,6 +455,7 @@ class _Core(WorkerSupervision):
         self.last_event_at = time.monotonic()
         if isinstance(msg, M.Ready):
             self.worker_report = msg.throttle_report
+            self.start_kills = 0
             self.worker_ready.set()
             return
         if isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here

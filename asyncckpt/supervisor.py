@@ -28,6 +28,9 @@ from .worker import WorkerConfig, worker_main
 
 log = logging.getLogger("asyncckpt")
 
+#: A worker killed by a signal while it starts is replaced, this many times in a row at most.
+MAX_START_KILLS = 3
+
 #: How long ``start`` waits for a spawned worker to import torch and report ready.
 WORKER_START_TIMEOUT = 180.0
 
@@ -170,8 +173,14 @@ class WorkerSupervision:
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         was_ready = self.worker_ready.is_set()
         self.worker_ready.clear()  # saves from now on wait for the replacement
-        if not was_ready:
-            # Died while starting: restarting would only loop. Fail start/save clearly.
+        killed = code is not None and code < 0
+        if not was_ready and killed and self.start_kills < MAX_START_KILLS:
+            # Killed from outside while it started (the OOM killer, a scheduler, a test): a
+            # death like any other, and another worker starts; only a few in a row.
+            self.start_kills += 1
+        elif not was_ready:
+            # Failed by itself while starting (or killed again and again): restarting would
+            # only loop. Fail start/save clearly.
             self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
             # Nobody serves the side store now: refuse the other ranks' workers rather than
             # leave them waiting on a socket that no process answers.

@@ -4,6 +4,7 @@ a person waits, warnings pointing at the user's own line, and the engine's start
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import pytest
@@ -159,4 +160,38 @@ def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_i
     saving.join(120)
     handles[0].committed_sync(60)
     eng.close()
+    assert [c.step for c in eng.list_checkpoints()] == [1]
+
+
+def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
+    """start() no longer waits for the worker, so the OOM killer (or a crash test) can kill
+    it before it is ready: that is a death like any other, and a new worker takes over (the
+    torture run's trainer died of 'failed to start (signal 9)' before)."""
+    import os
+    import signal
+    import threading
+
+    from asyncckpt import messages as M
+    from asyncckpt.engine import _Core
+
+    first_ready = threading.Event()
+    original = _Core._on_event
+
+    def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
+        if isinstance(msg, M.Ready) and not first_ready.is_set():
+            first_ready.set()
+            return
+        original(self, msg)
+
+    monkeypatch.setattr(_Core, "_on_event", drop_first_ready)
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        assert first_ready.wait(120)
+        first = eng.worker_pid
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while eng.worker_restarts == 0:  # the death seen; a new worker starting
+            assert time.monotonic() < deadline, "the killed worker was never replaced"
+            time.sleep(0.05)
+        eng.save(1, {"w": torch.ones(8)}).committed_sync(120)
+        assert eng.worker_pid != first and eng.worker_restarts == 1
     assert [c.step for c in eng.list_checkpoints()] == [1]
