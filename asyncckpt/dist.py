@@ -134,13 +134,13 @@ class Rendezvous:
         td = datetime.timedelta(seconds=timeout)
         initialised = dist.is_available() and dist.is_initialized()
         if store is None and not initialised:
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not addr or not port:
+            addr, master_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not master_port:
                 raise ValueError(
                     "a multi-rank engine needs torch.distributed initialised, store=(host, port), "
                     "or MASTER_ADDR and MASTER_PORT in the environment"
                 )
-            store = (addr, int(port) + 1)
+            store = (addr, int(master_port) + 1)
         if rank == 0:
             self.listener = _listen()
             port = self.listener.getsockname()[1]
@@ -285,6 +285,9 @@ class LocalShard(torch.Tensor):
     The pieces are plain tensors (views into the worker's staging arena).
     """
 
+    _pieces: list[torch.Tensor]
+    _offsets: list[torch.Size]
+
     @staticmethod
     def __new__(cls, pieces: Sequence[torch.Tensor], info: ShardInfo) -> LocalShard:
         r = torch.Tensor._make_wrapper_subclass(
@@ -298,7 +301,9 @@ class LocalShard(torch.Tensor):
         pass
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub names no classmethod
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise NotImplementedError(f"LocalShard is only a carrier for DCP's planner, not {func}")
 
     def __create_write_items__(self, fqn: str, obj: Any, index: int | None = None) -> list:
@@ -345,7 +350,7 @@ class LocalShard(torch.Tensor):
                 return p
         raise ValueError(f"{index.fqn}: no local piece at offset {tuple(index.offset)}")
 
-    def __repr__(self) -> str:  # the default repr would try to read data we do not have
+    def __repr__(self) -> str:  # type: ignore[override]  # the default would read absent data
         return (
             f"LocalShard(global={tuple(self.shape)}, offsets={[tuple(o) for o in self._offsets]})"
         )

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import psutil
 
@@ -162,7 +162,7 @@ def check_durable_within(value: Any) -> None:
 ESCALATE_AT = 0.5
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -246,11 +246,13 @@ def _set_affinity(
 ) -> list[int]:
     # cpu_affinity is missing on macOS: the AttributeError is reported as a refused lever.
     allowed = sorted(proc.cpu_affinity())
-    if _is_int(cores):
+    if isinstance(cores, int):  # ThrottleConfig refused bools already
         # The last cores: the trainer's thread pools start from the first ones.
         wanted = worker_cores(allowed, cores, local_rank)
         if cores > len(allowed):
             log.warning("throttle: %d cores asked, only %d allowed", cores, len(allowed))
+    elif cores is None:
+        return allowed
     else:
         wanted = [c for c in cores if c in allowed]
         if not wanted:

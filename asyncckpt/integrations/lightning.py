@@ -385,14 +385,14 @@ class AsyncModelCheckpoint(ModelCheckpoint):
                     f"{lightning.__version__} lacks (tested with lightning 2.4-2.6)"
                 )
         super().__init__(
-            dirpath=dirpath,
+            dirpath=None if dirpath is None else os.fspath(dirpath),
             monitor=monitor,
             mode=mode,
             save_top_k=save_top_k,
             every_n_train_steps=every_n_train_steps,
             train_time_interval=train_time_interval,
             every_n_epochs=every_n_epochs,
-            save_last=save_last,
+            save_last=save_last,  # type: ignore[arg-type]  # Lightning checks it
             save_weights_only=save_weights_only,
             save_on_train_epoch_end=save_on_train_epoch_end,
             verbose=verbose,
@@ -410,9 +410,15 @@ class AsyncModelCheckpoint(ModelCheckpoint):
             # Runs before Lightning restores ckpt_path, so the restore reads through it too.
             io = AsyncCheckpointIO(engine_options=self.engine_options)
             trainer.strategy.checkpoint_io = io
-        if _norm(self.dirpath) not in io._engines:
-            io.configure_root(self.dirpath, keep=self.keep, **self.engine_options)
+        if _norm(self._root()) not in io._engines:
+            io.configure_root(self._root(), keep=self.keep, **self.engine_options)
         self.checkpoint_io = io
+
+    def _root(self) -> str:
+        # Lightning resolves a dirpath of None in ModelCheckpoint.setup (under the logger's dir).
+        if self.dirpath is None:
+            raise CheckpointError("AsyncModelCheckpoint has no dirpath: setup() has not run")
+        return os.fspath(self.dirpath)
 
     # Lightning's two save paths; both write the one checkpoint of this step.
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
@@ -440,7 +446,7 @@ class AsyncModelCheckpoint(ModelCheckpoint):
                 )
             else:
                 metrics[self.monitor] = float(current)
-        filepath = os.path.join(self.dirpath, _layout.dir_name("global_step", step))
+        filepath = os.path.join(self._root(), _layout.dir_name("global_step", step))
         self.last_model_path = filepath
         if current is not None:
             self.current_score = (
