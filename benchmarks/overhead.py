@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 ALL_METHODS = [
     "asyncckpt",
     "dcp.async_save:process+shm-stager",

@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 GROUP = 100  # tensors per inner dict (an expert, a layer)
 
 

@@ -31,6 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 ALL_METHODS = [
     "none",
     "asyncckpt",
