@@ -120,8 +120,8 @@ def run_mode(mode: str, params, opt, root: Path, args: Any, gap: float, cap: flo
 
     async def main() -> None:
         async with CheckpointEngine(root, **C.engine_kwargs(**kw)) as engine:
-            rec["worker"] = repr(engine._core.worker_report)
-            rec["throttle"] = repr(engine._core.throttle)
+            rec["worker"] = repr(engine.worker_throttle)
+            rec["throttle"] = repr(engine.throttle)
             await engine.prepare(state)
             if "pause" in mode:
                 engine.pause_writes_during(opt)

@@ -101,6 +101,7 @@ def run_asyncckpt(
     """Saves of ``state``; with ``reference``, a warm foreach copy of the same tensors timed
     right before each save ("paired": this VM's speed drifts 2x within minutes)."""
     from asyncckpt import CheckpointEngine
+    from asyncckpt.testing import parts
 
     out: dict[str, Any] = {"stalls": [], "durable": [], "first_stall": None}
     kw: dict[str, Any] = {"handle_sigterm": False}
@@ -123,7 +124,7 @@ def run_asyncckpt(
                 else:
                     out["stalls"].append(stall)
                     out["durable"].append(durable)
-            out["plan_replays"] = engine._core.flatten_cache.hits
+            out["plan_replays"] = parts(engine).saver.flatten_cache.hits
 
     asyncio.run(main())
     return out

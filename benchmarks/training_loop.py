@@ -144,7 +144,7 @@ def _run_asyncckpt(method: str, tr: Trainer, root: Path, args: Any) -> dict[str,
     async def main() -> None:
         engine = CheckpointEngine(root, **C.engine_kwargs(**kw))
         async with engine:
-            rec["throttle"] = repr(engine._core.throttle)
+            rec["throttle"] = repr(engine.throttle)
             await engine.prepare(tr.state())
             wproc = C.psutil.Process(engine.worker_pid)
             handle = None
@@ -229,7 +229,7 @@ def calibrate_write(tr: Trainer, root: Path) -> dict[str, Any]:
                 write_seconds=st.write_seconds,
                 commit_seconds=st.commit_seconds,
                 steps_during=steps,
-                throttle=repr(engine._core.throttle),
+                throttle=repr(engine.throttle),
             )
 
     anyio.run(main)

@@ -24,6 +24,7 @@ from asyncckpt import (
     faults,
 )
 from asyncckpt import layout as L
+from asyncckpt.testing import parts
 
 pytestmark = pytest.mark.anyio
 both_backends = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -283,7 +284,7 @@ async def test_arenas_are_allocated_once_and_reused(tmp_path, anyio_backend):
     state = {"w": torch.randn(256, 256), "b": torch.randn(10)}
     async with CheckpointEngine(tmp_path) as engine:
         await engine.prepare(state)
-        slot = engine._core.slots[0]
+        slot = parts(engine).saver.slots[0]
         arena_ids = list(slot.arena_ids)
         for step in range(1, 4):
             state["w"].add_(1)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from asyncckpt import CheckpointEngine, RetentionPolicy, SyncCheckpointEngine
+from asyncckpt.testing import parts
 
 
 def test_sync_with_on_the_async_engine_points_to_the_sync_engine(tmp_path):
@@ -67,10 +69,12 @@ def test_a_job_that_cannot_be_pickled_fails_its_save_and_leaves_the_worker_alone
         engine.save(1, {"x": torch.ones(3)})
         engine.wait()
         pid = engine.worker_pid
-        engine._core.local_keep = _PolicyWithALambda()  # slipped past the check at __init__
+        saver = parts(engine).saver
+        rules = saver.rules
+        saver.rules = dataclasses.replace(rules, keep=_PolicyWithALambda())  # slipped past
         with pytest.raises(SaveFailed, match="cannot be sent to the checkpoint worker"):
             engine.save(2, {"x": torch.ones(3)})
-        engine._core.local_keep = None
+        saver.rules = rules
         engine.save(3, {"x": torch.ones(3)}).committed_sync(60)
         assert engine.worker_pid == pid and engine.worker_restarts == 0
     assert [c.step for c in engine.list_checkpoints()] == [1, 3]

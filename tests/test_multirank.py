@@ -138,10 +138,11 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
     """Save ``steps``; on ``fail_rank``, arm ``fault`` at ``point`` for the last one; then one
     more save. Returns the outcome per step, and the tracker right after the failure."""
     from asyncckpt import KeepLast, SyncCheckpointEngine, faults
+    from asyncckpt.testing import parts
 
     outcomes = {}
     with SyncCheckpointEngine(root, keep=KeepLast(2), dist_timeout=60) as engine:
-        assert engine._core.world_size == world and engine._core.rank == rank
+        assert engine.world_size == world and engine.rank == rank
         for i, step in enumerate(steps):
             if fault and rank == fail_rank and i == len(steps) - 1:
                 faults.inject(point, fault)
@@ -153,7 +154,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
                 cause = e.__cause__
                 outcomes[step] = f"failed: {e} | cause: {type(cause).__name__}: {cause}"
         faults.clear()
-        engine._core.pending_error = None
+        parts(engine).jobs.pending_error = None  # seen above, on the handles
         # After a failure the side group is fresh again: the next save commits everywhere.
         if fault:
             outcomes["tracker_after_failure"] = L.read_tracker(root)
@@ -302,6 +303,7 @@ def save_cached_plans_and_load(rank: int, world: int, root: str) -> dict:
     import time
 
     from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.testing import parts
 
     def state(step: int, rows: int = 4) -> dict:
         own = {f"r{rank}.e{i}": torch.full((rows,), step * 10.0 + i + rank) for i in range(3)}
@@ -311,10 +313,10 @@ def save_cached_plans_and_load(rank: int, world: int, root: str) -> dict:
     with SyncCheckpointEngine(root, dist_timeout=60) as engine:
         for step, rows in layouts.items():
             if step == 6 and rank == 0:  # the coordinator: it holds the cached plans
-                link = engine._core.link
+                link = parts(engine).supervisor.link
                 os.kill(engine.worker_pid, signal.SIGKILL)
                 deadline = time.monotonic() + 60
-                while engine._core.link is link and time.monotonic() < deadline:
+                while parts(engine).supervisor.link is link and time.monotonic() < deadline:
                     time.sleep(0.05)
             engine.save(step, state(step, rows)).committed_sync(120)
     loaded = {}
