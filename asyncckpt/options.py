@@ -205,7 +205,7 @@ def resolve_options(grouped: dict[str, Any], flat: dict[str, Any]) -> EngineOpti
     for name, value in grouped.items():
         kind = _GROUPS.get(name)
         if kind is not None and value is not None and not isinstance(value, kind):
-            raise TypeError(f"{name}= must be a {kind.__name__}(...), not {value!r}")
+            raise TypeError(f"{name}= takes {kind.__name__}(...), not {value!r}")
     unknown = set(flat) - set(DEPRECATED)
     if unknown:
         raise TypeError(f"CheckpointEngine got unexpected keyword argument(s) {sorted(unknown)}")
