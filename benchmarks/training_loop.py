@@ -191,9 +191,14 @@ def _asyncckpt_engines() -> dict[str, Any]:
 
         return {"throttle": dataclasses.replace(ThrottleConfig.background(), cpu_cores=1)}
 
+    def offload() -> dict[str, Any]:
+        from asyncckpt import ThrottleConfig
+
+        return {"throttle": ThrottleConfig.for_optimizer_offload()}
+
     return {
         "asyncckpt": dict,  # the engine's default throttle (ThrottleConfig.background())
-        "asyncckpt:offload": lambda: {"optimizer_offload": True},
+        "asyncckpt:offload": offload,
         "asyncckpt:off": off,  # no throttling (the default before ThrottleConfig.background)
         "asyncckpt:background+last-core": last_core,
     }

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import CheckpointEngine, faults
+from asyncckpt import CheckpointEngine, Distributed, faults
 from asyncckpt.testing import parts
 
 HAS_CUDA = torch.cuda.is_available()
@@ -244,7 +244,7 @@ def save_and_load_on_rank(rank: int, world: int, root: str, device_index: int | 
             "step": step,
         }
 
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
         assert engine.world_size == world and engine.rank == rank
         for step in (1, 2):
             engine.save(step, state(step)).committed_sync(timeout=120)

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asyncckpt import Distributed
 from asyncckpt import layout as L
 
 pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
@@ -141,7 +142,9 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
     from asyncckpt.testing import parts
 
     outcomes = {}
-    with SyncCheckpointEngine(root, keep=KeepLast(2), dist_timeout=60) as engine:
+    with SyncCheckpointEngine(
+        root, keep=KeepLast(2), distributed=Distributed(timeout=60)
+    ) as engine:
         assert engine.world_size == world and engine.rank == rank
         for i, step in enumerate(steps):
             if fault and rank == fail_rank and i == len(steps) - 1:
@@ -264,7 +267,7 @@ def save_and_load_rank_owned_keys(rank: int, world: int, root: str) -> dict:
     def experts(fill: float) -> dict:
         return {"model": {f"expert{rank}.w": torch.full((4,), fill + rank)}, "step": int(fill)}
 
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
         engine.save(1, experts(1.0)).committed_sync(120)
     target = experts(0.0)
     loaded = SyncCheckpointEngine(root).load_latest(target)  # strict: the default
@@ -310,7 +313,7 @@ def save_cached_plans_and_load(rank: int, world: int, root: str) -> dict:
         return {"model": own, "step": step}
 
     layouts = {1: 4, 2: 4, 3: 4, 4: 6, 5: 6, 6: 6}
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
         for step, rows in layouts.items():
             if step == 6 and rank == 0:  # the coordinator: it holds the cached plans
                 link = parts(engine).supervisor.link
@@ -367,7 +370,7 @@ def save_rank_own_dtype_changes(rank: int, world: int, root: str) -> dict:
     def state(step: int, dtype: torch.dtype) -> dict:
         return {"model": {f"r{rank}.w": (torch.arange(4) + step * 10 + rank).to(dtype)}}
 
-    with SyncCheckpointEngine(root, keep=None, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, keep=None, distributed=Distributed(timeout=60)) as engine:
         for step, dtype in dtypes[rank].items():
             engine.save(step, state(step, dtype)).committed_sync(120)
     out = {}
