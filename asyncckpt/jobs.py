@@ -205,6 +205,10 @@ class JobTable:
             self.inflight[job_id] = _InFlight(handle, slot, time.monotonic(), attempt=attempt)
             return job_id, attempt
 
+    def in_flight(self, job_id: int) -> bool:
+        with self.cond:
+            return job_id in self.inflight
+
     def __len__(self) -> int:
         return len(self.inflight)
 

@@ -352,6 +352,10 @@ class Saver:
         try:
             with self.sigterm.handing_off():
                 self.worker.wait_ready()
+                if not self.jobs.in_flight(job_id):
+                    # The worker it waited for died meanwhile and its handle failed ("nothing
+                    # was committed"): the replacement must not commit it after all.
+                    return handle
                 # After the wait: a fault that fired in a worker that died is disarmed by now.
                 job.faults = faults.snapshot()
                 # One worker's link throughout: if a new worker replaces it meanwhile, this

@@ -195,3 +195,42 @@ def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
         eng.save(1, {"w": torch.ones(8)}).committed_sync(120)
         assert eng.worker_pid != first and eng.worker_restarts == 1
     assert [c.step for c in eng.list_checkpoints()] == [1]
+
+
+def test_a_save_failed_while_it_waited_for_the_worker_is_not_sent_to_the_next_one(
+    tmp_path, monkeypatch
+):
+    """save() staged, then waited for a starting worker that was killed: its handle fails
+    ("nothing was committed"), so the replacement must not be handed that job; before, it
+    was, and committed the step that the handle called lost."""
+    import os
+    import signal
+    import threading
+
+    from asyncckpt import WorkerDied
+    from asyncckpt import messages as M
+    from asyncckpt.supervisor import WorkerSupervisor
+
+    first_ready = threading.Event()
+    original = WorkerSupervisor._on_event
+
+    def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
+        if isinstance(msg, M.Ready) and not first_ready.is_set():
+            first_ready.set()
+            return
+        original(self, msg)
+
+    monkeypatch.setattr(WorkerSupervisor, "_on_event", drop_first_ready)
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        assert first_ready.wait(120)
+        first = eng.worker_pid
+        # Killed while save(1) waits for it (the save is staged and entered as in flight).
+        killer = threading.Timer(0.5, os.kill, (first, signal.SIGKILL))
+        killer.start()
+        handle = eng.save(1, {"w": torch.ones(8)})
+        killer.join()
+        with pytest.raises(WorkerDied, match="nothing was committed"):
+            handle.committed_sync(60)
+        eng.save(2, {"w": torch.ones(8)}).committed_sync(120)
+        assert eng.worker_pid != first
+    assert [c.step for c in eng.list_checkpoints()] == [2]
