@@ -136,7 +136,7 @@ class ThrottleConfig:
     def for_optimizer_offload(
         cls, write_rate_bytes_per_s: float | None = None, **changes: Any
     ) -> ThrottleConfig:
-        """The preset for ``optimizer_offload=True``: lowest priority, the last core, one thread.
+        """The preset for optimizer offload (``throttle=ThrottleConfig.for_optimizer_offload()``): lowest priority, the last core, one thread.
 
         No rate cap by default: with the idle I/O class and one writer thread the disk is the
         only thing the worker can saturate, and an optimizer step does not use it. Pair it with
