@@ -297,7 +297,8 @@ class EngineParts:
             raise TimeoutError("an overlapped save is still staging")
         self.jobs.drain(self.supervisor.watching, timeout, progress)
 
-    def take_pending_error(self) -> None:
+    def raise_pending_error(self) -> None:
+        """Raise the last failure, once, unless the caller already saw it on its handle."""
         err = self.jobs.take_pending_error()
         if err is not None:
             raise err
@@ -789,7 +790,7 @@ class CheckpointEngine(EngineBase):
     async def wait(self) -> None:
         """Wait until everything in flight has committed; raise if a save failed."""
         await anyio.to_thread.run_sync(self._engine.drain, abandon_on_cancel=True)
-        self._engine.take_pending_error()
+        self._engine.raise_pending_error()
 
     async def prepare(self, state: Any) -> None:
         """Allocate the staging arenas now, so the first save stalls no longer than later ones."""

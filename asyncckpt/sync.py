@@ -51,7 +51,7 @@ class SyncCheckpointEngine(EngineBase):
     def wait(self) -> None:
         """Block until everything in flight has committed; raise if a save failed."""
         self._engine.drain()
-        self._engine.take_pending_error()
+        self._engine.raise_pending_error()
 
     def prepare(self, state: Any) -> None:
         """Allocate the staging arenas now, so the first save stalls no longer than later ones."""

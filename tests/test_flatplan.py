@@ -197,14 +197,12 @@ def test_prepare_sends_the_paths_ahead_so_the_first_save_carries_none(tmp_path, 
     them into the first save's job was ~0.5 s of its stall); the manifest still has them."""
     import json
 
-    from asyncckpt import engine as engine_mod
     from asyncckpt import layout as L
+    from asyncckpt import saving
 
     sent = []
-    encode = engine_mod._encode_job
-    monkeypatch.setattr(
-        engine_mod, "_encode_job", lambda job: sent.append(job.paths) or encode(job)
-    )
+    encode = saving._encode_job
+    monkeypatch.setattr(saving, "_encode_job", lambda job: sent.append(job.paths) or encode(job))
     state = make_state(3)
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.prepare(state)
