@@ -145,3 +145,18 @@ def test_both_facades_share_one_save_signature_and_one_option_list(tmp_path):
     with SyncCheckpointEngine(tmp_path) as engine:
         with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['overlapp'\]"):
             engine.save(1, {}, overlapp=True)
+
+
+def test_lightnings_defaults_are_one_rank_and_no_sigterm_handler_unless_given():
+    """Lightning's plugin writes as one rank and leaves SIGTERM to Lightning; a user's own
+    objects (or the flat keywords of before) still win where they say something."""
+    pytest.importorskip("lightning")
+    from asyncckpt.integrations.lightning import _lightning_defaults
+
+    d = _lightning_defaults({})
+    assert d["distributed"] == Distributed(world_size=1)
+    assert d["preemption"] == Preemption(handle_sigterm=False)
+    mine = _lightning_defaults({"distributed": Distributed(rank=0, timeout=5)})
+    assert mine["distributed"] == Distributed(rank=0, world_size=1, timeout=5)
+    assert _lightning_defaults({"preemption": Preemption()})["preemption"] == Preemption()
+    assert _lightning_defaults({"rank": 0})["world_size"] == 1

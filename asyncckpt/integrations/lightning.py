@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -508,8 +509,11 @@ def _lightning_defaults(options: dict[str, Any]) -> dict[str, Any]:
     if "preemption" not in out and "handle_sigterm" not in out:
         out["preemption"] = Preemption(handle_sigterm=False)
     flat = {"rank", "world_size", "local_rank", "store", "dist_timeout", "storage"} & out.keys()
-    if "distributed" not in out and not flat:
+    given = out.get("distributed")
+    if given is None and not flat:
         out["distributed"] = Distributed(world_size=1)
+    elif isinstance(given, Distributed) and given.world_size is None:
+        out["distributed"] = dataclasses.replace(given, world_size=1)
     elif flat and "world_size" not in out:
         out["world_size"] = 1
     return out
