@@ -125,10 +125,10 @@ def engine_kwargs(**kw: Any) -> dict[str, Any]:
     """
     import inspect
 
-    from asyncckpt import CheckpointEngine
+    from asyncckpt import CheckpointEngine, Preemption
 
     params = inspect.signature(CheckpointEngine.__init__).parameters
-    kw.setdefault("handle_sigterm", False)
+    kw.setdefault("preemption", Preemption(handle_sigterm=False))
     if "world_size" in params:
         kw.setdefault("world_size", 1)
     if "rank" in params:

@@ -82,3 +82,94 @@ def test_the_graph_is_read():
 
 def test_no_import_circles():
     assert cycles(import_graph()) == []
+
+
+# ------------------------------------------------------------------------------ the engine's shape
+# Issue 23, item 3: the engine is parts with explicit interfaces, not a god class with mixins.
+
+#: No class in the package is longer than this (the engine's core was 875 lines).
+MAX_CLASS_LINES = 450
+REPO = PACKAGE.parent
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((_module_name(path), node))
+    return out
+
+
+def test_no_class_is_a_god_class():
+    sizes = {f"{m}.{c.name}": c.end_lineno - c.lineno + 1 for m, c in _classes()}
+    big = {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+    assert sizes["asyncckpt.saving.Saver"] > 0  # the parts exist where the README says
+
+
+def _foreign_attributes(cls: ast.ClassDef) -> set[str]:
+    """``self.<name>`` that ``cls`` reads but neither assigns nor defines: its subclass's."""
+    own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            own.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            own.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    read = set()
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            (own.add if isinstance(n.ctx, ast.Store) else read.add)(n.attr)
+    return read - own
+
+
+def test_no_base_class_is_a_mixin_over_its_subclass():
+    """A base class of the package's own uses only what it defines itself: a mixin that reads
+    and writes its subclass's attributes (supervisor.py over the engine's core, 26 names) is a
+    contract that nothing checks."""
+    own = {c.name: c for _, c in _classes()}
+    assert _foreign_attributes(
+        ast.parse("class M:\n    def f(self):\n        return self.root").body[0]
+    ) == {"root"}
+    bad = {}
+    for module, cls in _classes():
+        for base in cls.bases:
+            parent = own.get(ast.unparse(base).rpartition(".")[2])
+            if parent is None or any(
+                ast.unparse(b).rpartition(".")[2] not in own for b in parent.bases
+            ):
+                continue  # (a subclass of torch's, say: what it reads may be torch's)
+            if _foreign_attributes(parent):
+                bad[f"{module}.{cls.name}"] = sorted(_foreign_attributes(parent))
+    assert not bad, f"mixins: {bad}"
+
+
+def test_no_override_is_silenced():
+    hits = [
+        str(p.relative_to(REPO))
+        for p in PACKAGE.rglob("*.py")
+        if "type: ignore[override]" in p.read_text()
+    ]
+    assert not hits, hits
+
+
+def test_tests_and_benchmarks_use_public_api_or_the_test_hook():
+    """Not ``engine._core`` (or ``engine._engine``): ``asyncckpt.testing`` is the documented
+    way in."""
+    reaching = []
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path.name == Path(__file__).name:
+                continue
+            text = path.read_text()
+            if "._core" in text or "._engine" in text:
+                reaching.append(str(path.relative_to(REPO)))
+    assert not reaching, reaching
+
+
+def test_the_rank_has_one_source():
+    """Every part reads the rank from ``EngineParts.ranks`` (``Ranks``), resolved once."""
+    engine_src = (PACKAGE / "engine.py").read_text()
+    assert "opts.rank" not in engine_src and "self.rank =" not in engine_src
+    for module in ("supervisor.py", "saving.py", "jobs.py"):
+        assert "opts.rank" not in (PACKAGE / module).read_text(), module

@@ -271,7 +271,7 @@ def test_engine_warns_in_the_trainer_once(tmp_path, caplog):
                 engine.save(s, {"w": torch.full((4,), float(s))}, metrics={"loss": 1.0 / s})
             engine.wait()
             deadline = time.monotonic() + 30
-            while (r := engine._core.last_prune) is None or 3 not in r.kept:
+            while (r := engine.last_prune) is None or 3 not in r.kept:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
     mine = [w for w in caught if issubclass(w.category, MissingMetricWarning)]

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import Component, SyncCheckpointEngine
+from asyncckpt import Component, Distributed, SyncCheckpointEngine
 from asyncckpt import layout as L
 from asyncckpt.errors import CorruptCheckpoint
 from asyncckpt.export import (
@@ -259,7 +259,7 @@ def _rank_entry(rank: int, world: int, store_path: str, root: str, results: Any)
             "optimizer": {"m": DTensor.from_local(torch.ones(ROWS // world, 4), mesh, [Shard(0)])},
             "step": STEP,
         }
-        with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+        with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
             engine.save(STEP, state).committed_sync(timeout=120)
         dist.barrier()
         dist.destroy_process_group()

@@ -31,6 +31,7 @@ from asyncckpt import (
     verify,
 )
 from asyncckpt import layout as L
+from asyncckpt.testing import parts
 
 #: Points in the worker's write path, in order; an error at any of them fails the save.
 WRITE_POINTS = (
@@ -266,7 +267,7 @@ def test_every_point_is_reached(tmp_path):
             assert L.read_tracker(tmp_path) == step
             if point == "mid_prune":
                 assert any(n.startswith(L.TRASH_PREFIX) for n in os.listdir(tmp_path))
-            engine._core.restarts = 0
+            parts(engine).supervisor.restarts = 0
         step += 1
         engine.save(step, state_at(step)).committed_sync()
     with SyncCheckpointEngine(tmp_path) as engine:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import layout as _layout
 from ..errors import CheckpointError, CorruptCheckpoint
+from ..options import Distributed, Preemption
 from ..reading import read_checkpoint
 from ..retention import KeepBest, KeepLast, RetentionPolicy
 from ..sync import SyncCheckpointEngine
@@ -136,7 +138,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self.keep = keep
         # Lightning handles SIGTERM itself (its teardown drains us). Under DDP only global rank
         # 0 calls save_checkpoint, with the whole (replicated) state: it writes on its own.
-        self.engine_options = {"handle_sigterm": False, "world_size": 1, **(engine_options or {})}
+        self.engine_options = _lightning_defaults(engine_options or {})
         self._roots: dict[str, dict[str, Any]] = {}  # root -> engine kwargs (configure_root)
         self._engines: dict[str, SyncCheckpointEngine] = {}
         self._paths: dict[str, tuple[str, int]] = {}  # Lightning path -> (root, step)
@@ -504,3 +506,20 @@ class AsyncModelCheckpoint(ModelCheckpoint):
         if dirpath is None or not _layout.scan(dirpath, "global_step"):
             return set()
         return {_norm(dirpath)}
+
+
+def _lightning_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """No SIGTERM handler and one rank, unless the user's options say otherwise (in the grouped
+    objects, or in the deprecated flat keywords)."""
+    out = dict(options)
+    if "preemption" not in out and "handle_sigterm" not in out:
+        out["preemption"] = Preemption(handle_sigterm=False)
+    flat = {"rank", "world_size", "local_rank", "store", "dist_timeout", "storage"} & out.keys()
+    given = out.get("distributed")
+    if given is None and not flat:
+        out["distributed"] = Distributed(world_size=1)
+    elif isinstance(given, Distributed) and given.world_size is None:
+        out["distributed"] = dataclasses.replace(given, world_size=1)
+    elif flat and "world_size" not in out:
+        out["world_size"] = 1
+    return out
