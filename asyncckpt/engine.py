@@ -42,7 +42,7 @@ from .flatplan import FlattenCache
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
 from .loadcheck import LoadReport
-from .manifest import fsync_dir, read_manifest
+from .manifest import read_manifest
 from .preemption import Preemption
 from .restore import Restorer
 from .restore import check_step as _check_step
@@ -581,14 +581,13 @@ class _Core(WorkerSupervision):
         handle is completed as committed, or the error to fail it with, which says that the
         step IS committed (it loads, and a second save of it is refused). Called with cond held.
         """
-        from .commit import advance_tracker
+        from .commit import finish_commit
 
         step = job.handle.step
         final = self.root / _layout.dir_name(self.layout, step)
         try:
             if self.rank == 0:  # (the tracker is rank 0's to write, as in the worker)
-                fsync_dir(self.root)  # the rename is durable before the tracker names it
-                advance_tracker(self.root, self.layout, step)
+                finish_commit(self.root, self.layout, step)  # root fsynced, then the tracker
         except OSError as e:
             err = SaveFailed(
                 f"step {step} IS committed at {final} (it loads), but its worker stopped before "

@@ -28,7 +28,6 @@ directory the worker publishes.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -54,6 +53,7 @@ from .manifest import (
     write_manifest,
 )
 from .paths import is_url
+from .storage import localfs
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -565,23 +565,6 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return header
 
 
-def _makedirs_synced(path: Path) -> None:
-    """``mkdir -p``, each new directory's name made durable."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir()
-        except FileExistsError:
-            continue  # made meanwhile by someone else
-        fsync_dir(d.parent)
-    if not path.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-
-
 def _leftover_re(name: str) -> re.Pattern[str]:
     """A temporary or trash entry of the export named ``name`` (``new_token``: 12 hex)."""
     escaped = re.escape(name)
@@ -604,19 +587,18 @@ class _Staged:
     def __init__(self, final: Path, base: Path | None = None) -> None:
         self.final = final
         if base is not None:
-            _makedirs_synced(base)
+            localfs.makedirs_synced(base)
         top = final
         while top.parent != base and top.parent != top and not os.path.lexists(top.parent):
             top = top.parent
-        _makedirs_synced(top.parent)
+        localfs.makedirs_synced(top.parent)
         self.top = top
         self.tmp = top.parent / f"{_layout.TMP_PREFIX}{top.name}-{new_token()}"
-        self.tmp.mkdir()
+        localfs.mkdir(self.tmp)
         self.dir = self.tmp.joinpath(*final.relative_to(top).parts)  # where the files go
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.tmp, os.O_RDONLY | os.O_DIRECTORY)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._fd = localfs.lock_dir(self.tmp)
             self.dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
             self.abort()
@@ -642,12 +624,12 @@ class _Staged:
         trash = None
         if os.path.lexists(self.final):
             trash = self.final.parent / f"{_layout.TRASH_PREFIX}{self.final.name}-{new_token()}"
-            os.rename(self.final, trash)
+            localfs.rename(self.final, trash)
         try:
-            os.rename(self.tmp, self.final)
+            localfs.rename(self.tmp, self.final)
         except BaseException:
             if trash is not None:  # put the old export back rather than leave none
-                os.rename(trash, self.final)
+                localfs.rename(trash, self.final)
             raise
         fsync_dir(self.final.parent)
         self.close()
@@ -663,7 +645,7 @@ class _Staged:
         src, dst = self.tmp, self.top
         while True:
             try:
-                os.rename(src, dst)
+                localfs.rename(src, dst)
                 break
             except OSError as e:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or dst == self.final:
@@ -677,7 +659,7 @@ class _Staged:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # releases the lock
+            localfs.unlock(self._fd)
             self._fd = None
 
     def abort(self) -> None:
@@ -842,23 +824,6 @@ def _parent_in_step(step_dir: Path, rel: list[str]) -> Path | None:
     return p
 
 
-def _locked_elsewhere(path: Path) -> bool:
-    """Whether an exporter holds ``path``'s lock (an export in flight), or it cannot be told."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return False  # not a directory we can open: not an export in flight
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return True  # no flock here (some network filesystems): leave it be
-    finally:
-        os.close(fd)  # drops our lock too
-    return False
-
-
 def _remove(path: Path) -> bool:
     try:
         remove_tree(path)
@@ -868,7 +833,7 @@ def _remove(path: Path) -> bool:
 
 
 def _remove_leftover(path: Path) -> None:
-    if not _locked_elsewhere(path) and _remove(path):
+    if not localfs.locked_elsewhere(path) and _remove(path):
         log.info("asyncckpt: removed the leftover %s", path)
 
 
@@ -879,9 +844,7 @@ def _remove_empty(step_dir: Path, rel: list[str]) -> None:
     for p in chain:
         if not _real_dir(p):
             continue
-        try:
-            p.rmdir()
-        except OSError:
+        if not localfs.rmdir_if_empty(p):
             break  # not empty: kept, and so is every level above it
         log.info("asyncckpt: removed the empty %s (an export that never completed)", p)
 
@@ -982,7 +945,7 @@ def prune_exports(export: HFExport) -> list[Path]:
         target = found[step]
         trash = target.parent / f"{_layout.TRASH_PREFIX}{name}-{new_token()}"
         try:
-            os.rename(target, trash)
+            localfs.rename(target, trash)
         except FileNotFoundError:
             continue
         fsync_dir(target.parent)
@@ -990,9 +953,7 @@ def prune_exports(export: HFExport) -> list[Path]:
         removed.append(target)
         # Directories left empty, up to global_step_N (never the export root itself).
         for p in [target.parent, *target.parent.parents][: len(rel)]:
-            try:
-                p.rmdir()
-            except OSError:
+            if not localfs.rmdir_if_empty(p):
                 break  # not empty (another component's export, other files): kept
     if removed:
         fsync_dir(root)

@@ -9,7 +9,6 @@ when it dies or hangs (``write_timeout``), settle what it held and start a new o
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import multiprocessing.connection as mpc
 import os
@@ -24,6 +23,7 @@ import torch.multiprocessing as tmp
 
 from . import layout as _layout
 from .errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
+from .storage.localfs import lock_path, unlock
 from .worker import WorkerConfig, worker_main
 
 log = logging.getLogger("asyncckpt")
@@ -63,47 +63,37 @@ class WorkerSupervision:
             probe.unlink()
         except OSError as e:
             raise CheckpointError(f"checkpoint root {self.root} is not writable: {e}") from e
-        lock_path = self.root / f"{_layout.LOCK_NAME}.rank{self.opts.rank}"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        from .storage.local import LocalStore
+
+        store = LocalStore(self.root)
+        fd = store.lock(f"rank{self.opts.rank}", wait=False, note_pid=True)
+        if fd is None:
             raise RootLocked(
                 f"another CheckpointEngine (rank {self.opts.rank}) is using {self.root}; "
                 "two engines must not write one root"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            )
         self.lock_fd = fd
         # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
         # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
         # the worker lock) before cleaning the temporaries it may still touch, and resume
         # from what it committed.
         wlock = _worker_lock_path(self.root, self.opts.rank)
-        wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
-            deadline = time.monotonic() + bound + 30
-            told = False
-            while True:
-                try:
-                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RootLocked(f"a worker process still holds {wlock}") from None
-                    if not told:
-                        log.warning(
-                            "waiting for the worker of an earlier trainer on %s: it is finishing "
-                            "the saves that trainer staged (at most %.0fs)",
-                            self.root,
-                            bound,
-                        )
-                        told = True
-                    time.sleep(0.05)
-        finally:
-            os.close(wfd)
+        bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
+        deadline = time.monotonic() + bound + 30
+        told = False
+        while (wfd := store.lock(f"worker{self.opts.rank}", wait=False)) is None:
+            if time.monotonic() > deadline:
+                raise RootLocked(f"a worker process still holds {wlock}")
+            if not told:
+                log.warning(
+                    "waiting for the worker of an earlier trainer on %s: it is finishing "
+                    "the saves that trainer staged (at most %.0fs)",
+                    self.root,
+                    bound,
+                )
+                told = True
+            time.sleep(0.05)
+        unlock(wfd)
 
     def _spawn_worker(self) -> None:
         ctx = tmp.get_context("spawn")
@@ -271,4 +261,4 @@ def _main_module_hidden() -> Any:
 
 
 def _worker_lock_path(root: Path, rank: int) -> Path:
-    return root / f"{_layout.LOCK_NAME}.worker{rank}"
+    return lock_path(root, f"worker{rank}")
