@@ -238,3 +238,65 @@ def test_the_pruner_refuses_a_lagging_tracker_and_spares_the_step_committed(stor
     assert result.deleted == []  # the step just committed and everything above it stay
     result = prune(store, "global_step", KeepLast(1), warn=False)
     assert result.deleted == [1] and [c.step for c in store.committed("global_step")] == [2]
+
+
+# ------------------------------------------------------------------ one CLI over both tiers
+def test_the_cli_answers_alike_over_a_path_and_a_url(s3, tmp_path, capsys):
+    """ls, verify and prune are one function each over ``open_store(root)``: the same root
+    as a directory and as a bucket gives the same answers, a corrupt newest checkpoint
+    included (the URL prune used to refuse outright where the local one keeps the newest
+    that verifies)."""
+    import json
+
+    from asyncckpt import commit
+    from asyncckpt.cli import main
+    from asyncckpt.storage.fsspec_store import FsspecStore
+
+    local = tmp_path / "root"
+    with SyncCheckpointEngine(local) as eng:
+        for step in (1, 2, 3):
+            eng.save(step, state(step), metrics={"loss": 1.0 / step})
+    remote = FsspecStore(s3.url, s3.options)
+    for name in ("global_step_1", "global_step_2", "global_step_3"):
+        commit.publish(remote, local / name, name)
+    commit.write_tracker(remote, "global_step", 3)
+    opts = [f"--storage-option={k}={v}" for k, v in s3.options.items()]
+
+    def run(*argv: str) -> tuple[tuple[int, dict], tuple[int, dict]]:
+        out = []
+        for root, extra in ((str(local), []), (s3.url, opts)):
+            code = main([*argv, root, "--json", *extra])
+            out.append((code, json.loads(capsys.readouterr().out)))
+        return out[0], out[1]
+
+    def ls_view(d: dict) -> tuple:
+        rows = [(c["step"], c["status"], c["protected"], c["metrics"]) for c in d["checkpoints"]]
+        return d["layout"], d["tracker"], rows, d["leftovers"], d["checked"]
+
+    (lc, ld), (rc, rd) = run("ls")
+    assert lc == rc == 0 and ls_view(ld) == ls_view(rd)
+    assert [c["step"] for c in ld["checkpoints"]] == [1, 2, 3]
+
+    def verify_view(d: dict) -> tuple:
+        rows = [(c["step"], c["ok"], len(c["problems"])) for c in d["checkpoints"]]
+        return d["ok"], rows, d["tracker"], d["tracker_problem"], d["newest_good"]
+
+    (lc, ld), (rc, rd) = run("verify")
+    assert lc == rc == 0 and verify_view(ld) == verify_view(rd)
+    local_store = LocalStore(local)
+    break_one_byte(local_store, "global_step_3")
+    break_one_byte(remote, "global_step_3")
+    (lc, ld), (rc, rd) = run("verify")
+    assert lc == rc == 1 and verify_view(ld) == verify_view(rd)
+    assert ld["newest_good"] == 2
+
+    def prune_view(d: dict) -> tuple:
+        return d["deleted"], d["would_delete"], d["kept"], sorted(d["corrupt"])
+
+    (lc, ld), (rc, rd) = run("prune", "--keep-last", "1", "--dry-run")
+    assert lc == rc == 0 and prune_view(ld) == prune_view(rd)
+    (lc, ld), (rc, rd) = run("prune", "--keep-last", "1")
+    assert lc == rc == 0 and prune_view(ld) == prune_view(rd)
+    assert ld["deleted"] == [1] and ld["kept"]["2"] == ["newest that verifies"]
+    assert [c.step for c in remote.committed("global_step")] == [2, 3]
+    assert [c.step for c in local_store.committed("global_step")] == [2, 3]
