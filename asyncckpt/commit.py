@@ -55,7 +55,8 @@ def publish(
             faults.point(point)
 
     nbytes = store.seal(staged, name, hook)
-    faults.point(store.points.publish)
+    if store.points.publish is not None:
+        faults.point(store.points.publish)
     store.publish(staged, name)
     return nbytes
 
@@ -81,7 +82,8 @@ def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:
 def write_tracker(root: Store | Path, layout: str, step: int) -> bool:
     """Point the tracker file(s) at ``step``, forward only; False if it names a newer step."""
     store = _store(root)
-    faults.point(store.points.tracker)
+    if store.points.tracker is not None:
+        faults.point(store.points.tracker)
     return store.write_tracker(layout, step)
 
 

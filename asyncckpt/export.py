@@ -54,6 +54,8 @@ from .manifest import (
 )
 from .paths import is_url
 from .storage import localfs
+from .storage.base import FaultPoints, StoredCheckpoint
+from .storage.local import LocalStore
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -888,7 +890,7 @@ def missing_exports(
     return out
 
 
-def prune_exports(export: HFExport) -> list[Path]:
+def prune_exports(export: HFExport, just_exported: int | None = None) -> list[Path]:
     """Delete all but the newest ``export.keep`` exports; returns the directories deleted.
 
     An export counts if ``{path}/global_step_{N}/{dirname}`` is a real directory holding an
@@ -898,6 +900,11 @@ def prune_exports(export: HFExport) -> list[Path]:
     other files, other components' exports and other names are left alone. Temporaries and
     trash of this export left by a crash are removed; a temporary still locked by an export in
     flight is not.
+
+    The deletions go through the one pruner (``prune.prune``), with its safety rules: a kept
+    export must verify against its manifest before any is deleted (``just_exported``, the step
+    just written and checksummed as it was, counts as verified unread), else the newest that
+    verifies is kept too, and nothing is deleted if none does.
     """
     root = Path(export.path)
     rel = export.relpath.split("/")
@@ -940,24 +947,61 @@ def prune_exports(export: HFExport) -> list[Path]:
             found[step] = target
         elif not os.path.lexists(target):
             _remove_empty(step_dir, rel)
-    removed = []
-    for step in sorted(exports_to_delete(found, export.keep)):
-        target = found[step]
-        trash = target.parent / f"{_layout.TRASH_PREFIX}{name}-{new_token()}"
-        try:
-            localfs.rename(target, trash)
-        except FileNotFoundError:
-            continue
-        fsync_dir(target.parent)
-        _remove(trash)
-        removed.append(target)
-        # Directories left empty, up to global_step_N (never the export root itself).
-        for p in [target.parent, *target.parent.parents][: len(rel)]:
-            if not localfs.rmdir_if_empty(p):
-                break  # not empty (another component's export, other files): kept
+    if export.keep is None or not found:
+        return []
+    exports_to_delete(found, export.keep)  # (checks keep)
+    from .prune import prune
+    from .retention import KeepLast
+
+    view = _Exports(root, found, len(rel))
+    trusted = () if just_exported is None else (just_exported,)
+    result = prune(
+        view, "global_step", KeepLast(export.keep), allow_tracker_lag=True, trusted=trusted,
+        warn=False,
+    )  # fmt: skip
+    for step, problems in result.corrupt.items():
+        log.warning("asyncckpt: the export of step %d fails its manifest: %s", step, problems)
+    removed = [found[s] for s in result.deleted]
     if removed:
         fsync_dir(root)
     return removed
+
+
+class _Exports(LocalStore):
+    """The exports of one ``HFExport`` as a store, for the one pruner (``prune.prune``): each
+    ``global_step_N/<dirname>`` that holds an export manifest is a checkpoint of step N. No
+    tracker and no fault point; a deletion is a rename to a trash sibling, then the removal,
+    then ``rmdir`` of the levels it left empty up to ``global_step_N``."""
+
+    points = FaultPoints(publish=None, tracker=None, retire=None)
+
+    def __init__(self, root: Path, found: dict[int, Path], depth: int) -> None:
+        super().__init__(root)
+        self.found = found
+        self.depth = depth
+
+    def committed(self, layout: str) -> list[StoredCheckpoint]:
+        return [
+            StoredCheckpoint(s, self.found[s].relative_to(self.root).as_posix())
+            for s in sorted(self.found)
+        ]
+
+    def read_tracker(self) -> int | None:
+        return None
+
+    def retire(self, name: str) -> Path:
+        target = self.root / name
+        trash = target.parent / f"{_layout.TRASH_PREFIX}{target.name}-{new_token()}"
+        localfs.rename(target, trash)  # FileNotFoundError: pruned meanwhile
+        fsync_dir(target.parent)
+        return trash
+
+    def reclaim(self, retired: Path) -> None:
+        _remove(retired)
+        # Directories left empty, up to global_step_N (never the export root itself).
+        for p in [retired.parent, *retired.parent.parents][: self.depth]:
+            if not localfs.rmdir_if_empty(p):
+                break  # not empty (another component's export, other files): kept
 
 
 def check_source(state: Any, component: str) -> None:

@@ -153,7 +153,7 @@ def delete(store: Store, name: str) -> None:
 
     retired = store.retire(name)
     point = getattr(faults, "point", None)
-    if point is not None:
+    if point is not None and store.points.retire is not None:
         point(store.points.retire)
     store.reclaim(retired)
 

@@ -405,7 +405,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             path = export_step(export, final, job.step)
-            prune_exports(export)
+            prune_exports(export, job.step)  # (just written and checksummed: trusted)
         except BaseException as e:  # noqa: BLE001 - reported on the save's handle
             info = error_info(e)
             info["export"] = True

@@ -37,9 +37,9 @@ class FaultPoints:
     store: before ``publish``, before the tracker, between ``retire`` and ``reclaim``, and
     after each file ``seal`` makes durable (None: no point there)."""
 
-    publish: str
-    tracker: str
-    retire: str
+    publish: str | None
+    tracker: str | None
+    retire: str | None
     file: str | None = None
 
 
