@@ -181,7 +181,7 @@ class FsspecStore:
 
         A prefix of that name without a marker is a crashed upload: replaced. One with a marker
         is already committed: ``FileExistsError`` (a step is never overwritten in place).
-        ``on_file(size)`` after each file is up.
+        ``on_file(size)`` after each file is up, within that file's upload attempt.
         """
         if self.is_committed(name):
             raise FileExistsError(f"{self.url_of(name)} is already committed")
@@ -214,27 +214,28 @@ class FsspecStore:
         self._with_retries(marker_path, self.fs.pipe_file, marker_path, marker)
         return total
 
-    def _put_all(
-        self, files: list[tuple[Path, str]], on_bytes: Callable[[int], None] | None
-    ) -> int:
+    def _put_all(self, files: list[tuple[Path, str]], on_file: Callable[[int], None] | None) -> int:
         if not files:
             return 0
         total = 0
         with cf.ThreadPoolExecutor(min(self.threads, len(files))) as pool:
             futures = [
-                pool.submit(self._with_retries, remote, self._put_one, local, remote)
+                pool.submit(self._with_retries, remote, self._put_one, local, remote, on_file)
                 for local, remote in files
             ]
             for (local, _), fut in zip(files, futures, strict=True):
                 fut.result()
-                size = local.stat().st_size
-                total += size
-                if on_bytes is not None:
-                    on_bytes(size)
+                total += local.stat().st_size
         return total
 
-    def _put_one(self, local: Path, remote: str) -> None:
+    def _put_one(
+        self, local: Path, remote: str, on_file: Callable[[int], None] | None = None
+    ) -> None:
         self.fs.put_file(os.fspath(local), remote)
+        if on_file is not None:
+            # Within the attempt (its time limit): the commit order's ``mid_upload`` point
+            # fires here, so a stall there is a stalled upload.
+            on_file(local.stat().st_size)
 
     def _with_retries(self, what: str, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` with a time limit per attempt and backoff between attempts.

@@ -10,6 +10,7 @@ fires here (``commit.py`` and ``prune.py`` announce them).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -153,7 +154,10 @@ class LocalStore:
 
     def publish(self, staged: Path, name: str) -> None:
         """Atomic rename to ``name`` (refused if it exists), then fsync of the root."""
-        localfs.rename_new(staged, self.root / name)
+        final = self.root / name
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, "checkpoint already committed", str(final))
+        localfs.rename_new(staged, final)
         localfs.fsync_dir(self.root)
 
     def discard(self, staged: Path) -> None:
