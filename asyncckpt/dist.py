@@ -301,9 +301,7 @@ class LocalShard(torch.Tensor):
         pass
 
     @classmethod
-    def __torch_dispatch__(  # type: ignore[override]  # torch's stub names no classmethod
-        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         raise NotImplementedError(f"LocalShard is only a carrier for DCP's planner, not {func}")
 
     def __create_write_items__(self, fqn: str, obj: Any, index: int | None = None) -> list:
@@ -350,7 +348,7 @@ class LocalShard(torch.Tensor):
                 return p
         raise ValueError(f"{index.fqn}: no local piece at offset {tuple(index.offset)}")
 
-    def __repr__(self) -> str:  # type: ignore[override]  # the default would read absent data
+    def __repr__(self) -> str:  # the default repr would try to read data we do not have
         return (
             f"LocalShard(global={tuple(self.shape)}, offsets={[tuple(o) for o in self._offsets]})"
         )

@@ -23,7 +23,7 @@ import anyio
 from . import layout as _layout
 from . import messages as M
 from .errors import CheckpointError, ExportFailed, SaveFailed, WorkerDied
-from .manifest import fsync_dir, read_manifest
+from .manifest import read_manifest
 from .stats import SaveStats
 from .storage import UploadFailed
 
@@ -472,14 +472,13 @@ class JobTable:
         handle is completed as committed, or the error to fail it with, which says that the
         step IS committed (it loads, and a second save of it is refused).
         """
-        from .commit import advance_tracker
+        from .commit import finish_commit
 
         ctx, step = self.ctx, job.handle.step
         final = ctx.root / _layout.dir_name(ctx.layout, step)
         try:
             if ctx.rank == 0:  # (the tracker is rank 0's to write, as in the worker)
-                fsync_dir(ctx.root)  # the rename is durable before the tracker names it
-                advance_tracker(ctx.root, ctx.layout, step)
+                finish_commit(ctx.root, ctx.layout, step)  # root fsynced, then the tracker
         except OSError as e:
             err = SaveFailed(
                 f"step {step} IS committed at {final} (it loads), but its worker stopped before "

@@ -9,10 +9,8 @@ one. It knows the saves in flight only through ``JobEvents`` (implemented by
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import multiprocessing.connection as mpc
-import os
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ from . import faults
 from . import layout as _layout
 from . import messages as M
 from .errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
+from .storage.localfs import lock_path, unlock
 from .throttle import AppliedThrottle
 from .worker import WorkerConfig, worker_main
 
@@ -279,54 +278,44 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
         probe.unlink()
     except OSError as e:
         raise CheckpointError(f"checkpoint root {root} is not writable: {e}") from e
-    lock_path = root / f"{_layout.LOCK_NAME}.rank{rank}"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    from .storage.local import LocalStore
+
+    store = LocalStore(root)
+    fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
+    if fd is None:
         raise RootLocked(
             f"another CheckpointEngine (rank {rank}) is using {root}; "
             "two engines must not write one root"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+        )
     # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
     # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
     # the worker lock) before cleaning the temporaries it may still touch, and resume
     # from what it committed.
-    wlock = _worker_lock_path(root, rank)
-    wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _wait_for_orphan(wfd, wlock, root, write_timeout)
+        _wait_for_orphan(store, rank, root, write_timeout)
     except BaseException:
-        os.close(fd)  # not started: the root is not ours
+        unlock(fd)  # not started: the root is not ours
         raise
-    finally:
-        os.close(wfd)
     return fd
 
 
-def _wait_for_orphan(wfd: int, wlock: Path, root: Path, write_timeout: float | None) -> None:
+def _wait_for_orphan(store: Any, rank: int, root: Path, write_timeout: float | None) -> None:
     bound = write_timeout or WorkerConfig.orphan_deadline_s
     deadline = time.monotonic() + bound + 30
     told = False
-    while True:
-        try:
-            fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise RootLocked(f"a worker process still holds {wlock}") from None
-            if not told:
-                log.warning(
-                    "waiting for the worker of an earlier trainer on %s: it is finishing "
-                    "the saves that trainer staged (at most %.0fs)",
-                    root,
-                    bound,
-                )
-                told = True
-            time.sleep(0.05)
+    while (wfd := store.lock(f"worker{rank}", wait=False)) is None:
+        if time.monotonic() > deadline:
+            raise RootLocked(f"a worker process still holds {_worker_lock_path(root, rank)}")
+        if not told:
+            log.warning(
+                "waiting for the worker of an earlier trainer on %s: it is finishing "
+                "the saves that trainer staged (at most %.0fs)",
+                root,
+                bound,
+            )
+            told = True
+        time.sleep(0.05)
+    unlock(wfd)
 
 
 @contextlib.contextmanager
@@ -348,4 +337,4 @@ def _main_module_hidden() -> Any:
 
 
 def _worker_lock_path(root: Path, rank: int) -> Path:
-    return root / f"{_layout.LOCK_NAME}.worker{rank}"
+    return lock_path(root, f"worker{rank}")

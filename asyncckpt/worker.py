@@ -10,7 +10,6 @@ if the trainer dies, it finishes the saves already staged, then exits.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -406,7 +405,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             path = export_step(export, final, job.step)
-            prune_exports(export)
+            prune_exports(export, job.step)  # (just written and checksummed: trusted)
         except BaseException as e:  # noqa: BLE001 - reported on the save's handle
             info = error_info(e)
             info["export"] = True
@@ -629,12 +628,9 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None)
         target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
-    lock_fd = os.open(
-        Path(config.root) / f"{_layout.LOCK_NAME}.worker{config.rank}",
-        os.O_RDWR | os.O_CREAT,
-        0o644,
-    )
-    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    from .storage.local import LocalStore
+
+    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)  # noqa: F841
     _skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the

@@ -173,3 +173,75 @@ def test_the_rank_has_one_source():
     assert "opts.rank" not in engine_src and "self.rank =" not in engine_src
     for module in ("supervisor.py", "saving.py", "jobs.py"):
         assert "opts.rank" not in (PACKAGE / module).read_text(), module
+
+
+# ------------------------------------------------------------------ the write side is one seam
+#: Calls that change names on a disk, sync them or lock them (issue 23): only storage/ makes
+#: them (``storage/localfs.py`` under ``LocalStore``), so every durable write has one doorway.
+WRITE_SIDE = {
+    "os": {
+        "rename", "replace", "unlink", "remove", "rmdir", "mkdir", "makedirs", "fsync",
+        "fdatasync", "ftruncate", "truncate", "write", "pwrite", "link", "symlink", "chmod",
+        "removedirs", "renames",
+    },
+    "fcntl": {"flock", "lockf"},
+    "shutil": {"rmtree", "move", "copytree", "copyfile", "copy", "copy2"},
+}  # fmt: skip
+
+#: The exceptions, each a write of a file's *bytes* by the code that produces them, inside a
+#: temporary that the commit order then seals and publishes through the store:
+ALLOWED = {
+    # The O_DIRECT file writer: ``os.write`` of aligned blocks and the ``ftruncate`` that
+    # drops the tail's padding are how that file's bytes are written, not a change of names.
+    ("asyncckpt/directio.py", "os.write"),
+    ("asyncckpt/directio.py", "os.ftruncate"),
+}
+
+
+def write_side_calls(package: Path = PACKAGE) -> list[tuple[str, str, int]]:
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.attr in WRITE_SIDE.get(node.func.value.id, ())
+            ):
+                out.append((rel, f"{node.func.value.id}.{node.func.attr}", node.lineno))
+    return out
+
+
+def test_the_write_side_check_sees_a_call(tmp_path):
+    pkg = tmp_path / "asyncckpt"
+    (pkg / "storage").mkdir(parents=True)
+    (pkg / "commit.py").write_text("import os\ndef f(a, b):\n    os.rename(a, b)\n")
+    (pkg / "storage" / "local.py").write_text("import fcntl\nfcntl.flock(0, 0)\n")
+    assert write_side_calls(pkg) == [
+        ("asyncckpt/commit.py", "os.rename", 3),
+        ("asyncckpt/storage/local.py", "fcntl.flock", 2),
+    ]
+
+
+def test_only_storage_writes_to_the_disk():
+    outside = [
+        (rel, call, line)
+        for rel, call, line in write_side_calls()
+        if not rel.startswith("asyncckpt/storage/") and (rel, call) not in ALLOWED
+    ]
+    assert outside == [], "write-side calls outside asyncckpt/storage/ (use LocalStore/localfs)"
+
+
+def test_the_lock_name_is_spelled_once():
+    """Its literal in layout.py, the file of a lock made in localfs.lock_path only."""
+
+    def files_with(text: str) -> list[str]:
+        return sorted(
+            p.relative_to(PACKAGE.parent).as_posix()
+            for p in PACKAGE.rglob("*.py")
+            if text in p.read_text()
+        )
+
+    assert files_with('".asyncckpt.lock') == ["asyncckpt/layout.py"]
+    assert files_with("LOCK_NAME") == ["asyncckpt/layout.py", "asyncckpt/storage/localfs.py"]

@@ -517,14 +517,16 @@ def test_enospc_writing_the_tracker_leaves_no_temporary(tmp_path, monkeypatch, f
         def __getattr__(self, name):
             return getattr(self.f, name)
 
+    from asyncckpt.storage import localfs  # (where the tracker's file is written)
+
     real_open = open
-    monkeypatch.setattr(commit, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(localfs, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
     if fail_in == "fsync":
 
         def full(fd):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(commit.os, "fsync", full)
+        monkeypatch.setattr(localfs.os, "fsync", full)
     with pytest.raises(OSError) as info:
         commit.write_tracker(tmp_path, "global_step", 2)
     assert info.value.errno == errno.ENOSPC

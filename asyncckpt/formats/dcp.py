@@ -59,6 +59,7 @@ from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dte
 from ..entries import Entries, has_sharded_base
 from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
+from ..storage.localfs import fsync_fd
 from ..throttle import write_all
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 from .records import RecordWriter, default_writer, read_record, torch_computes_crc
@@ -338,7 +339,7 @@ class ChecksumWriter(FileSystemWriter):
                 out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             stream.flush()
             if self.sync_files:
-                os.fsync(stream.fileno())
+                fsync_fd(stream.fileno())
         return out
 
 
