@@ -76,6 +76,7 @@ def _open(args: argparse.Namespace) -> tuple[Any, str]:
     """The store of ``args.root`` (a path or a URL, ``--storage-option`` parsed) and its
     layout, or a clear error (a missing directory, a wrong bucket)."""
     from asyncckpt.storage import open_store
+    from asyncckpt.storage.fsspec_store import FsspecStore
     from asyncckpt.storage.remote import UploadFailed
 
     options: dict[str, Any] = {}
@@ -97,7 +98,7 @@ def _open(args: argparse.Namespace) -> tuple[Any, str]:
             raise _Failure(f"not a directory: {args.root}")
     try:
         store = open_store(args.root, options)
-        if is_url(args.root):
+        if isinstance(store, FsspecStore):
             bucket = store.base.split("/")[0]  # reach it now: a wrong bucket fails here
             if not store.fs.exists(bucket):
                 raise _Failure(f"no such bucket (or no access to it): {bucket} of {args.root}")
@@ -140,7 +141,7 @@ def _metrics(m: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.6g}" for k, v in sorted(m.items()))
 
 
-def _table(title: str, rows: list[tuple[str, ...]], columns: Sequence[str]) -> Table:
+def _table(title: str, rows: Sequence[Sequence[str]], columns: Sequence[str]) -> Table:
     t = Table(title=title)
     for c in columns:
         t.add_column(c, overflow="fold")

@@ -124,7 +124,7 @@ def _rebuild_error(info: dict[str, Any]) -> BaseException:
     # Kept, not printed: as a note it filled the user's stderr with the worker's frames
     # (s3fs, DCP) whenever the error went uncaught. _fail logs it at debug level.
     err.worker_traceback = info.get("traceback", "")  # type: ignore[attr-defined]
-    err.__notes__ = [  # type: ignore[attr-defined]
+    err.__notes__ = [
         "the worker's traceback: this exception's .worker_traceback, and the 'asyncckpt' "
         "logger at DEBUG"
     ]

@@ -180,7 +180,7 @@ def read_tracker(root: str | os.PathLike) -> int | None:
 def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:
     """Which layout ``root`` uses, from its directory names; ``default`` for an empty root."""
     try:
-        names = [e.name for e in os.scandir(root)]
+        names = [e.name for e in os.scandir(os.fspath(root))]
     except FileNotFoundError:
         return default
     return pick_layout(names, root, default)

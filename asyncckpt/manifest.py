@@ -7,6 +7,7 @@ truncated or deleted shards (invariant 5).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -37,7 +38,7 @@ _CHUNK = 8 << 20
 #: fraction of reading it. Manifests written before record ``crc32`` (zlib) and still verify.
 CHECKSUM = "crc32c"
 _ALGORITHMS: dict[str, Callable[[Any, int], int]] = {
-    "crc32c": lambda data, value=0: _crc32c(data, value),
+    "crc32c": _crc32c,
     "crc32": zlib.crc32,
 }
 
@@ -275,6 +276,10 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         raise CorruptCheckpoint(f"{path}: unreadable manifest ({e})") from None
 
 
+def _file_crc(path: Path, on_bytes: Callable[[int], None] | None, algorithm: str) -> int:
+    return checksum_file(path, on_bytes, algorithm)[0]
+
+
 def check_files(
     directory: str | os.PathLike,
     manifest: dict[str, Any],
@@ -294,7 +299,7 @@ def check_files(
             rel,
             want,
             p.stat().st_size if p.is_file() else None,
-            None if quick else (lambda alg, p=p: checksum_file(p, on_bytes, alg)[0]),
+            None if quick else functools.partial(_file_crc, p, on_bytes),
         )
         if problem is not None:
             problems.append(problem)

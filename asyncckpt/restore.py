@@ -403,9 +403,10 @@ class Restorer:
                 # Only a download of the store's copy, which stays where it is (an object
                 # store has no rename to quarantine with): the local copy goes.
                 trash_and_delete(self.root, directory)
+                url = self._tier().url
                 return (
-                    f"its download from {self.remote.url} was removed (the store's copy stays: "
-                    f"`python -m asyncckpt verify {self.remote.url}`); "
+                    f"its download from {url} was removed (the store's copy stays: "
+                    f"`python -m asyncckpt verify {url}`); "
                 )
             moved = quarantine(self.root, directory, problems)
         except FileNotFoundError:
@@ -428,9 +429,14 @@ class Restorer:
             except OSError as err:
                 log.warning("could not update the tracker of %s: %s", self.root, err)
 
+    def _tier(self) -> RemoteTier:
+        if self.remote is None:  # (only reached when the engine has an object store)
+            raise CheckpointError(f"{self.root} has no object store to read from")
+        return self.remote
+
     def _remote_only(self) -> dict[int, str]:
         """Steps committed in the store and not on disk (step -> name), read once per load."""
-        store = self.remote.open()
+        store = self._tier().open()
         local = {c.step for c in self.committed()}
         return {c.step: c.name for c in store.committed(self.layout) if c.step not in local}
 
@@ -441,10 +447,13 @@ class Restorer:
 
         self.root.mkdir(parents=True, exist_ok=True)
         step = _layout.parse_dir_name(self.layout, name)
+        if step is None:
+            raise CheckpointError(f"{name} is not a {self.layout} checkpoint name")
+        tier = self._tier()
         tmp_dir = self.root / _layout.tmp_name(self.layout, step, new_token())
-        log.info("fetching %s/%s into %s", self.remote.url, name, final)
+        log.info("fetching %s/%s into %s", tier.url, name, final)
         try:
-            self.remote.open().fetch(name, tmp_dir)
+            tier.open().fetch(name, tmp_dir)
             rename_into_place(tmp_dir, final)
         except BaseException:
             if tmp_dir.exists():
@@ -472,7 +481,7 @@ class Restorer:
                 )
             found = _layout.parse_dir_name(self.layout, directory.name)
         else:
-            check_step(step)
+            step = check_step(step)
             directory = self.root / _layout.dir_name(self.layout, step)
             if not directory.is_dir():
                 raise CheckpointNotFound(f"step {step} is not committed in {self.root}")
@@ -487,8 +496,10 @@ class Restorer:
             if not directory.is_dir():
                 raise Vanished(f"{directory} went away while it was read") from e
             if isinstance(e, _Damaged):
-                ours = found is not None and directory.parent.resolve() == self.root.resolve()
-                aside = self._set_aside(found, directory, e, fetched=False) if ours else ""
+                ours = directory.parent.resolve() == self.root.resolve()
+                aside = ""
+                if found is not None and ours:
+                    aside = self._set_aside(found, directory, e, fetched=False)
                 if aside:
                     raise CorruptCheckpoint(f"{e}; {aside.rstrip('; ')}") from e
             raise

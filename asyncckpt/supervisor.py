@@ -324,7 +324,9 @@ def _main_module_hidden() -> Any:
     # guarded by `if __name__ == "__main__"`. The worker needs nothing from it (user objects
     # reach it already serialised), so hide it for the moment of the spawn.
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)

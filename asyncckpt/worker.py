@@ -119,7 +119,7 @@ def worker_view(arena: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=spec.dtype)
-    buf = memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]
+    buf = memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]  # type: ignore[arg-type]
     return torch.frombuffer(buf, dtype=torch.uint8).view(spec.dtype).view(spec.shape)
 
 

@@ -215,7 +215,7 @@ class _ChecksummingFileSystem(FileSystem):
         # per tensor (DCP flushes after each item) and large ones into one.
         buffered = io.BufferedWriter(stream, buffer_size=BUFFER_BYTES)
         try:
-            yield buffered  # type: ignore[misc]
+            yield buffered
             if not buffered.closed:  # DCP closes it when done (which flushes it)
                 buffered.close()
             raw.flush()

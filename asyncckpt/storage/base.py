@@ -101,9 +101,12 @@ class Store(Protocol):
         locally; an object store uploads them here)."""
         ...
 
-    def publish(self, staged: Path, name: str) -> None:
+    def publish(
+        self, staged: Path, name: str, on_bytes: Callable[[int], None] | None = None
+    ) -> int | None:
         """Make the sealed ``staged`` visible as committed ``name``, atomically; refuses
-        (``FileExistsError``) when ``name`` is committed already."""
+        (``FileExistsError``) when ``name`` is committed already. A store that copies bytes
+        (an upload) reports them to ``on_bytes`` and returns how many; a rename returns None."""
         ...
 
     def discard(self, staged: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -323,7 +324,7 @@ class FsspecStore:
                 rel,
                 want,
                 sizes.get(rel),
-                None if quick else (lambda alg, rel=rel: read_checksum(rel, alg)),
+                None if quick else functools.partial(read_checksum, rel),
             )
             if problem is not None:
                 problems.append(problem)

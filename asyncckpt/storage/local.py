@@ -152,7 +152,9 @@ class LocalStore:
         localfs.fsync_dir(staged)
         return 0
 
-    def publish(self, staged: Path, name: str) -> None:
+    def publish(
+        self, staged: Path, name: str, on_bytes: Callable[[int], None] | None = None
+    ) -> None:
         """Atomic rename to ``name`` (refused if it exists), then fsync of the root."""
         final = self.root / name
         if os.path.lexists(final):

@@ -241,7 +241,7 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
     identity = tier.identity()
     record = _read_record(spool)
     same = record is not None and record.get("store") == identity
-    published = set(record.get("published") or []) if same else set()
+    published = set(record.get("published") or []) if record is not None and same else set()
     remote = {c.step for c in store.committed(layout)}
     newest = max(remote, default=-1)
     moved = []
