@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch.multiprocessing as tmp
 
-from . import faults
+from . import faults, memory_tier
 from . import layout as _layout
 from . import messages as M
 from .errors import (
@@ -193,6 +193,8 @@ class EngineOptions:
     spool: str | os.PathLike | None = None  # a URL root's local directory (default: temp dir)
     export: Any = None  # export.HFExport: safetensors of a component every N steps
     durable_within: float | None = None  # seconds from save() to durable (throttle.py)
+    memory_every_steps: int | None = None  # due(step) says "memory" (memory_tier.py)
+    persist_memory_on_close: bool = False  # close() writes the held memory checkpoint
 
 
 class _Core(WorkerSupervision):
@@ -273,6 +275,10 @@ class _Core(WorkerSupervision):
         # The last state's flattening, replayed while its structure holds (flatplan.py).
         self.flatten_cache = FlattenCache()
         self.slot_owner: dict[int, int | None] = {i: None for i in range(opts.max_in_flight)}
+        # The memory tier's bookkeeping; its two slots join self.slots at its first save.
+        self.memory = memory_tier.MemoryTier(
+            memory_tier.check_every(opts.memory_every_steps), opts.persist_memory_on_close
+        )
         self.cond = threading.Condition()
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
@@ -306,6 +312,7 @@ class _Core(WorkerSupervision):
             drain=lambda timeout: self.drain(timeout=timeout),
             stop=lambda: self.stop(drain=False),
             in_flight=lambda: len(self.inflight),
+            before_drain=lambda: memory_tier.persist(self, memory_tier.PREEMPTION),
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -379,6 +386,8 @@ class _Core(WorkerSupervision):
         if not self.started:
             return
         try:
+            if drain and self.memory.persist_on_close:
+                memory_tier.persist(self, memory_tier.CLOSE)
             if drain:
                 self.drain(progress=True)
         finally:
@@ -401,6 +410,7 @@ class _Core(WorkerSupervision):
             for slot in self.slots:
                 slot.release()
             self.link.conn.close()
+            self.link.memory.close()
             self.events_conn.close()
             if self.lock_fd is not None:
                 os.close(self.lock_fd)
@@ -461,6 +471,11 @@ class _Core(WorkerSupervision):
         if isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here
             faults.consume(msg.fault_id)
             return
+        if isinstance(msg, M.Mapped):
+            with self.cond:
+                self.link.unmapped.discard(msg.arena_id)
+                self.cond.notify_all()
+            return
         committed = False
         with self.cond:
             job_id = getattr(msg, "job_id", None)
@@ -469,6 +484,9 @@ class _Core(WorkerSupervision):
                 job.begun_at = time.monotonic()
             elif isinstance(msg, M.Released) and job:
                 self._release(job)
+            elif isinstance(msg, M.Released) and job_id is not None:
+                if self.memory.released(self.slot_owner, job_id):  # a memory slot let go
+                    self.cond.notify_all()
             elif isinstance(msg, M.Committed) and job:
                 self._committed(msg.job_id, job, msg.stats)
                 committed = True
@@ -725,11 +743,15 @@ class _Core(WorkerSupervision):
                     f"step {other})"
                 )
 
+    def disk_slots(self) -> list[int]:
+        """The staging slots of disk saves (the memory tier's are memory_tier's to hand out)."""
+        return [i for i in self.slot_owner if i not in self.memory.slots]
+
     def acquire_slot(self, key: tuple, block: bool = True) -> int | None:
         """A free staging slot, preferring one already laid out for ``key``."""
         with self.cond:
             while True:
-                free = [i for i, o in self.slot_owner.items() if o is None]
+                free = [i for i in self.disk_slots() if self.slot_owner[i] is None]
                 if free:
                     same = [i for i in free if self.slots[i].key == key]
                     slot = (same or free)[0]
@@ -906,21 +928,7 @@ class _Core(WorkerSupervision):
             self._fail_unsent(handle, err)
             return handle
         faults.point("after_stage")
-        prune = None
-        if self.local_keep is not None and self.prunes_here:
-            prune = PruneRequest(
-                policy=self.local_keep,
-                # The commit of a newer step ends the protection of the resumed-from one.
-                resumed_from=(
-                    self.resumed_from
-                    if self.resumed_from is not None
-                    and (self.resumed_from >= step or self.opts.keep_resumed == "run")
-                    else None
-                ),
-                pinned=tuple(self.pinned),
-                run_id=self.run_id,
-                scope=self.opts.prune_scope,
-            )
+        prune = self.prune_request(step)
         with self.cond:
             self.next_job += 1
             job_id = self.next_job
@@ -993,8 +1001,46 @@ class _Core(WorkerSupervision):
         finally:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
             self.preemption.run_deferred()
+        self.wait_mapped(slot, link)
         handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
+
+    def wait_mapped(self, slot: StagingSlot, link: WorkerLink) -> None:
+        """Until the worker has received (mapped) the slot's arenas: it fetches their shared
+        memory from this process, so a save must not return before (invariant 12). Once per
+        slot layout; a worker that dies meanwhile fails the save its own way."""
+        with self.cond:
+            while set(slot.arena_ids) & link.unmapped:
+                if link is not self.link or not self.started:
+                    return
+                self.cond.wait(0.5)
+
+    def track(self, job: SaveJob, slot: int) -> SaveHandle:
+        """A job sent outside ``save`` (the memory tier writing the checkpoint it holds): in
+        flight like any save, its slot the write's until released. Called with cond held."""
+        handle = SaveHandle(job.step, SaveStats(job.step, saved_at=job.saved_at))
+        handle._staged.set()
+        self.slot_owner[slot] = job.job_id
+        self.inflight[job.job_id] = _InFlight(handle, slot, time.monotonic(), attempt=job.attempt)
+        return handle
+
+    def prune_request(self, step: int) -> PruneRequest | None:
+        """What the worker prunes after committing ``step`` (None: nothing, or not this rank)."""
+        if self.local_keep is None or not self.prunes_here:
+            return None
+        return PruneRequest(
+            policy=self.local_keep,
+            # The commit of a newer step ends the protection of the resumed-from one.
+            resumed_from=(
+                self.resumed_from
+                if self.resumed_from is not None
+                and (self.resumed_from >= step or self.opts.keep_resumed == "run")
+                else None
+            ),
+            pinned=tuple(self.pinned),
+            run_id=self.run_id,
+            scope=self.opts.prune_scope,
+        )
 
     @contextlib.contextmanager
     def _sending(self) -> Iterator[None]:
@@ -1019,6 +1065,8 @@ class _Core(WorkerSupervision):
                 link.specs = {k for k in link.specs if aid not in k}
         for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
             if aid not in link.arenas:
+                with self.cond:
+                    link.unmapped.add(aid)
                 M.send(link.conn, M.encode(M.Arena(aid, arena)))
                 link.arenas.add(aid)
         # Where each tensor sits in the arenas depends only on the layout: sent once with
@@ -1033,7 +1081,7 @@ class _Core(WorkerSupervision):
         flat = self.prepare_state(state)
         pin = any(t.is_cuda for t in flat.tensors.values())
         with self.cond:
-            free = [i for i, o in self.slot_owner.items() if o is None]
+            free = [i for i in self.disk_slots() if self.slot_owner[i] is None]
         for i in free:
             self.slots[i].ensure(flat.tensors, pin)
             if self.started:
@@ -1142,6 +1190,13 @@ def _default_spool(tier: RemoteTier) -> Path:
     scheme, rest = tier.url.split("://", 1)
     parts = [p for p in rest.split("/") if p not in ("", ".", "..")] or ["root"]
     return base.joinpath(scheme, *parts[:-1], f"{parts[-1]}-{tier.spool_key()}")
+
+
+def _check_tier(tier: Any, overlap: bool) -> str:
+    tier = memory_tier.check_tier(tier)
+    if tier == "memory" and overlap:
+        raise ValueError("a memory save copies while save() blocks: overlap=True is for disk")
+    return tier
 
 
 def _check_overlap(overlap: Any) -> bool:
@@ -1320,6 +1375,8 @@ class CheckpointEngine:
         spool: str | os.PathLike | None = None,
         export: HFExport | None = None,
         durable_within: float | None = None,
+        memory_every_steps: int | None = None,
+        persist_memory_on_close: bool = False,
     ) -> None:
         self._core = _Core(
             root,
@@ -1353,6 +1410,8 @@ class CheckpointEngine:
                 spool=spool,
                 export=export,
                 durable_within=durable_within,
+                memory_every_steps=memory_every_steps,
+                persist_memory_on_close=persist_memory_on_close,
             ),
         )
 
@@ -1438,8 +1497,13 @@ class CheckpointEngine:
         metadata: dict[str, Any] | None = None,
         *,
         overlap: bool = False,
+        tier: str = "disk",
     ) -> SaveHandle:
         """Stage ``state`` and return once it is safe to mutate; the write goes on behind.
+
+        ``tier="memory"``: only the copy; the worker keeps it (the newest memory save) and
+        writes it only if the trainer dies, on SIGTERM, or at close with
+        ``persist_memory_on_close=True`` (memory_tier.py). Its handle completes at once.
 
         ``metadata``: a small JSON object (<= 64 KiB) stored in the checkpoint's manifest and
         shown by ``list_checkpoints`` and ``python -m asyncckpt ls``.
@@ -1451,9 +1515,12 @@ class CheckpointEngine:
         """
         core = self._core
         overlap = _check_overlap(overlap)  # before a slot is reserved
+        tier = _check_tier(tier, overlap)
         if core.staging_busy():  # one copy at a time: the previous overlapped save's first
             await anyio.to_thread.run_sync(core.wait_staged)
         pending = core.begin_save(step, state, metrics, metadata)
+        if tier == "memory":
+            return memory_tier.save(core, pending)
         if not core.take_slot(pending, block=False):
             await anyio.to_thread.run_sync(core.take_slot, pending)
         return core.finish_save(pending, overlap=overlap)
@@ -1475,6 +1542,14 @@ class CheckpointEngine:
     def should_save(self, step: int, *, force: bool = False) -> bool:
         """True when the schedule (every N steps / H seconds / preemption) says to save."""
         return self._core.schedule.should_save(step, force=force)
+
+    def due(self, step: int, *, force: bool = False) -> str | None:
+        """Which save is due at ``step``: ``"disk"`` when ``should_save`` says so (it is asked,
+        with its effects), else ``"memory"`` every ``memory_every_steps``, else None.
+        ``tier = engine.due(step); if tier: engine.save(step, state, tier=tier)``."""
+        if self._core.schedule.should_save(step, force=force):
+            return "disk"
+        return "memory" if self._core.memory.due(step) else None
 
     def protect(self, step: int) -> None:
         """Never prune ``step``, whatever the retention policy."""

@@ -42,7 +42,10 @@ class WorkerLink:
     so nothing is assumed of it that was sent to the one before."""
 
     conn: Any = None
+    memory: Any = None  # the memory tier's pipe (memory_tier.py: Hold messages)
+    memory_paths: Any = None  # the paths the last Hold carried
     arenas: set[int] = field(default_factory=set)
+    unmapped: set[int] = field(default_factory=set)  # sent, and no Mapped back yet
     specs: set[tuple[int, ...]] = field(default_factory=set)
     paths: Any = None
 
@@ -109,6 +112,7 @@ class WorkerSupervision:
         ctx = tmp.get_context("spawn")
         jobs_r, jobs_w = ctx.Pipe(duplex=False)
         events_r, events_w = ctx.Pipe(duplex=False)
+        memory_r, memory_w = ctx.Pipe(duplex=False)
         config = WorkerConfig(
             root=str(self.root),
             layout=self.layout,
@@ -127,7 +131,7 @@ class WorkerSupervision:
         )
         proc = ctx.Process(
             target=worker_main,
-            args=(config, jobs_r, events_w, self.write_pause),
+            args=(config, jobs_r, events_w, self.write_pause, memory_r),
             name=f"asyncckpt-worker-{self.opts.rank}",
             daemon=True,
         )
@@ -137,8 +141,11 @@ class WorkerSupervision:
             proc.start()
         jobs_r.close()
         events_w.close()
+        memory_r.close()
+        if self.link.memory is not None:
+            self.link.memory.close()  # the dead worker's
         self.proc, self.events_conn = proc, events_r
-        self.link = WorkerLink(jobs_w)
+        self.link = WorkerLink(jobs_w, memory_w)
         self.last_event_at = time.monotonic()
 
     def _wait_ready(self) -> None:

@@ -9,7 +9,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .engine import CheckpointEngine, SaveHandle, _check_overlap
+from . import memory_tier
+from .engine import CheckpointEngine, SaveHandle, _check_overlap, _check_tier
 
 
 class SyncCheckpointEngine(CheckpointEngine):
@@ -40,11 +41,15 @@ class SyncCheckpointEngine(CheckpointEngine):
         metadata: dict[str, Any] | None = None,
         *,
         overlap: bool = False,
+        tier: str = "disk",
     ) -> SaveHandle:
         core = self._core
         overlap = _check_overlap(overlap)  # before a slot is reserved
+        tier = _check_tier(tier, overlap)
         core.wait_staged()  # one copy at a time: the previous overlapped save's first
         pending = core.begin_save(step, state, metrics, metadata)
+        if tier == "memory":
+            return memory_tier.save(core, pending)
         core.take_slot(pending)
         return core.finish_save(pending, overlap=overlap)
 
