@@ -199,10 +199,14 @@ def save(core: Any, pending: Any) -> Any:
         torn = modified_since(flat.tensors, pending.versions)
         if torn:  # invariant 13, as for a disk save: a torn slot is never held
             cause = StateModifiedWhileStaging(torn)
-            raise SaveFailed(
+            err = SaveFailed(
                 f"memory save of step {step} failed: the state changed while it was staged "
                 f"({cause}); the worker still holds the previous memory checkpoint"
-            ) from cause
+            )
+            err.__cause__ = cause
+            core.unreserve(i)
+            core._fail_unsent(handle, err)
+            return handle
         faults.point("after_stage")
         from .worker import SaveJob
 
@@ -286,6 +290,7 @@ def persist(core: Any, reason: str) -> Any:
     mem = core.memory
     if mem.held is None or mem.held_link is not core.link:
         return None
+    core.wait_staged()  # an overlapped save's thread may be sending: never two at once
     dirs = core.restorer.committed()
     newest = dirs[-1].step if dirs else None
     with core.cond:

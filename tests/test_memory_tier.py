@@ -286,3 +286,27 @@ def test_memory_saves_go_on_while_the_worker_writes_and_after_it_died(tmp_path):
         for step in (6, 7, 8):
             engine.save(step, state, tier="memory")
     assert not list(tmp_path.glob("global_step_*"))
+
+
+def test_a_torn_memory_save_fails_and_the_previous_one_stays_held(tmp_path, monkeypatch):
+    """Invariant 13 for the memory tier: a tensor written in place while a memory save copies
+    fails it (nothing is handed to the worker), and the previous one is still what is held."""
+    from test_overlap import Gate, mutate_from_a_thread
+
+    from asyncckpt import SaveFailed, StateModifiedWhileStaging
+
+    state = state_at(1)
+    with SyncCheckpointEngine(tmp_path, keep=None, persist_memory_on_close=True) as engine:
+        engine.save(2, state, tier="memory")
+        Gate(monkeypatch, during=mutate_from_a_thread(state["w"]))
+        h = engine.save(3, state, tier="memory")
+        assert isinstance(h.exception(), SaveFailed)
+        assert isinstance(h.exception().__cause__, StateModifiedWhileStaging)
+        assert engine._core.memory.held.step == 2
+        monkeypatch.undo()
+        with pytest.raises(SaveFailed, match="an earlier save failed"):
+            engine.save(4, state, tier="memory")
+    # Closing with persist_memory_on_close writes the one held: step 2, whole.
+    step, target = load(tmp_path)
+    assert step == 2
+    assert_same(target, state_at(1))
