@@ -310,3 +310,22 @@ def test_a_torn_memory_save_fails_and_the_previous_one_stays_held(tmp_path, monk
     step, target = load(tmp_path)
     assert step == 2
     assert_same(target, state_at(1))
+
+
+@pytest.mark.anyio
+async def test_the_async_engine_takes_the_tier_too(tmp_path):
+    from asyncckpt import CheckpointEngine
+
+    engine = CheckpointEngine(
+        tmp_path, keep=None, memory_every_steps=2, persist_memory_on_close=True
+    )
+    async with engine:
+        for step in range(1, 6):
+            tier = engine.due(step)
+            if tier:
+                h = await engine.save(step, state_at(step), tier=tier)
+                assert h.done()  # a memory save's handle completes at once
+        assert not list(tmp_path.glob("global_step_*"))  # nothing written yet
+    step, target = load(tmp_path)
+    assert step == 4
+    assert_same(target, state_at(4))
