@@ -16,7 +16,7 @@ against ``none``; per kill: the step resumed, steps lost, and the time from the 
 to the commit the restart resumed from (a commit made by the orphaned worker after the death;
 None if what it resumed from had committed before).
 
-``python benchmarks/goodput.py [--state-mb 64 --matmul 512 --kills 155,283 --disk-every 100
+``python benchmarks/goodput.py [--state-mb 64 --matmul 1024 --kills 155,283 --disk-every 100
 --memory-every 10]``; ``--quick`` for the tests. Writes ``results/goodput.json``.
 """
 
@@ -55,6 +55,7 @@ def child(args: argparse.Namespace) -> None:
     a = torch.randn(args.matmul, args.matmul)
     root = Path(args.root)
     times: list[float] = []
+    saved: list[int] = []  # the steps that saved (their stall is in their step time)
     engine = fut = None
     if args.config in ("disk", "memory+disk"):
         from asyncckpt import KeepLast, SyncCheckpointEngine
@@ -81,12 +82,15 @@ def child(args: argparse.Namespace) -> None:
             tier = engine.due(step)
             if tier:
                 engine.save(step, state, tier=tier)
+                saved.append(step)
         elif args.config == "dcp.async_save" and step % args.disk_every == 0:
             if fut is not None:
                 fut.result()
             fut = dcp.async_save(state, checkpoint_id=str(root / f"step_{step}"))
+            saved.append(step)
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"step_seconds": times, "killed_at": time.time()}), flush=True)
+    report = {"step_seconds": times, "saved_steps": saved, "killed_at": time.time()}
+    print(json.dumps(report), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -134,6 +138,8 @@ def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> 
     report = json.loads((scratch / "child.out").read_text().splitlines()[-1])
     step, committed_at = resume(config, root, args.state_mb)
     times = report["step_seconds"]
+    saved = set(report["saved_steps"])
+    quiet = statistics.median(t for i, t in enumerate(times, 1) if i not in saved)
     after = committed_at is not None and committed_at > report["killed_at"]
     shutil.rmtree(root, ignore_errors=True)
     return {
@@ -143,6 +149,10 @@ def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> 
         "death_to_commit_s": committed_at - report["killed_at"] if after else None,
         "step_seconds_median": statistics.median(times),
         "step_seconds_mean": statistics.fmean(times),
+        # Paired: the mean step against this run's own steps that did not save (what the save
+        # calls cost; not the background write's pull on the other steps: overhead_pct has it).
+        "paired_overhead_pct": (statistics.fmean(times) / quiet - 1) * 100,
+        "saves": len(saved),
         "steps": len(times),
     }
 
@@ -150,7 +160,7 @@ def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--state-mb", type=int, default=64)
-    ap.add_argument("--matmul", type=int, default=512, help="the step's square matmul size")
+    ap.add_argument("--matmul", type=int, default=1024, help="the step's square matmul size")
     ap.add_argument("--kills", default="155,283", help="steps after which the trainer dies")
     ap.add_argument("--disk-every", type=int, default=100)
     ap.add_argument("--memory-every", type=int, default=10)
@@ -173,9 +183,13 @@ def main() -> None:
     kills = [int(k) for k in args.kills.split(",")]
     results: dict = {}
     try:
-        for config in args.configs.split(","):
-            runs = [run_one(config, k, args, scratch) for k in kills]
-            results[config] = {"runs": runs}
+        # Interleaved (every config at one kill step, then the next): the machine's load
+        # drifts, and the overhead is a comparison between configs.
+        for k in kills:
+            for config in args.configs.split(","):
+                results.setdefault(config, {"runs": []})["runs"].append(
+                    run_one(config, k, args, scratch)
+                )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     base = statistics.fmean(r["step_seconds_mean"] for r in results["none"]["runs"])
@@ -187,11 +201,13 @@ def main() -> None:
         res.update(
             step_seconds_mean=mean,
             overhead_pct=(mean / base - 1) * 100,
+            paired_overhead_pct=statistics.fmean(r["paired_overhead_pct"] for r in runs),
             steps_lost_mean=statistics.fmean(lost),
             death_to_commit_s_max=max(waits) if waits else None,
         )
         print(
-            f"{config:15s} step {mean * 1e3:7.2f} ms  overhead {res['overhead_pct']:+6.1f}%  "
+            f"{config:15s} step {mean * 1e3:7.2f} ms  overhead {res['overhead_pct']:+6.1f}% "
+            f"(paired {res['paired_overhead_pct']:+5.1f}%)  "
             f"steps lost {lost}  death -> commit {[round(w, 2) for w in waits]} s"
         )
     args.out.mkdir(parents=True, exist_ok=True)

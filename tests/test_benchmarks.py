@@ -193,7 +193,7 @@ def test_goodput_runs_and_reports_every_field(tmp_path):
     assert set(rep["results"]) == {"none", "disk", "memory+disk", "dcp.async_save"}
     for r in rep["results"].values():
         has(r, "runs", "step_seconds_mean", "overhead_pct", "steps_lost_mean")
-        has(r, "death_to_commit_s_max")
+        has(r, "death_to_commit_s_max", "paired_overhead_pct")
         for run in r["runs"]:
             has(run, "kill_step", "resumed_step", "steps_lost", "death_to_commit_s")
     # Not timings: what each config can resume from is fixed by its schedule (kill at 37).
