@@ -26,6 +26,7 @@ from .errors import (
 )
 from .formats.components import Component
 from .manifest import VerifyReport, verify
+from .options import Distributed, ObjectStore, Preemption, Retention, Schedule
 from .retention import (
     CheckpointInfo,
     KeepAll,
@@ -117,4 +118,9 @@ __all__ = [
     "HFExport",
     "RemoteTier",
     "UploadFailed",
+    "Schedule",
+    "Retention",
+    "Distributed",
+    "Preemption",
+    "ObjectStore",
 ]

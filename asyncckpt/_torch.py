@@ -111,7 +111,7 @@ def stateful_entries_as_is() -> Iterator[None]:
         fell_back("state_dict_saver._stateful_to_state_dict", "dcp.save's own pass")
         yield
         return
-    saver._stateful_to_state_dict = dict
+    saver._stateful_to_state_dict = dict  # type: ignore[assignment]  # a shallow copy, as it does
     try:
         yield
     finally:

@@ -53,7 +53,7 @@ def dcp_plan_signature(flat: Mapping[str, Any], byte_leaf: type) -> tuple | None
     """
     from .dist import LocalShard
 
-    sig = []
+    sig: list[tuple[Any, ...]] = []
     for k, v in flat.items():
         kind = type(v)
         if kind is torch.Tensor:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,15 +24,9 @@ from asyncckpt import layout as L
 from asyncckpt.errors import CheckpointError
 from asyncckpt.paths import check_local_root, is_url
 from asyncckpt.progress import RichProgress
-from asyncckpt.prune import (
-    clean_leftovers,
-    detect_layout,
-    disk_usage,
-    list_checkpoints,
-    list_quarantined,
-    prune,
-)
+from asyncckpt.prune import disk_usage, list_checkpoints, list_quarantined, prune
 from asyncckpt.retention import (
+    CheckpointInfo,
     KeepBest,
     KeepEvery,
     KeepInterval,
@@ -42,6 +35,7 @@ from asyncckpt.retention import (
     Union,
     plan_prune,
 )
+from asyncckpt.storage.local import LocalStore
 
 __all__ = ["main", "build_parser", "subcommand"]
 
@@ -78,9 +72,10 @@ def _add_root(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _store(args: argparse.Namespace) -> Any:
-    """The ``FsspecStore`` of a URL root (``--storage-option`` parsed), or a clear error."""
-    from asyncckpt.storage.fsspec_store import FsspecStore
+def _open(args: argparse.Namespace) -> tuple[Any, str]:
+    """The store of ``args.root`` (a path or a URL, ``--storage-option`` parsed) and its
+    layout, or a clear error (a missing directory, a wrong bucket)."""
+    from asyncckpt.storage import open_store
     from asyncckpt.storage.remote import UploadFailed
 
     options: dict[str, Any] = {}
@@ -92,35 +87,32 @@ def _store(args: argparse.Namespace) -> Any:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
+    if not is_url(args.root):
+        if options:
+            raise _UsageError("--storage-option is for a URL root, not a local path")
+        root = check_local_root(args.root)
+        if not root.exists():
+            raise _Failure(f"no such directory: {args.root}")
+        if not root.is_dir():
+            raise _Failure(f"not a directory: {args.root}")
     try:
-        store = FsspecStore(args.root, options)
-        bucket = store.base.split("/")[0]  # reach it now: a wrong bucket or endpoint fails here
-        if not store.fs.exists(bucket):
-            raise _Failure(f"no such bucket (or no access to it): {bucket} of {args.root}")
+        store = open_store(args.root, options)
+        if is_url(args.root):
+            bucket = store.base.split("/")[0]  # reach it now: a wrong bucket fails here
+            if not store.fs.exists(bucket):
+                raise _Failure(f"no such bucket (or no access to it): {bucket} of {args.root}")
+        layout = store.detect_layout() if args.layout == "auto" else args.layout
     except UploadFailed as e:
         raise _Failure(str(e)) from e
     except (OSError, ValueError) as e:
         raise _Failure(f"cannot read {args.root}: {e}") from e
-    return store
+    return store, layout
 
 
-def _remote_layout(args: argparse.Namespace, store: Any) -> str:
-    return store.detect_layout() if args.layout == "auto" else args.layout
-
-
-def _layout(args: argparse.Namespace) -> str:
-    root = check_local_root(args.root)  # an s3:// URL is refused, not taken for a directory
-    if not root.exists():
-        raise _Failure(f"no such directory: {args.root}")
-    if not root.is_dir():
-        raise _Failure(f"not a directory: {args.root}")
-    return detect_layout(args.root) if args.layout == "auto" else args.layout
-
-
-def _no_checkpoints(root: str, layout: str) -> str:
+def _no_checkpoints(store: Any, root: str, layout: str) -> str:
     """Why a root shows no checkpoint, with a hint when the other layout's names are there."""
     msg = f"no checkpoints found in {root} (layout {layout})"
-    others = [lay for lay in L.LAYOUTS if lay != layout and L.scan(root, lay)]
+    others = [lay for lay in L.LAYOUTS if lay != layout and store.committed(lay)]
     if others:
         msg += f"; it holds {others[0]} checkpoints (pass --layout {others[0]})"
     return msg
@@ -203,7 +195,7 @@ def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) ->
     ]
 
 
-def _quarantined(root: str, layout: str) -> list[dict[str, Any]]:
+def _quarantined(store: Any, layout: str) -> list[dict[str, Any]]:
     """Checkpoints the engine found corrupt and moved into ``<root>/.quarantine/``: no longer
     checkpoints (not listed, loaded, pruned or verified), shown so that nobody misses them."""
     return [
@@ -214,7 +206,7 @@ def _quarantined(root: str, layout: str) -> list[dict[str, Any]]:
             "quarantined_at": q.at,
             "problems": q.problems,
         }
-        for q in list_quarantined(root, layout)
+        for q in (list_quarantined(store.root, layout) if isinstance(store, LocalStore) else [])
     ]
 
 
@@ -251,44 +243,69 @@ def _step_label(step: int, tier: str | None, why: str | None) -> str:
     return f"{step} (memory: {why})" if why else f"{step} (memory)"
 
 
-def _run_ls(args: argparse.Namespace, console: Console) -> int:
-    from asyncckpt.manifest import verify
-
-    if is_url(args.root):
-        return _run_ls_url(args, console)
-    layout = _layout(args)
-    infos = list_checkpoints(args.root, layout)
+def _checked(
+    store: Any, layout: str, quick: bool
+) -> tuple[list[CheckpointInfo], dict[int, list[str]], dict[int, str]]:
+    """Every committed checkpoint of ``store``: what it is, its problems (sizes only when
+    ``quick``; every checksum otherwise) and its name, with a progress bar on a terminal."""
+    infos = list_checkpoints(store, layout)
+    names = {c.step: c.name for c in store.committed(layout)}
+    infos = [c for c in infos if c.step in names]
+    problems: dict[int, list[str]] = {}
     with _progress() as bar:
-        report = verify(args.root, layout, quick=not args.verify, progress=bar)
-    problems: dict[int, list[str]] = {c.step: c.problems for c in report.checkpoints}
-    tracker = L.read_tracker(args.root)
+        bar.begin(
+            "checking" if quick else "verifying",
+            0 if quick else sum(c.size_bytes for c in infos),
+            len(infos),
+        )
+        for c in infos:
+            problems[c.step] = store.check(names[c.step], bar.advance, quick=quick)
+            bar.checkpoint_done(c.step, not problems[c.step])
+        bar.end()
+    return infos, problems, names
+
+
+def _usage(store: Any, layout: str, infos: list[CheckpointInfo]) -> dict[str, int]:
+    if isinstance(store, LocalStore):
+        return disk_usage(store.root, layout)
+    return {"committed_bytes": sum(c.size_bytes for c in infos), "checkpoints": len(infos)}
+
+
+def _run_ls(args: argparse.Namespace, console: Console) -> int:
+    store, layout = _open(args)
+    quick = not args.verify
+    infos, problems, _ = _checked(store, layout, quick)
+    tracker = store.read_tracker()
     protected = plan_prune(infos, None, tracker_step=tracker).keep
-    leftovers = sorted(e for e in os.listdir(args.root) if L.is_leftover(e))
-    usage = disk_usage(args.root, layout)
+    leftovers = store.leftovers(layout)
+    usage = _usage(store, layout, infos)
     entries = _ls_entries(infos, problems, protected)
-    quarantined = _quarantined(args.root, layout)
+    quarantined = _quarantined(store, layout)
+    checked = "sizes" if quick else "checksums"
     if args.json:
         out = {
+            "root": str(args.root),
             "layout": layout,
             "tracker": tracker,
             "checkpoints": entries,
             "leftovers": leftovers,
             "quarantined": quarantined,
             "usage": usage,
-            "checked": "sizes" if report.quick else "checksums",
+            "checked": checked,
         }
         console.print_json(json.dumps(out))
         return 0
     rows = _ls_rows(entries)
-    checked = "sizes" if report.quick else "checksums"
     cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
     console.print(_table(f"{args.root} ({layout})", rows, cols))
     if not infos:
-        console.print(_no_checkpoints(args.root, layout))
-    console.print(
-        f"tracker: {tracker}  committed: {_human(usage['committed_bytes'])}  "
-        f"leftovers: {_human(usage['leftover_bytes'])}  free: {_human(usage['free_bytes'])}"
-    )
+        console.print(_no_checkpoints(store, args.root, layout))
+    line = f"tracker: {tracker}  committed: {_human(usage['committed_bytes'])}"
+    if "free_bytes" in usage:
+        line += (
+            f"  leftovers: {_human(usage['leftover_bytes'])}  free: {_human(usage['free_bytes'])}"
+        )
+    console.print(line)
     if tracker is not None and tracker not in {c.step for c in infos}:
         console.print(
             f"warning: the tracker names step {tracker}, which is not here", style="yellow"
@@ -385,29 +402,28 @@ def _policy(args: argparse.Namespace) -> RetentionPolicy:
     return parts[0] if len(parts) == 1 else Union(*parts)
 
 
-def _check_metric(root: str, layout: str, metric: str) -> None:
+def _check_metric(store: Any, layout: str, metric: str) -> None:
     """``--keep-best --metric NAME`` where no checkpoint reports NAME would keep nothing by it:
     certainly a typo (``val_loss`` for ``loss``); say which metrics there are instead."""
-    infos = list_checkpoints(root, layout)
+    infos = list_checkpoints(store, layout)
     if not infos or any(metric in c.metrics for c in infos):
         return
     present = sorted({k for c in infos for k in c.metrics})
     have = ", ".join(present) if present else "none (no checkpoint reports any metric)"
     raise _Failure(
-        f"no checkpoint in {root} reports the metric {metric!r} (--metric); metrics found: {have}"
+        f"no checkpoint in {store.url} reports the metric {metric!r} (--metric); metrics "
+        f"found: {have}"
     )
 
 
 def _run_prune(args: argparse.Namespace, console: Console) -> int:
     policy = _policy(args)
-    if is_url(args.root):
-        return _run_prune_url(args, console, policy)
-    layout = _layout(args)
+    store, layout = _open(args)
     if args.keep_best is not None:
-        _check_metric(args.root, layout, args.metric)
+        _check_metric(store, layout, args.metric)
     with _progress() as bar:
         result = prune(
-            args.root,
+            store,
             layout,
             policy,
             dry_run=args.dry_run,
@@ -419,13 +435,14 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
     err = Console(stderr=True, markup=False, soft_wrap=True)
     for message in result.warnings.values():
         err.print(f"warning: {message}", style="yellow")
-    cleaned = clean_leftovers(args.root) if args.clean_leftovers and not args.dry_run else []
+    cleaned = store.clean_leftovers(layout) if args.clean_leftovers and not args.dry_run else []
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
         out = {
             "policy": repr(policy),
             "dry_run": args.dry_run,
             "deleted": result.deleted,
+            "would_delete": result.deleted if args.dry_run else [],
             "already_gone": result.gone,
             "kept": {str(k): v for k, v in result.kept.items()},
             "errors": {str(k): v for k, v in result.errors.items()},
@@ -462,27 +479,36 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_verify)
 
 
-def _run_verify(args: argparse.Namespace, console: Console) -> int:
-    from asyncckpt.manifest import verify
+def _tracker_problem(store: Any, tracker: int | None, steps: set[int]) -> str | None:
+    if tracker is None:
+        return f"{L.TRACKER} is not a step number" if store.has_tracker() else None
+    if tracker not in steps:
+        return f"{L.TRACKER} names step {tracker}, which is not committed"
+    return None
 
-    if is_url(args.root):
-        return _run_verify_url(args, console)
-    layout = _layout(args)
-    with _progress() as bar:
-        report = verify(args.root, layout, progress=bar)
-    if not report.checkpoints and not args.json:
-        raise _Failure(_no_checkpoints(args.root, layout))
+
+def _run_verify(args: argparse.Namespace, console: Console) -> int:
+    store, layout = _open(args)
+    infos, problems, names = _checked(store, layout, quick=False)
+    if not infos and not args.json:
+        raise _Failure(_no_checkpoints(store, args.root, layout))
     checkpoints = [
-        {"step": c.step, "path": str(c.path), "ok": c.ok, "problems": c.problems}
-        for c in report.checkpoints
+        {
+            "step": c.step,
+            "path": store.url_of(names[c.step]),
+            "ok": not problems[c.step],
+            "problems": problems[c.step],
+        }
+        for c in infos
     ]
+    tracker = store.read_tracker()
     code = _print_verify(
-        args, console, str(report.root), report.layout, checkpoints,
-        report.tracker_step, report.tracker_problem, report.leftovers,
-        quarantined=_quarantined(args.root, layout),
+        args, console, store.url, layout, checkpoints, tracker,
+        _tracker_problem(store, tracker, {c.step for c in infos}), store.leftovers(layout),
+        quarantined=_quarantined(store, layout),
     )  # fmt: skip
-    if not report.checkpoints:
-        raise _Failure(_no_checkpoints(args.root, layout))
+    if not infos:
+        raise _Failure(_no_checkpoints(store, args.root, layout))
     return code
 
 
@@ -538,133 +564,6 @@ def _print_verify(
     return 1
 
 
-# ------------------------------------------------------------------ URL roots (object stores)
-# A checkpoint there is committed exactly when its marker exists (storage/fsspec_store.py):
-# these list, check and prune only those; prefixes without one are shown as leftovers.
-
-
-def _url_rows(args: argparse.Namespace, quick: bool) -> tuple[Any, str, list, dict, int | None]:
-    from asyncckpt.storage.remote import remote_infos
-
-    store = _store(args)
-    layout = _remote_layout(args, store)
-    infos = remote_infos(store, layout)
-    with _progress() as bar:
-        bar.begin(
-            "checking" if quick else "verifying", sum(c.size_bytes for c in infos), len(infos)
-        )
-        problems = {}
-        for c in infos:
-            problems[c.step] = store.check(L.dir_name(layout, c.step), bar.advance, quick=quick)
-            bar.checkpoint_done(c.step, not problems[c.step])
-        bar.end()
-    return store, layout, infos, problems, store.read_tracker()
-
-
-def _run_ls_url(args: argparse.Namespace, console: Console) -> int:
-    store, layout, infos, problems, tracker = _url_rows(args, quick=not args.verify)
-    protected = plan_prune(infos, None, tracker_step=tracker).keep
-    leftovers = store.leftovers(layout)
-    checked = "checksums" if args.verify else "sizes"
-    entries = _ls_entries(infos, problems, protected)
-    if args.json:
-        out = {
-            "root": args.root,
-            "layout": layout,
-            "tracker": tracker,
-            "checkpoints": entries,
-            "leftovers": leftovers,
-            "checked": checked,
-        }
-        console.print_json(json.dumps(out))
-        return 0
-    rows = _ls_rows(entries)
-    cols = ("step", "committed", "size", "metrics", "metadata", f"status ({checked})", "protected")
-    console.print(_table(f"{args.root} ({layout})", rows, cols))
-    if not infos:
-        console.print(f"no committed checkpoints in {args.root} (layout {layout})")
-    console.print(f"tracker: {tracker}  committed: {_human(sum(c.size_bytes for c in infos))}")
-    for name in leftovers:
-        console.print(f"leftover (no commit marker): {name}")
-    return 0
-
-
-def _run_verify_url(args: argparse.Namespace, console: Console) -> int:
-    store, layout, infos, problems, tracker = _url_rows(args, quick=False)
-    if not infos:
-        raise _Failure(f"no committed checkpoints in {args.root} (layout {layout})")
-    steps = {c.step for c in infos}
-    tracker_problem = (
-        None
-        if tracker in steps
-        else f"names step {tracker}, which is not committed there"
-        if tracker is not None
-        else "missing"
-    )
-    checkpoints = [
-        {"step": c.step, "ok": not problems[c.step], "problems": problems[c.step]} for c in infos
-    ]
-    return _print_verify(
-        args, console, args.root, layout, checkpoints, tracker, tracker_problem,
-        store.leftovers(layout),
-    )  # fmt: skip
-
-
-def _run_prune_url(args: argparse.Namespace, console: Console, policy: RetentionPolicy) -> int:
-    from asyncckpt.storage.remote import remote_infos
-
-    store = _store(args)
-    layout = _remote_layout(args, store)
-    infos = remote_infos(store, layout)
-    if args.keep_best is not None and infos and not any(args.metric in c.metrics for c in infos):
-        present = sorted({k for c in infos for k in c.metrics}) or "none"
-        raise _Failure(
-            f"no checkpoint in {args.root} reports the metric {args.metric!r} (--metric); "
-            f"metrics found: {present}"
-        )
-    tracker = store.read_tracker()
-    newest = max((c.step for c in infos), default=None)
-    if tracker != newest and not args.allow_tracker_lag:
-        raise _Failure(
-            f"the tracker of {args.root} names step {tracker}, not the newest ({newest}): an "
-            "upload may be in progress; pass --allow-tracker-lag if none is"
-        )
-    plan = plan_prune(infos, policy, tracker_step=tracker)
-    if plan.delete and not args.no_verify and not args.dry_run:
-        # Never delete while no kept checkpoint is good: read the kept ones, newest first.
-        kept = sorted(plan.keep, reverse=True)
-        with _progress() as bar:
-            if not any(not store.check(L.dir_name(layout, s), bar.advance) for s in kept):
-                raise _Failure(
-                    f"no kept checkpoint in {args.root} verifies ({kept}); deleted nothing"
-                )
-    deleted = []
-    if not args.dry_run:
-        for s in plan.delete:
-            store.delete(L.dir_name(layout, s))
-            deleted.append(s)
-    cleaned = store.clean_leftovers(layout) if args.clean_leftovers and not args.dry_run else []
-    verb = "would delete" if args.dry_run else "deleted"
-    if args.json:
-        out = {
-            "policy": repr(policy),
-            "dry_run": args.dry_run,
-            "deleted": deleted,
-            "would_delete": plan.delete if args.dry_run else [],
-            "kept": {str(k): v for k, v in plan.keep.items()},
-            "cleaned": cleaned,
-        }
-        console.print_json(json.dumps(out))
-        return 0
-    console.print(f"policy: {policy!r}")
-    rows = [(str(s), ", ".join(r)) for s, r in plan.keep.items()]
-    console.print(_table("kept", rows, ("step", "why")))
-    console.print(f"{verb}: {', '.join(map(str, plan.delete)) or 'nothing'}")
-    for name in cleaned:
-        console.print(f"removed leftover: {name}")
-    return 0
-
-
 @subcommand
 def _add_stats(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -696,15 +595,13 @@ def _rate(x: float | None) -> str:
 def _run_stats(args: argparse.Namespace, console: Console) -> int:
     from asyncckpt.stats import plot_stats, read_stats, summarize
 
-    if is_url(args.root):
-        layout, records = _url_stats(args)
-    else:
-        layout = _layout(args)
+    store, layout = _open(args)
+    if isinstance(store, LocalStore):
         records = read_stats(args.root, layout)
+    else:
+        records = _url_stats(store, layout)
     if not records:
-        if is_url(args.root):
-            raise _Failure(f"no committed checkpoints in {args.root} (layout {layout})")
-        raise _Failure(_no_checkpoints(args.root, layout))
+        raise _Failure(_no_checkpoints(store, args.root, layout))
     summary = summarize(records)
     plotted = None
     if args.plot:
@@ -754,12 +651,10 @@ def _run_stats(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _url_stats(args: argparse.Namespace) -> tuple[str, list]:
+def _url_stats(store: Any, layout: str) -> list:
     """The recorded figures of a URL root's committed checkpoints (their manifests only)."""
     from asyncckpt.stats import RecordedStats, record_from_manifest
 
-    store = _store(args)
-    layout = _remote_layout(args, store)
     records = []
     for c in store.committed(layout):
         where = store.url_of(c.name)  # a URL, not a Path: Path() would lose a '/'
@@ -772,7 +667,7 @@ def _url_stats(args: argparse.Namespace) -> tuple[str, list]:
             records.append(RecordedStats(c.step, where, error="manifest is not an object"))
             continue
         records.append(record_from_manifest(c.step, where, manifest))
-    return layout, records
+    return records
 
 
 def build_parser() -> argparse.ArgumentParser:

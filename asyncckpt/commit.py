@@ -1,105 +1,112 @@
-"""Commit: the only step that makes a checkpoint visible, and the cleanup of crashes.
+"""Commit: the only step that makes a checkpoint visible, written once over a ``Store``.
 
-Order (invariant 1): shards and manifest fsynced in the temporary directory -> fsync of that
-directory -> atomic rename to the final name -> fsync of the root -> tracker rewritten
-atomically (temp file, fsync, rename, fsync of the root). A crash anywhere leaves either the
-old state or the new one, plus leftovers that ``clean_leftovers`` removes at the next start.
+Order (invariant 1): files durable in a temporary -> ``seal`` (locally the fsync of the
+temporary directory; on an object store the upload of every file) -> ``publish`` (an atomic
+rename to the final name and the fsync of the root; on an object store the marker, last) ->
+tracker rewritten, forward only (temp file, fsync, rename, fsync of the root). A crash anywhere
+leaves either the old state or the new one, plus leftovers that ``clean_leftovers`` removes at
+the next start.
+
+The same order serves the worker (``commit_step``), the trainer finishing a commit its worker
+left before the tracker (``finish_commit``), the remote tier (``publish_committed``) and the HF
+export (through the same store primitives, ``export.py``). The fault points (docs/faults.md)
+are announced here, between the store's primitives, under the names ``store.points`` gives.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import shutil
-import stat
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from . import faults
-from . import layout as _layout
-from .manifest import fsync_dir
+from .storage.base import Store
+from .storage.local import LocalStore
+from .storage.localfs import fsync_dir, new_token, remove_tree, write_synced
+
+__all__ = [
+    "commit_step",
+    "finish_commit",
+    "new_token",
+    "publish",
+    "publish_committed",
+    "remove_tree",
+    "rename_into_place",
+    "write_synced",
+    "write_tracker",
+    "advance_tracker",
+]
 
 
-def new_token() -> str:
-    return uuid.uuid4().hex[:12]
+def _store(root: Store | Path | str) -> Store:
+    return root if isinstance(root, Store) else LocalStore(root)
 
 
-def write_synced(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` and fsync it (the directory is fsynced by the commit)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def publish(
+    store: Store, staged: Path, name: str, on_file: Callable[[int], None] | None = None
+) -> int:
+    """Seal ``staged`` and publish it as ``name``: the commit proper without its tracker."""
+    point = store.points.file
+    hook = on_file
+    if point is not None:
+
+        def hook(size: int) -> None:
+            if on_file is not None:
+                on_file(size)
+            faults.point(point)
+
+    nbytes = store.seal(staged, name, hook)
+    if store.points.publish is not None:
+        faults.point(store.points.publish)
+    store.publish(staged, name)
+    return nbytes
 
 
 def commit_step(
-    root: Path, layout: str, step: int, tmp_dir: Path, final_dir: Path, manifest: dict
+    root: Store | Path, layout: str, step: int, tmp_dir: Path, final_dir: Path, manifest: dict
 ) -> None:
-    """The commit proper, one path for one rank and many (rank 0 runs it once every rank's
-    shards are durable in ``tmp_dir``): manifest, atomic rename, tracker."""
+    """The commit, one path for one rank and many (rank 0 runs it once every rank's shards
+    are durable in ``tmp_dir``): manifest, seal, publish, tracker."""
     from .manifest import write_manifest
 
+    store = _store(root)
     write_manifest(tmp_dir, manifest)
-    rename_into_place(tmp_dir, final_dir)
-    write_tracker(root, layout, step)
+    publish(store, tmp_dir, final_dir.name)
+    write_tracker(store, layout, step)
 
 
 def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:
     """Atomically publish ``tmp_dir`` as ``final_dir`` (which must not exist)."""
-    fsync_dir(tmp_dir)
-    faults.point("before_rename")
-    if final_dir.exists():
-        raise FileExistsError(errno.EEXIST, "checkpoint already committed", str(final_dir))
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    publish(LocalStore(final_dir.parent), tmp_dir, final_dir.name)
 
 
-def write_tracker(root: Path, layout: str, step: int) -> bool:
-    """Point the tracker file(s) at ``step``, forward only; False if it names a newer step.
-
-    Temp file, fsync, rename, fsync of the root. A tracker is never moved back from a newer
-    committed checkpoint (an older step saved with ``allow_older_steps``, or a commit the
-    trainer finishes after its worker died): readers of the tracker resume from the newest.
-    """
-    faults.point("before_tracker")
-    return advance_tracker(root, layout, step)
+def write_tracker(root: Store | Path, layout: str, step: int) -> bool:
+    """Point the tracker file(s) at ``step``, forward only; False if it names a newer step."""
+    store = _store(root)
+    if store.points.tracker is not None:
+        faults.point(store.points.tracker)
+    return store.write_tracker(layout, step)
 
 
-def advance_tracker(root: Path, layout: str, step: int) -> bool:
-    """``write_tracker`` without its fault point (the trainer finishing a dead worker's commit)."""
-    current = _layout.read_tracker(root)
-    if (
-        current is not None
-        and current > step
-        # A tracker naming a step that is not there (deleted by hand) protects nothing.
-        and (root / _layout.dir_name(layout, current)).is_dir()
-    ):
-        return False
-    for name in _layout.tracker_names(layout):
-        tmp = root / f"{_layout.TMP_PREFIX}{name}-{new_token()}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"{step}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, root / name)
-        except BaseException:
-            # A full disk (ENOSPC) fails the write or the fsync: the temporary must not
-            # stay in the root until the next start.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    fsync_dir(root)
-    return True
+def finish_commit(root: LocalStore | Path, layout: str, step: int) -> bool:
+    """The last step of a commit its worker left (renamed into place, no tracker yet), done by
+    the trainer: the root's names made durable, then the tracker, forward only. No fault point
+    fires (the worker's ``before_tracker`` is what left it)."""
+    store = root if isinstance(root, LocalStore) else LocalStore(root)
+    fsync_dir(store.root)  # the rename is durable before the tracker names it
+    return store.write_tracker(layout, step)
 
 
-def remove_tree(path: Path) -> None:
-    """Remove ``path`` without following symlinks: a link or file is unlinked, a real
-    directory removed (on Linux ``shutil.rmtree`` walks directory file descriptors, so a
-    directory swapped for a link mid-walk cannot redirect it either)."""
-    st = os.lstat(path)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
+def advance_tracker(root: Store | Path, layout: str, step: int) -> bool:
+    """``write_tracker`` without its fault point."""
+    return _store(root).write_tracker(layout, step)
+
+
+def publish_committed(
+    store: Store, local_dir: Path, name: str, layout: str, step: int | None
+) -> int:
+    """Publish a checkpoint committed in a local root to another store (the remote tier):
+    seal (upload), publish (marker last), and, with ``step``, its tracker. Returns the bytes."""
+    nbytes = publish(store, local_dir, name)
+    if step is not None:
+        write_tracker(store, layout, step)
+    return nbytes

@@ -24,7 +24,7 @@ import logging
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 log = logging.getLogger("asyncckpt.directio")
 
@@ -148,7 +148,7 @@ class DirectFile(io.RawIOBase):
                 self._buf.close()
 
 
-def open_for_write(path: str | os.PathLike, *, direct: bool) -> io.RawIOBase | io.BufferedWriter:
+def open_for_write(path: str | os.PathLike, *, direct: bool) -> io.RawIOBase | BinaryIO:
     """A binary file for a shard: ``DirectFile`` if asked and the filesystem allows it, else
     a buffered file (with a 1 MiB buffer)."""
     if direct and _O_DIRECT:

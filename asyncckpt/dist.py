@@ -134,13 +134,13 @@ class Rendezvous:
         td = datetime.timedelta(seconds=timeout)
         initialised = dist.is_available() and dist.is_initialized()
         if store is None and not initialised:
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not addr or not port:
+            addr, master_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not master_port:
                 raise ValueError(
                     "a multi-rank engine needs torch.distributed initialised, store=(host, port), "
                     "or MASTER_ADDR and MASTER_PORT in the environment"
                 )
-            store = (addr, int(port) + 1)
+            store = (addr, int(master_port) + 1)
         if rank == 0:
             self.listener = _listen()
             port = self.listener.getsockname()[1]
@@ -284,6 +284,9 @@ class LocalShard(torch.Tensor):
     The global tensor is ``global_shape``; this rank holds ``pieces[i]`` at ``offsets[i]``.
     The pieces are plain tensors (views into the worker's staging arena).
     """
+
+    _pieces: list[torch.Tensor]
+    _offsets: list[torch.Size]
 
     @staticmethod
     def __new__(cls, pieces: Sequence[torch.Tensor], info: ShardInfo) -> LocalShard:

@@ -28,7 +28,6 @@ directory the worker publishes.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -54,6 +53,9 @@ from .manifest import (
     write_manifest,
 )
 from .paths import is_url
+from .storage import localfs
+from .storage.base import FaultPoints, StoredCheckpoint
+from .storage.local import LocalStore
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -565,23 +567,6 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return header
 
 
-def _makedirs_synced(path: Path) -> None:
-    """``mkdir -p``, each new directory's name made durable."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir()
-        except FileExistsError:
-            continue  # made meanwhile by someone else
-        fsync_dir(d.parent)
-    if not path.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
-
-
 def _leftover_re(name: str) -> re.Pattern[str]:
     """A temporary or trash entry of the export named ``name`` (``new_token``: 12 hex)."""
     escaped = re.escape(name)
@@ -604,19 +589,18 @@ class _Staged:
     def __init__(self, final: Path, base: Path | None = None) -> None:
         self.final = final
         if base is not None:
-            _makedirs_synced(base)
+            localfs.makedirs_synced(base)
         top = final
         while top.parent != base and top.parent != top and not os.path.lexists(top.parent):
             top = top.parent
-        _makedirs_synced(top.parent)
+        localfs.makedirs_synced(top.parent)
         self.top = top
         self.tmp = top.parent / f"{_layout.TMP_PREFIX}{top.name}-{new_token()}"
-        self.tmp.mkdir()
+        localfs.mkdir(self.tmp)
         self.dir = self.tmp.joinpath(*final.relative_to(top).parts)  # where the files go
         self._fd: int | None = None
         try:
-            self._fd = os.open(self.tmp, os.O_RDONLY | os.O_DIRECTORY)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._fd = localfs.lock_dir(self.tmp)
             self.dir.mkdir(parents=True, exist_ok=True)
         except BaseException:
             self.abort()
@@ -642,12 +626,12 @@ class _Staged:
         trash = None
         if os.path.lexists(self.final):
             trash = self.final.parent / f"{_layout.TRASH_PREFIX}{self.final.name}-{new_token()}"
-            os.rename(self.final, trash)
+            localfs.rename(self.final, trash)
         try:
-            os.rename(self.tmp, self.final)
+            localfs.rename(self.tmp, self.final)
         except BaseException:
             if trash is not None:  # put the old export back rather than leave none
-                os.rename(trash, self.final)
+                localfs.rename(trash, self.final)
             raise
         fsync_dir(self.final.parent)
         self.close()
@@ -663,7 +647,7 @@ class _Staged:
         src, dst = self.tmp, self.top
         while True:
             try:
-                os.rename(src, dst)
+                localfs.rename(src, dst)
                 break
             except OSError as e:
                 if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or dst == self.final:
@@ -677,7 +661,7 @@ class _Staged:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # releases the lock
+            localfs.unlock(self._fd)
             self._fd = None
 
     def abort(self) -> None:
@@ -842,23 +826,6 @@ def _parent_in_step(step_dir: Path, rel: list[str]) -> Path | None:
     return p
 
 
-def _locked_elsewhere(path: Path) -> bool:
-    """Whether an exporter holds ``path``'s lock (an export in flight), or it cannot be told."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return False  # not a directory we can open: not an export in flight
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return True  # no flock here (some network filesystems): leave it be
-    finally:
-        os.close(fd)  # drops our lock too
-    return False
-
-
 def _remove(path: Path) -> bool:
     try:
         remove_tree(path)
@@ -868,7 +835,7 @@ def _remove(path: Path) -> bool:
 
 
 def _remove_leftover(path: Path) -> None:
-    if not _locked_elsewhere(path) and _remove(path):
+    if not localfs.locked_elsewhere(path) and _remove(path):
         log.info("asyncckpt: removed the leftover %s", path)
 
 
@@ -879,9 +846,7 @@ def _remove_empty(step_dir: Path, rel: list[str]) -> None:
     for p in chain:
         if not _real_dir(p):
             continue
-        try:
-            p.rmdir()
-        except OSError:
+        if not localfs.rmdir_if_empty(p):
             break  # not empty: kept, and so is every level above it
         log.info("asyncckpt: removed the empty %s (an export that never completed)", p)
 
@@ -925,7 +890,7 @@ def missing_exports(
     return out
 
 
-def prune_exports(export: HFExport) -> list[Path]:
+def prune_exports(export: HFExport, just_exported: int | None = None) -> list[Path]:
     """Delete all but the newest ``export.keep`` exports; returns the directories deleted.
 
     An export counts if ``{path}/global_step_{N}/{dirname}`` is a real directory holding an
@@ -935,6 +900,11 @@ def prune_exports(export: HFExport) -> list[Path]:
     other files, other components' exports and other names are left alone. Temporaries and
     trash of this export left by a crash are removed; a temporary still locked by an export in
     flight is not.
+
+    The deletions go through the one pruner (``prune.prune``), with its safety rules: a kept
+    export must verify against its manifest before any is deleted (``just_exported``, the step
+    just written and checksummed as it was, counts as verified unread), else the newest that
+    verifies is kept too, and nothing is deleted if none does.
     """
     root = Path(export.path)
     rel = export.relpath.split("/")
@@ -977,26 +947,61 @@ def prune_exports(export: HFExport) -> list[Path]:
             found[step] = target
         elif not os.path.lexists(target):
             _remove_empty(step_dir, rel)
-    removed = []
-    for step in sorted(exports_to_delete(found, export.keep)):
-        target = found[step]
-        trash = target.parent / f"{_layout.TRASH_PREFIX}{name}-{new_token()}"
-        try:
-            os.rename(target, trash)
-        except FileNotFoundError:
-            continue
-        fsync_dir(target.parent)
-        _remove(trash)
-        removed.append(target)
-        # Directories left empty, up to global_step_N (never the export root itself).
-        for p in [target.parent, *target.parent.parents][: len(rel)]:
-            try:
-                p.rmdir()
-            except OSError:
-                break  # not empty (another component's export, other files): kept
+    if export.keep is None or not found:
+        return []
+    exports_to_delete(found, export.keep)  # (checks keep)
+    from .prune import prune
+    from .retention import KeepLast
+
+    view = _Exports(root, found, len(rel))
+    trusted = () if just_exported is None else (just_exported,)
+    result = prune(
+        view, "global_step", KeepLast(export.keep), allow_tracker_lag=True, trusted=trusted,
+        warn=False,
+    )  # fmt: skip
+    for step, problems in result.corrupt.items():
+        log.warning("asyncckpt: the export of step %d fails its manifest: %s", step, problems)
+    removed = [found[s] for s in result.deleted]
     if removed:
         fsync_dir(root)
     return removed
+
+
+class _Exports(LocalStore):
+    """The exports of one ``HFExport`` as a store, for the one pruner (``prune.prune``): each
+    ``global_step_N/<dirname>`` that holds an export manifest is a checkpoint of step N. No
+    tracker and no fault point; a deletion is a rename to a trash sibling, then the removal,
+    then ``rmdir`` of the levels it left empty up to ``global_step_N``."""
+
+    points = FaultPoints(publish=None, tracker=None, retire=None)
+
+    def __init__(self, root: Path, found: dict[int, Path], depth: int) -> None:
+        super().__init__(root)
+        self.found = found
+        self.depth = depth
+
+    def committed(self, layout: str) -> list[StoredCheckpoint]:
+        return [
+            StoredCheckpoint(s, self.found[s].relative_to(self.root).as_posix())
+            for s in sorted(self.found)
+        ]
+
+    def read_tracker(self) -> int | None:
+        return None
+
+    def retire(self, name: str) -> Path:
+        target = self.root / name
+        trash = target.parent / f"{_layout.TRASH_PREFIX}{target.name}-{new_token()}"
+        localfs.rename(target, trash)  # FileNotFoundError: pruned meanwhile
+        fsync_dir(target.parent)
+        return trash
+
+    def reclaim(self, retired: Path) -> None:
+        _remove(retired)
+        # Directories left empty, up to global_step_N (never the export root itself).
+        for p in [retired.parent, *retired.parent.parents][: self.depth]:
+            if not localfs.rmdir_if_empty(p):
+                break  # not empty (another component's export, other files): kept
 
 
 def check_source(state: Any, component: str) -> None:

@@ -100,7 +100,12 @@ def _unsearchable(name: str) -> str:
 def tmp_name(layout: str, step: int, token: str) -> str:
     """A temporary directory beside the final one; never matches ``parse_dir_name`` (nor
     torchtitan's search, for any layout)."""
-    return f"{TMP_PREFIX}{_unsearchable(dir_name(layout, step))}-{token}"
+    return tmp_name_of(dir_name(layout, step), token)
+
+
+def tmp_name_of(name: str, token: str) -> str:
+    """The temporary of the entry ``name`` (``tmp_name`` for a checkpoint directory)."""
+    return f"{TMP_PREFIX}{_unsearchable(name)}-{token}"
 
 
 def trash_name(name: str, token: str) -> str:
@@ -178,7 +183,14 @@ def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:
         names = [e.name for e in os.scandir(root)]
     except FileNotFoundError:
         return default
+    return pick_layout(names, root, default)
+
+
+def pick_layout(names: list[str], where: object, default: str = "global_step") -> str:
+    """The one layout the entry ``names`` of a root (``where``, for the message) belong to:
+    ``default`` if none, ``ValueError`` if several (which to use cannot be guessed). Every
+    store detects its layout by this rule."""
     found = [lay for lay in LAYOUTS if any(parse_dir_name(lay, n) is not None for n in names)]
     if len(found) > 1:
-        raise ValueError(f"{root} holds directories of several layouts {found}; pass layout=")
+        raise ValueError(f"{where} holds directories of several layouts {found}; pass layout=")
     return found[0] if found else default

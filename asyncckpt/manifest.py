@@ -22,6 +22,9 @@ from . import layout as _layout
 from .errors import CorruptCheckpoint
 from .paths import check_local_root
 
+# The write side lives in storage/ (re-exported: ``manifest.fsync_dir`` is long-standing API).
+from .storage.localfs import fsync_dir, fsync_file, write_synced  # noqa: F401
+
 if TYPE_CHECKING:
     from .progress import Progress
 
@@ -159,23 +162,6 @@ def file_checksum(entry: dict[str, Any]) -> tuple[str, int]:
     raise KeyError(f"no checksum in manifest entry {entry!r}")
 
 
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that the names in it (creations, renames) are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 #: The largest ``save(..., metadata=...)`` (its JSON): a note per checkpoint, not a data store.
 METADATA_MAX_BYTES = 64 * 1024
 
@@ -275,10 +261,7 @@ def _figures(figures: dict[str, float], nbytes: int, manifest_seconds: float) ->
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     path = directory / _layout.MANIFEST
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

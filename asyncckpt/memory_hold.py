@@ -3,8 +3,13 @@ thread that keeps the newest complete memory checkpoint for the worker to write 
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
+
+from . import layout as _layout
+
+log = logging.getLogger("asyncckpt")
 
 #: Why a memory checkpoint was written (the manifest's ``persisted_because``).
 TRAINER_DIED = "trainer died"
@@ -66,3 +71,30 @@ class Holder:
         with self.lock:
             job, self.held = self.held, None
             return job
+
+
+def persist_held(worker: Any) -> None:
+    """Write the memory checkpoint the trainer left (its death): committed like any save,
+    and only if newer than the newest committed step (steps go forward)."""
+    if worker.holder is None:
+        return
+    # Its pipe ends with the trainer too; a Hold sent before the death is read first. (If
+    # a forked child keeps the pipe open, the slot held is still never being written to:
+    # the trainer stages only into slots this worker released.)
+    worker.holder.wait_closed(10.0)
+    job = worker.holder.take()
+    if job is None:
+        return
+    newest = _layout.read_tracker(worker.root)
+    final = worker.root / _layout.dir_name(worker.config.layout, job.step)
+    if (newest is not None and job.step <= newest) or final.exists():
+        log.warning(
+            "the trainer is gone; its memory checkpoint of step %d is not newer than "
+            "step %s on disk: not written",
+            job.step,
+            newest,
+        )
+        return
+    log.warning("the trainer is gone: writing its memory checkpoint of step %d", job.step)
+    job.tier, job.persisted_because = "memory", TRAINER_DIED
+    worker._save(job)

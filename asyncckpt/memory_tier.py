@@ -124,48 +124,53 @@ class MemoryTier:
 
 
 # ------------------------------------------------------------------ the engine's side
-# Functions of the engine's core (engine._Core), kept here so that the engine only passes
-# ``tier`` through: its lock, slots and link are used as its disk saves use them.
+# Functions of the engine's ``saving.Saver`` (``saver``), kept here so that the save path only
+# passes ``tier`` through: its job table's lock and slots, and the worker's link, are used as
+# its disk saves use them.
 
 
-def _add_slots(core: Any, pending: Any) -> None:
+def _add_slots(saver: Any, pending: Any) -> None:
     """The memory tier's two slots, checked for room (2x the state) before either exists."""
     from .staging import StagingSlot
 
-    mem = core.memory
-    keys = {core.slots[i].key for i in mem.slots}
+    mem, jobs = saver.memory, saver.jobs
+    keys = {saver.slots[i].key for i in mem.slots}
     if mem.slots and keys == {pending.key}:
         return
-    check_memory_tier(pending.flat.tensors, sum(core.slots[i].nbytes for i in mem.slots))
-    with core.cond:
+    check_memory_tier(pending.flat.tensors, sum(saver.slots[i].nbytes for i in mem.slots))
+    with jobs.cond:
         while len(mem.slots) < 2:
-            i = len(core.slots)
-            core.slots.append(StagingSlot(i))
-            core.slot_owner[i] = None
+            i = len(saver.slots)
+            saver.slots.append(StagingSlot(i))
+            jobs.slot_owner[i] = None
+            jobs.memory_slots.add(i)
             mem.slots.append(i)
 
 
-def _take_slot(core: Any, pending: Any) -> int:
+def _take_slot(saver: Any, pending: Any) -> int:
     """A memory slot the worker does not hold; waits (a pipe's round trip) for its release."""
     from .errors import CheckpointError
+    from .jobs import RESERVED
 
-    mem = core.memory
-    with core.cond:
+    mem, jobs = saver.memory, saver.jobs
+    with jobs.cond:
         while True:
-            keys = {i: core.slots[i].key for i in mem.slots}
-            i = mem.pick_slot(core.slot_owner, core.inflight, core.link, keys, pending.key)
+            keys = {i: saver.slots[i].key for i in mem.slots}
+            link = saver.worker.link
+            i = mem.pick_slot(jobs.slot_owner, jobs.inflight, link, keys, pending.key)
             if i is not None:
-                core.slot_owner[i] = -1  # reserved
+                jobs.slot_owner[i] = RESERVED
                 return i
-            if not core.started or core.worker_start_error is not None:
+            error = saver.worker.start_error
+            if not saver.is_started() or error is not None:
                 raise CheckpointError(
                     f"memory save of step {pending.step}: the checkpoint worker is not running"
-                    + (f" ({core.worker_start_error})" if core.worker_start_error else "")
+                    + (f" ({error})" if error else "")
                 )
-            core.cond.wait(0.5)
+            jobs.cond.wait(0.5)
 
 
-def save(core: Any, pending: Any) -> Any:
+def save(saver: Any, pending: Any) -> Any:
     """Stage ``pending`` into a memory slot and hand it to the worker to hold; the handle
     completes at once (nothing is written unless the worker must persist it)."""
     import dataclasses
@@ -175,17 +180,18 @@ def save(core: Any, pending: Any) -> Any:
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, StateModifiedWhileStaging, WorkerDied
     from .staging import modified_since
+    from .worker import SaveJob
 
-    mem = core.memory
+    mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
     if mem.last_step is not None and step <= mem.last_step:
         raise CheckpointError(
             f"memory save of step {step}: steps must increase (the last memory save was step "
             f"{mem.last_step})"
         )
-    _add_slots(core, pending)
-    i = _take_slot(core, pending)
-    slot = core.slots[i]
+    _add_slots(saver, pending)
+    i = _take_slot(saver, pending)
+    slot = saver.slots[i]
     stats.wait_seconds = time.perf_counter() - pending.started
     try:
         pin = any(t.is_cuda for t in flat.tensors.values())
@@ -204,26 +210,24 @@ def save(core: Any, pending: Any) -> Any:
                 f"({cause}); the worker still holds the previous memory checkpoint"
             )
             err.__cause__ = cause
-            core.unreserve(i)
-            core._fail_unsent(handle, err)
+            jobs.unreserve(i)
+            jobs.fail_unsent(handle, err)
             return handle
         faults.point("after_stage")
-        from .worker import SaveJob
-
-        with core.cond:
-            core.next_job += 1
+        with jobs.cond:
+            jobs.next_job += 1
             job = SaveJob(
-                job_id=core.next_job,
+                job_id=jobs.next_job,
                 step=step,
                 arena_ids=list(slot.arena_ids),
-                specs=None,  # sent with the arenas, on the jobs pipe (engine._send_arenas)
+                specs=None,  # sent with the arenas, on the jobs pipe (saving._send_arenas)
                 objects=flat.objects,
                 paths=flat.paths,
                 metrics=dict(pending.metrics),
                 metadata=pending.metadata,
-                prune=core.prune_request(step),
+                prune=saver._prune_request(step),
                 extra=flat.extra,
-                attempt=core.attempts.get(step, 0),
+                attempt=jobs.attempts.get(step, 0),
                 saved_at=stats.saved_at,
                 figures={
                     "stage_seconds": stats.stage_seconds,
@@ -233,50 +237,51 @@ def save(core: Any, pending: Any) -> Any:
                 },
                 tier="memory",
             )
-            core.attempts[step] = job.attempt + 1
-            core.slot_owner[i] = job.job_id
+            jobs.attempts[step] = job.attempt + 1
+            jobs.slot_owner[i] = job.job_id
     except BaseException:
-        core.unreserve(i)
+        jobs.unreserve(i)
         raise
+
+    def let_go() -> None:
+        with jobs.cond:
+            if jobs.slot_owner[i] == job.job_id:
+                jobs.slot_owner[i] = None
+            jobs.cond.notify_all()
+
     try:
-        with core.preemption.handing_off():
-            core._wait_ready()
+        with saver.sigterm.handing_off():
+            saver.worker.wait_ready()
             job.faults = faults.snapshot()
-            link = core.link
+            link = saver.worker.link
             # Paths only when they changed (a replayed plan hands out the same object).
             wire = (
                 job if link.memory_paths is not flat.paths else dataclasses.replace(job, paths=None)
             )
             payload = M.encode(M.Hold(wire))
-            with core._sending():
-                core._send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
+            with saver.worker.sending():
+                saver.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
                 M.send(link.memory, payload)
             link.memory_paths = flat.paths
-            with core.cond:
+            with jobs.cond:
                 mem.sent_on[i] = link
                 mem.held, mem.held_slot, mem.held_link = job, i, link
                 mem.last_step = step
     except OSError as e:
-        with core.cond:
-            if core.slot_owner[i] == job.job_id:
-                core.slot_owner[i] = None
-            core.cond.notify_all()
-        core._fail_unsent(handle, WorkerDied(f"could not hand step {step} to the worker: {e}"))
+        let_go()
+        jobs.fail_unsent(handle, WorkerDied(f"could not hand step {step} to the worker: {e}"))
         return handle
     except BaseException:
-        with core.cond:
-            if core.slot_owner[i] == job.job_id:
-                core.slot_owner[i] = None
-            core.cond.notify_all()
+        let_go()
         raise
     finally:
-        core.preemption.run_deferred()
-    core.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
+        saver.sigterm.run_deferred()
+    saver.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
     handle._finish()  # held by the worker: done (it is written only if it must be)
     return handle
 
 
-def persist(core: Any, reason: str) -> Any:
+def persist(saver: Any, reason: str) -> Any:
     """Ask the worker to write the memory checkpoint it holds, as a save in flight (the
     engine's drain waits for it); None if there is none, or it is not newer than what is on
     disk or in flight."""
@@ -287,37 +292,35 @@ def persist(core: Any, reason: str) -> Any:
     from . import messages as M
     from .errors import WorkerDied
 
-    mem = core.memory
-    if mem.held is None or mem.held_link is not core.link:
+    mem, jobs = saver.memory, saver.jobs
+    if mem.held is None or mem.held_link is not saver.worker.link:
         return None
-    core.wait_staged()  # an overlapped save's thread may be sending: never two at once
-    dirs = core.restorer.committed()
+    saver.wait_staged()  # an overlapped save's thread may be sending: never two at once
+    dirs = saver.restorer.committed()
     newest = dirs[-1].step if dirs else None
-    with core.cond:
+    with jobs.cond:
         job = mem.held
         if job is None:
             return None
-        flying = max((j.handle.step for j in core.inflight.values()), default=None)
-        final = core.root / _layout.dir_name(core.layout, job.step)
+        flying = max((j.handle.step for j in jobs.inflight.values()), default=None)
+        final = saver.rules.root / _layout.dir_name(saver.rules.layout, job.step)
         if any(s is not None and job.step <= s for s in (newest, flying)) or final.exists():
             log.info("memory checkpoint of step %d not written: not newer than disk", job.step)
             return None
-        core.next_job += 1
+        jobs.next_job += 1
         pjob = dataclasses.replace(
             job,
-            job_id=core.next_job,
+            job_id=jobs.next_job,
             persisted_because=reason,
             memory_job_id=job.job_id,
             faults=faults.snapshot(),
         )
-        handle = core.track(pjob, mem.held_slot)  # its slot is the write's until released
+        handle = jobs.track(pjob, mem.held_slot)  # its slot is the write's until released
         mem.held = mem.held_slot = mem.held_link = None  # the worker forgets it too
     log.warning("writing the memory checkpoint of step %d (%s)", job.step, reason)
     try:
-        with core._sending():
-            M.send(core.link.conn, M.encode(M.Save(pjob)))
+        with saver.worker.sending():
+            M.send(saver.worker.link.conn, M.encode(M.Save(pjob)))
     except OSError as e:
-        with core.cond:
-            if pjob.job_id in core.inflight:
-                core._fail(pjob.job_id, WorkerDied(f"could not ask the worker to write it: {e}"))
+        jobs.fail(pjob.job_id, WorkerDied(f"could not ask the worker to write it: {e}"))
     return handle

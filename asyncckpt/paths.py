@@ -46,7 +46,7 @@ def check_local_root(root: str | os.PathLike) -> Path:
     if is_url(root):
         raise UnsupportedStorage(
             f"{os.fspath(root)}: a URL is not a local path here; pass the engine's root as a "
-            "string URL (CheckpointEngine('s3://bucket/run', storage_options=...)), or a local "
-            "root with remote=RemoteTier(url) (a Path() of a URL has lost a '/')"
+            "string URL (CheckpointEngine('s3://bucket/run', object_store=ObjectStore(...))), or a "
+            "local root with remote=RemoteTier(url) (a Path() of a URL has lost a '/')"
         )
     return Path(root)

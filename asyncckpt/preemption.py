@@ -3,7 +3,7 @@
 A scheduler's preemption notice (SIGTERM) must not throw away staged data. The handler drains
 what is in flight, marks the run preempted and asks the save schedule for one final save; then
 it behaves as SIGTERM would have without us (the previous Python handler, or termination unless
-the user asked to make that final save, ``preemption_save=True``).
+the user asked to make that final save, ``Preemption(final_save=True)``).
 
 A SIGTERM that lands on the thread handing a staged save to the worker is deferred until the
 hand-off ends: draining there would wait for that very save.
@@ -24,11 +24,11 @@ from .retention import SaveSchedule
 log = logging.getLogger("asyncckpt")
 
 
-class Preemption:
+class SigtermHandler:
     """The engine's SIGTERM handler and its preempted flag (one per engine).
 
-    ``drain(timeout)``, ``stop()`` and ``in_flight()`` are the engine's; ``enabled`` is
-    ``handle_sigterm``, ``final_save`` is ``preemption_save``.
+    ``drain(timeout)``, ``stop()`` and ``in_flight()`` are the engine's; ``enabled`` and
+    ``final_save`` are ``options.Preemption``'s ``handle_sigterm`` and ``final_save``.
     """
 
     def __init__(

@@ -1,4 +1,9 @@
-"""Pruning on disk: read what is committed, plan with ``retention``, delete through the trash.
+"""The one pruner, over any ``Store``: read what is committed, plan with ``retention``, delete.
+
+The engine's worker, the remote tier, the CLI (a path or a URL) and ``prune_exports``'s
+retention rules all come through ``prune``: the same tracker-lag check, the same verification
+of a kept checkpoint before anything is deleted, the same protection of the step just committed.
+Below, the local store's way of deleting; an object store deletes its marker first instead.
 
 Deleting a checkpoint is two steps. First an atomic rename to a trash name in the same root
 (``layout.trash_name``) followed by an fsync of the root: from that moment the checkpoint is out
@@ -28,14 +33,10 @@ checkpoint still in flight (temporary directories) and trash not yet removed -- 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import shutil
-import stat
-import time
-import uuid
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -43,10 +44,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncckpt import layout as L
-from asyncckpt.commit import remove_tree
 from asyncckpt.errors import CheckpointError
 from asyncckpt.layout import detect_layout  # re-exported: prune.detect_layout is public
-from asyncckpt.manifest import check_dir, fsync_dir, manifest_bytes, read_manifest
+from asyncckpt.manifest import manifest_bytes
 from asyncckpt.retention import (
     CheckpointInfo,
     MissingMetricWarning,
@@ -54,6 +54,8 @@ from asyncckpt.retention import (
     RetentionPolicy,
     plan_prune,
 )
+from asyncckpt.storage.base import Store
+from asyncckpt.storage.local import LocalStore, read_checkpoint_info, tree_size
 
 if TYPE_CHECKING:
     from asyncckpt.progress import Progress
@@ -79,7 +81,12 @@ NEWEST_THAT_VERIFIES = "newest that verifies"
 
 log = logging.getLogger(__name__)
 
-_READ_TRACKER = object()  # sentinel: "read the tracker from disk"
+_READ_TRACKER = object()  # sentinel: "read the tracker from the store"
+
+
+def as_store(root: Store | str | os.PathLike) -> Store:
+    """``root`` itself if it is a store, else the ``LocalStore`` of the path."""
+    return root if isinstance(root, Store) else LocalStore(root)
 
 
 class PruneRefused(CheckpointError):
@@ -125,73 +132,30 @@ def report_warnings(
     return out
 
 
-def _fault_point(name: str) -> None:
-    """Hook for ``asyncckpt.faults`` (added later); a no-op until that module exists."""
-    try:
-        from asyncckpt import faults
-
-        point = faults.point
-    except (ImportError, AttributeError):
-        return
-    point(name)
-
-
-def _tree_size(path: Path) -> int:
-    """Apparent size of the regular files under ``path``, never following symlinks."""
-    total = 0
-    for dirpath, _dirnames, filenames in os.walk(path, followlinks=False):
-        for name in filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
-
-
-def read_checkpoint_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
-    """The one disk read behind the policies: a committed directory's manifest.
-
-    ``step`` (from the directory name) wins over the manifest's. A directory without a readable
-    manifest (written by another tool, with only DCP's ``.metadata``) is described from the disk:
-    its mtime as commit time, its measured size, no metrics and no run id.
-    """
-    path = Path(path)
-    try:
-        data = json.loads((path / L.MANIFEST).read_text())
-        info = CheckpointInfo.from_manifest(data, path=path)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        if step is None:
-            raise ValueError(f"{path} has no readable manifest and no step was given") from None
-        st = os.lstat(path)
-        return CheckpointInfo(step, st.st_mtime, {}, _tree_size(path), None, path)
-    if step is not None and step != info.step:
-        info = dataclasses.replace(info, step=step)
-    return info
-
-
-def list_checkpoints(root: str | os.PathLike, layout: str) -> list[CheckpointInfo]:
-    """Every committed checkpoint under ``root`` (``layout.scan``), oldest first; one pruned
-    between the scan and the read of its manifest (by the engine's worker) is left out."""
+def list_checkpoints(root: Store | str | os.PathLike, layout: str) -> list[CheckpointInfo]:
+    """Every committed checkpoint of ``root`` (a store or a path), oldest first; one pruned
+    between the listing and the read of its manifest (by the engine's worker) is left out."""
+    store = as_store(root)
     out = []
-    for c in L.scan(root, layout):
+    for c in store.committed(layout):
         try:
-            out.append(read_checkpoint_info(c.path, c.step))
+            out.append(store.describe(c))
         except FileNotFoundError:
-            if os.path.lexists(c.path):
+            if store.exists(c.name):
                 raise
     return out
 
 
-def _direct_child(root: Path, path: Path) -> Path:
-    """``root/name`` for a direct child of ``root``, refusing anything else (never leave root)."""
-    name = path.name
-    if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name):
-        raise ValueError(f"refusing to delete {path}: not a named entry")
-    if path.parent.resolve() != root.resolve():
-        raise ValueError(f"refusing to delete {path}: not a direct child of {root}")
-    return root / name
+def delete(store: Store, name: str) -> None:
+    """Take ``name`` out of the namespace (trash rename, or the marker deleted first), then
+    reclaim its space; the fault point between the two is ``store.points.retire``."""
+    from asyncckpt import faults  # looked up at the call (tests swap or stub the module)
+
+    retired = store.retire(name)
+    point = getattr(faults, "point", None)
+    if point is not None and store.points.retire is not None:
+        point(store.points.retire)
+    store.reclaim(retired)
 
 
 def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
@@ -199,31 +163,12 @@ def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
 
     The rename is the deletion as far as readers go; the removal is only reclaiming space.
     """
-    root = Path(root)
-    path = _direct_child(root, Path(path))
-    os.lstat(path)  # FileNotFoundError before anything else happens
-    trash = root / L.trash_name(path.name, uuid.uuid4().hex[:12])
-    os.rename(path, trash)
-    fsync_dir(root)
-    _fault_point("mid_prune")
-    try:
-        remove_tree(trash)
-    except FileNotFoundError:
-        pass  # out of the namespace already; someone cleaned the trash (clean_leftovers)
+    store = LocalStore(root)
+    path = Path(path)
+    from asyncckpt.storage.localfs import direct_child
 
-
-def _damage_kind(problems: list[str]) -> str:
-    """One word for the name of a quarantined checkpoint, from ``check_dir``'s problems."""
-    text = "; ".join(problems)
-    for needle, kind in (
-        (L.MANIFEST, "manifest"),
-        (": missing", "missing"),
-        ("truncated", "truncated"),
-        ("checksum", "checksum"),
-    ):
-        if needle in text:
-            return kind
-    return "corrupt"
+    direct_child(store.root, path)  # ValueError for anything but a direct child
+    delete(store, path.name)
 
 
 @dataclass(frozen=True)
@@ -246,23 +191,11 @@ def quarantine(root: str | os.PathLike, path: str | os.PathLike, problems: list[
     (no scan lists it), so retention and the forward check of steps no longer count it. To
     put one back, move it to its old name (``python -m asyncckpt ls`` lists them).
     """
-    root = Path(root)
-    path = _direct_child(root, Path(path))
-    qdir = root / L.QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
-    now = time.time()
-    name = L.quarantine_name(path.name, _damage_kind(problems), now)
-    if (qdir / name).exists():  # the same step twice in one second (downloaded again)
-        name = f"{name}-{uuid.uuid4().hex[:6]}"
-    target = qdir / name
-    os.rename(path, target)  # FileNotFoundError: it went (pruned by another process)
-    fsync_dir(root)
-    note = {"name": path.name, "quarantined_at": now, "problems": problems}
-    tmp = qdir / f"{L.TMP_PREFIX}{name}"
-    tmp.write_text(json.dumps(note, indent=1))
-    os.replace(tmp, qdir / f"{name}{L.QUARANTINE_INFO_SUFFIX}")
-    fsync_dir(qdir)
-    return target
+    from asyncckpt.storage.localfs import direct_child
+
+    store = LocalStore(root)
+    path = direct_child(store.root, Path(path))
+    return Path(store.quarantine(path.name, problems))
 
 
 def list_quarantined(root: str | os.PathLike, layout: str) -> list[Quarantined]:
@@ -286,34 +219,21 @@ def list_quarantined(root: str | os.PathLike, layout: str) -> list[Quarantined]:
     return out
 
 
-def clean_leftovers(root: str | os.PathLike) -> list[str]:
-    """Remove temporaries and trash left by a crash; returns the names removed.
+def clean_leftovers(root: Store | str | os.PathLike, layout: str | None = None) -> list[str]:
+    """Remove temporaries and trash left by a crash (on an object store: prefixes without a
+    marker); returns the names removed.
 
     Call it only at start, while holding the root's lock: a temporary of a save in flight looks
     exactly like a leftover. Failures are logged and skipped (they are retried next start).
     """
-    root = Path(root)
-    removed = []
-    try:
-        entries = sorted(e.name for e in os.scandir(root) if L.is_leftover(e.name))
-    except FileNotFoundError:
-        return []
-    for name in entries:
-        try:
-            remove_tree(_direct_child(root, root / name))
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            log.warning("asyncckpt: could not remove leftover %s: %s", root / name, e)
-            continue
-        removed.append(name)
-    if removed:
-        fsync_dir(root)
-    return removed
+    store = as_store(root)
+    if layout is None and not isinstance(store, LocalStore):  # (a local root's are layout-free)
+        layout = store.detect_layout()
+    return store.clean_leftovers(layout)  # type: ignore[arg-type]
 
 
 def prune(
-    root: str | os.PathLike,
+    root: Store | str | os.PathLike,
     layout: str,
     policy: RetentionPolicy | None,
     *,
@@ -331,12 +251,13 @@ def prune(
     warn: bool = True,
     committed_step: int | None = None,
 ) -> PruneResult:
-    """Apply ``policy`` to the committed checkpoints under ``root``.
+    """Apply ``policy`` to the committed checkpoints of ``root`` (a ``Store``, or a path).
 
-    ``tracker_step`` defaults to the tracker file's value. Refuses (``PruneRefused``) when the
+    ``tracker_step`` defaults to the store's tracker. Refuses (``PruneRefused``) when the
     tracker does not name the newest committed checkpoint -- a commit may be in progress, and
-    pruning runs strictly after it -- unless ``allow_tracker_lag=True``. Deletions go through
-    ``trash_and_delete``; one that fails is reported in ``errors`` and the rest go on.
+    pruning runs strictly after it -- unless ``allow_tracker_lag=True``. Deletions take the
+    checkpoint out of the namespace first (``delete``); one that fails is reported in
+    ``errors`` and the rest go on.
 
     Before deleting anything, at least one kept checkpoint must verify against its manifest
     (see the module docstring): ``trusted`` steps count as verified unread, ``verify=False``
@@ -345,19 +266,20 @@ def prune(
     ``committed_step``: the step whose commit this prune follows, never deleted (and nothing
     above it: ``retention.plan_prune``).
     """
-    root = Path(root)
+    store = as_store(root)
     L.check_layout(layout)
     if tracker_step is _READ_TRACKER:
-        tracker_step = L.read_tracker(root)
+        tracker_step = store.read_tracker()
     if tracker_step is not None and not isinstance(tracker_step, int):
         raise TypeError(f"tracker_step must be an int or None, got {tracker_step!r}")
-    checkpoints = list_checkpoints(root, layout)
+    names = {c.step: c.name for c in store.committed(layout)}
+    checkpoints = [c for c in list_checkpoints(store, layout) if c.step in names]
     if checkpoints and not allow_tracker_lag:
         newest = checkpoints[-1].step
         if tracker_step != newest:
             raise PruneRefused(
                 f"tracker names step {tracker_step} but the newest committed checkpoint in "
-                f"{root} is {newest}; refusing to prune until the tracker catches up"
+                f"{store.url} is {newest}; refusing to prune until the tracker catches up"
             )
     plan = plan_prune(
         checkpoints,
@@ -373,7 +295,7 @@ def prune(
     notes = dict(plan.warnings)
     corrupt: dict[int, list[str]] = {}
     if verify and plan.delete:
-        plan = _keep_one_that_verifies(root, plan, checkpoints, set(trusted), corrupt, progress)
+        plan = _keep_one_that_verifies(store, names, plan, set(trusted), corrupt, progress)
         notes.update(_corrupt_notes(plan, corrupt))
     if warn:
         report_warnings(PruneResult([], {}, warnings=notes))
@@ -381,13 +303,12 @@ def prune(
         return PruneResult(
             list(plan.delete), plan.keep, dry_run=True, warnings=notes, corrupt=corrupt
         )
-    paths = {c.step: c.path for c in checkpoints}
     deleted, errors, gone = [], {}, []
     for step in plan.delete:
         try:
-            trash_and_delete(root, paths[step])
+            delete(store, names[step])
         except OSError as e:
-            if isinstance(e, FileNotFoundError) and not os.path.lexists(paths[step]):
+            if isinstance(e, FileNotFoundError) and not store.exists(names[step]):
                 # Deleted meanwhile by another pruner (the engine's worker after a commit,
                 # racing the CLI): what was asked for is done, not an error.
                 log.info("asyncckpt: step %s was already deleted by another process", step)
@@ -403,28 +324,27 @@ def prune(
 
 
 def _keep_one_that_verifies(
-    root: Path,
+    store: Store,
+    names: dict[int, str],
     plan: PrunePlan,
-    checkpoints: list[CheckpointInfo],
     trusted: set[int],
     corrupt: dict[int, list[str]],
     progress: Progress | None,
 ) -> PrunePlan:
     """``plan``, or ``plan`` keeping also the newest deletion candidate that verifies when no
     kept checkpoint does; ``PruneRefused`` when nothing verifies. Fills ``corrupt``."""
-    paths = {c.step: c.path for c in checkpoints}
 
     def verifies(step: int) -> bool:
         if step in trusted:
             return True
-        path = paths[step]
+        name = names[step]
         if progress is not None:
             try:
-                total = manifest_bytes(read_manifest(path))
-            except CheckpointError:
+                total = manifest_bytes(store.read_manifest(name))
+            except (CheckpointError, OSError, ValueError):
                 total = 0
             progress.begin(f"verifying step {step}", total, 1)
-        problems = check_dir(path, on_bytes=progress.advance if progress is not None else None)
+        problems = store.check(name, progress.advance if progress is not None else None)
         if progress is not None:
             progress.checkpoint_done(step, not problems)
             progress.end()
@@ -445,8 +365,8 @@ def _keep_one_that_verifies(
             return PrunePlan(dict(sorted(keep.items())), delete, plan.warnings)
     details = "; ".join(f"step {s}: {p[0]}" for s, p in sorted(corrupt.items())[-3:])
     raise PruneRefused(
-        f"no checkpoint in {root} verifies against its manifest ({details}); refusing to delete "
-        "any (verify=False, or --no-verify on the command line, prunes without this check)"
+        f"no checkpoint in {store.url} verifies against its manifest ({details}); refusing to "
+        "delete any (verify=False, or --no-verify on the command line, prunes without this check)"
     )
 
 
@@ -472,13 +392,13 @@ def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, 
     root = Path(root)
     layout = layout or detect_layout(root)
     dirs = L.scan(root, layout)
-    committed = sum(_tree_size(c.path) for c in dirs)
+    committed = sum(tree_size(c.path) for c in dirs)
     leftovers = 0
     for entry in os.scandir(root):
         if L.is_leftover(entry.name):
             p = Path(entry.path)
-            leftovers += _tree_size(p) if entry.is_dir(follow_symlinks=False) else 0
-    quarantined = sum(_tree_size(q.path) for q in list_quarantined(root, layout))
+            leftovers += tree_size(p) if entry.is_dir(follow_symlinks=False) else 0
+    quarantined = sum(tree_size(q.path) for q in list_quarantined(root, layout))
     du = shutil.disk_usage(root)
     return {
         "committed_bytes": committed,

@@ -37,6 +37,7 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
         raise CorruptCheckpoint(f"{directory} is an uncommitted temporary, not a checkpoint")
     paths = None
     fmt = _readable("dcp")  # a checkpoint without a manifest: DCP's files, if any
+    assert fmt is not None  # dcp is always readable
     if (directory / _layout.MANIFEST).exists():
         manifest = read_manifest(directory)
         name = manifest.get("format") or "dcp"

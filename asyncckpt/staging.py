@@ -417,7 +417,7 @@ class _CpuCopier:
             self._submit()
 
     def _submit(self) -> None:
-        if self.batch:
+        if self.batch and self.pool is not None:
             self.futures.append(self.pool.submit(_copy_batch, self.batch))
         self.batch, self.filled = [], 0
 

@@ -1,29 +1,33 @@
 """Worker supervision: the root's locks, spawning the worker, its events, its death.
 
-A mixin of the engine's core (``engine._Core``), which owns the table of saves in flight that a
-dead or hung worker's jobs are settled in (``_fail``, ``_finish_commit``, ``_committed``): the
-methods here start a worker and wait for it, read its events on a thread of their own, notice
-when it dies or hangs (``write_timeout``), settle what it held and start a new one.
+``WorkerSupervisor`` starts a worker and waits for it, reads its events on a thread of its own,
+notices when it dies or hangs (``write_timeout``), has what it held settled and starts a new
+one. It knows the saves in flight only through ``JobEvents`` (implemented by
+``jobs.JobTable``). ``lock_root`` takes the root's locks for one rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import multiprocessing.connection as mpc
-import os
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.multiprocessing as tmp
 
+from . import faults
 from . import layout as _layout
+from . import messages as M
 from .errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
+from .storage.localfs import lock_path, unlock
+from .throttle import AppliedThrottle
 from .worker import WorkerConfig, worker_main
 
 log = logging.getLogger("asyncckpt")
@@ -50,93 +54,118 @@ class WorkerLink:
     paths: Any = None
 
 
-class WorkerSupervision:
-    """The worker's lifecycle, for ``engine._Core`` (which provides the job table)."""
+class JobEvents(Protocol):
+    """What the supervisor tells the table of saves in flight (``jobs.JobTable``)."""
 
-    def _open_root(self) -> None:
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint root {self.root}: {e}") from e
-        if not self.root.is_dir():
-            raise CheckpointError(f"checkpoint root {self.root} is not a directory")
-        probe = self.root / f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
-        try:
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise CheckpointError(f"checkpoint root {self.root} is not writable: {e}") from e
-        lock_path = self.root / f"{_layout.LOCK_NAME}.rank{self.opts.rank}"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RootLocked(
-                f"another CheckpointEngine (rank {self.opts.rank}) is using {self.root}; "
-                "two engines must not write one root"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.lock_fd = fd
-        # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
-        # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
-        # the worker lock) before cleaning the temporaries it may still touch, and resume
-        # from what it committed.
-        wlock = _worker_lock_path(self.root, self.opts.rank)
-        wfd = os.open(wlock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
-            deadline = time.monotonic() + bound + 30
-            told = False
-            while True:
-                try:
-                    fcntl.flock(wfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise RootLocked(f"a worker process still holds {wlock}") from None
-                    if not told:
-                        log.warning(
-                            "waiting for the worker of an earlier trainer on %s: it is finishing "
-                            "the saves that trainer staged (at most %.0fs)",
-                            self.root,
-                            bound,
-                        )
-                        told = True
-                    time.sleep(0.05)
-        finally:
-            os.close(wfd)
+    def on_event(self, msg: Any) -> None:
+        """A job's event from the worker (``Begun``, ``Committed``, ``Failed``, ``Pruned``...)."""
 
-    def _spawn_worker(self) -> None:
+    def settle_dead_worker(self, pid: int | None, how: str, reason: SaveFailed | None) -> None:
+        """The worker died (``how``; ``reason``: why it was killed): end what it held."""
+
+    def fail_all(self, err: SaveFailed) -> None:
+        """No worker will come: fail everything in flight with ``err``."""
+
+    def overdue(self, limit: float, last_event_at: float, ready: bool) -> str | None:
+        """Why the worker counts as hung after ``limit`` seconds, or None."""
+
+
+class WorkerSupervisor:
+    """One engine's worker process: spawn it, wait until it is ready, read its events on a
+    thread of its own, notice when it dies or hangs (``write_timeout``), have the jobs it held
+    settled (``JobEvents``) and start a new one. Owns the ``WorkerLink`` of the current worker.
+
+    ``make_config()`` gives each new worker its ``WorkerConfig`` (the engine's, with what
+    ``start`` learnt: the side store's address); ``on_started_failing()`` is told once a worker
+    fails by itself at start (nobody will serve the other ranks' side store then).
+    """
+
+    def __init__(
+        self,
+        jobs: JobEvents,
+        make_config: Callable[[], WorkerConfig],
+        write_pause: Any,
+        *,
+        write_timeout: float | None,
+        on_start_failed: Callable[[], None],
+    ) -> None:
+        self.jobs = jobs
+        self.make_config = make_config
+        self.write_pause = write_pause
+        self.write_timeout = write_timeout
+        self.on_start_failed = on_start_failed
+        self.proc: Any = None
+        self.last_pid: int | None = None  # once stop() closed the process object
+        self.events_conn: Any = None
+        self.ready = threading.Event()
+        self.report: AppliedThrottle | None = None  # what the worker applied (its Ready)
+        self.start_error: str | None = None
+        self.start_kills = 0  # workers killed while starting since the last one became ready
+        # What the current worker holds (arenas, specs, paths); a new worker, a new link.
+        self.link = WorkerLink()
+        self.reader: threading.Thread | None = None
+        self.stopping = False
+        self.restarts = 0
+        self.last_event_at = time.monotonic()  # the worker's last sign of life (write_timeout)
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.pid
+        except ValueError:  # closed by stop()
+            return self.last_pid
+
+    def watching(self) -> bool:
+        """True while the reader thread owns the worker's events (jobs can still complete)."""
+        return self.reader is not None and self.reader.is_alive()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.stopping = False
+        self._spawn()
+        self.reader = threading.Thread(
+            target=self._read_events, name="asyncckpt-reader", daemon=True
+        )
+        self.reader.start()
+
+    def stop(self) -> None:
+        """Ask the worker to stop (it finishes what it holds), kill it if it will not."""
+        self.stopping = True
+        try:
+            M.send(self.link.conn, M.encode(M.Stop()))
+        except OSError:
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        if self.proc.exitcode is not None:
+            # Its sentinel pipes, else freed only when the garbage collector finds the
+            # engine (a trainer opening and closing engines ran out of fds).
+            self.last_pid = self.proc.pid
+            self.proc.close()
+        if self.reader is not None:
+            self.reader.join(5)
+        self.link.conn.close()
+        self.link.memory.close()
+        self.events_conn.close()
+
+    def _spawn(self) -> None:
         ctx = tmp.get_context("spawn")
         jobs_r, jobs_w = ctx.Pipe(duplex=False)
         events_r, events_w = ctx.Pipe(duplex=False)
         memory_r, memory_w = ctx.Pipe(duplex=False)
-        config = WorkerConfig(
-            root=str(self.root),
-            layout=self.layout,
-            fmt=self.fmt,
-            rank=self.opts.rank,
-            run_id=self.run_id,
-            throttle=self.throttle,
-            parent_pid=os.getpid(),
-            local_rank=self.local_rank,
-            dist=self.dist_cfg,
-            remote=self.remote,
-            export=self.opts.export,
-            orphan_deadline_s=self.opts.write_timeout or WorkerConfig.orphan_deadline_s,
-            spool=self.spooled,
-            store_socket=self.rendezvous.listener,
-        )
+        config = self.make_config()
         proc = ctx.Process(
             target=worker_main,
             args=(config, jobs_r, events_w, self.write_pause, memory_r),
-            name=f"asyncckpt-worker-{self.opts.rank}",
+            name=f"asyncckpt-worker-{config.rank}",
             daemon=True,
         )
-        self.worker_ready.clear()
-        self.worker_start_error = None
+        self.ready.clear()
+        self.start_error = None
         with _main_module_hidden():
             proc.start()
         jobs_r.close()
@@ -148,12 +177,26 @@ class WorkerSupervision:
         self.link = WorkerLink(jobs_w, memory_w)
         self.last_event_at = time.monotonic()
 
-    def _wait_ready(self) -> None:
-        if not self.worker_ready.wait(WORKER_START_TIMEOUT):
+    def wait_ready(self) -> None:
+        if not self.ready.wait(WORKER_START_TIMEOUT):
             raise CheckpointError("the checkpoint worker process did not start in time")
-        if self.worker_start_error is not None:
-            raise CheckpointError(self.worker_start_error)
+        if self.start_error is not None:
+            raise CheckpointError(self.start_error)
 
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Messages to the worker: one interrupted part-way would leave half a message in the
+        pipe, and the worker could never read past it. Replace the worker then."""
+        try:
+            yield
+        except OSError:
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.proc.kill()
+            raise
+
+    # ------------------------------------------------------------------ reader thread
     def _read_events(self) -> None:
         while not self.stopping:
             proc, conn = self.proc, self.events_conn
@@ -171,15 +214,29 @@ class WorkerSupervision:
                     continue
             if (proc.sentinel in ready or conn in ready) and not self.stopping:
                 proc.join(1)
-                self._on_worker_death(proc, None)
+                self._on_death(proc, None)
                 continue
             self._check_timeouts()
 
-    def _on_worker_death(self, proc: Any, reason: SaveFailed | None) -> None:
+    def _on_event(self, msg: Any) -> None:
+        self.last_event_at = time.monotonic()
+        if isinstance(msg, M.Ready):
+            self.report = msg.throttle_report
+            self.start_kills = 0
+            self.ready.set()
+        elif isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here
+            faults.consume(msg.fault_id)
+        elif isinstance(msg, M.Mapped):
+            self.link.unmapped.discard(msg.arena_id)
+            self.jobs.on_event(msg)  # wakes a save waiting for it
+        else:
+            self.jobs.on_event(msg)
+
+    def _on_death(self, proc: Any, reason: SaveFailed | None) -> None:
         code = proc.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        was_ready = self.worker_ready.is_set()
-        self.worker_ready.clear()  # saves from now on wait for the replacement
+        was_ready = self.ready.is_set()
+        self.ready.clear()  # saves from now on wait for the replacement
         killed = code is not None and code < 0
         if not was_ready and killed and self.start_kills < MAX_START_KILLS:
             # Killed from outside while it started (the OOM killer, a scheduler, a test): a
@@ -188,75 +245,88 @@ class WorkerSupervision:
         elif not was_ready:
             # Failed by itself while starting (or killed again and again): restarting would
             # only loop. Fail start/save clearly.
-            self.worker_start_error = f"the checkpoint worker process failed to start ({how})"
-            # Nobody serves the side store now: refuse the other ranks' workers rather than
-            # leave them waiting on a socket that no process answers.
-            self.rendezvous.close()
-            with self.cond:  # a save staged while it started must not wait forever
-                for job_id in list(self.inflight):
-                    self._fail(job_id, WorkerDied(self.worker_start_error))
+            self.start_error = f"the checkpoint worker process failed to start ({how})"
+            self.on_start_failed()
+            self.jobs.fail_all(WorkerDied(self.start_error))  # a save staged meanwhile
             self.stopping = True
-            self.worker_ready.set()
+            self.ready.set()
             return
         # Before failing the handles: a save made as soon as one fails must wait for the new
         # worker, not write into the dead one's pipe, and must see the death counted.
-        self.worker_ready.clear()
         self.restarts += 1
-        finished = []
-        with self.cond:
-            for job_id, job in list(self.inflight.items()):
-                # Died after the rename (before the tracker): committed; the handle says so.
-                manifest = self._committed_on_disk(job_id, job)
-                if manifest is not None:
-                    cause = reason or WorkerDied(f"worker (pid {proc.pid}) died with {how}")
-                    err = self._finish_commit(job_id, job, manifest, cause)
-                    if err is None:
-                        finished.append(job)
-                        continue
-                else:
-                    err = reason or WorkerDied(
-                        f"the checkpoint worker (pid {proc.pid}) died with {how} while writing "
-                        f"step {job.handle.step}; nothing was committed for it"
-                    )
-                self._fail(job_id, err)
-        for job in finished:
-            self._report(job.handle.stats)
-            job.handle._finish()
+        self.jobs.settle_dead_worker(proc.pid, how, reason)
         if reason is None:
             log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
-        self._spawn_worker()
+        self._spawn()
 
     def _check_timeouts(self) -> None:
-        limit = self.opts.write_timeout
+        limit = self.write_timeout
         if limit is None:
             return
-        now = time.monotonic()
-        with self.cond:
-            late = [j for j in self.inflight.values() if j.begun_at and now - j.begun_at > limit]
-            queued = [j for j in self.inflight.values() if j.begun_at is None]
-            stuck = None
-            if queued and len(queued) == len(self.inflight) and self.worker_ready.is_set():
-                # Nothing is being written, yet a save waits: the worker is stuck elsewhere
-                # (e.g. pruning after the last commit) if it has been silent for the limit.
-                # (Not while a new worker starts: its "ready" is the first sign of life.)
-                oldest = min(queued, key=lambda j: j.sent_at)
-                if now - max(oldest.sent_at, self.last_event_at) > limit:
-                    stuck = oldest
-        if late or stuck:
+        what = self.jobs.overdue(limit, self.last_event_at, self.ready.is_set())
+        if what is not None:
             proc = self.proc
-            if late:
-                what = f"writing step {late[0].handle.step} took longer than"
-            else:
-                what = (
-                    f"step {stuck.handle.step} waited for a worker that made no progress "
-                    "(hung outside a write, e.g. pruning) for longer than"
-                )
             err = WriteTimeout(
                 f"{what} write_timeout={limit}s; the worker was killed and restarted"
             )
             proc.kill()
             proc.join(5)
-            self._on_worker_death(proc, err)
+            self._on_death(proc, err)
+
+
+def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
+    """Create and check ``root``, take this rank's lock on it (returned: close it to let go),
+    and wait for a worker an earlier trainer left behind."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create checkpoint root {root}: {e}") from e
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint root {root} is not a directory")
+    probe = root / f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint root {root} is not writable: {e}") from e
+    from .storage.local import LocalStore
+
+    store = LocalStore(root)
+    fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
+    if fd is None:
+        raise RootLocked(
+            f"another CheckpointEngine (rank {rank}) is using {root}; "
+            "two engines must not write one root"
+        )
+    # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
+    # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
+    # the worker lock) before cleaning the temporaries it may still touch, and resume
+    # from what it committed.
+    try:
+        _wait_for_orphan(store, rank, root, write_timeout)
+    except BaseException:
+        unlock(fd)  # not started: the root is not ours
+        raise
+    return fd
+
+
+def _wait_for_orphan(store: Any, rank: int, root: Path, write_timeout: float | None) -> None:
+    bound = write_timeout or WorkerConfig.orphan_deadline_s
+    deadline = time.monotonic() + bound + 30
+    told = False
+    while (wfd := store.lock(f"worker{rank}", wait=False)) is None:
+        if time.monotonic() > deadline:
+            raise RootLocked(f"a worker process still holds {_worker_lock_path(root, rank)}")
+        if not told:
+            log.warning(
+                "waiting for the worker of an earlier trainer on %s: it is finishing "
+                "the saves that trainer staged (at most %.0fs)",
+                root,
+                bound,
+            )
+            told = True
+        time.sleep(0.05)
+    unlock(wfd)
 
 
 @contextlib.contextmanager
@@ -278,4 +348,4 @@ def _main_module_hidden() -> Any:
 
 
 def _worker_lock_path(root: Path, rank: int) -> Path:
-    return root / f"{_layout.LOCK_NAME}.worker{rank}"
+    return lock_path(root, f"worker{rank}")

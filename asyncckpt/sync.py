@@ -1,6 +1,8 @@
 """The blocking facade for training loops that are not async.
 
-Same engine, same methods; waits block the calling thread instead of awaiting.
+Same engine, same options (``EngineBase``); the methods that wait block the calling thread
+instead of awaiting. ``save`` runs the very steps the async facade runs
+(``Saver.save_steps``), in place.
 """
 
 from __future__ import annotations
@@ -9,16 +11,18 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import memory_tier
-from .engine import CheckpointEngine, SaveHandle, _check_overlap, _check_tier
+from typing_extensions import Unpack
+
+from .engine import EngineBase, SaveHandle, run_steps
+from .saving import SaveOptions
 
 
-class SyncCheckpointEngine(CheckpointEngine):
+class SyncCheckpointEngine(EngineBase):
     """``with SyncCheckpointEngine(root) as engine: engine.save(step, state)``."""
 
     def __enter__(self) -> SyncCheckpointEngine:
-        self._core.start()
-        self._core.install_sigterm()
+        self._engine.start()
+        self._engine.sigterm.install()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -29,41 +33,35 @@ class SyncCheckpointEngine(CheckpointEngine):
         try:
             # Our SIGTERM handler stays on while draining: a preemption notice now still waits
             # for the staged saves (bounded), instead of killing the process mid-write.
-            self._core.stop()
+            self._engine.stop()
         finally:
-            self._core.uninstall_sigterm()
+            self._engine.sigterm.uninstall()
 
-    def save(  # type: ignore[override]
+    def save(
         self,
         step: int,
         state: Any,
         metrics: Mapping[str, float] | None = None,
         metadata: dict[str, Any] | None = None,
-        *,
-        overlap: bool = False,
-        tier: str = "disk",
+        **options: Unpack[SaveOptions],
     ) -> SaveHandle:
-        core = self._core
-        overlap = _check_overlap(overlap)  # before a slot is reserved
-        tier = _check_tier(tier, overlap)
-        core.wait_staged()  # one copy at a time: the previous overlapped save's first
-        pending = core.begin_save(step, state, metrics, metadata)
-        if tier == "memory":
-            return memory_tier.save(core, pending)
-        core.take_slot(pending)
-        return core.finish_save(pending, overlap=overlap)
+        """Stage ``state`` and return once it is safe to mutate (see ``CheckpointEngine.save``)."""
+        return run_steps(self._engine.saver.save_steps(step, state, metrics, metadata, **options))
 
-    def wait(self) -> None:  # type: ignore[override]
-        self._core.drain()
-        self._raise_pending()
+    def wait(self) -> None:
+        """Block until everything in flight has committed; raise if a save failed."""
+        self._engine.drain()
+        self._engine.raise_pending_error()
 
-    def prepare(self, state: Any) -> None:  # type: ignore[override]
-        self._core.prepare(state)
+    def prepare(self, state: Any) -> None:
+        """Allocate the staging arenas now, so the first save stalls no longer than later ones."""
+        self._engine.saver.prepare(state)
 
-    def load_latest(self, state: Any, *, strict: bool = True) -> int | None:  # type: ignore[override]
-        return self._core.restorer.load_latest(state, strict)
+    def load_latest(self, state: Any, *, strict: bool = True) -> int | None:
+        """See ``CheckpointEngine.load_latest``."""
+        return self._engine.restorer.load_latest(state, strict)
 
-    def load(  # type: ignore[override]
+    def load(
         self,
         state: Any,
         step: int | None = None,
@@ -71,9 +69,10 @@ class SyncCheckpointEngine(CheckpointEngine):
         *,
         strict: bool = True,
     ) -> int:
-        return self._core.restorer.load(state, step=step, path=path, strict=strict)
+        """See ``CheckpointEngine.load``."""
+        return self._engine.restorer.load(state, step=step, path=path, strict=strict)
 
-    def resume(  # type: ignore[override]
+    def resume(
         self,
         state: Any,
         mode: str = "latest",
@@ -81,4 +80,5 @@ class SyncCheckpointEngine(CheckpointEngine):
         *,
         strict: bool = True,
     ) -> int | None:
-        return self._core.resume(state, mode, path, strict)
+        """SkyRL's resume modes: "latest", "from_path" (needs ``path``) or "none"."""
+        return self._engine.resume(state, mode, path, strict)

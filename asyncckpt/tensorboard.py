@@ -55,7 +55,7 @@ class TensorBoardLogger:
             raise ValueError("TensorBoardLogger needs exactly one of log_dir= or writer=")
         self.prefix = prefix
         self._owned = writer is None
-        if writer is None:
+        if log_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:

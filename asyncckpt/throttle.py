@@ -30,13 +30,14 @@ returned ``AppliedThrottle``, never an exception, since a checkpoint is worth mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import psutil
 
@@ -119,7 +120,7 @@ class ThrottleConfig:
         return cls(io_threads=2, max_pause_seconds=0.0)
 
     @classmethod
-    def background(cls) -> ThrottleConfig:
+    def background(cls, **changes: Any) -> ThrottleConfig:
         """The default: full speed while the CPU is idle, out of the training's way when not.
 
         nice 19 (the worker runs at full speed on an idle core, and the trainer wins any core
@@ -128,18 +129,21 @@ class ThrottleConfig:
         by kernel threads outside the worker). No core pinning: the default makes no
         assumption about which cores the trainer and its data loaders use.
         """
-        return cls(nice=19, compute_threads=1, io_threads=1, direct_io=True)
+        preset = cls(nice=19, compute_threads=1, io_threads=1, direct_io=True)
+        return dataclasses.replace(preset, **changes)  # e.g. durable_within=60
 
     @classmethod
-    def for_optimizer_offload(cls, write_rate_bytes_per_s: float | None = None) -> ThrottleConfig:
-        """The preset for ``optimizer_offload=True``: lowest priority, the last core, one thread.
+    def for_optimizer_offload(
+        cls, write_rate_bytes_per_s: float | None = None, **changes: Any
+    ) -> ThrottleConfig:
+        """The preset for optimizer offload (``throttle=ThrottleConfig.for_optimizer_offload()``): lowest priority, the last core, one thread.
 
         No rate cap by default: with the idle I/O class and one writer thread the disk is the
         only thing the worker can saturate, and an optimizer step does not use it. Pair it with
         ``engine.pause_writes_during(optimizer)`` so the worker also steps aside for the
         optimizer's memory bandwidth.
         """
-        return cls(
+        preset = cls(
             nice=19,
             cpu_cores=1,
             compute_threads=1,
@@ -148,6 +152,7 @@ class ThrottleConfig:
             ionice=True,
             direct_io=True,
         )
+        return dataclasses.replace(preset, **changes)
 
 
 def check_durable_within(value: Any) -> None:
@@ -162,7 +167,7 @@ def check_durable_within(value: Any) -> None:
 ESCALATE_AT = 0.5
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -246,11 +251,13 @@ def _set_affinity(
 ) -> list[int]:
     # cpu_affinity is missing on macOS: the AttributeError is reported as a refused lever.
     allowed = sorted(proc.cpu_affinity())
-    if _is_int(cores):
+    if isinstance(cores, int):  # ThrottleConfig refused bools already
         # The last cores: the trainer's thread pools start from the first ones.
         wanted = worker_cores(allowed, cores, local_rank)
         if cores > len(allowed):
             log.warning("throttle: %d cores asked, only %d allowed", cores, len(allowed))
+    elif cores is None:
+        return allowed
     else:
         wanted = [c for c in cores if c in allowed]
         if not wanted:

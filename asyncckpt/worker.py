@@ -10,7 +10,6 @@ if the trainer dies, it finishes the saves already staged, then exits.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import queue
@@ -183,7 +182,10 @@ class Worker:
     def run(self) -> None:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(
-            target=self._receive, args=(inbox,), name="asyncckpt-receive", daemon=True
+            target=_receive,
+            args=(self.jobs, self.events, inbox),
+            name="asyncckpt-receive",
+            daemon=True,
         ).start()
         report = self._apply_throttle()
         self.events.send(M.Ready(os.getpid(), report))
@@ -214,20 +216,6 @@ class Worker:
                 return
             else:
                 raise TypeError(f"unknown message from the trainer: {msg!r}")
-
-    def _receive(self, inbox: queue.SimpleQueue) -> None:
-        """Read the trainer's messages as they come, also while a save is being written: an
-        arena's shared memory is mapped by receiving it, which needs its trainer alive (the
-        descriptor is fetched from it), so the trainer waits for ``Mapped`` before a save that
-        sent one returns. The main loop handles them in order."""
-        try:
-            while True:
-                msg = self.jobs.recv()
-                if isinstance(msg, M.Arena):
-                    self.events.send(M.Mapped(msg.arena_id))
-                inbox.put(msg)
-        except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
-            inbox.put(e)
 
     def _apply_throttle(self) -> Any:
         from .throttle import Pacer, RateLimiter, apply_throttle, renicer
@@ -443,7 +431,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             path = export_step(export, final, job.step)
-            prune_exports(export)
+            prune_exports(export, job.step)  # (just written and checksummed: trusted)
         except BaseException as e:  # noqa: BLE001 - reported on the save's handle
             info = error_info(e)
             info["export"] = True
@@ -594,32 +582,9 @@ class Worker:
                 pass  # complete and verified; only the tracker lags it
 
     def _persist_held(self) -> None:
-        """Write the memory checkpoint the trainer left (its death): committed like any save,
-        and only if newer than the newest committed step (steps go forward)."""
-        from .memory_hold import TRAINER_DIED
+        from .memory_hold import persist_held
 
-        if self.holder is None:
-            return
-        # Its pipe ends with the trainer too; a Hold sent before the death is read first. (If
-        # a forked child keeps the pipe open, the slot held is still never being written to:
-        # the trainer stages only into slots this worker released.)
-        self.holder.wait_closed(10.0)
-        job = self.holder.take()
-        if job is None:
-            return
-        newest = _layout.read_tracker(self.root)
-        final = self.root / _layout.dir_name(self.config.layout, job.step)
-        if (newest is not None and job.step <= newest) or final.exists():
-            log.warning(
-                "the trainer is gone; its memory checkpoint of step %d is not newer than "
-                "step %s on disk: not written",
-                job.step,
-                newest,
-            )
-            return
-        log.warning("the trainer is gone: writing its memory checkpoint of step %d", job.step)
-        job.tier, job.persisted_because = "memory", TRAINER_DIED
-        self._save(job)
+        persist_held(self)
 
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
@@ -627,6 +592,21 @@ class Worker:
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue) -> None:
+    """The worker's reader thread: the trainer's messages as they come, also while a save is
+    being written. An arena's shared memory is mapped by receiving it, which needs its trainer
+    alive (the descriptor is fetched from it), so the trainer waits for ``Mapped`` before a
+    save that sent one returns. The main loop handles them in order."""
+    try:
+        while True:
+            msg = jobs.recv()
+            if isinstance(msg, M.Arena):
+                events.send(M.Mapped(msg.arena_id))
+            inbox.put(msg)
+    except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
+        inbox.put(e)
 
 
 def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
@@ -704,12 +684,9 @@ def worker_main(
         target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
-    lock_fd = os.open(
-        Path(config.root) / f"{_layout.LOCK_NAME}.worker{config.rank}",
-        os.O_RDWR | os.O_CREAT,
-        0o644,
-    )
-    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    from .storage.local import LocalStore
+
+    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)  # noqa: F841
     _skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the

@@ -33,6 +33,26 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+# ----------------------------------------------------------------------------- children
+def quiet_spawned_children() -> None:
+    """Drop INFO records in a process a benchmark spawned (call it at the script's top level).
+
+    ``dcp.async_save``'s process executor sets the *root* logger to INFO and adds a handler of
+    its own in its child (torch/distributed/checkpoint/logger.py ``_init_logger``), so every
+    save printed several lines of torch's progress over the benchmark's table. The spawned
+    child re-imports the script as ``__mp_main__``, so this runs there before torch's set-up;
+    ``logging.disable`` is the public switch that a logger's own level cannot undo. The engine's
+    worker never runs it (the engine hides ``__main__`` from its worker).
+    """
+    import logging
+    import multiprocessing
+
+    # parent_process() is still None while a spawned child imports its main module; its name
+    # is already set.
+    if multiprocessing.current_process().name != "MainProcess":
+        logging.disable(logging.INFO)
+
+
 # ----------------------------------------------------------------------------- arguments
 def timing_row(label: str, seconds: dict[str, float], width: int) -> list:
     """A table row of median/min/max seconds, padded with empty cells to ``width`` columns."""
@@ -105,10 +125,10 @@ def engine_kwargs(**kw: Any) -> dict[str, Any]:
     """
     import inspect
 
-    from asyncckpt import CheckpointEngine
+    from asyncckpt import CheckpointEngine, Preemption
 
     params = inspect.signature(CheckpointEngine.__init__).parameters
-    kw.setdefault("handle_sigterm", False)
+    kw.setdefault("preemption", Preemption(handle_sigterm=False))
     if "world_size" in params:
         kw.setdefault("world_size", 1)
     if "rank" in params:

@@ -6,7 +6,7 @@ is durable (committed), at most ``--max-seconds``. Reported per mode: time from 
 to durable, the step time while the save was being written against the steps before it, and
 for asyncckpt the ``SaveStats`` figures (``throttled_seconds``, ``escalated_after_seconds``).
 
-Modes: ``default`` (the gentle default throttle), ``deadline`` (``durable_within=--deadline``)
+Modes: ``default`` (the gentle default throttle), ``deadline`` (``ThrottleConfig.background(durable_within=--deadline)``)
 and ``dcp.async_save`` (torch's thread executor).
 
 ``python benchmarks/durable.py [--size-mb 256 --deadline 4 --max-seconds 60]``; writes
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import SyncCheckpointEngine, ThrottleConfig
 
 
 def main() -> None:
@@ -98,7 +98,11 @@ def run_mode(mode: str, root: Path, state: dict, step, args) -> dict:
         fut.result(timeout=600)
         durable = time.perf_counter() - t0
     else:
-        kw = {"durable_within": args.deadline} if mode == "deadline" else {}
+        kw = (
+            {"throttle": ThrottleConfig.background(durable_within=args.deadline)}
+            if mode == "deadline"
+            else {}
+        )
         with SyncCheckpointEngine(root, **kw) as engine:
             engine.prepare(state)
             t0 = time.perf_counter()

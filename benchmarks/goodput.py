@@ -58,13 +58,13 @@ def child(args: argparse.Namespace) -> None:
     saved: list[int] = []  # the steps that saved (their stall is in their step time)
     engine = fut = None
     if args.config in ("disk", "memory+disk"):
-        from asyncckpt import KeepLast, SyncCheckpointEngine
+        from asyncckpt import KeepLast, Schedule, SyncCheckpointEngine
 
+        memory_every = args.memory_every if args.config == "memory+disk" else None
         engine = SyncCheckpointEngine(
             root,
             keep=KeepLast(2),
-            save_every_steps=args.disk_every,
-            memory_every_steps=args.memory_every if args.config == "memory+disk" else None,
+            schedule=Schedule(every_steps=args.disk_every, memory_every_steps=memory_every),
         )
         engine.__enter__()  # never left: the trainer dies inside
         engine.prepare(state)

@@ -11,7 +11,7 @@ running until it commits. The optimizer step's slowdown while the write runs (ag
 steps right before each save) is reported, plus the write's duration, for these modes:
 
 * ``off``        -- ``ThrottleConfig.off()``: no throttling.
-* ``on``         -- ``optimizer_offload=True``: the engine's ``for_optimizer_offload()`` preset.
+* ``on``         -- ``throttle=ThrottleConfig.for_optimizer_offload()``, the offload preset.
 * ``on+pause``   -- the preset and ``engine.pause_writes_during(optimizer)``: the worker holds
   its writes while ``optimizer.step()`` runs and writes in the gaps (the recommended set-up
   for optimizer offload).
@@ -81,7 +81,7 @@ def engine_kwargs(mode: str, cap: float) -> dict[str, Any]:
         return {"throttle": ThrottleConfig.off()}
     if "cap" in mode:
         return {"throttle": ThrottleConfig.for_optimizer_offload(write_rate_bytes_per_s=cap)}
-    return {"optimizer_offload": True}
+    return {"throttle": ThrottleConfig.for_optimizer_offload()}
 
 
 @contextlib.contextmanager
@@ -120,8 +120,8 @@ def run_mode(mode: str, params, opt, root: Path, args: Any, gap: float, cap: flo
 
     async def main() -> None:
         async with CheckpointEngine(root, **C.engine_kwargs(**kw)) as engine:
-            rec["worker"] = repr(engine._core.worker_report)
-            rec["throttle"] = repr(engine._core.throttle)
+            rec["worker"] = repr(engine.worker_throttle)
+            rec["throttle"] = repr(engine.throttle)
             await engine.prepare(state)
             if "pause" in mode:
                 engine.pause_writes_during(opt)

@@ -24,6 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 ALL_METHODS = [
     "asyncckpt",
     "dcp.async_save:process+shm-stager",
@@ -109,7 +111,9 @@ def run_asyncckpt(state: dict, root: Path, saves: int, ref: C.CopyReference, arg
 
 def _arenas(engine: Any) -> dict[str, Any]:
     """The staging slots' arenas: ids, addresses, and whether CUDA sees them as pinned."""
-    slots = engine._core.slots
+    from asyncckpt.testing import parts
+
+    slots = parts(engine).saver.slots
     arenas = [a for s in slots for a in s.arenas]
     return {
         "ids": [i for s in slots for i in s.arena_ids],

@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 GROUP = 100  # tensors per inner dict (an expert, a layer)
 
 
@@ -100,12 +102,13 @@ def run_asyncckpt(
 ) -> dict[str, Any]:
     """Saves of ``state``; with ``reference``, a warm foreach copy of the same tensors timed
     right before each save ("paired": this VM's speed drifts 2x within minutes)."""
-    from asyncckpt import CheckpointEngine
+    from asyncckpt import CheckpointEngine, Distributed, Preemption
+    from asyncckpt.testing import parts
 
     out: dict[str, Any] = {"stalls": [], "durable": [], "first_stall": None}
-    kw: dict[str, Any] = {"handle_sigterm": False}
+    kw: dict[str, Any] = {"preemption": Preemption(handle_sigterm=False)}
     if not rank.distributed:
-        kw.update(rank=0, world_size=1)
+        kw.update(distributed=Distributed(rank=0, world_size=1))
 
     async def main() -> None:
         async with CheckpointEngine(root, **kw) as engine:
@@ -123,7 +126,7 @@ def run_asyncckpt(
                 else:
                     out["stalls"].append(stall)
                     out["durable"].append(durable)
-            out["plan_replays"] = engine._core.flatten_cache.hits
+            out["plan_replays"] = parts(engine).saver.flatten_cache.hits
 
     asyncio.run(main())
     return out
@@ -229,11 +232,11 @@ def run_loads(state: dict, root: Path, repeats: int, rank: C.Rank) -> dict[str, 
     from the same cache state: warm (the files read once just before) and cold (evicted)."""
     import torch.distributed.checkpoint as dcp
 
-    from asyncckpt import CheckpointEngine, SyncCheckpointEngine
+    from asyncckpt import CheckpointEngine, Distributed, Preemption, SyncCheckpointEngine
 
-    kw: dict[str, Any] = {"handle_sigterm": False}
+    kw: dict[str, Any] = {"preemption": Preemption(handle_sigterm=False)}
     if not rank.distributed:
-        kw.update(rank=0, world_size=1)
+        kw.update(distributed=Distributed(rank=0, world_size=1))
 
     async def save_one() -> Path:
         async with CheckpointEngine(root, **kw) as engine:

@@ -32,6 +32,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 from asyncckpt import SyncCheckpointEngine
+from asyncckpt.testing import wait_worker_ready
 root, wait_first = sys.argv[1], float(sys.argv[2])
 state = {"w": torch.ones(1 << 20)}
 eng = SyncCheckpointEngine(root)
@@ -43,7 +44,7 @@ if wait_first:
 t_save = time.perf_counter()
 eng.save(1, state)
 first_save = time.perf_counter() - t_save
-eng._core.worker_ready.wait()
+wait_worker_ready(eng)
 eng.close()
 print(json.dumps({"start": start, "first_save": first_save}))
 """
@@ -51,10 +52,11 @@ print(json.dumps({"start": start, "first_save": first_save}))
 READY = r"""
 import json, sys, time
 from asyncckpt import SyncCheckpointEngine
+from asyncckpt.testing import wait_worker_ready
 eng = SyncCheckpointEngine(sys.argv[1])
 t = time.perf_counter()
 eng.__enter__()
-eng._core.worker_ready.wait()
+wait_worker_ready(eng)
 ready = time.perf_counter() - t
 eng.close()
 print(json.dumps({"ready": ready}))

@@ -31,6 +31,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
+C.quiet_spawned_children()
+
 ALL_METHODS = [
     "none",
     "asyncckpt",
@@ -144,7 +146,7 @@ def _run_asyncckpt(method: str, tr: Trainer, root: Path, args: Any) -> dict[str,
     async def main() -> None:
         engine = CheckpointEngine(root, **C.engine_kwargs(**kw))
         async with engine:
-            rec["throttle"] = repr(engine._core.throttle)
+            rec["throttle"] = repr(engine.throttle)
             await engine.prepare(tr.state())
             wproc = C.psutil.Process(engine.worker_pid)
             handle = None
@@ -191,9 +193,14 @@ def _asyncckpt_engines() -> dict[str, Any]:
 
         return {"throttle": dataclasses.replace(ThrottleConfig.background(), cpu_cores=1)}
 
+    def offload() -> dict[str, Any]:
+        from asyncckpt import ThrottleConfig
+
+        return {"throttle": ThrottleConfig.for_optimizer_offload()}
+
     return {
         "asyncckpt": dict,  # the engine's default throttle (ThrottleConfig.background())
-        "asyncckpt:offload": lambda: {"optimizer_offload": True},
+        "asyncckpt:offload": offload,
         "asyncckpt:off": off,  # no throttling (the default before ThrottleConfig.background)
         "asyncckpt:background+last-core": last_core,
     }
@@ -229,7 +236,7 @@ def calibrate_write(tr: Trainer, root: Path) -> dict[str, Any]:
                 write_seconds=st.write_seconds,
                 commit_seconds=st.commit_seconds,
                 steps_during=steps,
-                throttle=repr(engine._core.throttle),
+                throttle=repr(engine.throttle),
             )
 
     anyio.run(main)

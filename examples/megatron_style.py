@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncckpt import KeepLast, SyncCheckpointEngine
+from asyncckpt import KeepLast, Schedule, SyncCheckpointEngine
 
 ROWS, COLS = 16, 8
 
@@ -103,7 +103,7 @@ def main() -> None:
         layout="megatron",
         format=args.format,
         keep=KeepLast(2),
-        save_every_steps=args.save_every,
+        schedule=Schedule(every_steps=args.save_every),
     )
     with engine:
         state = shard.sharded_state(0)

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import torch
 
-from asyncckpt import CheckpointEngine, KeepEvery, KeepLast
+from asyncckpt import CheckpointEngine, KeepEvery, KeepLast, Schedule
 
 TOTAL_STEPS = 60
 SAVE_EVERY = 5
@@ -44,7 +44,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 async def train(root: Path, kill_at: int | None) -> None:
     model, optim = make_run()
     state = {"model": model, "optim": optim, "progress": {"step": 0, "losses": []}}
-    engine = CheckpointEngine(root, keep=KeepLast(3) | KeepEvery(20), save_every_steps=SAVE_EVERY)
+    engine = CheckpointEngine(
+        root, keep=KeepLast(3) | KeepEvery(20), schedule=Schedule(every_steps=SAVE_EVERY)
+    )
     start = await engine.load_latest(state)
     if start is None:
         print("no checkpoint found: starting from scratch", flush=True)

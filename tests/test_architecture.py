@@ -82,3 +82,166 @@ def test_the_graph_is_read():
 
 def test_no_import_circles():
     assert cycles(import_graph()) == []
+
+
+# ------------------------------------------------------------------------------ the engine's shape
+# Issue 23, item 3: the engine is parts with explicit interfaces, not a god class with mixins.
+
+#: No class in the package is longer than this (the engine's core was 875 lines).
+MAX_CLASS_LINES = 450
+REPO = PACKAGE.parent
+
+
+def _classes() -> list[tuple[str, ast.ClassDef]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.append((_module_name(path), node))
+    return out
+
+
+def test_no_class_is_a_god_class():
+    sizes = {f"{m}.{c.name}": c.end_lineno - c.lineno + 1 for m, c in _classes()}
+    big = {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}
+    assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
+    assert sizes["asyncckpt.saving.Saver"] > 0  # the parts exist where the README says
+
+
+def _foreign_attributes(cls: ast.ClassDef) -> set[str]:
+    """``self.<name>`` that ``cls`` reads but neither assigns nor defines: its subclass's."""
+    own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            own.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            own.update(t.id for t in n.targets if isinstance(t, ast.Name))
+    read = set()
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            (own.add if isinstance(n.ctx, ast.Store) else read.add)(n.attr)
+    return read - own
+
+
+def test_no_base_class_is_a_mixin_over_its_subclass():
+    """A base class of the package's own uses only what it defines itself: a mixin that reads
+    and writes its subclass's attributes (supervisor.py over the engine's core, 26 names) is a
+    contract that nothing checks."""
+    own = {c.name: c for _, c in _classes()}
+    assert _foreign_attributes(
+        ast.parse("class M:\n    def f(self):\n        return self.root").body[0]
+    ) == {"root"}
+    bad = {}
+    for module, cls in _classes():
+        for base in cls.bases:
+            parent = own.get(ast.unparse(base).rpartition(".")[2])
+            if parent is None or any(
+                ast.unparse(b).rpartition(".")[2] not in own for b in parent.bases
+            ):
+                continue  # (a subclass of torch's, say: what it reads may be torch's)
+            if _foreign_attributes(parent):
+                bad[f"{module}.{cls.name}"] = sorted(_foreign_attributes(parent))
+    assert not bad, f"mixins: {bad}"
+
+
+def test_no_override_is_silenced():
+    hits = [
+        str(p.relative_to(REPO))
+        for p in PACKAGE.rglob("*.py")
+        if "type: ignore[override]" in p.read_text()
+    ]
+    assert not hits, hits
+
+
+def test_tests_and_benchmarks_use_public_api_or_the_test_hook():
+    """Not ``engine._core`` (or ``engine._engine``): ``asyncckpt.testing`` is the documented
+    way in."""
+    reaching = []
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path.name == Path(__file__).name:
+                continue
+            text = path.read_text()
+            if "._core" in text or "._engine" in text:
+                reaching.append(str(path.relative_to(REPO)))
+    assert not reaching, reaching
+
+
+def test_the_rank_has_one_source():
+    """Every part reads the rank from ``EngineParts.ranks`` (``Ranks``), resolved once."""
+    engine_src = (PACKAGE / "engine.py").read_text()
+    assert "opts.rank" not in engine_src and "self.rank =" not in engine_src
+    for module in ("supervisor.py", "saving.py", "jobs.py"):
+        assert "opts.rank" not in (PACKAGE / module).read_text(), module
+
+
+# ------------------------------------------------------------------ the write side is one seam
+#: Calls that change names on a disk, sync them or lock them (issue 23): only storage/ makes
+#: them (``storage/localfs.py`` under ``LocalStore``), so every durable write has one doorway.
+WRITE_SIDE = {
+    "os": {
+        "rename", "replace", "unlink", "remove", "rmdir", "mkdir", "makedirs", "fsync",
+        "fdatasync", "ftruncate", "truncate", "write", "pwrite", "link", "symlink", "chmod",
+        "removedirs", "renames",
+    },
+    "fcntl": {"flock", "lockf"},
+    "shutil": {"rmtree", "move", "copytree", "copyfile", "copy", "copy2"},
+}  # fmt: skip
+
+#: The exceptions, each a write of a file's *bytes* by the code that produces them, inside a
+#: temporary that the commit order then seals and publishes through the store:
+ALLOWED = {
+    # The O_DIRECT file writer: ``os.write`` of aligned blocks and the ``ftruncate`` that
+    # drops the tail's padding are how that file's bytes are written, not a change of names.
+    ("asyncckpt/directio.py", "os.write"),
+    ("asyncckpt/directio.py", "os.ftruncate"),
+}
+
+
+def write_side_calls(package: Path = PACKAGE) -> list[tuple[str, str, int]]:
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.attr in WRITE_SIDE.get(node.func.value.id, ())
+            ):
+                out.append((rel, f"{node.func.value.id}.{node.func.attr}", node.lineno))
+    return out
+
+
+def test_the_write_side_check_sees_a_call(tmp_path):
+    pkg = tmp_path / "asyncckpt"
+    (pkg / "storage").mkdir(parents=True)
+    (pkg / "commit.py").write_text("import os\ndef f(a, b):\n    os.rename(a, b)\n")
+    (pkg / "storage" / "local.py").write_text("import fcntl\nfcntl.flock(0, 0)\n")
+    assert write_side_calls(pkg) == [
+        ("asyncckpt/commit.py", "os.rename", 3),
+        ("asyncckpt/storage/local.py", "fcntl.flock", 2),
+    ]
+
+
+def test_only_storage_writes_to_the_disk():
+    outside = [
+        (rel, call, line)
+        for rel, call, line in write_side_calls()
+        if not rel.startswith("asyncckpt/storage/") and (rel, call) not in ALLOWED
+    ]
+    assert outside == [], "write-side calls outside asyncckpt/storage/ (use LocalStore/localfs)"
+
+
+def test_the_lock_name_is_spelled_once():
+    """Its literal in layout.py, the file of a lock made in localfs.lock_path only."""
+
+    def files_with(text: str) -> list[str]:
+        return sorted(
+            p.relative_to(PACKAGE.parent).as_posix()
+            for p in PACKAGE.rglob("*.py")
+            if text in p.read_text()
+        )
+
+    assert files_with('".asyncckpt.lock') == ["asyncckpt/layout.py"]
+    assert files_with("LOCK_NAME") == ["asyncckpt/layout.py", "asyncckpt/storage/localfs.py"]

@@ -35,6 +35,8 @@ def run_bench(script: str, tmp_path: Path, *extra: str) -> dict:
     # with the suite's other process running the torture test beside it on 2 cores.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # dcp.async_save's process executor child logs at INFO unless the script quiets it.
+    assert " - INFO - " not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     name = script.removesuffix(".py")
     assert (out / f"{name}.png").stat().st_size > 1000
     # written checkpoints are deleted after each method

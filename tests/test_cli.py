@@ -195,21 +195,22 @@ def test_prune_racing_the_engines_own_prune_succeeds(root, capsys, monkeypatch, 
     import shutil
 
     import asyncckpt.prune as P
+    import asyncckpt.storage.local as local
 
-    real_delete, real_info = P.trash_and_delete, P.read_checkpoint_info
+    real_delete, real_info = P.delete, local.read_checkpoint_info
 
-    def engine_first(r, path):
-        if Path(path).name == "global_step_20":
-            real_delete(r, path)  # the engine's prune, a moment earlier
-        real_delete(r, path)
+    def engine_first(store, name):
+        if name == "global_step_20":
+            real_delete(store, name)  # the engine's prune, a moment earlier
+        real_delete(store, name)
 
     def vanishing(path, step=None):
         if step == 10:  # pruned between the scan and the read of its manifest
             shutil.rmtree(path)
         return real_info(path, step)
 
-    monkeypatch.setattr(P, "trash_and_delete", engine_first)
-    monkeypatch.setattr(P, "read_checkpoint_info", vanishing)
+    monkeypatch.setattr(P, "delete", engine_first)
+    monkeypatch.setattr(local, "read_checkpoint_info", vanishing)
     argv = ["prune", str(root), "--keep-last", "2", *(["--json"] if as_json else [])]
     code, out, err = run(capsys, *argv)
     assert code == 0, (out, err)

@@ -271,7 +271,7 @@ def test_engine_warns_in_the_trainer_once(tmp_path, caplog):
                 engine.save(s, {"w": torch.full((4,), float(s))}, metrics={"loss": 1.0 / s})
             engine.wait()
             deadline = time.monotonic() + 30
-            while (r := engine._core.last_prune) is None or 3 not in r.kept:
+            while (r := engine.last_prune) is None or 3 not in r.kept:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
     mine = [w for w in caught if issubclass(w.category, MissingMetricWarning)]
@@ -388,7 +388,7 @@ def test_the_engines_prune_trusts_the_checkpoint_it_just_committed(root, monkeyp
     def no_read(*a, **k):
         raise AssertionError("the worker's prune read a checkpoint back")
 
-    monkeypatch.setattr("asyncckpt.prune.check_dir", no_read)
+    monkeypatch.setattr("asyncckpt.manifest.check_dir", no_read)
     config = SimpleNamespace(layout="global_step")
     result = PruneRequest(policy=KeepLast(1)).run(root, config, 30)  # 40 is above: kept
     assert result.deleted == [10, 20] and steps(root) == [30, 40]

@@ -21,6 +21,7 @@ from statecmp import assert_same
 from asyncckpt import (
     CheckpointEngine,
     Component,
+    Distributed,
     KeepLast,
     StateMismatch,
     SyncCheckpointEngine,
@@ -363,12 +364,16 @@ def multi_state(rank: int, world: int, step: int) -> dict:
 def save_and_load_on_ranks(rank: int, world: int, root: str) -> dict:
     from test_multirank import check_loaded, zero_like_state
 
-    with SyncCheckpointEngine(root, components=MULTI_SPEC, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(
+        root, components=MULTI_SPEC, distributed=Distributed(timeout=60)
+    ) as engine:
         for step in (10, 20):
             engine.save(step, multi_state(rank, world, step)).committed_sync(timeout=120)
     target = multi_state(rank, world, 0)
     target["policy"] = zero_like_state(target["policy"])
-    with SyncCheckpointEngine(root, components=MULTI_SPEC, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(
+        root, components=MULTI_SPEC, distributed=Distributed(timeout=60)
+    ) as engine:
         step = engine.load_latest(target)
     check_loaded(target["policy"], rank, world, 20)
     assert torch.equal(target["shard"]["mine"], torch.full((3,), float(rank * 100 + 20)))

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import CheckpointEngine, faults
+from asyncckpt import CheckpointEngine, Distributed, faults
+from asyncckpt.testing import parts
 
 HAS_CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -60,7 +61,7 @@ async def test_cuda_round_trip_and_mutation_after_save(tmp_path):
     faults.inject("before_shard_write", "delay:0.5")
     async with CheckpointEngine(tmp_path) as engine:
         await engine.prepare(state)
-        assert engine._core.slots[0].pinned
+        assert parts(engine).saver.slots[0].pinned
         handle = await engine.save(1, state)
         for t in state.values():
             t.zero_() if t.dtype != torch.bool else t.logical_not_()
@@ -151,7 +152,7 @@ async def test_cuda_queued_writes_before_save_are_in_it_and_after_are_not(tmp_pa
 
 
 def _arena_snapshot(engine: CheckpointEngine) -> tuple[list[int], list[int]]:
-    slots = engine._core.slots
+    slots = parts(engine).saver.slots
     return [i for s in slots for i in s.arena_ids], [a.data_ptr() for s in slots for a in s.arenas]
 
 
@@ -173,7 +174,7 @@ async def test_cuda_pinned_arenas_registered_once_and_reused(tmp_path, monkeypat
         registered = list(calls)
         assert registered and all(pin for _, pin in registered), registered
         before = _arena_snapshot(engine)
-        arenas = [a for s in engine._core.slots for a in s.arenas]
+        arenas = [a for s in parts(engine).saver.slots for a in s.arenas]
         assert all(a.is_pinned() for a in arenas), "CUDA does not see the arenas as pinned"
         for step in range(1, 5):
             state["w"].add_(1.0)
@@ -208,7 +209,7 @@ async def test_cuda_layout_change_dtype_between_saves(tmp_path):
         await (await engine.save(2, s2)).committed()
         second = _arena_snapshot(engine)
         assert set(first[0]).isdisjoint(second[0]), "the old layout's arenas were reused"
-        assert all(a.is_pinned() for s in engine._core.slots for a in s.arenas)
+        assert all(a.is_pinned() for s in parts(engine).saver.slots for a in s.arenas)
         # And back to the first layout: saved with its own dtypes again.
         await (await engine.save(3, s1)).committed()
         infos = {c.step: c.path for c in engine.list_checkpoints()}
@@ -243,8 +244,8 @@ def save_and_load_on_rank(rank: int, world: int, root: str, device_index: int | 
             "step": step,
         }
 
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
-        assert engine._core.world_size == world and engine._core.rank == rank
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
+        assert engine.world_size == world and engine.rank == rank
         for step in (1, 2):
             engine.save(step, state(step)).committed_sync(timeout=120)
     want = state(2)

@@ -5,6 +5,7 @@ Observed through ``SaveStats`` and the ``Pacer``'s figures, never through timing
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -90,7 +91,9 @@ def test_pacer_without_a_deadline_never_escalates():
 @pytest.mark.parametrize("bad", [0, -1.0, "5", True, float("inf")])
 def test_durable_within_refuses_what_is_not_a_positive_number(tmp_path, bad):
     with pytest.raises(ValueError, match="durable_within"):
-        CheckpointEngine(tmp_path, durable_within=bad)
+        ThrottleConfig.background(durable_within=bad)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="durable_within"):
+        CheckpointEngine(tmp_path, durable_within=bad)  # the flat keyword of before
     with pytest.raises(ValueError, match="durable_within"):
         ThrottleConfig(durable_within=bad)
 
@@ -113,7 +116,8 @@ def test_stats_report_time_to_durable_and_throttling_without_a_deadline(tmp_path
 
 def test_a_deadline_lifts_the_rate_cap(tmp_path):
     # A deadline already half gone when the worker starts the save: it escalates at once.
-    with SyncCheckpointEngine(tmp_path, throttle=RATE, durable_within=1e-6) as engine:
+    deadline = dataclasses.replace(RATE, durable_within=1e-6)
+    with SyncCheckpointEngine(tmp_path, throttle=deadline) as engine:
         stats = engine.save(1, _state()).committed_sync()
     assert stats.escalated_after_seconds is not None
     assert "write_rate" in stats.escalations
@@ -125,7 +129,8 @@ def test_a_deadline_lifts_the_rate_cap(tmp_path):
     not hasattr(os, "geteuid") or os.geteuid() != 0, reason="lowering niceness needs root"
 )
 async def test_a_deadline_renices_the_default_worker(tmp_path, anyio_backend):
-    async with CheckpointEngine(tmp_path, durable_within=1e-6) as engine:
+    throttle = ThrottleConfig.background(durable_within=1e-6)
+    async with CheckpointEngine(tmp_path, throttle=throttle) as engine:
         h = await engine.save(1, _state())
         stats = await h.committed()
     assert "nice" in stats.escalations  # the default throttle: nice 19, back to the base

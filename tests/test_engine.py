@@ -16,6 +16,7 @@ from statecmp import assert_same
 from asyncckpt import (
     CheckpointEngine,
     CheckpointError,
+    Preemption,
     RootLocked,
     SaveFailed,
     StagingMemoryError,
@@ -24,6 +25,7 @@ from asyncckpt import (
     faults,
 )
 from asyncckpt import layout as L
+from asyncckpt.testing import parts
 
 pytestmark = pytest.mark.anyio
 both_backends = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -283,7 +285,7 @@ async def test_arenas_are_allocated_once_and_reused(tmp_path, anyio_backend):
     state = {"w": torch.randn(256, 256), "b": torch.randn(10)}
     async with CheckpointEngine(tmp_path) as engine:
         await engine.prepare(state)
-        slot = engine._core.slots[0]
+        slot = parts(engine).saver.slots[0]
         arena_ids = list(slot.arena_ids)
         for step in range(1, 4):
             state["w"].add_(1)
@@ -431,15 +433,15 @@ def test_sigterm_waits_for_staged_saves_to_commit(tmp_path):
 
 
 def test_preemption_save_after_sigterm(tmp_path):
-    # preemption_save=True: SIGTERM drains, then should_save answers yes once so the loop
+    # Preemption(final_save=True): SIGTERM drains, then should_save answers yes once so the loop
     # writes a final checkpoint and stops by itself.
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from asyncckpt import SyncCheckpointEngine
+        from asyncckpt import Preemption, Schedule, SyncCheckpointEngine
         state = {{"w": torch.zeros(3)}}
-        with SyncCheckpointEngine({str(tmp_path)!r}, save_every_steps=100,
-                                  preemption_save=True) as engine:
+        with SyncCheckpointEngine({str(tmp_path)!r}, schedule=Schedule(every_steps=100),
+                                  preemption=Preemption(final_save=True)) as engine:
             for step in range(1, 1000):
                 state["w"].fill_(step)
                 if step == 7:
@@ -475,12 +477,16 @@ def _fd_counts(root, cycles: int) -> list[int]:
     state = {"x": torch.zeros(1)}
 
     async def async_cycle(step: int) -> None:
-        async with CheckpointEngine(root, keep=KeepLast(1), handle_sigterm=False) as engine:
+        async with CheckpointEngine(
+            root, keep=KeepLast(1), preemption=Preemption(handle_sigterm=False)
+        ) as engine:
             await engine.save(step, state)
 
     def cycle(step: int) -> None:
         if step % 2:
-            with SyncCheckpointEngine(root, keep=KeepLast(1), handle_sigterm=False) as engine:
+            with SyncCheckpointEngine(
+                root, keep=KeepLast(1), preemption=Preemption(handle_sigterm=False)
+            ) as engine:
                 engine.save(step, state)
                 pid = engine.worker_pid
             assert engine.worker_pid == pid  # still known once closed

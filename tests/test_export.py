@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import Component, SyncCheckpointEngine
+from asyncckpt import Component, Distributed, SyncCheckpointEngine
 from asyncckpt import layout as L
 from asyncckpt.errors import CorruptCheckpoint
 from asyncckpt.export import (
@@ -259,7 +259,7 @@ def _rank_entry(rank: int, world: int, store_path: str, root: str, results: Any)
             "optimizer": {"m": DTensor.from_local(torch.ones(ROWS // world, 4), mesh, [Shard(0)])},
             "step": STEP,
         }
-        with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+        with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
             engine.save(STEP, state).committed_sync(timeout=120)
         dist.barrier()
         dist.destroy_process_group()
@@ -543,6 +543,24 @@ def test_prune_keeps_the_newest_and_touches_nothing_else(tmp_path: Path) -> None
     assert prune_exports(export) == []
     assert prune_exports(HFExport(1, root)) == []
     assert prune_exports(HFExport(1, tmp_path / "missing", keep=1)) == []
+
+
+def test_prune_never_leaves_only_a_corrupt_export(tmp_path: Path) -> None:
+    """The export's retention is the one pruner's (issue 23): the newest export failing its
+    manifest, the newest one that verifies is kept too (it used to be deleted, leaving only
+    the corrupt one); the export just written is trusted, not read back."""
+    root = tmp_path / "hf"
+    export = HFExport(1, root, keep=1)
+    for step in (1, 2, 3):
+        write_safetensors({"w": torch.full((64,), float(step))}, export_dir(export, step), 10**6)
+    shard = export_dir(export, 3) / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert prune_exports(export) == [export_dir(export, 1)]
+    assert [s for s in (1, 2, 3) if export_dir(export, s).exists()] == [2, 3]
+    # Trusted as just written (checksummed as it was): nothing read, the rest goes.
+    assert prune_exports(export, just_exported=3) == [export_dir(export, 2)]
 
 
 # ------------------------------------------------------------------------ through the engine

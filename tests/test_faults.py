@@ -31,6 +31,7 @@ from asyncckpt import (
     verify,
 )
 from asyncckpt import layout as L
+from asyncckpt.testing import parts
 
 #: Points in the worker's write path, in order; an error at any of them fails the save.
 WRITE_POINTS = (
@@ -266,7 +267,7 @@ def test_every_point_is_reached(tmp_path):
             assert L.read_tracker(tmp_path) == step
             if point == "mid_prune":
                 assert any(n.startswith(L.TRASH_PREFIX) for n in os.listdir(tmp_path))
-            engine._core.restarts = 0
+            parts(engine).supervisor.restarts = 0
         step += 1
         engine.save(step, state_at(step)).committed_sync()
     with SyncCheckpointEngine(tmp_path) as engine:
@@ -516,14 +517,16 @@ def test_enospc_writing_the_tracker_leaves_no_temporary(tmp_path, monkeypatch, f
         def __getattr__(self, name):
             return getattr(self.f, name)
 
+    from asyncckpt.storage import localfs  # (where the tracker's file is written)
+
     real_open = open
-    monkeypatch.setattr(commit, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(localfs, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
     if fail_in == "fsync":
 
         def full(fd):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(commit.os, "fsync", full)
+        monkeypatch.setattr(localfs.os, "fsync", full)
     with pytest.raises(OSError) as info:
         commit.write_tracker(tmp_path, "global_step", 2)
     assert info.value.errno == errno.ENOSPC

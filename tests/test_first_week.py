@@ -130,24 +130,24 @@ def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_i
     import threading
 
     from asyncckpt import messages as M
-    from asyncckpt.engine import _Core
+    from asyncckpt.supervisor import WorkerSupervisor
 
     release = threading.Event()
-    original = _Core._on_event
+    original = WorkerSupervisor._on_event
 
     def held(self, msg):  # the worker's Ready reaches the engine only once the test says so
         if isinstance(msg, M.Ready):
             release.wait(120)
         original(self, msg)
 
-    monkeypatch.setattr(_Core, "_on_event", held)
+    monkeypatch.setattr(WorkerSupervisor, "_on_event", held)
     eng = SyncCheckpointEngine(tmp_path / "r")
     started = threading.Thread(target=eng.__enter__, daemon=True)
     started.start()
     started.join(60)
     try:
         assert not started.is_alive(), "start() waited for the worker's Ready"
-        assert not eng._core.worker_ready.is_set()
+        assert not eng.worker_ready
         handles = []
         saving = threading.Thread(
             target=lambda: handles.append(eng.save(1, {"w": torch.ones(8)})), daemon=True
@@ -172,10 +172,10 @@ def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
     import threading
 
     from asyncckpt import messages as M
-    from asyncckpt.engine import _Core
+    from asyncckpt.supervisor import WorkerSupervisor
 
     first_ready = threading.Event()
-    original = _Core._on_event
+    original = WorkerSupervisor._on_event
 
     def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
         if isinstance(msg, M.Ready) and not first_ready.is_set():
@@ -183,7 +183,7 @@ def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
             return
         original(self, msg)
 
-    monkeypatch.setattr(_Core, "_on_event", drop_first_ready)
+    monkeypatch.setattr(WorkerSupervisor, "_on_event", drop_first_ready)
     with SyncCheckpointEngine(tmp_path / "r") as eng:
         assert first_ready.wait(120)
         first = eng.worker_pid
@@ -195,3 +195,42 @@ def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
         eng.save(1, {"w": torch.ones(8)}).committed_sync(120)
         assert eng.worker_pid != first and eng.worker_restarts == 1
     assert [c.step for c in eng.list_checkpoints()] == [1]
+
+
+def test_a_save_failed_while_it_waited_for_the_worker_is_not_sent_to_the_next_one(
+    tmp_path, monkeypatch
+):
+    """save() staged, then waited for a starting worker that was killed: its handle fails
+    ("nothing was committed"), so the replacement must not be handed that job; before, it
+    was, and committed the step that the handle called lost."""
+    import os
+    import signal
+    import threading
+
+    from asyncckpt import WorkerDied
+    from asyncckpt import messages as M
+    from asyncckpt.supervisor import WorkerSupervisor
+
+    first_ready = threading.Event()
+    original = WorkerSupervisor._on_event
+
+    def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
+        if isinstance(msg, M.Ready) and not first_ready.is_set():
+            first_ready.set()
+            return
+        original(self, msg)
+
+    monkeypatch.setattr(WorkerSupervisor, "_on_event", drop_first_ready)
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        assert first_ready.wait(120)
+        first = eng.worker_pid
+        # Killed while save(1) waits for it (the save is staged and entered as in flight).
+        killer = threading.Timer(0.5, os.kill, (first, signal.SIGKILL))
+        killer.start()
+        handle = eng.save(1, {"w": torch.ones(8)})
+        killer.join()
+        with pytest.raises(WorkerDied, match="nothing was committed"):
+            handle.committed_sync(60)
+        eng.save(2, {"w": torch.ones(8)}).committed_sync(120)
+        assert eng.worker_pid != first
+    assert [c.step for c in eng.list_checkpoints()] == [2]

@@ -12,6 +12,7 @@ from statecmp import assert_same
 from asyncckpt import SyncCheckpointEngine
 from asyncckpt.flatplan import FlattenCache, FlattenPlan
 from asyncckpt.staging import flatten_state
+from asyncckpt.testing import parts
 
 
 def make_state(seed: int = 0) -> dict:
@@ -109,7 +110,7 @@ def test_an_engine_saves_a_state_whose_structure_changes(tmp_path):
         changed["step"] = 3
         engine.save(3, changed)
         engine.wait()
-        assert engine._core.flatten_cache.hits >= 1
+        assert parts(engine).saver.flatten_cache.hits >= 1
         target = make_state(0)
         target["layers"].append({"w": torch.zeros(2, 2)})
         assert engine.load_latest(target) == 3
@@ -130,22 +131,22 @@ def test_paths_travel_once_per_plan_and_again_to_a_new_worker(tmp_path):
 
     state = make_state(2)
     with SyncCheckpointEngine(tmp_path) as engine:
-        core = engine._core
+        core = parts(engine)
         state["step"] = 1
         engine.save(1, state)
         engine.wait()
-        link = core.link
+        link = core.supervisor.link
         first = link.paths
         state["step"] = 2
         engine.save(2, state)
         engine.wait()
-        assert link.paths is first and core.flatten_cache.hits >= 1
+        assert link.paths is first and core.saver.flatten_cache.hits >= 1
         pid = engine.worker_pid
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while core.link is link and time.monotonic() < deadline:
+        while core.supervisor.link is link and time.monotonic() < deadline:
             time.sleep(0.05)  # the engine notices the death and starts a new worker
-        assert core.link.paths is None  # the new worker has been sent nothing yet
+        assert core.supervisor.link.paths is None  # the new worker has been sent nothing yet
         state["step"] = 3
         engine.save(3, state)
         engine.wait()
@@ -196,18 +197,16 @@ def test_prepare_sends_the_paths_ahead_so_the_first_save_carries_none(tmp_path, 
     them into the first save's job was ~0.5 s of its stall); the manifest still has them."""
     import json
 
-    from asyncckpt import engine as engine_mod
     from asyncckpt import layout as L
+    from asyncckpt import saving
 
     sent = []
-    encode = engine_mod._encode_job
-    monkeypatch.setattr(
-        engine_mod, "_encode_job", lambda job: sent.append(job.paths) or encode(job)
-    )
+    encode = saving._encode_job
+    monkeypatch.setattr(saving, "_encode_job", lambda job: sent.append(job.paths) or encode(job))
     state = make_state(3)
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.prepare(state)
-        assert engine._core.link.paths is not None
+        assert parts(engine).supervisor.link.paths is not None
         for step in (1, 2):
             state["step"] = step
             engine.save(step, state).committed_sync(120)

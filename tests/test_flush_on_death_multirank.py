@@ -34,13 +34,13 @@ TRAINER = """
 import json, os, signal, sys, time
 import torch
 import torch.distributed as dist
-from asyncckpt import SyncCheckpointEngine, faults
+from asyncckpt import Distributed, SyncCheckpointEngine, faults
 sys.path.insert(0, sys.argv[8])
 from test_flush_on_death_multirank import state
 rank, world, root, store, go = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
 dies, waits = sys.argv[6] == "1", sys.argv[7] == "1"
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-engine = SyncCheckpointEngine(root, keep=None, dist_timeout=@DIST_TIMEOUT@)
+engine = SyncCheckpointEngine(root, keep=None, distributed=Distributed(timeout=@DIST_TIMEOUT@))
 engine.__enter__()  # a rank that dies never leaves it
 engine.save(1, state(rank, 1)).committed_sync(120)
 faults.inject("before_shard_write", "delay:1.0")  # the kill lands before the write
@@ -171,7 +171,7 @@ def test_every_trainer_killed_after_save_returned(tmp_path, world):
 def test_one_trainer_killed_while_the_others_go_on(tmp_path, world, victim):
     """Step 2 was staged on every rank: it commits, and the survivors' handles say so. Their
     next save cannot: a rank is gone, so it fails cleanly on every survivor after
-    ``dist_timeout`` (nothing of it is left), and the survivors close normally."""
+    ``Distributed(timeout=)`` (nothing of it is left), and the survivors close normally."""
     dead = 0 if victim == "rank0" else world - 1
     outcomes, workers = run(tmp_path, world, victims={dead}, first={dead})
     assert set(outcomes) == set(range(world)) - {dead}

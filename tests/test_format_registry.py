@@ -19,7 +19,7 @@ import pytest
 import torch
 from statecmp import assert_same
 
-from asyncckpt import StateMismatch, SyncCheckpointEngine, loadcheck
+from asyncckpt import Preemption, StateMismatch, SyncCheckpointEngine, loadcheck
 from asyncckpt import layout as L
 from asyncckpt.formats import (
     FORMAT_ALIASES,
@@ -264,12 +264,16 @@ def engine_accepts_registered_formats() -> bool:
 def test_engine_saves_and_loads_a_registered_format(tmp_path: Path, onefile: OneFile) -> None:
     from asyncckpt.reading import read_checkpoint
 
-    with SyncCheckpointEngine(tmp_path, format="one", handle_sigterm=False) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, format="one", preemption=Preemption(handle_sigterm=False)
+    ) as engine:
         engine.save(5, state_at(5)).committed_sync(timeout=120)
     step_dir = tmp_path / L.dir_name("global_step", 5)
     assert sorted(os.listdir(step_dir)) == sorted(["state.pt", L.MANIFEST])
     target = blank()
-    engine = SyncCheckpointEngine(tmp_path, format="onefile", handle_sigterm=False)
+    engine = SyncCheckpointEngine(
+        tmp_path, format="onefile", preemption=Preemption(handle_sigterm=False)
+    )
     assert engine.load_latest(target) == 5
     assert_same(target, state_at(5))
     assert_same(read_checkpoint(step_dir), state_at(5))

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_multirank import run_ranks
 
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import Distributed, Preemption, SyncCheckpointEngine
 from asyncckpt import layout as L
 from asyncckpt.formats import megatron_legacy as legacy
 from asyncckpt.formats import staged
@@ -172,7 +172,7 @@ def _save_two_ranks(rank: int, world: int, mcore: str, plain: str) -> None:
     """One rank: its engine's worker writes this rank's shards, rank 0's the global files."""
     for root, state in ((mcore, mh.multirank_state(rank)), (plain, mh.plain_state())):
         with SyncCheckpointEngine(
-            root, layout="megatron", format="torch_dist", dist_timeout=60
+            root, layout="megatron", format="torch_dist", distributed=Distributed(timeout=60)
         ) as engine:
             engine.save(STEP, state).committed_sync(timeout=120)
 
@@ -238,7 +238,9 @@ def test_split_common_plain_convention() -> None:
     ],
 )
 def test_bad_input_fails_before_writing(tmp_path: Path, state: dict, match: str) -> None:
-    with SyncCheckpointEngine(tmp_path, layout="megatron", handle_sigterm=False) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, layout="megatron", preemption=Preemption(handle_sigterm=False)
+    ) as engine:
         with pytest.raises(Exception, match=match):
             engine.save(1, state)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("iter_") or L.is_leftover(n)]

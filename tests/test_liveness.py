@@ -20,6 +20,7 @@ import torch
 from asyncckpt import CheckpointError, SyncCheckpointEngine, WorkerDied, faults
 from asyncckpt import commit as C
 from asyncckpt import layout as L
+from asyncckpt.testing import parts
 
 
 def state_at(step: int, n: int = 1000) -> dict:
@@ -142,11 +143,11 @@ root, sig, mode = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
 signal.signal(signal.SIGINT, signal.default_int_handler)
 state = {"w": torch.ones(1000)}
 
-def later(core):
+def later(engine):
     # Fired while save(2) waits for the replacement of the worker that the fault killed.
     def fire():
         time.sleep(0.3)
-        print("ready-when-signalled", core.worker_ready.is_set(), flush=True)
+        print("ready-when-signalled", engine.worker_ready, flush=True)
         os.kill(os.getpid(), sig)
     threading.Thread(target=fire, daemon=True).start()
 
@@ -157,7 +158,7 @@ def sync_main():
             engine.save(1, state).committed_sync(120)
         except WorkerDied:
             print("step 1 failed", flush=True)
-        later(engine._core)
+        later(engine)
         try:
             h = engine.save(2, state)
             print("save 2 returned", flush=True)
@@ -172,7 +173,7 @@ async def async_main():
             await (await engine.save(1, state)).committed()
         except WorkerDied:
             print("step 1 failed", flush=True)
-        later(engine._core)
+        later(engine)
         await engine.save(2, state)
         print("save 2 returned", flush=True)
         await anyio.sleep(30)
@@ -237,14 +238,14 @@ def test_a_worker_killed_after_the_rename_reports_the_commit(tmp_path):
 
 def test_a_worker_killed_before_the_rename_fails_and_the_step_can_be_saved_again(tmp_path):
     with SyncCheckpointEngine(tmp_path) as engine:
-        core = engine._core
-        fail, restarts_seen = core._fail, []
+        jobs = parts(engine).jobs
+        fail, restarts_seen = jobs.fail, []
 
         def recording_fail(job_id, err):  # what a caller woken by this failure would read
-            restarts_seen.append(core.restarts)
+            restarts_seen.append(engine.worker_restarts)
             fail(job_id, err)
 
-        core._fail = recording_fail
+        jobs.fail = recording_fail
         faults.inject("before_rename", "kill")
         with pytest.raises(WorkerDied, match="nothing was committed"):
             engine.save(1, state_at(1)).committed_sync(120)
@@ -260,19 +261,19 @@ def test_a_job_handed_to_nobody_is_not_left_in_flight(tmp_path):
     """A save whose hand-off to the worker raised (interrupted) must not be waited for."""
     engine = SyncCheckpointEngine(tmp_path)
     engine.__enter__()
-    core = engine._core
+    core = parts(engine)
     try:
-        real = core._wait_ready
+        real = core.supervisor.wait_ready
 
         def interrupted() -> None:
             raise KeyboardInterrupt
 
-        core._wait_ready = interrupted
+        core.supervisor.wait_ready = interrupted
         with pytest.raises(KeyboardInterrupt):
             engine.save(1, state_at(1))
-        core._wait_ready = real
+        core.supervisor.wait_ready = real
         core.drain(timeout=5)  # nothing left in flight: close() would not wait for it
-        assert all(o is None for o in core.slot_owner.values())
+        assert all(o is None for o in core.jobs.slot_owner.values())
         engine.save(1, state_at(1)).committed_sync(120)
     finally:
         core.stop(drain=False)

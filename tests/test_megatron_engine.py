@@ -19,7 +19,7 @@ import torch
 from test_formats_megatron import _assert_same_layout, _megatron, _megatron_load, _run
 from test_multirank import run_ranks
 
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import Distributed, SyncCheckpointEngine
 from asyncckpt import layout as L
 
 STEP = 50
@@ -90,7 +90,9 @@ def test_megatron_sharded_state_dict_is_accepted_directly(tmp_path: Path) -> Non
 
 
 def _save_multirank(rank: int, world: int, root: str) -> None:
-    with SyncCheckpointEngine(root, layout="megatron", dist_timeout=60) as engine:
+    with SyncCheckpointEngine(
+        root, layout="megatron", distributed=Distributed(timeout=60)
+    ) as engine:
         engine.save(STEP, mh.multirank_state(rank)).committed_sync(timeout=120)
 
 
@@ -179,7 +181,10 @@ def test_legacy_format_single_rank(tmp_path: Path) -> None:
 def _save_legacy(rank: int, world: int, root: str, pp: bool) -> None:
     ranks = {"tp_rank": 0, "pp_rank": rank, "pp_size": world} if pp else {"tp_rank": rank}
     with SyncCheckpointEngine(
-        root, layout="megatron", format="torch", legacy_ranks=ranks, dist_timeout=60
+        root,
+        layout="megatron",
+        format="torch",
+        distributed=Distributed(legacy_ranks=ranks, timeout=60),
     ) as engine:
         engine.save(STEP, _legacy_state(rank)).committed_sync(timeout=120)
 

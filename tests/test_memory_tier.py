@@ -18,9 +18,10 @@ import torch
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
-from asyncckpt import StagingMemoryError, SyncCheckpointEngine, faults, staging, verify
+from asyncckpt import Schedule, StagingMemoryError, SyncCheckpointEngine, faults, staging, verify
 from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.testing import parts
 
 N = 1 << 20  # "w": 4 MiB, copied by the copy pool before the mid_stage point; "b": small
 
@@ -231,7 +232,9 @@ def test_close_writes_the_memory_save_only_if_asked(tmp_path, option):
 
 
 def test_due_says_which_tier(tmp_path):
-    engine = SyncCheckpointEngine(tmp_path, save_every_steps=100, memory_every_steps=10)
+    engine = SyncCheckpointEngine(
+        tmp_path, schedule=Schedule(every_steps=100, memory_every_steps=10)
+    )
     due = {s: engine.due(s) for s in range(0, 201)}
     assert {s for s, t in due.items() if t == "disk"} == {100, 200}
     assert {s for s, t in due.items() if t == "memory"} == set(range(10, 201, 10)) - {100, 200}
@@ -240,7 +243,7 @@ def test_due_says_which_tier(tmp_path):
 
 def test_bad_tier_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="memory_every_steps"):
-        SyncCheckpointEngine(tmp_path, memory_every_steps=0)
+        Schedule(memory_every_steps=0)
     with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         state = state_at(1)
         with pytest.raises(ValueError, match="tier must be"):
@@ -265,7 +268,7 @@ def test_the_memory_tier_checks_for_twice_the_state_before_allocating(tmp_path, 
         monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
         with pytest.raises(StagingMemoryError, match="memory tier keeps two copies"):
             engine.save(2, state, tier="memory")
-        assert engine._core.memory.slots == []  # nothing allocated
+        assert parts(engine).saver.memory.slots == []  # nothing allocated
 
 
 def test_memory_saves_go_on_while_the_worker_writes_and_after_it_died(tmp_path):
@@ -282,7 +285,7 @@ def test_memory_saves_go_on_while_the_worker_writes_and_after_it_died(tmp_path):
         os.kill(engine.worker_pid, signal.SIGKILL)
         with pytest.raises(Exception, match="died"):
             disk.committed_sync(60)
-        engine._core.take_pending_error()
+        parts(engine).jobs.take_pending_error()
         for step in (6, 7, 8):
             engine.save(step, state, tier="memory")
     assert not list(tmp_path.glob("global_step_*"))
@@ -302,7 +305,7 @@ def test_a_torn_memory_save_fails_and_the_previous_one_stays_held(tmp_path, monk
         h = engine.save(3, state, tier="memory")
         assert isinstance(h.exception(), SaveFailed)
         assert isinstance(h.exception().__cause__, StateModifiedWhileStaging)
-        assert engine._core.memory.held.step == 2
+        assert parts(engine).saver.memory.held.step == 2
         monkeypatch.undo()
         with pytest.raises(SaveFailed, match="an earlier save failed"):
             engine.save(4, state, tier="memory")
@@ -317,7 +320,7 @@ async def test_the_async_engine_takes_the_tier_too(tmp_path):
     from asyncckpt import CheckpointEngine
 
     engine = CheckpointEngine(
-        tmp_path, keep=None, memory_every_steps=2, persist_memory_on_close=True
+        tmp_path, keep=None, schedule=Schedule(memory_every_steps=2), persist_memory_on_close=True
     )
     async with engine:
         for step in range(1, 6):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from asyncckpt import CheckpointEngine, RetentionPolicy, SyncCheckpointEngine
+from asyncckpt import CheckpointEngine, Preemption, RetentionPolicy, SyncCheckpointEngine
+from asyncckpt.testing import parts
 
 
 def test_sync_with_on_the_async_engine_points_to_the_sync_engine(tmp_path):
@@ -18,7 +20,9 @@ def test_sync_with_on_the_async_engine_points_to_the_sync_engine(tmp_path):
 
 
 def test_sync_engine_still_works_as_a_context_manager(tmp_path):
-    with SyncCheckpointEngine(tmp_path / "ckpts", handle_sigterm=False) as engine:
+    with SyncCheckpointEngine(
+        tmp_path / "ckpts", preemption=Preemption(handle_sigterm=False)
+    ) as engine:
         engine.save(1, {"x": 1})
     assert engine.latest_step() == 1
 
@@ -37,7 +41,7 @@ def test_url_roots_nothing_can_serve_are_refused_before_anything_is_written(
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UnsupportedStorage, match=match) as e:
-        SyncCheckpointEngine(root, handle_sigterm=False)
+        SyncCheckpointEngine(root, preemption=Preemption(handle_sigterm=False))
     assert isinstance(e.value, CheckpointError)
     assert list(tmp_path.iterdir()) == []  # no local directory named "s3:"
 
@@ -63,14 +67,18 @@ def test_a_job_that_cannot_be_pickled_fails_its_save_and_leaves_the_worker_alone
 
     from asyncckpt import SaveFailed
 
-    with SyncCheckpointEngine(tmp_path / "ckpts", handle_sigterm=False) as engine:
+    with SyncCheckpointEngine(
+        tmp_path / "ckpts", preemption=Preemption(handle_sigterm=False)
+    ) as engine:
         engine.save(1, {"x": torch.ones(3)})
         engine.wait()
         pid = engine.worker_pid
-        engine._core.local_keep = _PolicyWithALambda()  # slipped past the check at __init__
+        saver = parts(engine).saver
+        rules = saver.rules
+        saver.rules = dataclasses.replace(rules, keep=_PolicyWithALambda())  # slipped past
         with pytest.raises(SaveFailed, match="cannot be sent to the checkpoint worker"):
             engine.save(2, {"x": torch.ones(3)})
-        engine._core.local_keep = None
+        saver.rules = rules
         engine.save(3, {"x": torch.ones(3)}).committed_sync(60)
         assert engine.worker_pid == pid and engine.worker_restarts == 0
     assert [c.step for c in engine.list_checkpoints()] == [1, 3]

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from asyncckpt import Distributed
 from asyncckpt import layout as L
 
 pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
@@ -138,10 +139,13 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
     """Save ``steps``; on ``fail_rank``, arm ``fault`` at ``point`` for the last one; then one
     more save. Returns the outcome per step, and the tracker right after the failure."""
     from asyncckpt import KeepLast, SyncCheckpointEngine, faults
+    from asyncckpt.testing import parts
 
     outcomes = {}
-    with SyncCheckpointEngine(root, keep=KeepLast(2), dist_timeout=60) as engine:
-        assert engine._core.world_size == world and engine._core.rank == rank
+    with SyncCheckpointEngine(
+        root, keep=KeepLast(2), distributed=Distributed(timeout=60)
+    ) as engine:
+        assert engine.world_size == world and engine.rank == rank
         for i, step in enumerate(steps):
             if fault and rank == fail_rank and i == len(steps) - 1:
                 faults.inject(point, fault)
@@ -153,7 +157,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
                 cause = e.__cause__
                 outcomes[step] = f"failed: {e} | cause: {type(cause).__name__}: {cause}"
         faults.clear()
-        engine._core.pending_error = None
+        parts(engine).jobs.pending_error = None  # seen above, on the handles
         # After a failure the side group is fresh again: the next save commits everywhere.
         if fault:
             outcomes["tracker_after_failure"] = L.read_tracker(root)
@@ -263,7 +267,7 @@ def save_and_load_rank_owned_keys(rank: int, world: int, root: str) -> dict:
     def experts(fill: float) -> dict:
         return {"model": {f"expert{rank}.w": torch.full((4,), fill + rank)}, "step": int(fill)}
 
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
         engine.save(1, experts(1.0)).committed_sync(120)
     target = experts(0.0)
     loaded = SyncCheckpointEngine(root).load_latest(target)  # strict: the default
@@ -302,19 +306,20 @@ def save_cached_plans_and_load(rank: int, world: int, root: str) -> dict:
     import time
 
     from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.testing import parts
 
     def state(step: int, rows: int = 4) -> dict:
         own = {f"r{rank}.e{i}": torch.full((rows,), step * 10.0 + i + rank) for i in range(3)}
         return {"model": own, "step": step}
 
     layouts = {1: 4, 2: 4, 3: 4, 4: 6, 5: 6, 6: 6}
-    with SyncCheckpointEngine(root, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, distributed=Distributed(timeout=60)) as engine:
         for step, rows in layouts.items():
             if step == 6 and rank == 0:  # the coordinator: it holds the cached plans
-                link = engine._core.link
+                link = parts(engine).supervisor.link
                 os.kill(engine.worker_pid, signal.SIGKILL)
                 deadline = time.monotonic() + 60
-                while engine._core.link is link and time.monotonic() < deadline:
+                while parts(engine).supervisor.link is link and time.monotonic() < deadline:
                     time.sleep(0.05)
             engine.save(step, state(step, rows)).committed_sync(120)
     loaded = {}
@@ -365,7 +370,7 @@ def save_rank_own_dtype_changes(rank: int, world: int, root: str) -> dict:
     def state(step: int, dtype: torch.dtype) -> dict:
         return {"model": {f"r{rank}.w": (torch.arange(4) + step * 10 + rank).to(dtype)}}
 
-    with SyncCheckpointEngine(root, keep=None, dist_timeout=60) as engine:
+    with SyncCheckpointEngine(root, keep=None, distributed=Distributed(timeout=60)) as engine:
         for step, dtype in dtypes[rank].items():
             engine.save(step, state(step, dtype)).committed_sync(120)
     out = {}

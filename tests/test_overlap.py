@@ -19,6 +19,7 @@ from asyncckpt import (
     SyncCheckpointEngine,
     faults,
 )
+from asyncckpt.testing import parts
 
 pytestmark = pytest.mark.anyio
 both_backends = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -264,7 +265,7 @@ def test_overlap_must_be_a_bool(tmp_path):
         with pytest.raises(TypeError, match="overlap must be True or False"):
             engine.save(1, fresh_state(), overlap="yes")
         # Refused before a staging slot was taken: the only slot is still free.
-        assert engine._core.acquire_slot(("any",), block=False) is not None
+        assert parts(engine).jobs.free_slots() == [0]
 
 
 def test_batchnorm_forward_during_overlapped_staging_fails_the_save(tmp_path, monkeypatch):

@@ -274,7 +274,7 @@ def test_prune_reports_failed_removal(root, monkeypatch):
     def fail(path):
         raise PermissionError(13, "denied", str(path))
 
-    monkeypatch.setattr("asyncckpt.prune.remove_tree", fail)
+    monkeypatch.setattr("asyncckpt.storage.localfs.remove_tree", fail)
     result = prune(root, "global_step", KeepLast(1))
     assert result.deleted == [] and 1 in result.errors
     assert [c.step for c in L.scan(root, "global_step")] == [2]  # already out of the namespace

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import CheckpointError, KeepLast, StateMismatch, SyncCheckpointEngine
+from asyncckpt import CheckpointError, Distributed, KeepLast, StateMismatch, SyncCheckpointEngine
 from asyncckpt import layout as L
 from asyncckpt.cli import main
 from asyncckpt.errors import CorruptCheckpoint
@@ -156,7 +156,9 @@ def test_a_rank_that_does_not_prune_moves_nothing_but_saves_on(tmp_path):
     flip_a_byte(tmp_path / "global_step_1000")
     target = {"w": torch.zeros(64), "step": torch.tensor(0)}
     # storage="local" with local rank 1: this process is not the one that prunes.
-    with SyncCheckpointEngine(tmp_path, storage="local", local_rank=1) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, distributed=Distributed(storage="local", local_rank=1)
+    ) as engine:
         with pytest.warns(UserWarning, match="another rank sets it aside"):
             assert engine.load_latest(target) == 900
         assert steps_on_disk(tmp_path) == [800, 900, 1000]

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from asyncckpt.options import Retention
 from asyncckpt.retention import CheckpointInfo, KeepBest, KeepEvery, KeepInterval, plan_prune
 
 
@@ -143,7 +144,9 @@ async def test_keep_resumed_run_keeps_the_resumed_from_checkpoint_all_run(tmp_pa
 
     async with CheckpointEngine(tmp_path) as engine:
         await engine.save(5, {"w": torch.full((2,), 5.0)})
-    engine = CheckpointEngine(tmp_path, keep=KeepLast(1), keep_resumed=keep_resumed)
+    engine = CheckpointEngine(
+        tmp_path, keep=KeepLast(1), retention=Retention(keep_resumed=keep_resumed)
+    )
     t = {"w": torch.zeros(2)}
     assert await engine.load_latest(t) == 5
     async with engine:
@@ -161,7 +164,7 @@ def test_keep_resumed_rejects_unknown_values(tmp_path):
     from asyncckpt import CheckpointEngine
 
     with pytest.raises(ValueError, match="keep_resumed"):
-        CheckpointEngine(tmp_path, keep_resumed="forever")
+        CheckpointEngine(tmp_path, retention=Retention(keep_resumed="forever"))
 
 
 # -- prune's flags for the new options -----------------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 from statecmp import assert_same
 
-from asyncckpt import CheckpointError, SyncCheckpointEngine
+from asyncckpt import CheckpointError, Preemption, SyncCheckpointEngine
 from asyncckpt import layout as L
 
 #: (layout, format) of every format the engine writes; None: the layout's default.
@@ -22,7 +22,9 @@ FORMAT_IDS = ["dcp", "torch_dist", "megatron_legacy"]
 
 def _engine(root: Path, layout: str, fmt: str | None) -> SyncCheckpointEngine:
     kw = {"format": fmt} if fmt else {}
-    return SyncCheckpointEngine(root, layout=layout, handle_sigterm=False, **kw)
+    return SyncCheckpointEngine(
+        root, layout=layout, preemption=Preemption(handle_sigterm=False), **kw
+    )
 
 
 def _model_and_optimizer(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -90,3 +90,213 @@ def test_leftovers_are_listed_and_cleaned_on_both_tiers(store):
     assert [c.step for c in store.committed("global_step")] == [1, 2]
     assert len(store.clean_leftovers("global_step")) == 1
     assert store.leftovers("global_step") == []
+
+
+# ------------------------------------------------------------------ every operation (issue 23)
+def files_of(store, name: str, tmp_path) -> dict[str, bytes]:
+    out = tmp_path / f"files-{name}-{len(list(tmp_path.iterdir()))}"
+    store.fetch(name, out)
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def test_stage_seal_publish_is_the_commit_on_both_tiers(store, tmp_path):
+    """A new checkpoint made through the store: invisible until published, then committed."""
+    from asyncckpt import commit
+
+    source = tmp_path / "source"
+    store.fetch("global_step_2", source)
+    staged = store.stage("global_step_3")
+    assert staged.is_dir() and list(staged.iterdir()) == []
+    assert not L.parse_dir_name("global_step", staged.name)  # never a checkpoint name
+    for p in source.rglob("*"):
+        if p.is_file():
+            (staged / p.relative_to(source)).parent.mkdir(parents=True, exist_ok=True)
+            (staged / p.relative_to(source)).write_bytes(p.read_bytes())
+    sizes = []
+    store.seal(staged, "global_step_3", sizes.append)
+    assert [c.step for c in store.committed("global_step")] == [1, 2]  # sealed: not visible
+    commit.publish(store, staged, "global_step_3")
+    assert [c.step for c in store.committed("global_step")] == [1, 2, 3]
+    assert store.check("global_step_3") == []
+    assert files_of(store, "global_step_3", tmp_path) == files_of(store, "global_step_2", tmp_path)
+    # Never replaced in place.
+    again = store.stage("global_step_3")
+    (again / "x").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        commit.publish(store, again, "global_step_3")
+    store.discard(again)
+    store.clean_leftovers("global_step")
+    assert store.leftovers("global_step") == []
+    # The tracker through the commit order, forward only.
+    assert commit.write_tracker(store, "global_step", 3) and store.read_tracker() == 3
+    assert store.has_tracker()
+    assert not commit.write_tracker(store, "global_step", 2) and store.read_tracker() == 3
+    desc = store.describe(store.committed("global_step")[-1])
+    assert desc.step == 3 and desc.size_bytes > 0
+
+
+def test_retire_then_reclaim_is_the_delete_on_both_tiers(store):
+    retired = store.retire("global_step_1")
+    assert [c.step for c in store.committed("global_step")] == [2]  # at once out of the list
+    store.reclaim(retired)
+    assert not store.exists("global_step_1")
+    assert store.leftovers("global_step") == []
+    with pytest.raises(FileNotFoundError):
+        store.retire("global_step_1")
+
+
+def test_a_crash_between_retire_and_reclaim_leaves_a_leftover_only(store):
+    from asyncckpt import faults, prune
+
+    faults.inject(store.points.retire, "raise")
+    try:
+        with pytest.raises(RuntimeError):
+            prune.delete(store, "global_step_1")
+    finally:
+        faults.clear()
+    assert [c.step for c in store.committed("global_step")] == [2]
+    assert len(store.leftovers("global_step")) == 1
+    assert len(store.clean_leftovers("global_step")) == 1
+
+
+def test_quarantine_and_locks(store):
+    from asyncckpt.errors import UnsupportedStorage
+
+    if isinstance(store, LocalStore):
+        where = store.quarantine("global_step_1", ["x.distcp: checksum mismatch"])
+        assert ".quarantine" in where and [c.step for c in store.committed("global_step")] == [2]
+        fd = store.lock("rank9", wait=False)
+        assert fd is not None
+        assert store.lock("rank9", wait=False) is None  # held: a second engine is refused
+        from asyncckpt.storage.localfs import unlock
+
+        unlock(fd)
+        fd = store.lock("rank9", wait=False)
+        assert fd is not None
+        unlock(fd)
+    else:  # no rename and no locks on an object store: said clearly, nothing changed
+        with pytest.raises(UnsupportedStorage):
+            store.quarantine("global_step_1", ["bad"])
+        with pytest.raises(UnsupportedStorage):
+            store.lock("rank0", wait=False)
+        assert [c.step for c in store.committed("global_step")] == [1, 2]
+
+
+def test_both_tiers_refuse_to_guess_a_mixed_layout(store, tmp_path):
+    """layout.py's rule for every store: several layouts in one root is an error (the object
+    store used to pick the first silently, and prune it by the wrong names)."""
+    from asyncckpt import commit
+
+    assert store.detect_layout() == "global_step"
+    source = tmp_path / "source"
+    store.fetch("global_step_2", source)
+    commit.publish(store, source, "iter_0000007")
+    with pytest.raises(ValueError, match="several layouts"):
+        store.detect_layout()
+
+
+def test_open_store_picks_the_tier_of_a_path_or_a_url(tmp_path):
+    from asyncckpt.storage import open_store
+    from asyncckpt.storage.fsspec_store import FsspecStore
+
+    assert isinstance(open_store(tmp_path), LocalStore)
+    assert isinstance(open_store("memory://run"), FsspecStore)
+    with pytest.raises(ValueError, match="storage options"):
+        open_store(tmp_path, {"endpoint_url": "http://x"})
+
+
+# ------------------------------------------------------------------ one pruner, both tiers
+def test_the_pruner_keeps_the_newest_that_verifies_on_both_tiers(store):
+    from asyncckpt import KeepLast
+    from asyncckpt.prune import NEWEST_THAT_VERIFIES, prune
+
+    break_one_byte(store, "global_step_2")
+    result = prune(store, "global_step", KeepLast(1), warn=False)
+    assert result.deleted == [] and result.kept[1] == [NEWEST_THAT_VERIFIES]
+    assert 2 in result.corrupt
+    assert [c.step for c in store.committed("global_step")] == [1, 2]
+
+
+def test_the_pruner_never_deletes_when_nothing_verifies_on_both_tiers(store):
+    from asyncckpt import KeepLast
+    from asyncckpt.prune import PruneRefused, prune
+
+    break_one_byte(store, "global_step_1")
+    break_one_byte(store, "global_step_2")
+    with pytest.raises(PruneRefused, match="verifies"):
+        prune(store, "global_step", KeepLast(1), warn=False)
+    assert [c.step for c in store.committed("global_step")] == [1, 2]
+
+
+def test_the_pruner_refuses_a_lagging_tracker_and_spares_the_step_committed(store):
+    from asyncckpt import KeepLast
+    from asyncckpt.prune import PruneRefused, prune
+
+    with pytest.raises(PruneRefused, match="tracker"):
+        prune(store, "global_step", KeepLast(1), tracker_step=1)
+    result = prune(store, "global_step", KeepLast(1), committed_step=1, trusted=(1,), warn=False)
+    assert result.deleted == []  # the step just committed and everything above it stay
+    result = prune(store, "global_step", KeepLast(1), warn=False)
+    assert result.deleted == [1] and [c.step for c in store.committed("global_step")] == [2]
+
+
+# ------------------------------------------------------------------ one CLI over both tiers
+def test_the_cli_answers_alike_over_a_path_and_a_url(s3, tmp_path, capsys):
+    """ls, verify and prune are one function each over ``open_store(root)``: the same root
+    as a directory and as a bucket gives the same answers, a corrupt newest checkpoint
+    included (the URL prune used to refuse outright where the local one keeps the newest
+    that verifies)."""
+    import json
+
+    from asyncckpt import commit
+    from asyncckpt.cli import main
+    from asyncckpt.storage.fsspec_store import FsspecStore
+
+    local = tmp_path / "root"
+    with SyncCheckpointEngine(local) as eng:
+        for step in (1, 2, 3):
+            eng.save(step, state(step), metrics={"loss": 1.0 / step})
+    remote = FsspecStore(s3.url, s3.options)
+    for name in ("global_step_1", "global_step_2", "global_step_3"):
+        commit.publish(remote, local / name, name)
+    commit.write_tracker(remote, "global_step", 3)
+    opts = [f"--storage-option={k}={v}" for k, v in s3.options.items()]
+
+    def run(*argv: str) -> tuple[tuple[int, dict], tuple[int, dict]]:
+        out = []
+        for root, extra in ((str(local), []), (s3.url, opts)):
+            code = main([*argv, root, "--json", *extra])
+            out.append((code, json.loads(capsys.readouterr().out)))
+        return out[0], out[1]
+
+    def ls_view(d: dict) -> tuple:
+        rows = [(c["step"], c["status"], c["protected"], c["metrics"]) for c in d["checkpoints"]]
+        return d["layout"], d["tracker"], rows, d["leftovers"], d["checked"]
+
+    (lc, ld), (rc, rd) = run("ls")
+    assert lc == rc == 0 and ls_view(ld) == ls_view(rd)
+    assert [c["step"] for c in ld["checkpoints"]] == [1, 2, 3]
+
+    def verify_view(d: dict) -> tuple:
+        rows = [(c["step"], c["ok"], len(c["problems"])) for c in d["checkpoints"]]
+        return d["ok"], rows, d["tracker"], d["tracker_problem"], d["newest_good"]
+
+    (lc, ld), (rc, rd) = run("verify")
+    assert lc == rc == 0 and verify_view(ld) == verify_view(rd)
+    local_store = LocalStore(local)
+    break_one_byte(local_store, "global_step_3")
+    break_one_byte(remote, "global_step_3")
+    (lc, ld), (rc, rd) = run("verify")
+    assert lc == rc == 1 and verify_view(ld) == verify_view(rd)
+    assert ld["newest_good"] == 2
+
+    def prune_view(d: dict) -> tuple:
+        return d["deleted"], d["would_delete"], d["kept"], sorted(d["corrupt"])
+
+    (lc, ld), (rc, rd) = run("prune", "--keep-last", "1", "--dry-run")
+    assert lc == rc == 0 and prune_view(ld) == prune_view(rd)
+    (lc, ld), (rc, rd) = run("prune", "--keep-last", "1")
+    assert lc == rc == 0 and prune_view(ld) == prune_view(rd)
+    assert ld["deleted"] == [1] and ld["kept"]["2"] == ["newest that verifies"]
+    assert [c.step for c in remote.committed("global_step")] == [2, 3]
+    assert [c.step for c in local_store.committed("global_step")] == [2, 3]

@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from asyncckpt.testing import parts
 from asyncckpt.throttle import (
     AppliedThrottle,
     Pacer,
@@ -442,7 +443,7 @@ def test_pause_writes_during_hooks_the_optimizer_step(tmp_path) -> None:
     p.grad = torch.ones(3)
     opt = torch.optim.SGD([p], lr=0.1)
     with SyncCheckpointEngine(tmp_path) as engine:
-        pause = engine._core.write_pause
+        pause = parts(engine).write_pause
         seen: list[bool] = []
         hooks = engine.pause_writes_during(opt)
         opt.register_step_pre_hook(lambda *a: seen.append(pause.active))  # runs after ours

@@ -99,7 +99,7 @@ def advance(state: dict[str, Any], step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncckpt import KeepLast, SaveFailed, SyncCheckpointEngine
+    from asyncckpt import KeepLast, SaveFailed, Schedule, SyncCheckpointEngine
     from asyncckpt import layout as L
 
     p = argparse.ArgumentParser()
@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         args.root,
         keep=KeepLast(2),
         on_commit=lambda st: emit(event="committed", step=st.step),
-        save_every_steps=args.disk_every if args.memory_every else None,
-        memory_every_steps=args.memory_every,
+        schedule=Schedule(
+            every_steps=args.disk_every if args.memory_every else None,
+            memory_every_steps=args.memory_every,
+        ),
     )
     saves = 0
     with engine:

@@ -166,9 +166,10 @@ def check_spec(spec: Any) -> dict[str, Component]:
         add(name, c, None)
     # Where each one lands (step 0, rank 0 stand for any): two in one place, or one inside a
     # directory another format owns, would overwrite each other's files.
-    places = [(f"component {n!r}", c.resolve(n, 0), c) for n, c in out.items()]
-    places += [(f"tracker of {n!r}", c.resolve_tracker(0), None) for n, c in out.items()]
-    places = [p for p in places if p[1] is not None]
+    candidates: list[tuple[str, str | None, Component | None]]
+    candidates = [(f"component {n!r}", c.resolve(n, 0), c) for n, c in out.items()]
+    candidates += [(f"tracker of {n!r}", c.resolve_tracker(0), None) for n, c in out.items()]
+    places = [(who, where, c) for who, where, c in candidates if where is not None]
     seen: dict[str, str] = {}
     for who, where, _ in places:
         if where in seen:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,6 +59,7 @@ from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dte
 from ..entries import Entries, has_sharded_base
 from ..manifest import checksum
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
+from ..storage.localfs import fsync_fd
 from ..throttle import write_all
 from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
 from .records import RecordWriter, default_writer, read_record, torch_computes_crc
@@ -310,7 +311,9 @@ class ChecksumWriter(FileSystemWriter):
             results = [self._write_file(*jobs[0], planner)]
         else:
             with ThreadPoolExecutor(len(jobs)) as pool:
-                results = list(pool.map(lambda job: self._write_file(*job, planner), jobs))
+                results = list(
+                    pool.map(lambda job: self._write_file(job[0], job[1], planner), jobs)
+                )
         done: Future[list[WriteResult]] = Future()
         done.set_result([r for rs in results for r in rs])
         return done
@@ -322,7 +325,7 @@ class ChecksumWriter(FileSystemWriter):
             byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
             tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
             for item in byte_items + tensor_items:
-                data = planner.resolve_data(item)
+                data: Any = planner.resolve_data(item)  # BytesIO for BYTE_IO, else a tensor
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
                     stream.write(data.getbuffer())
@@ -330,13 +333,13 @@ class ChecksumWriter(FileSystemWriter):
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().size() != tensor.nbytes:
                         tensor = tensor.clone()  # as DCP: torch.save writes whole storages
-                    self.records.write(tensor, stream, with_crc)
+                    self.records.write(tensor, cast(BinaryIO, stream), with_crc)
                 length = stream.tell() - offset
                 info = StorageInfo(relative_path=name, offset=offset, length=length)
                 out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             stream.flush()
             if self.sync_files:
-                os.fsync(stream.fileno())
+                fsync_fd(stream.fileno())
         return out
 
 
@@ -451,7 +454,7 @@ class CachedMetadataReader(FileSystemReader):
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         if any(info.transform_descriptors for info in infos):
             return super().read_data(plan, planner)
-        per_file: dict[str, list[tuple[Any, Any]]] = {}
+        per_file: dict[str, list[tuple[Any, Any, Any]]] = {}
         for item, info in zip(plan.items, infos, strict=True):
             per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
         with_crc = torch_computes_crc()
@@ -693,7 +696,7 @@ def local_piece(t: torch.Tensor, key: str, shards: dict, tensors: dict) -> None:
     the global tensor, in ``shards``), any other tensor as it is."""
     if is_dtensor(t):
         shards[key] = (dtensor_shard_info(t), [key])
-        tensors[key] = t.to_local()
+        tensors[key] = t.to_local()  # type: ignore[attr-defined]  # a DTensor (is_dtensor)
     else:
         tensors[key] = t
 

@@ -125,7 +125,8 @@ class MegatronLegacyFormat(Format):
             raise TypeError(
                 f"format megatron_legacy needs a dict state, not {type(state).__name__}"
             )
-        skeleton, tensors = b"", {}
+        skeleton: bytes = b""
+        tensors: dict[Any, Any] = {}
         if options.legacy.write:
             skeleton, tensors = pickle_with_refs(state, L.LEGACY_MODEL)
         for k, t in tensors.items():

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -81,7 +81,7 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -122,11 +122,12 @@ class RecordTemplate:
             seed = _hash_combine(seed, c)
         ident = self.id_names + str(seed).zfill(_ID_DIGITS).encode()
         id_crc = struct.pack("<I", zlib.crc32(ident))
-        head = self.head
+        head: bytes | bytearray = self.head
         if self.head_crcs:
-            head = bytearray(head)
+            patched = bytearray(head)
             for at in self.head_crcs:
-                head[at : at + 4] = packed
+                patched[at : at + 4] = packed
+            head = patched
         tail = bytearray(self.tail)
         for at in self.tail_crcs:
             tail[at : at + 4] = packed
@@ -333,7 +334,7 @@ class RecordWriter:
             self._templates[key] = template
         return template
 
-    def write(self, t: torch.Tensor, stream: io.IOBase, with_crc: bool | None = None) -> None:
+    def write(self, t: torch.Tensor, stream: BinaryIO, with_crc: bool | None = None) -> None:
         """Write ``t`` as ``torch.save(t, stream)`` would.
 
         ``with_crc``: ``torch_computes_crc()``, read once by a caller writing many records.
@@ -395,13 +396,18 @@ def _log_once(doing: str, why: str, counted: str) -> None:
 def count_fallbacks() -> Iterator[Counter[str]]:
     """Count, by reason, the records read in this thread that fell back to ``torch.load``."""
     before = getattr(_tally, "counter", None)
-    _tally.counter = counter = Counter()
+    _tally.counter = counter = Counter[str]()
     try:
         yield counter
     finally:
         _tally.counter = before
         if before is not None:
             before.update(counter)
+
+
+def _slice(fd: int, start: int, length: int) -> BinaryIO:
+    """``_FileSlice`` typed as the binary file ``torch.load`` takes (it is one)."""
+    return cast(BinaryIO, _FileSlice(fd, start, length))
 
 
 class _FileSlice(io.RawIOBase):
@@ -477,7 +483,7 @@ def _locate(
             info = by_name["byteorder"]
             byteorder = os.pread(fd, info.file_size, offset + _payload_at(fd, offset, info))
         with torch.serialization.skip_data():
-            t = torch.load(_FileSlice(fd, offset, length), map_location="meta", weights_only=True)
+            t = torch.load(_slice(fd, offset, length), map_location="meta", weights_only=True)
     except Exception:  # noqa: BLE001 - any record we cannot parse so goes to torch.load
         return None, "archive not parsed"
     if (
@@ -547,7 +553,7 @@ def read_record(
             return dst
         _fell_back(why)
     read_counts["torch.load"] += 1
-    return torch.load(_FileSlice(fd, offset, length), map_location="cpu", weights_only=True)
+    return torch.load(_slice(fd, offset, length), map_location="cpu", weights_only=True)
 
 
 #: The process's writer: a persistent worker's saves share its templates.

@@ -273,6 +273,7 @@ def _place(root: dict, path: list, value: Any) -> None:
     """Put ``value`` at ``path`` in the nested ``root``, creating dicts and lists on the way."""
     node: Any = root
     for i, (kind, key) in enumerate(path):
+        child: list | dict | None
         if i == len(path) - 1:
             child = None
         else:

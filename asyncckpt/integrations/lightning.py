@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from .. import layout as _layout
 from ..errors import CheckpointError, CorruptCheckpoint
+from ..options import Distributed, Preemption
 from ..reading import read_checkpoint
 from ..retention import KeepBest, KeepLast, RetentionPolicy
 from ..sync import SyncCheckpointEngine
@@ -136,7 +138,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self.keep = keep
         # Lightning handles SIGTERM itself (its teardown drains us). Under DDP only global rank
         # 0 calls save_checkpoint, with the whole (replicated) state: it writes on its own.
-        self.engine_options = {"handle_sigterm": False, "world_size": 1, **(engine_options or {})}
+        self.engine_options = _lightning_defaults(engine_options or {})
         self._roots: dict[str, dict[str, Any]] = {}  # root -> engine kwargs (configure_root)
         self._engines: dict[str, SyncCheckpointEngine] = {}
         self._paths: dict[str, tuple[str, int]] = {}  # Lightning path -> (root, step)
@@ -385,14 +387,14 @@ class AsyncModelCheckpoint(ModelCheckpoint):
                     f"{lightning.__version__} lacks (tested with lightning 2.4-2.6)"
                 )
         super().__init__(
-            dirpath=dirpath,
+            dirpath=None if dirpath is None else os.fspath(dirpath),
             monitor=monitor,
             mode=mode,
             save_top_k=save_top_k,
             every_n_train_steps=every_n_train_steps,
             train_time_interval=train_time_interval,
             every_n_epochs=every_n_epochs,
-            save_last=save_last,
+            save_last=save_last,  # type: ignore[arg-type]  # Lightning checks it
             save_weights_only=save_weights_only,
             save_on_train_epoch_end=save_on_train_epoch_end,
             verbose=verbose,
@@ -410,9 +412,15 @@ class AsyncModelCheckpoint(ModelCheckpoint):
             # Runs before Lightning restores ckpt_path, so the restore reads through it too.
             io = AsyncCheckpointIO(engine_options=self.engine_options)
             trainer.strategy.checkpoint_io = io
-        if _norm(self.dirpath) not in io._engines:
-            io.configure_root(self.dirpath, keep=self.keep, **self.engine_options)
+        if _norm(self._root()) not in io._engines:
+            io.configure_root(self._root(), keep=self.keep, **self.engine_options)
         self.checkpoint_io = io
+
+    def _root(self) -> str:
+        # Lightning resolves a dirpath of None in ModelCheckpoint.setup (under the logger's dir).
+        if self.dirpath is None:
+            raise CheckpointError("AsyncModelCheckpoint has no dirpath: setup() has not run")
+        return os.fspath(self.dirpath)
 
     # Lightning's two save paths; both write the one checkpoint of this step.
     def _save_topk_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
@@ -440,7 +448,7 @@ class AsyncModelCheckpoint(ModelCheckpoint):
                 )
             else:
                 metrics[self.monitor] = float(current)
-        filepath = os.path.join(self.dirpath, _layout.dir_name("global_step", step))
+        filepath = os.path.join(self._root(), _layout.dir_name("global_step", step))
         self.last_model_path = filepath
         if current is not None:
             self.current_score = (
@@ -498,3 +506,20 @@ class AsyncModelCheckpoint(ModelCheckpoint):
         if dirpath is None or not _layout.scan(dirpath, "global_step"):
             return set()
         return {_norm(dirpath)}
+
+
+def _lightning_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """No SIGTERM handler and one rank, unless the user's options say otherwise (in the grouped
+    objects, or in the deprecated flat keywords)."""
+    out = dict(options)
+    if "preemption" not in out and "handle_sigterm" not in out:
+        out["preemption"] = Preemption(handle_sigterm=False)
+    flat = {"rank", "world_size", "local_rank", "store", "dist_timeout", "storage"} & out.keys()
+    given = out.get("distributed")
+    if given is None and not flat:
+        out["distributed"] = Distributed(world_size=1)
+    elif isinstance(given, Distributed) and given.world_size is None:
+        out["distributed"] = dataclasses.replace(given, world_size=1)
+    elif flat and "world_size" not in out:
+        out["world_size"] = 1
+    return out

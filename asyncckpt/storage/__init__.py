@@ -1,16 +1,44 @@
-"""Where committed checkpoints live beyond the local disk.
+"""Where checkpoints live: one ``Store`` protocol (``base.py``) under every durable write and
+read of a root.
 
-The engine always writes and commits a checkpoint on a local (or mounted) file system first:
-that is where fsync and an atomic rename make a commit (``commit.py``). An object store has no
-rename, so a second tier publishes the committed directory there with a commit marker written
-last (``fsspec_store.FsspecStore``), and ``remote.RemoteTier`` says which store and what to keep
-in it. ``base.CommittedStore`` is what both tiers offer for committed checkpoints (list,
-check, fetch, delete, tracker), ``local.LocalStore`` the local tier in that shape. Nothing in
-this package imports torch.
+``local.LocalStore`` is a local or mounted root: the only place the package renames, deletes,
+fsyncs or locks on a disk (through ``localfs.py``). ``fsspec_store.FsspecStore`` is an object
+store (S3, GCS, any fsspec URL), where a checkpoint is committed by a marker written last.
+``remote.RemoteTier`` says which store a local root's commits are published to and what to
+keep there. ``open_store(root)`` picks the store of a path or a URL. Nothing in this package
+imports torch.
 """
 
-from .base import CommittedStore, StoredCheckpoint
+from __future__ import annotations
+
+from typing import Any
+
+from .base import CommittedStore, FaultPoints, Store, StoredCheckpoint
 from .local import LocalStore
 from .remote import RemoteTier, UploadFailed
 
-__all__ = ["CommittedStore", "LocalStore", "RemoteTier", "StoredCheckpoint", "UploadFailed"]
+
+def open_store(root: Any, storage_options: dict[str, Any] | None = None) -> Store:
+    """The store of ``root``: a ``FsspecStore`` for a URL (``s3://bucket/run``), else a
+    ``LocalStore`` of the path."""
+    from ..paths import is_url
+
+    if is_url(root):
+        from .fsspec_store import FsspecStore
+
+        return FsspecStore(str(root), storage_options)
+    if storage_options:
+        raise ValueError(f"{root}: storage options are for a URL root, not a local path")
+    return LocalStore(root)
+
+
+__all__ = [
+    "CommittedStore",
+    "FaultPoints",
+    "LocalStore",
+    "RemoteTier",
+    "Store",
+    "StoredCheckpoint",
+    "UploadFailed",
+    "open_store",
+]

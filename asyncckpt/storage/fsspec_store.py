@@ -18,18 +18,29 @@ into multi-part uploads themselves.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .. import faults
 from .. import layout as _layout
-from ..errors import UploadFailed
-from .base import StoredCheckpoint
+from ..errors import UnsupportedStorage, UploadFailed
+from .base import FaultPoints, StoredCheckpoint
+
+if TYPE_CHECKING:
+    from ..retention import CheckpointInfo
+
+POINTS = FaultPoints(
+    publish="before_marker",
+    tracker="before_remote_tracker",
+    retire="mid_remote_prune",
+    file="mid_upload",
+)
 
 
 class FsspecStore:
@@ -39,6 +50,8 @@ class FsspecStore:
     ``secret`` for s3fs). ``timeout`` bounds each file's upload attempt, ``retries`` how many
     attempts a file gets (with exponential backoff from ``backoff`` seconds).
     """
+
+    points = POINTS
 
     def __init__(
         self,
@@ -68,6 +81,10 @@ class FsspecStore:
         self.retries = max(1, retries)
         self.backoff = backoff
         self.threads = max(1, threads)
+        self._sealed: set[tuple[str, str]] = set()  # (staged, name): uploaded, no marker yet
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.url!r})"
 
     def path(self, *names: str) -> str:
         return "/".join([self.base, *names])
@@ -124,59 +141,101 @@ class FsspecStore:
             return None
         return int(text) if text.isdigit() else None
 
+    def has_tracker(self) -> bool:
+        return self.fs.exists(self.path(_layout.TRACKER))
+
     def is_committed(self, name: str) -> bool:
         return self.fs.exists(self.path(name, _layout.COMMIT_MARKER))
 
+    def exists(self, name: str) -> bool:
+        """Whether anything is stored under ``name`` (committed or not)."""
+        self.fs.invalidate_cache()
+        return self.fs.exists(self.path(name))
+
+    def describe(self, c: StoredCheckpoint) -> CheckpointInfo:
+        from ..retention import CheckpointInfo
+
+        try:
+            info = CheckpointInfo.from_manifest(self.read_manifest(c.name))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            # Committed but its manifest is unreadable: still a checkpoint (kept by step).
+            return CheckpointInfo(step=c.step, committed_at=0.0)
+        return info if info.step == c.step else dataclasses.replace(info, step=c.step)
+
     # ---------------------------------------------------------------- publish
-    def publish(
-        self, local_dir: Path, name: str, on_bytes: Callable[[int], None] | None = None
-    ) -> int:
-        """Upload a locally committed checkpoint as ``name``, marker last; returns the bytes.
+    def stage(self, name: str, token: str | None = None) -> Path:
+        """A local temporary directory whose files ``seal`` uploads as ``name``."""
+        return Path(
+            tempfile.mkdtemp(prefix=_layout.tmp_name_of(name, token or uuid.uuid4().hex[:12]))
+        )
+
+    def discard(self, staged: Path) -> None:
+        from .localfs import remove_tree
+
+        self._sealed = {k for k in self._sealed if k[0] != str(staged)}
+        if staged.exists() and Path(tempfile.gettempdir()) in staged.parents:
+            remove_tree(staged)  # only a temporary of ``stage``: a committed local dir stays
+
+    def seal(self, staged: Path, name: str, on_file: Callable[[int], None] | None = None) -> int:
+        """Upload every file of ``staged`` under ``name``, the manifest last; no marker yet.
 
         A prefix of that name without a marker is a crashed upload: replaced. One with a marker
         is already committed: ``FileExistsError`` (a step is never overwritten in place).
+        ``on_file(size)`` after each file is up, within that file's upload attempt.
         """
         if self.is_committed(name):
             raise FileExistsError(f"{self.url_of(name)} is already committed")
         if self.fs.exists(self.path(name)):
             self.fs.rm(self.path(name), recursive=True)
-        files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.is_symlink())
+        files = sorted(p for p in staged.rglob("*") if p.is_file() and not p.is_symlink())
         # The manifest goes up last of the files: a reader that found the marker finds it too.
         files.sort(key=lambda p: p.name == _layout.MANIFEST)
         rest, manifest = files[:-1], files[-1:]
         total = 0
         for group in (rest, manifest):
             total += self._put_all(
-                [(p, self.path(name, *p.relative_to(local_dir).parts)) for p in group], on_bytes
+                [(p, self.path(name, *p.relative_to(staged).parts)) for p in group], on_file
             )
-        faults.point("before_marker")
+        self._sealed.add((str(staged), name))
+        return total
+
+    def publish(
+        self, staged: Path, name: str, on_bytes: Callable[[int], None] | None = None
+    ) -> int:
+        """Write ``name``'s marker: from then on it is committed. Seals ``staged`` first if
+        that was not done (one call uploads a locally committed checkpoint); returns the
+        bytes uploaded by this call."""
+        total = 0
+        if (str(staged), name) not in self._sealed:
+            total = self.seal(staged, name, on_bytes)
+        self._sealed.discard((str(staged), name))
         marker = json.dumps({"step_dir": name, "committed_at": time.time()}).encode()
         marker_path = self.path(name, _layout.COMMIT_MARKER)
         self._with_retries(marker_path, self.fs.pipe_file, marker_path, marker)
         return total
 
-    def _put_all(
-        self, files: list[tuple[Path, str]], on_bytes: Callable[[int], None] | None
-    ) -> int:
+    def _put_all(self, files: list[tuple[Path, str]], on_file: Callable[[int], None] | None) -> int:
         if not files:
             return 0
         total = 0
         with cf.ThreadPoolExecutor(min(self.threads, len(files))) as pool:
             futures = [
-                pool.submit(self._with_retries, remote, self._put_one, local, remote)
+                pool.submit(self._with_retries, remote, self._put_one, local, remote, on_file)
                 for local, remote in files
             ]
             for (local, _), fut in zip(files, futures, strict=True):
                 fut.result()
-                size = local.stat().st_size
-                total += size
-                if on_bytes is not None:
-                    on_bytes(size)
+                total += local.stat().st_size
         return total
 
-    def _put_one(self, local: Path, remote: str) -> None:
+    def _put_one(
+        self, local: Path, remote: str, on_file: Callable[[int], None] | None = None
+    ) -> None:
         self.fs.put_file(os.fspath(local), remote)
-        faults.point("mid_upload")
+        if on_file is not None:
+            # Within the attempt (its time limit): the commit order's ``mid_upload`` point
+            # fires here, so a stall there is a stalled upload.
+            on_file(local.stat().st_size)
 
     def _with_retries(self, what: str, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` with a time limit per attempt and backoff between attempts.
@@ -209,7 +268,6 @@ class FsspecStore:
         """Point the store's tracker object(s) at ``step`` (after its marker); forward only.
 
         A PUT of a small object replaces it whole, which is what a tracker needs."""
-        faults.point("before_remote_tracker")
         current = self.read_tracker()
         if (
             current is not None
@@ -272,13 +330,39 @@ class FsspecStore:
         return problems
 
     # ---------------------------------------------------------------- delete
+    def retire(self, name: str) -> str:
+        """Delete ``name``'s marker: from then on the checkpoint does not exist."""
+        marker = self.path(name, _layout.COMMIT_MARKER)
+        self.fs.invalidate_cache()
+        if not self.fs.exists(marker):
+            if self.fs.exists(self.path(name)):
+                return name  # a crashed upload or delete: only its files are left to remove
+            raise FileNotFoundError(f"{self.url_of(name)} is not a checkpoint")
+        self.fs.rm_file(marker)
+        return name
+
+    def reclaim(self, retired: str) -> None:
+        if self.fs.exists(self.path(retired)):
+            self.fs.rm(self.path(retired), recursive=True)
+
     def delete(self, name: str) -> None:
         """Marker first (the checkpoint stops existing), then every other object."""
-        if self.fs.exists(self.path(name, _layout.COMMIT_MARKER)):
-            self.fs.rm_file(self.path(name, _layout.COMMIT_MARKER))
-        faults.point("mid_remote_prune")
-        if self.fs.exists(self.path(name)):
-            self.fs.rm(self.path(name), recursive=True)
+        try:
+            self.reclaim(self.retire(name))
+        except FileNotFoundError:
+            pass  # nothing there: deleted already
+
+    def quarantine(self, name: str, problems: list[str]) -> str:
+        raise UnsupportedStorage(
+            f"{self.url_of(name)}: an object store has no rename to set a checkpoint aside "
+            "with; delete it (its marker goes first) or fetch it to look at it"
+        )
+
+    def lock(self, holder: str, *, wait: bool) -> int | None:
+        raise UnsupportedStorage(
+            f"{self.url}: an object store has no locks; one engine writes a URL root, through "
+            "its local spool (which is locked)"
+        )
 
     def leftovers(self, layout: str) -> list[str]:
         """Names of prefixes that look like checkpoints but hold no marker."""
@@ -293,11 +377,10 @@ class FsspecStore:
         )
 
     def detect_layout(self, default: str = "global_step") -> str:
-        """The layout whose committed checkpoints the store holds (``default`` if none)."""
-        for layout in _layout.LAYOUTS:
-            if self.committed(layout):
-                return layout
-        return default
+        """The layout of the store's committed checkpoints (``layout.pick_layout``'s rule:
+        ``default`` if none, an error if several)."""
+        names = [c.name for lay in _layout.LAYOUTS for c in self.committed(lay)]
+        return _layout.pick_layout(names, self.url, default)
 
     def clean_leftovers(self, layout: str) -> list[str]:
         """Remove prefixes named like checkpoints but holding no marker (crashed uploads or

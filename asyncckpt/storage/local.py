@@ -1,32 +1,111 @@
-"""``LocalStore``: the ``CommittedStore`` of a local or mounted root (the engine's own tier).
+"""``LocalStore``: the ``Store`` of a local or mounted root (the engine's own tier).
 
-Every guarantee stays where it was implemented: commits by fsync + atomic rename and trackers
-by temp-file + rename (``commit.py``), deletion through a trash rename that never follows a
-symlink nor leaves the root (``prune.py``), checksums (``manifest.py``), names (``layout.py``).
-This class only gives them the protocol's shape.
+Commits by fsync + atomic rename, trackers by temp file + rename, deletion through a trash
+rename that never follows a symlink nor leaves the root, quarantine by a rename into
+``.quarantine/``, locks by ``flock``: every call that changes the disk goes through
+``localfs.py``. Names come from ``layout.py``, checksums from ``manifest.py``. No fault point
+fires here (``commit.py`` and ``prune.py`` announce them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import json
+import logging
 import os
-import shutil
+import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import layout as _layout
-from .base import StoredCheckpoint
+from ..retention import CheckpointInfo
+from . import localfs
+from .base import FaultPoints, StoredCheckpoint
+
+log = logging.getLogger("asyncckpt.prune")
+
+POINTS = FaultPoints(publish="before_rename", tracker="before_tracker", retire="mid_prune")
+
+
+def tree_size(path: Path) -> int:
+    """Apparent size of the regular files under ``path``, never following symlinks."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(path, followlinks=False):
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def read_checkpoint_info(path: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
+    """The one disk read behind the policies: a committed directory's manifest.
+
+    ``step`` (from the directory name) wins over the manifest's. A directory without a readable
+    manifest (written by another tool, with only DCP's ``.metadata``) is described from the disk:
+    its mtime as commit time, its measured size, no metrics and no run id.
+    """
+    path = Path(path)
+    try:
+        data = json.loads((path / _layout.MANIFEST).read_text())
+        info = CheckpointInfo.from_manifest(data, path=path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if step is None:
+            raise ValueError(f"{path} has no readable manifest and no step was given") from None
+        st = os.lstat(path)
+        return CheckpointInfo(step, st.st_mtime, {}, tree_size(path), None, path)
+    if step is not None and step != info.step:
+        info = dataclasses.replace(info, step=step)
+    return info
+
+
+def damage_kind(problems: list[str]) -> str:
+    """One word for the name of a quarantined checkpoint, from ``check_dir``'s problems."""
+    text = "; ".join(problems)
+    for needle, kind in (
+        (_layout.MANIFEST, "manifest"),
+        (": missing", "missing"),
+        ("truncated", "truncated"),
+        ("checksum", "checksum"),
+    ):
+        if needle in text:
+            return kind
+    return "corrupt"
 
 
 class LocalStore:
+    points = POINTS
+
     def __init__(self, root: str | os.PathLike) -> None:
         from ..paths import check_local_root
 
         self.root = check_local_root(root)
         self.url = str(self.root)
 
+    def __repr__(self) -> str:
+        return f"LocalStore({self.url!r})"
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def url_of(self, name: str) -> str:
+        return str(self.root / name)
+
+    # ------------------------------------------------------------------ read
     def committed(self, layout: str) -> list[StoredCheckpoint]:
         return [StoredCheckpoint(c.step, c.path.name) for c in _layout.scan(self.root, layout)]
+
+    def detect_layout(self, default: str = "global_step") -> str:
+        return _layout.detect_layout(self.root, default)
+
+    def describe(self, c: StoredCheckpoint) -> CheckpointInfo:
+        return read_checkpoint_info(self.root / c.name, c.step)
 
     def read_manifest(self, name: str) -> dict[str, Any]:
         from ..manifest import read_manifest
@@ -36,10 +115,8 @@ class LocalStore:
     def read_tracker(self) -> int | None:
         return _layout.read_tracker(self.root)
 
-    def write_tracker(self, layout: str, step: int) -> bool:
-        from ..commit import write_tracker
-
-        return write_tracker(self.root, layout, step)
+    def has_tracker(self) -> bool:
+        return os.path.lexists(self.root / _layout.TRACKER)
 
     def check(
         self, name: str, on_bytes: Callable[[int], None] | None = None, *, quick: bool = False
@@ -52,20 +129,119 @@ class LocalStore:
         source = self.root / name
         if not source.is_dir() or source.is_symlink():
             raise FileNotFoundError(f"{source} is not a committed checkpoint")
-        shutil.copytree(source, local_dir, symlinks=True)
+        localfs.copy_tree(source, local_dir)
 
-    def delete(self, name: str) -> None:
-        from ..prune import trash_and_delete
+    def exists(self, name: str) -> bool:
+        return os.path.lexists(self.root / name)
 
-        trash_and_delete(self.root, self.root / name)
-
-    def leftovers(self, layout: str) -> list[str]:
+    def leftovers(self, layout: str | None = None) -> list[str]:
         try:
             return sorted(e.name for e in os.scandir(self.root) if _layout.is_leftover(e.name))
         except FileNotFoundError:
             return []
 
-    def clean_leftovers(self, layout: str) -> list[str]:
-        from ..prune import clean_leftovers
+    # ------------------------------------------------------------------ write
+    def stage(self, name: str, token: str | None = None, *, exist_ok: bool = False) -> Path:
+        """``root/.tmp-<name>-<token>``; ``exist_ok``: several ranks share one temporary."""
+        tmp = self.root / _layout.tmp_name_of(name, token or localfs.new_token())
+        localfs.mkdir(tmp, exist_ok=exist_ok)
+        return tmp
 
-        return clean_leftovers(self.root)
+    def seal(self, staged: Path, name: str, on_file: Callable[[int], None] | None = None) -> int:
+        """The directory's names durable (each file was fsynced by its writer)."""
+        localfs.fsync_dir(staged)
+        return 0
+
+    def publish(self, staged: Path, name: str) -> None:
+        """Atomic rename to ``name`` (refused if it exists), then fsync of the root."""
+        final = self.root / name
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, "checkpoint already committed", str(final))
+        localfs.rename_new(staged, final)
+        localfs.fsync_dir(self.root)
+
+    def discard(self, staged: Path) -> None:
+        try:
+            localfs.remove_tree(staged)
+        except FileNotFoundError:
+            return
+        localfs.fsync_dir(self.root)
+
+    def write_tracker(self, layout: str, step: int) -> bool:
+        """Temp file, fsync, rename, fsync of the root; forward only.
+
+        A tracker is never moved back from a newer committed checkpoint (an older step saved
+        with ``allow_older_steps``, or a commit the trainer finishes after its worker died):
+        readers of the tracker resume from the newest."""
+        current = _layout.read_tracker(self.root)
+        if (
+            current is not None
+            and current > step
+            # A tracker naming a step that is not there (deleted by hand) protects nothing.
+            and (self.root / _layout.dir_name(layout, current)).is_dir()
+        ):
+            return False
+        for name in _layout.tracker_names(layout):
+            localfs.replace_synced(self.root / name, f"{step}\n".encode(), sync_dir=False)
+        localfs.fsync_dir(self.root)
+        return True
+
+    def retire(self, name: str) -> Path:
+        """Rename ``name`` (a direct child of the root) to a trash name, fsync the root: from
+        then on it is out of the namespace. Returns the trash path."""
+        path = localfs.direct_child(self.root, self.root / name)
+        os.lstat(path)  # FileNotFoundError before anything else happens
+        trash = self.root / _layout.trash_name(path.name, localfs.new_token())
+        localfs.rename(path, trash)
+        localfs.fsync_dir(self.root)
+        return trash
+
+    def reclaim(self, retired: Path) -> None:
+        try:
+            localfs.remove_tree(retired)
+        except FileNotFoundError:
+            pass  # out of the namespace already; someone cleaned the trash (clean_leftovers)
+
+    def delete(self, name: str) -> None:
+        self.reclaim(self.retire(name))
+
+    def quarantine(self, name: str, problems: list[str]) -> str:
+        """Move committed ``name`` into ``root/.quarantine/`` with a note of why (a rename
+        within the root: nothing is deleted; moving it back to its old name restores it)."""
+        path = localfs.direct_child(self.root, self.root / name)
+        qdir = self.root / _layout.QUARANTINE_DIR
+        localfs.mkdir(qdir, exist_ok=True)
+        now = time.time()
+        qname = _layout.quarantine_name(path.name, damage_kind(problems), now)
+        if (qdir / qname).exists():  # the same step twice in one second (downloaded again)
+            qname = f"{qname}-{localfs.new_token()[:6]}"
+        target = qdir / qname
+        localfs.rename(path, target)  # FileNotFoundError: it went (pruned by another process)
+        localfs.fsync_dir(self.root)
+        note = {"name": path.name, "quarantined_at": now, "problems": problems}
+        localfs.replace_synced(
+            qdir / f"{qname}{_layout.QUARANTINE_INFO_SUFFIX}", json.dumps(note, indent=1).encode()
+        )
+        return str(target)
+
+    def lock(self, holder: str, *, wait: bool, note_pid: bool = False) -> int | None:
+        return localfs.lock_file(localfs.lock_path(self.root, holder), wait=wait, note_pid=note_pid)
+
+    def clean_leftovers(self, layout: str | None = None) -> list[str]:
+        """Remove temporaries and trash left by a crash; returns the names removed.
+
+        Only at start, while holding the root's lock: a temporary of a save in flight looks
+        exactly like a leftover. Failures are logged and skipped (retried next start)."""
+        removed = []
+        for name in self.leftovers():
+            try:
+                localfs.remove_tree(localfs.direct_child(self.root, self.root / name))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("asyncckpt: could not remove leftover %s: %s", self.root / name, e)
+                continue
+            removed.append(name)
+        if removed:
+            localfs.fsync_dir(self.root)
+        return removed

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import layout as _layout
 from ..errors import UploadFailed
-from ..retention import CheckpointInfo, RetentionPolicy, plan_prune
+from ..retention import RetentionPolicy
 
 log = logging.getLogger("asyncckpt")
 
@@ -32,7 +32,6 @@ ORPHAN_PREFIX = ".orphaned-"
 _PROTOCOL_ALIASES = {"s3a": "s3", "gcs": "gs"}
 
 if TYPE_CHECKING:
-    from .base import CommittedStore
     from .fsspec_store import FsspecStore
 
 
@@ -128,42 +127,6 @@ def _check_backend(url: str, scheme: str) -> None:
         raise UnsupportedStorage(f"{url}: no fsspec back-end knows {scheme}:// ({e})") from e
 
 
-def remote_infos(store: CommittedStore, layout: str) -> list[CheckpointInfo]:
-    """What a retention policy sees of a store (any tier): each committed one's manifest."""
-    out = []
-    for c in store.committed(layout):
-        try:
-            out.append(CheckpointInfo.from_manifest(store.read_manifest(c.name)))
-        except (OSError, ValueError, KeyError):
-            # Committed but its manifest is unreadable: still a checkpoint (kept by step).
-            out.append(CheckpointInfo(step=c.step, committed_at=0.0))
-    return out
-
-
-def plan_remote_prune(
-    checkpoints: list[CheckpointInfo],
-    policy: RetentionPolicy | None,
-    *,
-    tracker_step: int | None,
-    pinned: Iterable[int] = (),
-    resumed_from: int | None = None,
-    committed_step: int | None = None,
-) -> list[int]:
-    """Steps to delete from the store: the policy over its checkpoints, with the same
-    protections as on disk (newest, tracker, pinned, resumed-from, the step just published
-    and any above it: ``plan_prune``'s ``committed_step``). ``None`` deletes nothing."""
-    if policy is None:
-        return []
-    return plan_prune(
-        checkpoints,
-        policy,
-        tracker_step=tracker_step,
-        pinned=pinned,
-        resumed_from=resumed_from,
-        committed_step=committed_step,
-    ).delete
-
-
 def publish_after_commit(
     store: FsspecStore,
     tier: RemoteTier,
@@ -178,8 +141,15 @@ def publish_after_commit(
 
     Local checkpoints newer than the store's newest that are not there yet (an upload that
     failed or was cut by a crash) are published too, oldest first, so the store never skips a
-    step the trainer was told was saved while it is still on disk.
+    step the trainer was told was saved while it is still on disk. Each goes through the commit
+    order (``commit.publish``: files, marker last), then the tracker; then the one pruner
+    (``prune.prune``) applies ``tier.keep`` with the same safety rules as on disk: the step
+    just published is trusted (checksummed as it was written) and never deleted, and nothing
+    is deleted while no kept checkpoint verifies.
     """
+    from ..commit import publish, write_tracker
+    from ..prune import PruneRefused, prune
+
     t0 = time.perf_counter()
     remote = {c.step for c in store.committed(layout)}
     newest_remote = max(remote, default=-1)
@@ -191,26 +161,29 @@ def publish_after_commit(
     nbytes = 0
     published = []
     for c in todo:
-        nbytes += store.publish(c.path, c.path.name)
+        nbytes += publish(store, c.path, c.path.name)
         published.append(c.step)
     if step not in remote and step not in published:
         raise UploadFailed(f"step {step} is not committed in {local_root}: nothing to upload")
-    store.write_tracker(layout, max([step, *published]))
+    write_tracker(store, layout, max([step, *published]))
     upload_seconds = time.perf_counter() - t0
-    deleted = (
-        plan_remote_prune(
-            remote_infos(store, layout),
-            tier.keep,
-            tracker_step=max([step, *published]),  # what write_tracker just wrote (or newer)
-            pinned=pinned,
-            resumed_from=resumed_from,
-            committed_step=step,
-        )
-        if tier.keep is not None
-        else []
-    )
-    for s in deleted:
-        store.delete(_layout.dir_name(layout, s))
+    deleted: list[int] = []
+    if tier.keep is not None:
+        try:
+            result = prune(
+                store,
+                layout,
+                tier.keep,
+                pinned=pinned,
+                resumed_from=resumed_from,
+                committed_step=step,
+                trusted=(step, *published),
+                warn=False,
+            )
+        except PruneRefused as e:  # the uploads stand; the next save prunes again
+            log.warning("asyncckpt: not pruning %s: %s", tier.url, e)
+        else:
+            deleted = result.deleted
     return {
         "upload_seconds": upload_seconds,
         "uploaded_bytes": nbytes,
@@ -232,19 +205,10 @@ def _read_record(spool: Path) -> dict[str, Any] | None:
 
 
 def _write_record(spool: Path, identity: dict[str, Any], published: Iterable[int]) -> None:
-    from ..commit import new_token, write_synced
-    from ..manifest import fsync_dir
+    from .localfs import replace_synced
 
-    tmp = spool / f"{_layout.TMP_PREFIX}{SPOOL_RECORD}-{new_token()}"
     text = json.dumps({"store": identity, "published": sorted(set(published))})
-    try:
-        write_synced(tmp, text.encode())
-        os.replace(tmp, spool / SPOOL_RECORD)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(spool)
+    replace_synced(spool / SPOOL_RECORD, text.encode())
 
 
 def mark_published(spool: Path, tier: RemoteTier, layout: str, steps: Iterable[int]) -> None:
@@ -272,8 +236,7 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
     renamed to ``.orphaned-<name>-<token>`` in the spool (kept, never loaded, logged), not
     deleted. The record is then rewritten for this store.
     """
-    from ..commit import new_token
-    from ..manifest import fsync_dir
+    from .localfs import fsync_dir, new_token, rename
 
     identity = tier.identity()
     record = _read_record(spool)
@@ -289,7 +252,7 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
             kept.add(c.step)
             continue
         aside = spool / f"{ORPHAN_PREFIX}{_layout._unsearchable(c.path.name)}-{new_token()}"
-        os.rename(c.path, aside)
+        rename(c.path, aside)
         moved.append(aside.name)
     if moved:
         fsync_dir(spool)

@@ -1,0 +1,255 @@
+"""The engine's options, grouped: one small frozen object per behaviour that has several knobs.
+
+``CheckpointEngine(root, keep=KeepLast(3))`` stays a one-liner; a behaviour with more than one
+knob is one object: ``schedule=Schedule(every_steps=100)``, ``retention=Retention(...)``,
+``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``
+and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
+one release, with a ``DeprecationWarning`` naming the replacement (``resolve_options``).
+
+Each object checks its own fields when made (a wrong type is refused there, not at the first
+save). They are frozen dataclasses so a new knob is one more field (e.g. a memory tier's
+schedule on ``Schedule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .retention import SCOPES as PRUNE_SCOPES
+from .retention import STORAGES, RetentionPolicy, SaveSchedule
+from .throttle import ThrottleConfig, check_durable_within
+
+#: How long the checkpoint a run resumed from is protected from pruning (``keep_resumed=``).
+KEEP_RESUMED = ("until_newer", "run")
+
+
+def _number(name: str, value: Any, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0{' or None' if allow_none else ''}, "
+                         f"got {value!r}")  # fmt: skip
+
+
+def _optional_int(name: str, value: Any, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < minimum):  # fmt: skip
+        raise ValueError(f"{name} must be an int >= {minimum} or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When ``should_save`` answers yes: every ``every_steps`` steps, every ``every_seconds``
+    seconds, or whichever comes first (``retention.SaveSchedule`` has the exact rules)."""
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    #: ``engine.due(step)`` answers "memory" every this many steps (memory_tier.py)
+    memory_every_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        self.make()  # SaveSchedule checks the fields (types and ranges)
+        from .memory_tier import check_every
+
+        check_every(self.memory_every_steps)
+
+    def make(self) -> SaveSchedule:
+        """The stateful trigger an engine asks (one per engine)."""
+        return SaveSchedule(self.every_steps, self.every_seconds)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How ``keep=`` is applied. ``scope``: ``"all"`` committed checkpoints are candidates, or
+    only those this ``"run"`` wrote. ``keep_resumed``: the checkpoint this engine resumed from
+    is protected ``"until_newer"`` commits (default), or for the whole ``"run"`` (Lightning's
+    habit: the starting point survives ``KeepLast(1)``)."""
+
+    scope: str = "all"
+    keep_resumed: str = "until_newer"
+
+    def __post_init__(self) -> None:
+        if self.scope not in PRUNE_SCOPES:
+            raise ValueError(f"retention scope must be one of {PRUNE_SCOPES}, got {self.scope!r}")
+        if self.keep_resumed not in KEEP_RESUMED:
+            raise ValueError(
+                f"keep_resumed must be one of {KEEP_RESUMED}, got {self.keep_resumed!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """Several ranks on one root. Every field defaults to what torch.distributed says.
+
+    ``rank``/``world_size`` (None: torch.distributed's, else 0 and 1), ``local_rank`` (None:
+    ``$LOCAL_RANK``, else the rank), ``store=(host, port)``: where rank 0 hosts the side store
+    when no process group is initialised, ``timeout``: how long workers wait for each other per
+    save, ``storage``: ``"shared"`` root (rank 0 prunes) or ``"local"`` node disks (each node's
+    local rank 0 prunes), ``legacy_ranks``: megatron_legacy's tp/pp ranks
+    (``formats.staged.LegacyRanks`` or a dict of its fields).
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    store: tuple[str, int] | None = None
+    timeout: float = 600.0
+    storage: str = "shared"
+    legacy_ranks: Any = None
+
+    def __post_init__(self) -> None:
+        _optional_int("rank", self.rank, 0)
+        _optional_int("world_size", self.world_size, 1)
+        _optional_int("local_rank", self.local_rank, 0)
+        if self.store is not None and not (
+            isinstance(self.store, tuple) and len(self.store) == 2
+            and isinstance(self.store[0], str) and isinstance(self.store[1], int)
+        ):  # fmt: skip
+            raise TypeError(f"store must be a (host, port) tuple, got {self.store!r}")
+        _number("timeout", self.timeout, allow_none=False)
+        if self.storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {self.storage!r}")
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A scheduler's preemption notice. ``handle_sigterm``: on SIGTERM, drain the staged saves
+    and ask the schedule for one last save; ``final_save``: then let the loop make that save
+    (``engine.preempted``) instead of terminating as SIGTERM would."""
+
+    handle_sigterm: bool = True
+    final_save: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """How a URL root (``s3://bucket/run``) is reached: ``storage_options`` for fsspec
+    (endpoint, credentials), ``spool``: the local directory where steps are written and
+    committed before upload (default: ``$ASYNCCKPT_SPOOL`` or the temp dir)."""
+
+    storage_options: Mapping[str, Any] | None = None
+    spool: str | os.PathLike | None = None
+
+    def __post_init__(self) -> None:
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {self.storage_options!r}")
+        if self.spool is not None and not isinstance(self.spool, (str, os.PathLike)):
+            raise TypeError(f"spool must be a path, got {self.spool!r}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything an engine was configured with, checked and grouped (``resolve_options``)."""
+
+    layout: str = "global_step"
+    format: str | None = None
+    keep: RetentionPolicy | None = None
+    max_in_flight: int = 1
+    throttle: ThrottleConfig | None = None
+    write_timeout: float | None = None
+    on_commit: Callable[[Any], None] | None = None
+    verify_on_load: bool = True
+    schedule: Schedule = Schedule()
+    retention: Retention = Retention()
+    distributed: Distributed = Distributed()
+    preemption: Preemption = Preemption()
+    allow_older_steps: bool = False
+    components: Mapping[str, Any] | None = None
+    remote: Any = None  # storage.RemoteTier
+    object_store: ObjectStore = ObjectStore()
+    export: Any = None  # export.HFExport
+    persist_memory_on_close: bool = False  # close() writes the memory tier's newest save
+
+
+#: Flat keywords of before the grouping -> (the group's keyword, its field, how to say it).
+DEPRECATED = {
+    "save_every_steps": ("schedule", "every_steps", "schedule=Schedule(every_steps=...)"),
+    "save_every_seconds": ("schedule", "every_seconds", "schedule=Schedule(every_seconds=...)"),
+    "prune_scope": ("retention", "scope", "retention=Retention(scope=...)"),
+    "keep_resumed": ("retention", "keep_resumed", "retention=Retention(keep_resumed=...)"),
+    "rank": ("distributed", "rank", "distributed=Distributed(rank=...)"),
+    "world_size": ("distributed", "world_size", "distributed=Distributed(world_size=...)"),
+    "local_rank": ("distributed", "local_rank", "distributed=Distributed(local_rank=...)"),
+    "store": ("distributed", "store", "distributed=Distributed(store=...)"),
+    "dist_timeout": ("distributed", "timeout", "distributed=Distributed(timeout=...)"),
+    "storage": ("distributed", "storage", "distributed=Distributed(storage=...)"),
+    "legacy_ranks": ("distributed", "legacy_ranks", "distributed=Distributed(legacy_ranks=...)"),
+    "handle_sigterm": ("preemption", "handle_sigterm", "preemption=Preemption(handle_sigterm=...)"),
+    "preemption_save": ("preemption", "final_save", "preemption=Preemption(final_save=True)"),
+    "storage_options": (
+        "object_store",
+        "storage_options",
+        "object_store=ObjectStore(storage_options=...)",
+    ),  # fmt: skip
+    "spool": ("object_store", "spool", "object_store=ObjectStore(spool=...)"),
+    "optimizer_offload": ("throttle", None, "throttle=ThrottleConfig.for_optimizer_offload()"),
+    "durable_within": ("throttle", None, "throttle=ThrottleConfig.background(durable_within=...)"),
+}
+
+_GROUPS = {
+    "schedule": Schedule,
+    "retention": Retention,
+    "distributed": Distributed,
+    "preemption": Preemption,
+    "object_store": ObjectStore,
+}
+
+
+def resolve_options(grouped: dict[str, Any], flat: dict[str, Any]) -> EngineOptions:
+    """``grouped``: the engine's keywords; ``flat``: deprecated ones (each warns, naming its
+    replacement). A flat keyword next to its group's object is refused: which would win?"""
+    for name, value in grouped.items():
+        kind = _GROUPS.get(name)
+        if kind is not None and value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name}= takes {kind.__name__}(...), not {value!r}")
+    unknown = set(flat) - set(DEPRECATED)
+    if unknown:
+        raise TypeError(f"CheckpointEngine got unexpected keyword argument(s) {sorted(unknown)}")
+    changes: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        group, field_name, replacement = DEPRECATED[name]
+        warnings.warn(
+            f"CheckpointEngine({name}=...) is deprecated: pass {replacement}",
+            DeprecationWarning,
+            stacklevel=3,  # here, the engine's __init__, the caller
+        )
+        if grouped.get(group) is not None:
+            raise TypeError(f"pass {name}= or {group}=, not both (use {replacement})")
+        if field_name is not None:
+            changes.setdefault(group, {})[field_name] = value
+    for group, values in changes.items():
+        grouped[group] = _GROUPS[group](**values)
+    grouped["throttle"] = _throttle(grouped.get("throttle"), flat)
+    for group, kind in _GROUPS.items():
+        if grouped.get(group) is None:
+            grouped[group] = kind()
+    return EngineOptions(**grouped)
+
+
+def _throttle(throttle: Any, flat: dict[str, Any]) -> ThrottleConfig:
+    offload, durable = flat.get("optimizer_offload", False), flat.get("durable_within")
+    if throttle is not None and not isinstance(throttle, ThrottleConfig):
+        raise TypeError(
+            f"throttle must be a ThrottleConfig (e.g. ThrottleConfig.background()), not "
+            f"{throttle!r}"
+        )
+    if not isinstance(offload, bool):
+        raise TypeError(f"optimizer_offload must be True or False, got {offload!r}")
+    check_durable_within(durable)
+    if throttle is None:  # an explicit config wins over the preset optimizer_offload names
+        throttle = (
+            ThrottleConfig.for_optimizer_offload() if offload else ThrottleConfig.background()
+        )
+    if durable is not None:
+        throttle = dataclasses.replace(throttle, durable_within=durable)
+    return throttle

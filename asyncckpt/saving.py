@@ -1,0 +1,547 @@
+"""Saving: validation, staging slots and back-pressure, the hand-off to the worker.
+
+``Saver`` takes a save from the caller's arguments to a job in the worker's pipe: every error
+about the input is raised before a byte is written (invariant 8), a slot is reserved (waiting
+when ``max_in_flight`` saves hold them all: back-pressure, invariant 6), the state is copied
+into the slot's shared arenas, checked for torn tensors (invariant 13), and only then handed to
+the worker (invariant 12 holds from there). Its collaborators are explicit: the ``JobTable``
+(jobs.py) that completes what was handed over, a ``WorkerPort`` (the supervisor: the current
+worker's pipe) and the engine's ``SigtermHandler`` (a SIGTERM during a hand-off waits for it).
+
+``save_steps`` is the one implementation of ``save``: a generator that yields the calls that
+may block, which the async facade runs in a thread and the sync facade runs in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypedDict
+
+from typing_extensions import Unpack
+
+from . import faults
+from . import layout as _layout
+from . import messages as M
+from .errors import CheckpointError, SaveFailed, StateModifiedWhileStaging, WorkerDied
+from .flatplan import FlattenCache
+from .jobs import JobTable, SaveHandle
+from .preemption import SigtermHandler
+from .restore import Restorer
+from .restore import check_step as _check_step
+from .retention import RetentionPolicy, SaveSchedule
+from .staging import StagingSlot, layout_key, modified_since, ready_events, versions
+from .stats import SaveStats
+from .supervisor import WorkerLink
+from .worker import PruneRequest, SaveJob
+
+log = logging.getLogger("asyncckpt")
+
+
+class SaveOptions(TypedDict, total=False):
+    """``save()``'s keyword-only options: the one list both facades accept (``**options``).
+
+    ``overlap``: return at once and copy in the background (see ``CheckpointEngine.save``).
+    """
+
+    overlap: bool
+    tier: str  # "disk" (default) or "memory" (memory_tier.py)
+
+
+def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
+    """``options`` checked and completed with the defaults (the facades' ``**options``)."""
+    unknown = set(options) - set(SaveOptions.__annotations__)
+    if unknown:
+        raise TypeError(
+            f"save() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
+            f"{sorted(SaveOptions.__annotations__)}"
+        )
+    overlap = options.get("overlap", False)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, not {overlap!r}")
+    from .memory_tier import check_tier
+
+    tier = check_tier(options.get("tier", "disk"))
+    if tier == "memory" and overlap:
+        raise ValueError("a memory save copies while save() blocks: overlap=True is for disk")
+    return SaveOptions(overlap=overlap, tier=tier)
+
+
+class WorkerPort(Protocol):
+    """What the saver needs of the worker's supervisor."""
+
+    @property
+    def link(self) -> WorkerLink: ...
+
+    def wait_ready(self) -> None: ...
+
+    def sending(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@dataclass(frozen=True)
+class SaveRules:
+    """The engine's options that shape a save (fixed at construction)."""
+
+    root: Path
+    layout: str
+    fmt: str
+    components: dict[str, Any] | None
+    legacy: Any  # formats.staged's legacy ranks
+    rank: int
+    run_id: str
+    max_in_flight: int
+    allow_older_steps: bool
+    export: Any  # export.HFExport | None
+    keep: RetentionPolicy | None  # the local retention (None: prune nothing here)
+    prunes_here: bool  # this rank prunes (retention.should_prune)
+    prune_scope: str
+    keep_resumed: str
+
+
+class Saver:
+    """The save path of one engine (see the module's docstring)."""
+
+    def __init__(
+        self,
+        rules: SaveRules,
+        *,
+        jobs: JobTable,
+        worker: WorkerPort,
+        restorer: Restorer,
+        schedule: SaveSchedule,
+        sigterm: SigtermHandler,
+        is_started: Callable[[], bool],
+    ) -> None:
+        self.rules = rules
+        self.jobs = jobs
+        self.worker = worker
+        self.restorer = restorer
+        self.schedule = schedule
+        self.sigterm = sigterm
+        self.is_started = is_started
+        self.slots = [StagingSlot(i) for i in range(rules.max_in_flight)]
+        # The last state's flattening, replayed while its structure holds (flatplan.py).
+        self.flatten_cache = FlattenCache()
+        self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
+        from .memory_tier import MemoryTier
+
+        # The memory tier's bookkeeping; its two slots join self.slots at its first save.
+        self.memory = MemoryTier()
+        self.pinned: set[int] = set()  # engine.protect(step): never pruned
+
+    # ------------------------------------------------------------------ save()
+    def save_steps(
+        self,
+        step: Any,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        metadata: dict[str, Any] | None,
+        **options: Unpack[SaveOptions],
+    ) -> Generator[Callable[[], Any], None, SaveHandle]:
+        """``save`` as steps: yields each call that may block (the facade runs it), returns
+        the handle."""
+        opts = check_save_options(options)  # before a slot is reserved
+        if self.staging_busy():  # one copy at a time: the previous overlapped save's first
+            yield self.wait_staged
+        pending = self.begin_save(step, state, metrics, metadata)
+        if opts["tier"] == "memory":
+            from . import memory_tier
+
+            return memory_tier.save(self, pending)
+        if not self.take_slot(pending, block=False):
+            yield lambda: self.take_slot(pending)
+        return self.finish_save(pending, overlap=opts["overlap"])
+
+    def check_can_save(self, step: Any) -> int:
+        step = _check_step(step)
+        if not self.is_started():
+            raise CheckpointError(
+                "the engine is not started: use `async with engine:` / `with engine:`"
+            )
+        err = self.jobs.take_pending_error()
+        if err is not None:
+            raise SaveFailed(f"an earlier save failed: {err}") from err.__cause__
+        final = self.rules.root / _layout.dir_name(self.rules.layout, step)
+        if final.exists() or step in self.jobs.steps():
+            raise CheckpointError(f"step {step} is already committed or in flight at {final}")
+        if not self.rules.allow_older_steps:
+            self._check_forward(step)
+        return step
+
+    def _check_forward(self, step: int) -> None:
+        """Refuse a step below the newest committed or in-flight one (the tracker would lag).
+
+        A step this engine found corrupt does not count (it is quarantined, or another rank
+        does that). One without asyncckpt's manifest (plain DCP, Megatron: loadable, so it
+        counts) is named as such in the refusal: often it is no checkpoint of this run at all.
+        """
+        known_corrupt = self.restorer.known_corrupt
+        dirs = [d for d in self.restorer.committed() if d.step not in known_corrupt]
+        newest = dirs[-1].step if dirs else None
+        if dirs and step < dirs[-1].step and not (dirs[-1].path / _layout.MANIFEST).exists():
+            raise CheckpointError(
+                f"step {step} is older than step {newest}: {dirs[-1].path} is not an asyncckpt "
+                f"checkpoint (it has no {_layout.MANIFEST}; written by another tool, or by "
+                "hand) but holds DCP's .metadata, so it loads and counts as the newest step. "
+                "Steps must increase (the tracker names the newest checkpoint and never moves "
+                "back): move it out of the root if it is not a checkpoint of this run, or pass "
+                "allow_older_steps=True to write older steps anyway"
+            )
+        flying = max(self.jobs.steps(), default=None)
+        for other, what in ((newest, "committed"), (flying, "in flight")):
+            if other is not None and step < other:
+                raise CheckpointError(
+                    f"step {step} is older than step {other}, {what} in {self.rules.root}: "
+                    "steps must increase (the tracker names the newest checkpoint and never "
+                    "moves back). Resuming an older run? Delete the newer checkpoints, or pass "
+                    "allow_older_steps=True to write it anyway (the tracker keeps naming "
+                    f"step {other})"
+                )
+
+    def begin_save(
+        self,
+        step: Any,
+        state: Any,
+        metrics: Mapping[str, float] | None,
+        metadata: dict[str, Any] | None = None,
+    ) -> PendingSave:
+        """Validate and flatten: every error about the input is raised here, before any write."""
+        from .manifest import check_metadata
+
+        step = self.check_can_save(step)
+        clean = check_metrics(metrics)
+        meta = check_metadata(metadata)
+        export = self.rules.export
+        if export is not None and export.due(step):
+            from .export import check_source
+
+            check_source(state, export.component)
+        flat = self.prepare_state(state)
+        key = flat.key if flat.key is not None else layout_key(flat.tensors)
+        stats = SaveStats(step, saved_at=time.time())
+        return PendingSave(
+            step,
+            flat,
+            key,
+            clean,
+            stats,
+            time.perf_counter(),
+            SaveHandle(step, stats),
+            versions(flat.tensors),
+            metadata=meta,
+        )
+
+    def take_slot(self, pending: PendingSave, block: bool = True) -> bool:
+        """Reserve a staging slot (back-pressure); False only if ``block`` is False and none
+        is free."""
+        slot = self.jobs.acquire_slot(lambda i: self.slots[i].key == pending.key, block=block)
+        if slot is None:
+            if not block:
+                return False
+            self.check_can_save(pending.step)  # raises the failure that freed nothing
+        pending.slot = slot
+        pending.stats.wait_seconds = time.perf_counter() - pending.started
+        if pending.stats.wait_seconds > 0.001:
+            log.info(
+                "save of step %d waited %.3fs for a staging buffer",
+                pending.step,
+                pending.stats.wait_seconds,
+            )
+        return True
+
+    def finish_save(self, pending: PendingSave, overlap: bool = False) -> SaveHandle:
+        """Stage into the reserved slot and hand the job to the worker.
+
+        ``overlap``: return at once; a background thread copies (and hands the job over) while
+        the training loop goes on, and the handle's ``staged`` says when the copy is done.
+        """
+        assert pending.slot is not None
+        if overlap:
+            if any(t.is_cuda for t in pending.flat.tensors.values()):
+                pending.ready = ready_events(pending.flat.tensors)
+            pending.stats.overlapped = True
+            thread = threading.Thread(
+                target=self._stage_behind, args=(pending,), name="asyncckpt-stage", daemon=True
+            )
+            self.staging = pending.handle
+            try:
+                thread.start()
+            except BaseException:
+                self.staging = None
+                self.jobs.unreserve(pending.slot)
+                raise
+            self.schedule.mark_saved(pending.step)
+            return pending.handle
+        try:
+            handle = self._stage_and_send(pending)
+        except BaseException:
+            self.jobs.unreserve(pending.slot)
+            raise
+        self.schedule.mark_saved(pending.step)
+        return handle
+
+    def _stage_behind(self, pending: PendingSave) -> None:
+        """An overlapped save's staging, on its own thread: a failure fails the handle."""
+        handle = pending.handle
+        try:
+            self._stage_and_send(pending)
+        except BaseException as e:  # noqa: BLE001 - reported on the handle, not lost
+            assert pending.slot is not None
+            self.jobs.unreserve(pending.slot)
+            if not handle.done():
+                err = SaveFailed(f"staging step {pending.step} failed: {e!r}; nothing was written")
+                err.__cause__ = e
+                self.jobs.fail_unsent(handle, err)
+            else:
+                handle._observed = False  # no caller saw it raise: the next save reports it
+        finally:
+            handle._staged.set()
+
+    def staging_busy(self) -> bool:
+        """True while an overlapped save is still copying."""
+        h = self.staging
+        return h is not None and not h._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the overlapped save under way (if any) has copied the state."""
+        h = self.staging
+        return h is None or h._staged.wait(timeout)
+
+    def _stage_and_send(self, pending: PendingSave) -> SaveHandle:
+        step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
+        assert slot_idx is not None
+        slot = self.slots[slot_idx]
+        pin = any(t.is_cuda for t in flat.tensors.values())
+        t0 = time.perf_counter()
+        allocated = slot.ensure(flat.tensors, pin, pending.key)
+        t1 = time.perf_counter()
+        if allocated:
+            stats.alloc_seconds = t1 - t0
+        slot.copy_in(flat.tensors, any_cuda=pin, ready=pending.ready)
+        stats.stage_seconds = time.perf_counter() - t1
+        stats.staged_bytes = slot.nbytes
+        handle = pending.handle
+        torn = modified_since(flat.tensors, pending.versions)
+        if torn:
+            # Invariant 13: the arena may hold two moments of the state; never send it.
+            cause = StateModifiedWhileStaging(torn)
+            err = SaveFailed(
+                f"save of step {step} failed: the state changed while it was staged ({cause}); "
+                "nothing was written, older checkpoints are intact. Wait for the copy before "
+                "mutating the state (handle.staged(), engine.stage_before_step(optimizer))"
+            )
+            err.__cause__ = cause
+            self.jobs.unreserve(slot_idx)
+            self.jobs.fail_unsent(handle, err)
+            return handle
+        faults.point("after_stage")
+        job_id, attempt = self.jobs.add(step, handle, slot_idx)
+        job = SaveJob(
+            job_id=job_id,
+            step=step,
+            arena_ids=list(slot.arena_ids),
+            specs=None,  # the worker has them for these arenas (_send_arenas)
+            objects=flat.objects,
+            paths=flat.paths,  # or None when sent: the worker has them (see below)
+            metrics=dict(pending.metrics),
+            metadata=pending.metadata,
+            prune=self._prune_request(step),
+            extra=flat.extra,
+            attempt=attempt,
+            saved_at=stats.saved_at,
+            # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
+            figures={
+                "stage_seconds": stats.stage_seconds,
+                "wait_seconds": stats.wait_seconds,
+                "alloc_seconds": stats.alloc_seconds,
+                "staged_bytes": stats.staged_bytes,
+            },
+        )
+        sending = False
+        try:
+            with self.sigterm.handing_off():
+                self.worker.wait_ready()
+                if not self.jobs.in_flight(job_id):
+                    # The worker it waited for died meanwhile and its handle failed ("nothing
+                    # was committed"): the replacement must not commit it after all.
+                    return handle
+                # After the wait: a fault that fired in a worker that died is disarmed by now.
+                job.faults = faults.snapshot()
+                # One worker's link throughout: if a new worker replaces it meanwhile, this
+                # job goes to the dead one (and fails), and the new one gets everything.
+                link = self.worker.link
+                # A replayed plan hands out the same paths object: the worker keeps the
+                # last paths it got (20,000 of them pickled into every job add up).
+                if link.paths is flat.paths:
+                    job.paths = None
+                payload = _encode_job(job)  # before the pipe: a pickling error cuts nothing
+                sending = True
+                with self.worker.sending():
+                    _send_arenas(slot, link)
+                    M.send(link.conn, payload)
+                    link.paths = flat.paths
+        except OSError as e:
+            self.jobs.fail(job_id, WorkerDied(f"could not hand step {step} to the worker: {e}"))
+        except BaseException as e:
+            # Interrupted (Ctrl-C), or no worker came up. Unsent, the job must not stay in
+            # flight: close() and a SIGTERM's drain would wait for it forever. (Interrupted
+            # mid-send, the worker is being replaced and its death settles the job.)
+            handle._observed = True  # the caller sees this very exception instead
+            if not sending:
+                self.jobs.fail(
+                    job_id,
+                    SaveFailed(
+                        f"step {step} was not handed to the worker ({e!r}); nothing was written"
+                    ),
+                )
+            raise
+        finally:
+            # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
+            self.sigterm.run_deferred()
+        self.wait_mapped(slot, link)
+        handle._staged.set()  # copied and handed over: invariant 12 holds from here
+        return handle
+
+    def wait_mapped(self, slot: StagingSlot, link: WorkerLink) -> None:
+        """Until the worker has received (mapped) the slot's arenas: it fetches their shared
+        memory from this process, so a save must not return before (invariant 12). Once per
+        slot layout; a worker that dies meanwhile fails the save its own way."""
+        with self.jobs.cond:
+            while set(slot.arena_ids) & link.unmapped:
+                if link is not self.worker.link or not self.is_started():
+                    return
+                self.jobs.cond.wait(0.5)
+
+    def _prune_request(self, step: int) -> PruneRequest | None:
+        rules, resumed_from = self.rules, self.jobs.resumed_from
+        if rules.keep is None or not rules.prunes_here:
+            return None
+        return PruneRequest(
+            policy=rules.keep,
+            # The commit of a newer step ends the protection of the resumed-from one.
+            resumed_from=(
+                resumed_from
+                if resumed_from is not None
+                and (resumed_from >= step or rules.keep_resumed == "run")
+                else None
+            ),
+            pinned=tuple(self.pinned),
+            run_id=rules.run_id,
+            scope=rules.prune_scope,
+        )
+
+    # ------------------------------------------------------------------ prepare()
+    def prepare(self, state: Any) -> None:
+        """Allocate (and hand to the worker) every staging slot for this state's layout."""
+        flat = self.prepare_state(state)
+        pin = any(t.is_cuda for t in flat.tensors.values())
+        for i in self.jobs.free_slots():
+            self.slots[i].ensure(flat.tensors, pin)
+            if self.is_started():
+                try:
+                    with self.sigterm.handing_off():
+                        self.worker.wait_ready()
+                        link = self.worker.link
+                        with self.worker.sending():
+                            _send_arenas(self.slots[i], link)
+                            _send_paths(flat.paths, link)
+                finally:
+                    self.sigterm.run_deferred()
+
+    def prepare_state(self, state: Any) -> Any:
+        """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
+        from .formats import components, staged
+
+        rules = self.rules
+        if rules.components is not None:
+            return components.prepare(rules.components, state, rank=rules.rank, legacy=rules.legacy)
+        return staged.prepare(rules.fmt, state, legacy=rules.legacy, cache=self.flatten_cache)
+
+    def send_arenas(self, slot: StagingSlot, link: WorkerLink) -> None:
+        """The slot's arenas and specs, to the worker that lacks them (memory_tier.py)."""
+        _send_arenas(slot, link)
+
+    def release_slots(self) -> None:
+        for slot in self.slots:
+            slot.release()
+
+
+def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
+    # The worker first drops the arenas of this slot's old layout (both processes must
+    # let go of them for the shared memory to be freed), then maps the new ones.
+    for aid in slot.take_retired():
+        if aid in link.arenas:
+            M.send(link.conn, M.encode(M.Drop(aid)))
+            link.arenas.discard(aid)
+            link.specs = {k for k in link.specs if aid not in k}
+    for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
+        if aid not in link.arenas:
+            link.unmapped.add(aid)  # until the worker's Mapped (Saver.wait_mapped)
+            M.send(link.conn, M.encode(M.Arena(aid, arena)))
+            link.arenas.add(aid)
+    # Where each tensor sits in the arenas depends only on the layout: sent once with
+    # them (20,000 specs pickled per save cost more than the copy of their tensors).
+    key = tuple(slot.arena_ids)
+    if key not in link.specs:
+        M.send(link.conn, M.encode(M.Specs(key, slot.specs)))
+        link.specs.add(key)
+
+
+def _send_paths(paths: Any, link: WorkerLink) -> None:
+    # Ahead of the first save, which then sends none (see _stage_and_send).
+    if paths is not None and link.paths is not paths:
+        M.send(link.conn, M.encode(M.Paths(paths)))
+        link.paths = paths
+
+
+def _encode_job(job: SaveJob) -> bytes:
+    try:
+        return M.encode(M.Save(job))
+    except Exception as e:  # noqa: BLE001 - pickle raises many types
+        raise SaveFailed(
+            f"step {job.step} cannot be sent to the checkpoint worker: part of the job cannot be "
+            f"pickled ({type(e).__name__}: {e}); a retention policy or an object in the state "
+            "must be picklable (no lambdas, no local classes); nothing was written"
+        ) from e
+
+
+def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise TypeError("metrics must be a mapping of name -> number")
+    clean = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"metric names must be str, got {k!r}")
+        if isinstance(v, (str, bytes, bytearray)):
+            # float("0.5") would pass: a string is a caller's mistake (a formatted value, a
+            # wrong key), not a number to convert silently.
+            raise TypeError(
+                f"metric {k!r} must be a number, got the string {v!r}; nothing was saved"
+            )
+        try:
+            clean[k] = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"metric {k!r} must be a number, got {v!r}") from None
+    return clean
+
+
+@dataclass
+class PendingSave:
+    """A save between validation and hand-off."""
+
+    step: int
+    flat: Any
+    key: tuple  # staging.layout_key of the tensors: which slot layout fits
+    metrics: dict[str, float]
+    stats: SaveStats
+    started: float
+    handle: SaveHandle
+    versions: list[int]  # the tensors' version counters when save was called (torn states)
+    slot: int | None = None
+    ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
+    metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked

@@ -1,0 +1,228 @@
+"""The local file system's write side: every call of the package that changes names on a disk,
+syncs them, or locks them (tests/test_architecture.py keeps it so).
+
+Primitives only: no fault point fires here and no order is imposed. The commit order
+(``commit.py``), the pruner (``prune.py``) and the HF export (``export.py``) put them in order
+and announce their own fault points between them, so each reuses the same calls. Nothing here
+imports the rest of the package (the manifest, the formats and ``LocalStore`` all stand on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+from ..layout import LOCK_NAME, TMP_PREFIX
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def lock_path(root: str | os.PathLike, holder: str) -> Path:
+    """The lock file ``holder`` holds on ``root``: ``rank<r>`` (a trainer's engine) or
+    ``worker<r>`` (its worker process); the one place a lock's name is made."""
+    return Path(root) / f"{LOCK_NAME}.{holder}"
+
+
+# ------------------------------------------------------------------------------ fsync
+def fsync_fd(fd: int) -> None:
+    os.fsync(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that the names in it (creations, renames) are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` and fsync it (the directory is fsynced by whoever commits)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_synced(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
+    """Replace the file ``path`` atomically by one holding ``data``: a temporary beside it,
+    fsynced, renamed over it, the directory fsynced (unless ``sync_dir=False``: the caller
+    syncs it once after several). A failure (ENOSPC) leaves no temporary behind."""
+    path = Path(path)
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{new_token()}"
+    try:
+        write_synced(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------ names
+def makedirs_synced(path: str | os.PathLike) -> None:
+    """``mkdir -p``, each new directory's name made durable."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            continue  # made meanwhile by someone else
+        fsync_dir(d.parent)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+
+
+def mkdir(path: str | os.PathLike, *, exist_ok: bool = False) -> None:
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not exist_ok or not Path(path).is_dir():
+            raise
+
+
+def rename(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``os.rename``: atomic within one file system (the caller fsyncs the parent)."""
+    os.rename(src, dst)
+
+
+def rename_new(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename ``src`` to ``dst``, which must not exist (a committed step is never replaced)."""
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, "already exists", os.fspath(dst))
+    os.rename(src, dst)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Remove ``path`` without following symlinks: a link or file is unlinked, a real
+    directory removed (on Linux ``shutil.rmtree`` walks directory file descriptors, so a
+    directory swapped for a link mid-walk cannot redirect it either)."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def rmdir_if_empty(path: str | os.PathLike) -> bool:
+    """rmdir ``path``; False if it is not empty (or not there): anything in it is kept."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
+
+
+def direct_child(root: Path, path: Path) -> Path:
+    """``root/name`` for a direct child of ``root``, refusing anything else (never leave root)."""
+    name = path.name
+    if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name):
+        raise ValueError(f"refusing to delete {path}: not a named entry")
+    if path.parent.resolve() != root.resolve():
+        raise ValueError(f"refusing to delete {path}: not a direct child of {root}")
+    return root / name
+
+
+def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy the directory ``src`` to the new ``dst``; symlinks are copied as links."""
+    shutil.copytree(src, dst, symlinks=True)
+
+
+# ------------------------------------------------------------------------------ locks
+def lock_file(path: str | os.PathLike, *, wait: bool, note_pid: bool = False) -> int | None:
+    """An exclusive ``flock`` on the file ``path`` (made if missing); returns its descriptor,
+    held until ``unlock``. ``wait=False``: None when another process holds it.
+    ``note_pid``: the file then says which process holds it (for a human)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    if note_pid:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def lock_dir(path: str | os.PathLike) -> int:
+    """An exclusive ``flock`` on the directory ``path`` (an export's temporary while it is
+    written: ``locked_elsewhere`` tells it from a crash's leftover)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unlock(fd: int) -> None:
+    os.close(fd)  # closing the descriptor releases its flock
+
+
+def locked_elsewhere(path: str | os.PathLike) -> bool:
+    """Whether another process holds ``path``'s directory lock, or it cannot be told."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # not a directory we can open: not held by anyone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # no flock here (some network filesystems): leave it be
+    finally:
+        os.close(fd)  # drops our lock too
+    return False
+
+
+__all__ = [
+    "copy_tree",
+    "direct_child",
+    "fsync_dir",
+    "fsync_fd",
+    "fsync_file",
+    "lock_dir",
+    "lock_file",
+    "lock_path",
+    "locked_elsewhere",
+    "makedirs_synced",
+    "mkdir",
+    "new_token",
+    "remove_tree",
+    "rename",
+    "rename_new",
+    "replace_synced",
+    "rmdir_if_empty",
+    "unlock",
+    "write_synced",
+]

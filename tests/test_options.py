@@ -1,0 +1,162 @@
+"""The engine's options, grouped (issue 23, item 3): one object per behaviour with several
+knobs; the flat keywords they replaced still work, with a DeprecationWarning naming the
+replacement; wrong types are refused when the engine is made."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+
+from asyncckpt import (
+    CheckpointEngine,
+    Distributed,
+    KeepLast,
+    ObjectStore,
+    Preemption,
+    Retention,
+    Schedule,
+    SyncCheckpointEngine,
+    ThrottleConfig,
+)
+from asyncckpt.options import DEPRECATED, resolve_options
+
+
+def test_the_common_case_is_a_one_liner_with_no_warning(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = CheckpointEngine(tmp_path, keep=KeepLast(3))
+    assert engine.rank == 0 and engine.world_size == 1
+    assert engine.throttle == ThrottleConfig.background()
+
+
+# A flat keyword, a value, and what it must become.
+FLAT = [
+    ("save_every_steps", 7, lambda o: o.schedule == Schedule(every_steps=7)),
+    ("save_every_seconds", 2.5, lambda o: o.schedule == Schedule(every_seconds=2.5)),
+    ("prune_scope", "run", lambda o: o.retention == Retention(scope="run")),
+    ("keep_resumed", "run", lambda o: o.retention == Retention(keep_resumed="run")),
+    ("rank", 0, lambda o: o.distributed == Distributed(rank=0)),
+    ("world_size", 1, lambda o: o.distributed == Distributed(world_size=1)),
+    ("local_rank", 3, lambda o: o.distributed == Distributed(local_rank=3)),
+    ("store", ("h", 5), lambda o: o.distributed == Distributed(store=("h", 5))),
+    ("dist_timeout", 60, lambda o: o.distributed == Distributed(timeout=60)),
+    ("storage", "local", lambda o: o.distributed == Distributed(storage="local")),
+    ("legacy_ranks", {"tp": 1}, lambda o: o.distributed == Distributed(legacy_ranks={"tp": 1})),
+    ("handle_sigterm", False, lambda o: o.preemption == Preemption(handle_sigterm=False)),
+    ("preemption_save", True, lambda o: o.preemption == Preemption(final_save=True)),
+    ("storage_options", {"a": 1}, lambda o: o.object_store == ObjectStore({"a": 1})),
+    ("spool", "/sp", lambda o: o.object_store == ObjectStore(spool="/sp")),
+    (
+        "optimizer_offload",
+        True,
+        lambda o: o.throttle == ThrottleConfig.for_optimizer_offload(),
+    ),
+    (
+        "durable_within",
+        30.0,
+        lambda o: o.throttle == ThrottleConfig.background(durable_within=30.0),
+    ),
+]
+
+
+def test_every_deprecated_keyword_is_tested():
+    assert sorted(name for name, _, _ in FLAT) == sorted(DEPRECATED)
+
+
+@pytest.mark.parametrize("name, value, check", FLAT, ids=[f[0] for f in FLAT])
+def test_a_flat_keyword_warns_naming_its_replacement_and_still_works(name, value, check):
+    with pytest.warns(DeprecationWarning) as caught:
+        opts = resolve_options({}, {name: value})
+    message = str(caught[0].message)
+    group = DEPRECATED[name][0]
+    assert f"{name}=" in message and f"{group}=" in message, message
+    assert check(opts)
+
+
+def test_the_warning_points_at_the_callers_line(tmp_path):
+    with pytest.warns(DeprecationWarning, match=r"schedule=Schedule\(every_steps") as caught:
+        engine = SyncCheckpointEngine(tmp_path, save_every_steps=2)
+    assert caught[0].filename == __file__
+    assert engine.should_save(2) and not engine.should_save(3)
+
+
+def test_deprecated_rank_keywords_reach_the_engine(tmp_path):
+    with pytest.warns(DeprecationWarning):
+        engine = CheckpointEngine(tmp_path, rank=0, world_size=1, handle_sigterm=False)
+    assert (engine.rank, engine.world_size) == (0, 1)
+
+
+def test_a_flat_keyword_and_its_group_together_are_refused(tmp_path):
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
+        CheckpointEngine(tmp_path, schedule=Schedule(every_steps=2), save_every_steps=3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"schedule": 5}, r"schedule= takes Schedule"),
+        ({"retention": "run"}, r"retention= takes Retention"),
+        ({"distributed": {"rank": 0}}, r"distributed= takes Distributed"),
+        ({"preemption": False}, r"preemption= takes Preemption"),
+        ({"object_store": {"spool": "x"}}, r"object_store= takes ObjectStore"),
+        ({"throttle": "offload"}, r"throttle must be a ThrottleConfig"),
+        ({"save_evry_steps": 5}, r"unexpected keyword argument\(s\) \['save_evry_steps'\]"),
+    ],
+)
+def test_wrong_types_are_refused_when_the_engine_is_made(tmp_path, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        CheckpointEngine(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Schedule(every_steps=0), "every_steps"),
+        (lambda: Schedule(every_seconds="5"), "every_seconds"),
+        (lambda: Retention(scope="some"), "scope"),
+        (lambda: Retention(keep_resumed="forever"), "keep_resumed"),
+        (lambda: Distributed(rank=-1), "rank"),
+        (lambda: Distributed(store="host:1"), "store"),
+        (lambda: Distributed(timeout=0), "timeout"),
+        (lambda: Distributed(storage="nfs"), "storage"),
+        (lambda: Preemption(handle_sigterm="yes"), "handle_sigterm"),
+        (lambda: ObjectStore(storage_options=[1]), "storage_options"),
+    ],
+)
+def test_each_group_checks_its_fields(make, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        make()
+
+
+def test_object_store_is_only_for_a_url_root(tmp_path):
+    with pytest.raises(ValueError, match="object_store= .* is for a URL root"):
+        CheckpointEngine(tmp_path, object_store=ObjectStore(spool=tmp_path / "s"))
+
+
+def test_both_facades_share_one_save_signature_and_one_option_list(tmp_path):
+    a = inspect.signature(CheckpointEngine.save)
+    s = inspect.signature(SyncCheckpointEngine.save)
+    assert list(a.parameters) == list(s.parameters)
+    assert inspect.signature(CheckpointEngine.__init__) == inspect.signature(
+        SyncCheckpointEngine.__init__
+    )
+    with SyncCheckpointEngine(tmp_path) as engine:
+        with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['overlapp'\]"):
+            engine.save(1, {}, overlapp=True)
+
+
+def test_lightnings_defaults_are_one_rank_and_no_sigterm_handler_unless_given():
+    """Lightning's plugin writes as one rank and leaves SIGTERM to Lightning; a user's own
+    objects (or the flat keywords of before) still win where they say something."""
+    pytest.importorskip("lightning")
+    from asyncckpt.integrations.lightning import _lightning_defaults
+
+    d = _lightning_defaults({})
+    assert d["distributed"] == Distributed(world_size=1)
+    assert d["preemption"] == Preemption(handle_sigterm=False)
+    mine = _lightning_defaults({"distributed": Distributed(rank=0, timeout=5)})
+    assert mine["distributed"] == Distributed(rank=0, world_size=1, timeout=5)
+    assert _lightning_defaults({"preemption": Preemption()})["preemption"] == Preemption()
+    assert _lightning_defaults({"rank": 0})["world_size"] == 1
