@@ -186,6 +186,8 @@ def _ls_entries(infos: list, problems: dict[int, list[str]], protected: dict) ->
             "metrics": dict(c.metrics),
             "run_id": c.run_id,
             "metadata": dict(c.metadata),
+            "tier": c.tier,
+            "persisted_because": c.persisted_because,
             "protected": [r for r in protected.get(c.step, []) if r != "KeepAll()"],
             "status": _status(problems.get(c.step)),
             "problems": problems.get(c.step, []),
@@ -223,7 +225,7 @@ def _print_quarantined(console: Console, quarantined: list[dict[str, Any]]) -> N
 def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
     return [
         (
-            str(e["step"]),
+            _step_label(e["step"], e.get("tier"), e.get("persisted_because")),
             _when(e["committed_at"]),
             _human(e["bytes"]),
             _metrics(e["metrics"]),
@@ -233,6 +235,13 @@ def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
         )
         for e in entries
     ]
+
+
+def _step_label(step: int, tier: str | None, why: str | None) -> str:
+    """The step, and for a memory-tier checkpoint that it is one and why it was written."""
+    if tier != "memory":
+        return str(step)
+    return f"{step} (memory: {why})" if why else f"{step} (memory)"
 
 
 def _checked(
@@ -615,7 +624,7 @@ def _run_stats(args: argparse.Namespace, console: Console) -> int:
         return 0
     rows = [
         (
-            str(r.step),
+            _step_label(r.step, r.tier, r.persisted_because),
             "-" if r.committed_at is None else _when(r.committed_at),
             "-" if r.bytes is None else _human(r.bytes),
             _seconds(r.blocked_seconds),

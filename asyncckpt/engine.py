@@ -27,6 +27,7 @@ import torch.multiprocessing as tmp
 from typing_extensions import Unpack
 
 from . import layout as _layout
+from . import memory_tier
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
@@ -162,6 +163,7 @@ class EngineParts:
             drain=lambda timeout: self.drain(timeout=timeout),
             stop=lambda: self.stop(drain=False),
             in_flight=lambda: len(self.jobs),
+            before_drain=lambda: memory_tier.persist(self.saver, memory_tier.PREEMPTION),
         )
         self.saver = Saver(
             SaveRules(
@@ -187,6 +189,8 @@ class EngineParts:
             sigterm=self.sigterm,
             is_started=lambda: self.started,
         )
+        self.saver.memory.every_steps = opts.schedule.memory_every_steps
+        self.saver.memory.persist_on_close = opts.persist_memory_on_close
         self.started = False
         self.lock_fd: int | None = None
 
@@ -277,6 +281,8 @@ class EngineParts:
         if not self.started:
             return
         try:
+            if drain and self.saver.memory.persist_on_close:
+                memory_tier.persist(self.saver, memory_tier.CLOSE)
             if drain:
                 self.drain(progress=True)
         finally:
@@ -483,6 +489,7 @@ class EngineBase:
         remote: RemoteTier | None = None,
         object_store: ObjectStore | None = None,
         export: HFExport | None = None,
+        persist_memory_on_close: bool = False,
         **deprecated: Any,
     ) -> None:
         opts = resolve_options(
@@ -504,6 +511,7 @@ class EngineBase:
                 "remote": remote,
                 "object_store": object_store,
                 "export": export,
+                "persist_memory_on_close": persist_memory_on_close,
             },
             deprecated,
         )
@@ -572,6 +580,14 @@ class EngineBase:
     def should_save(self, step: int, *, force: bool = False) -> bool:
         """True when the schedule (every N steps / H seconds / preemption) says to save."""
         return self._engine.schedule.should_save(step, force=force)
+
+    def due(self, step: int, *, force: bool = False) -> str | None:
+        """Which save is due at ``step``: ``"disk"`` when ``should_save`` says so (it is asked,
+        with its effects), else ``"memory"`` every ``Schedule(memory_every_steps=)``, else
+        None. ``tier = engine.due(step); if tier: engine.save(step, state, tier=tier)``."""
+        if self._engine.schedule.should_save(step, force=force):
+            return "disk"
+        return "memory" if self._engine.saver.memory.due(step) else None
 
     def protect(self, step: int) -> None:
         """Never prune ``step``, whatever the retention policy."""

@@ -158,6 +158,7 @@ class JobTable:
         self.ctx = ctx
         self.cond = threading.Condition()
         self.slot_owner: dict[int, int | None] = {i: None for i in range(n_slots)}
+        self.memory_slots: set[int] = set()  # the memory tier's (memory_tier.py hands them out)
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
         self.attempts: dict[int, int] = {}  # step -> SaveJob.attempt of its next save
@@ -173,7 +174,7 @@ class JobTable:
         """A free staging slot, preferring one for which ``prefer(slot)`` (laid out already)."""
         with self.cond:
             while True:
-                free = [i for i, o in self.slot_owner.items() if o is None]
+                free = self._free_disk_slots_locked()
                 if free:
                     same = [i for i in free if prefer(i)]
                     slot = (same or free)[0]
@@ -190,8 +191,21 @@ class JobTable:
                 self.cond.notify_all()
 
     def free_slots(self) -> list[int]:
+        """The free slots of disk saves."""
         with self.cond:
-            return [i for i, o in self.slot_owner.items() if o is None]
+            return self._free_disk_slots_locked()
+
+    def _free_disk_slots_locked(self) -> list[int]:
+        return [i for i, o in self.slot_owner.items() if o is None and i not in self.memory_slots]
+
+    def track(self, job: Any, slot: int) -> SaveHandle:
+        """A job sent outside ``save`` (the memory tier writing the checkpoint it holds): in
+        flight like any save, its slot the write's until released. Called with cond held."""
+        handle = SaveHandle(job.step, SaveStats(job.step, saved_at=job.saved_at))
+        handle._staged.set()
+        self.slot_owner[slot] = job.job_id
+        self.inflight[job.job_id] = _InFlight(handle, slot, time.monotonic(), attempt=job.attempt)
+        return handle
 
     # ------------------------------------------------------------------ the table
     def add(self, step: int, handle: SaveHandle, slot: int) -> tuple[int, int]:
@@ -280,6 +294,14 @@ class JobTable:
                 job.begun_at = time.monotonic()
             elif isinstance(msg, M.Released) and job:
                 self._release_locked(job)
+            elif isinstance(msg, M.Released) and job_id is not None:
+                # A memory save's slot the worker let go of (memory_tier.py).
+                for i in self.memory_slots:
+                    if self.slot_owner[i] == job_id:
+                        self.slot_owner[i] = None
+                        self.cond.notify_all()
+            elif isinstance(msg, M.Mapped):
+                self.cond.notify_all()  # the supervisor updated its link (Saver.wait_mapped)
             elif isinstance(msg, M.Committed) and job:
                 self._committed_locked(msg.job_id, job, msg.stats)
                 committed = True

@@ -53,6 +53,14 @@ class Save:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """A memory-tier save, completely staged: the newest memory checkpoint the worker keeps
+    (and writes if the trainer dies). Sent on the memory tier's own pipe (memory_tier.py)."""
+
+    job: Any  # worker.SaveJob
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -71,6 +79,14 @@ class FaultFired:
     """A fault point fired in the worker: the trainer disarms it (faults.consume)."""
 
     fault_id: str
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """An arena was received (mapped): from now on the worker needs its trainer no more to
+    write a save staged in it (engine: ``WorkerLink.unmapped``)."""
+
+    arena_id: int
 
 
 @dataclass(frozen=True)

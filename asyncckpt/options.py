@@ -49,9 +49,14 @@ class Schedule:
 
     every_steps: int | None = None
     every_seconds: float | None = None
+    #: ``engine.due(step)`` answers "memory" every this many steps (memory_tier.py)
+    memory_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         self.make()  # SaveSchedule checks the fields (types and ranges)
+        from .memory_tier import check_every
+
+        check_every(self.memory_every_steps)
 
     def make(self) -> SaveSchedule:
         """The stateful trigger an engine asks (one per engine)."""
@@ -163,6 +168,7 @@ class EngineOptions:
     remote: Any = None  # storage.RemoteTier
     object_store: ObjectStore = ObjectStore()
     export: Any = None  # export.HFExport
+    persist_memory_on_close: bool = False  # close() writes the memory tier's newest save
 
 
 #: Flat keywords of before the grouping -> (the group's keyword, its field, how to say it).

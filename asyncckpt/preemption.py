@@ -40,11 +40,14 @@ class SigtermHandler:
         drain: Callable[[float], None],
         stop: Callable[[], None],
         in_flight: Callable[[], int],
+        before_drain: Callable[[], object] | None = None,
     ) -> None:
         self.schedule = schedule
         self.enabled = enabled
         self.final_save = final_save
         self._drain, self._stop, self._in_flight = drain, stop, in_flight
+        # The memory tier: write the memory checkpoint the worker holds (then drained too).
+        self._before_drain = before_drain
         self.preempted = False
         self._previous: Any = None
         self._handler: Callable[[int, Any], None] | None = None
@@ -72,6 +75,11 @@ class SigtermHandler:
                 return
             log.warning("SIGTERM: waiting for %d staged save(s) to commit", self._in_flight())
             self.request()
+            if self._before_drain is not None:
+                try:
+                    self._before_drain()
+                except Exception:  # noqa: BLE001 - the staged saves are drained all the same
+                    log.exception("SIGTERM: writing the memory checkpoint failed")
             try:
                 self._drain(600)
             except TimeoutError:

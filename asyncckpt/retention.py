@@ -62,6 +62,9 @@ class CheckpointInfo:
     path: Path | None = None
     #: the user's ``save(..., metadata={...})``: a small JSON object, {} if none
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: "memory" for a memory-tier checkpoint written by its worker (memory_tier.py), and why
+    tier: str = "disk"
+    persisted_because: str | None = None
 
     @classmethod
     def from_manifest(cls, data: Mapping[str, Any], path: Path | None = None) -> CheckpointInfo:
@@ -85,6 +88,8 @@ class CheckpointInfo:
             run_id=str(run_id) if run_id is not None else None,
             path=path,
             metadata=dict(metadata) if isinstance(metadata, Mapping) else {},
+            tier=str(data.get("tier") or "disk"),
+            persisted_because=data.get("persisted_because"),
         )
 
 

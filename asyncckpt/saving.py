@@ -50,6 +50,7 @@ class SaveOptions(TypedDict, total=False):
     """
 
     overlap: bool
+    tier: str  # "disk" (default) or "memory" (memory_tier.py)
 
 
 def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
@@ -63,7 +64,12 @@ def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
     overlap = options.get("overlap", False)
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, not {overlap!r}")
-    return SaveOptions(overlap=overlap)
+    from .memory_tier import check_tier
+
+    tier = check_tier(options.get("tier", "disk"))
+    if tier == "memory" and overlap:
+        raise ValueError("a memory save copies while save() blocks: overlap=True is for disk")
+    return SaveOptions(overlap=overlap, tier=tier)
 
 
 class WorkerPort(Protocol):
@@ -122,6 +128,10 @@ class Saver:
         # The last state's flattening, replayed while its structure holds (flatplan.py).
         self.flatten_cache = FlattenCache()
         self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
+        from .memory_tier import MemoryTier
+
+        # The memory tier's bookkeeping; its two slots join self.slots at its first save.
+        self.memory = MemoryTier()
         self.pinned: set[int] = set()  # engine.protect(step): never pruned
 
     # ------------------------------------------------------------------ save()
@@ -139,6 +149,10 @@ class Saver:
         if self.staging_busy():  # one copy at a time: the previous overlapped save's first
             yield self.wait_staged
         pending = self.begin_save(step, state, metrics, metadata)
+        if opts["tier"] == "memory":
+            from . import memory_tier
+
+            return memory_tier.save(self, pending)
         if not self.take_slot(pending, block=False):
             yield lambda: self.take_slot(pending)
         return self.finish_save(pending, overlap=opts["overlap"])
@@ -389,8 +403,19 @@ class Saver:
         finally:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
             self.sigterm.run_deferred()
+        self.wait_mapped(slot, link)
         handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
+
+    def wait_mapped(self, slot: StagingSlot, link: WorkerLink) -> None:
+        """Until the worker has received (mapped) the slot's arenas: it fetches their shared
+        memory from this process, so a save must not return before (invariant 12). Once per
+        slot layout; a worker that dies meanwhile fails the save its own way."""
+        with self.jobs.cond:
+            while set(slot.arena_ids) & link.unmapped:
+                if link is not self.worker.link or not self.is_started():
+                    return
+                self.jobs.cond.wait(0.5)
 
     def _prune_request(self, step: int) -> PruneRequest | None:
         rules, resumed_from = self.rules, self.jobs.resumed_from
@@ -437,6 +462,10 @@ class Saver:
             return components.prepare(rules.components, state, rank=rules.rank, legacy=rules.legacy)
         return staged.prepare(rules.fmt, state, legacy=rules.legacy, cache=self.flatten_cache)
 
+    def send_arenas(self, slot: StagingSlot, link: WorkerLink) -> None:
+        """The slot's arenas and specs, to the worker that lacks them (memory_tier.py)."""
+        _send_arenas(slot, link)
+
     def release_slots(self) -> None:
         for slot in self.slots:
             slot.release()
@@ -452,6 +481,7 @@ def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
             link.specs = {k for k in link.specs if aid not in k}
     for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
         if aid not in link.arenas:
+            link.unmapped.add(aid)  # until the worker's Mapped (Saver.wait_mapped)
             M.send(link.conn, M.encode(M.Arena(aid, arena)))
             link.arenas.add(aid)
     # Where each tensor sits in the arenas depends only on the layout: sent once with

@@ -119,6 +119,9 @@ class RecordedStats:
     paused_seconds: float | None = None
     manifest_seconds: float | None = None
     throughput_bytes_per_s: float | None = None
+    #: "memory" for a memory-tier checkpoint written by its worker, and why (memory_tier.py)
+    tier: str = "disk"
+    persisted_because: str | None = None
     #: why the manifest could not be read (the checkpoint is listed all the same)
     error: str | None = None
 
@@ -155,6 +158,8 @@ def record_from_manifest(step: int, path: Path, manifest: Mapping[str, Any]) -> 
         bytes=_count(manifest.get("bytes")),
         staged_bytes=_count(fig.get("staged_bytes")),
         throughput_bytes_per_s=_number(fig.get("throughput_bytes_per_s")),
+        tier=str(manifest.get("tier") or "disk"),
+        persisted_because=manifest.get("persisted_because"),
     )
     for k in SECONDS:
         setattr(r, k, _number(fig.get(k)))

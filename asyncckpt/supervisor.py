@@ -46,7 +46,10 @@ class WorkerLink:
     so nothing is assumed of it that was sent to the one before."""
 
     conn: Any = None
+    memory: Any = None  # the memory tier's pipe (memory_tier.py: Hold messages)
+    memory_paths: Any = None  # the paths the last Hold carried
     arenas: set[int] = field(default_factory=set)
+    unmapped: set[int] = field(default_factory=set)  # sent, and no Mapped back yet
     specs: set[tuple[int, ...]] = field(default_factory=set)
     paths: Any = None
 
@@ -146,16 +149,18 @@ class WorkerSupervisor:
         if self.reader is not None:
             self.reader.join(5)
         self.link.conn.close()
+        self.link.memory.close()
         self.events_conn.close()
 
     def _spawn(self) -> None:
         ctx = tmp.get_context("spawn")
         jobs_r, jobs_w = ctx.Pipe(duplex=False)
         events_r, events_w = ctx.Pipe(duplex=False)
+        memory_r, memory_w = ctx.Pipe(duplex=False)
         config = self.make_config()
         proc = ctx.Process(
             target=worker_main,
-            args=(config, jobs_r, events_w, self.write_pause),
+            args=(config, jobs_r, events_w, self.write_pause, memory_r),
             name=f"asyncckpt-worker-{config.rank}",
             daemon=True,
         )
@@ -165,8 +170,11 @@ class WorkerSupervisor:
             proc.start()
         jobs_r.close()
         events_w.close()
+        memory_r.close()
+        if self.link.memory is not None:
+            self.link.memory.close()  # the dead worker's
         self.proc, self.events_conn = proc, events_r
-        self.link = WorkerLink(jobs_w)
+        self.link = WorkerLink(jobs_w, memory_w)
         self.last_event_at = time.monotonic()
 
     def wait_ready(self) -> None:
@@ -218,6 +226,9 @@ class WorkerSupervisor:
             self.ready.set()
         elif isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here
             faults.consume(msg.fault_id)
+        elif isinstance(msg, M.Mapped):
+            self.link.unmapped.discard(msg.arena_id)
+            self.jobs.on_event(msg)  # wakes a save waiting for it
         else:
             self.jobs.on_event(msg)
 

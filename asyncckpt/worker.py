@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import signal
 import threading
 import time
@@ -72,6 +73,11 @@ class SaveJob:
     # bytes), recorded in the manifest with the worker's own (manifest.build_manifest).
     figures: dict = field(default_factory=dict)
     saved_at: float | None = None  # unix time of the trainer's save() call (durable_within)
+    # The memory tier (memory_tier.py): "memory" for a memory checkpoint being written, why,
+    # and the memory save it writes (a persist the trainer asked for).
+    tier: str = "disk"
+    persisted_because: str | None = None
+    memory_job_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,11 @@ def error_info(exc: BaseException) -> dict[str, Any]:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:
+    def __init__(
+        self, config: WorkerConfig, jobs: Any, events: Any, pause: Any = None, holder: Any = None
+    ) -> None:
         self.config = config
+        self.holder = holder  # memory_tier.Holder: the newest memory checkpoint, or None
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
@@ -171,11 +180,25 @@ class Worker:
         threading.excepthook = hook
 
     def run(self) -> None:
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(
+            target=_receive,
+            args=(self.jobs, self.events, inbox),
+            name="asyncckpt-receive",
+            daemon=True,
+        ).start()
         report = self._apply_throttle()
         self.events.send(M.Ready(os.getpid(), report))
-        self._redo_exports()  # (jobs sent meanwhile wait in the pipe)
+        self._redo_exports()  # (jobs sent meanwhile wait in the inbox)
         while True:
-            msg = self.jobs.recv()
+            msg = inbox.get()
+            if isinstance(msg, EOFError):
+                # The trainer is gone without closing the engine: every staged save above is
+                # written; now the memory checkpoint it held, if newer.
+                self._persist_held()
+                raise msg
+            if isinstance(msg, BaseException):
+                raise msg
             if isinstance(msg, M.Arena):
                 self.arenas[msg.arena_id] = msg.tensor
             elif isinstance(msg, M.Specs):
@@ -186,6 +209,8 @@ class Worker:
                 self.arenas.pop(msg.arena_id, None)
                 self.specs = {k: v for k, v in self.specs.items() if msg.arena_id not in k}
             elif isinstance(msg, M.Save):
+                if msg.job.memory_job_id is not None and self.holder is not None:
+                    self.holder.forget(msg.job.memory_job_id)  # the trainer persists it now
                 self._save(msg.job)
             elif isinstance(msg, M.Stop):
                 return
@@ -242,7 +267,8 @@ class Worker:
             if self.last_paths is None:
                 raise RuntimeError("a job without paths reached a worker that has none")
             job.paths = self.last_paths
-        self.last_paths = job.paths
+        if job.tier == "disk":  # a memory checkpoint's paths are its own (memory_tier.Holder)
+            self.last_paths = job.paths
         from . import dist as _dist
 
         cfg = self.config.dist
@@ -484,6 +510,11 @@ class Worker:
                 "job_id": job.job_id,
                 "attempt": job.attempt,
                 **({"metadata": job.metadata} if job.metadata else {}),
+                **(
+                    {"tier": "memory", "persisted_because": job.persisted_because}
+                    if job.tier == "memory"
+                    else {}
+                ),
                 **self._export_wanted(job.step),
                 **extra,
             },
@@ -550,12 +581,32 @@ class Worker:
             except OSError:
                 pass  # complete and verified; only the tracker lags it
 
+    def _persist_held(self) -> None:
+        from .memory_hold import persist_held
+
+        persist_held(self)
+
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
             report = request.run(self.root, self.config, step)
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue) -> None:
+    """The worker's reader thread: the trainer's messages as they come, also while a save is
+    being written. An arena's shared memory is mapped by receiving it, which needs its trainer
+    alive (the descriptor is fetched from it), so the trainer waits for ``Mapped`` before a
+    save that sent one returns. The main loop handles them in order."""
+    try:
+        while True:
+            msg = jobs.recv()
+            if isinstance(msg, M.Arena):
+                events.send(M.Mapped(msg.arena_id))
+            inbox.put(msg)
+    except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
+        inbox.put(e)
 
 
 def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
@@ -602,12 +653,15 @@ class _ToTrainer:
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.gone = False
+        # The main loop and the memory tier's Holder thread both report: whole messages only.
+        self.lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
         if self.gone:
             return
         try:
-            self.conn.send(msg)
+            with self.lock:
+                self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self.gone = True
 
@@ -619,8 +673,10 @@ def _skip_torch_save_crc() -> None:
     torch.serialization.set_crc32_options(False)
 
 
-def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None) -> None:
-    """Entry point of the spawned worker process."""
+def worker_main(
+    config: WorkerConfig, jobs: Any, events: Any, pause: Any = None, memory: Any = None
+) -> None:
+    """Entry point of the spawned worker process (``memory``: the memory tier's pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     events = _ToTrainer(events)
@@ -642,7 +698,12 @@ def worker_main(config: WorkerConfig, jobs: Any, events: Any, pause: Any = None)
         from . import dist as _dist
 
         side_store = _dist.serve(config.dist, config.store_socket)  # noqa: F841 - kept alive
+    holder = None
+    if memory is not None:
+        from .memory_hold import Holder
+
+        holder = Holder(memory, events)
     try:
-        Worker(config, jobs, events, pause).run()
+        Worker(config, jobs, events, pause, holder).run()
     except (EOFError, OSError):
         pass  # the trainer closed the pipe; temporaries are removed at the next start

@@ -182,3 +182,26 @@ def test_s3_throughput_runs_and_reports_every_field(tmp_path):
     has(rep["seconds"], "asyncckpt", "s3fs.put")
     has(rep["targets"], "throughput_vs_s3fs_put", "target", "met")
     assert rep["bytes"] > 0 and rep["throughput_mb_s"]["asyncckpt"] > 0
+
+
+def test_goodput_runs_and_reports_every_field(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "goodput.py"), "--quick", "--dir", str(tmp_path / "s")]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "goodput.json").read_text())
+    has(rep, "state_mb", "kills", "disk_every", "memory_every", "results")
+    assert set(rep["results"]) == {"none", "disk", "memory+disk", "dcp.async_save"}
+    for r in rep["results"].values():
+        has(r, "runs", "step_seconds_mean", "overhead_pct", "steps_lost_mean")
+        has(r, "death_to_commit_s_max", "paired_overhead_pct")
+        for run in r["runs"]:
+            has(run, "kill_step", "resumed_step", "steps_lost", "death_to_commit_s")
+    # Not timings: what each config can resume from is fixed by its schedule (kill at 37).
+    runs = {c: r["runs"][0] for c, r in rep["results"].items()}
+    assert runs["none"]["resumed_step"] is None
+    assert runs["disk"]["resumed_step"] == 20  # every 20: the orphaned worker committed it
+    assert runs["memory+disk"]["resumed_step"] == 35  # the memory save, written at the death
+    assert runs["memory+disk"]["death_to_commit_s"] is not None
+    assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed

@@ -11,7 +11,14 @@ until the trial kills it:
 * ``worker``: SIGKILL of the worker after a random delay; the trainer sees ``WorkerDied`` and
   exits, or the test kills it, or the kill fell between saves and the loop goes on;
 * ``point:<name>``: ``ASYNCCKPT_FAULTS=<name>=kill@k`` -- ``after_stage`` kills the trainer,
-  every other point the worker (then as above).
+  every other point the worker (then as above);
+* ``saved``: the trainer SIGKILLs itself right after its k-th save returned (and was reported);
+* ``memory``: the loop saves to the memory tier every step and to disk every third
+  (``engine.due``); the trainer SIGKILLs itself right after a memory save returned.
+
+After ``saved`` and ``memory`` the newest committed step is exactly the newest one whose
+``save()`` had returned (as the trainer reported it before dying): the worker wrote it, a
+memory save included (invariant 12); after a ``kill`` it is at least that one.
 
 Between trials (trainer gone, its orphaned worker gone and reaped): ``verify(root)`` passes for
 every committed checkpoint, the tracker names a committed one, and the newest committed step
@@ -76,7 +83,9 @@ def subreaper():
 @dataclass
 class Tally:
     trials: int = 0
-    trainer_kills: int = 0  # SIGKILL of the trainer (by the test or by a fault point)
+    trainer_kills: int = 0  # SIGKILL of the trainer (by the test, a fault point or itself)
+    kills_after_save: int = 0  # of them, by itself right after a save returned ("saved")
+    kills_after_memory_save: int = 0  # ... right after a memory save returned ("memory")
     worker_kills: int = 0  # SIGKILL of the worker (by the test or by a fault point)
     clean_exits: int = 0
     resumes_checked: int = 0
@@ -88,7 +97,9 @@ class Tally:
     def summary(self) -> str:
         return (
             f"trials={self.trials} kills={self.trainer_kills + self.worker_kills} "
-            f"(trainer={self.trainer_kills} worker={self.worker_kills}) "
+            f"(trainer={self.trainer_kills} worker={self.worker_kills}; "
+            f"right after save returned={self.kills_after_save} "
+            f"after a memory save={self.kills_after_memory_save}) "
             f"clean_exits={self.clean_exits} verified_resumes={self.verified_resumes}"
             f"/{self.resumes_checked} failures={len(self.failures)} "
             f"points_fired={json.dumps(self.points_fired, sort_keys=True)} "
@@ -156,10 +167,16 @@ class Trial:
         self.killed_worker_ourselves = False
         env = dict(os.environ)
         env.pop(faults.ENV_VAR, None)
+        extra: list[str] = []
         if mode.startswith("point:"):
             point = mode.split(":", 1)[1]
             after = rng.randint(0, 4 if point == "mid_shard_write" else 2)
             env[faults.ENV_VAR] = f"{point}=kill@{after}"
+        elif mode == "saved":
+            extra = ["--die-after-saves", str(rng.randint(1, STEPS_PER_RUN - 2))]
+        elif mode == "memory":
+            extra = ["--memory-every", "1", "--disk-every", "3", "--die-tier", "memory"]
+            extra += ["--die-after-saves", str(rng.randint(1, STEPS_PER_RUN - 3))]
         self.errlog = logdir / f"trial-{n:04d}-{mode.replace(':', '-')}.err"
         self.err = open(self.errlog, "w")  # noqa: SIM115 - closed in finish()
         # Our own children from before (e.g. multiprocessing's resource tracker) are not the
@@ -174,6 +191,7 @@ class Trial:
                 str(STEPS_PER_RUN),
                 "--step-sleep",
                 str(STEP_SLEEP),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=self.err,
@@ -237,6 +255,10 @@ class Trial:
                 self.wait_for("started", TRIAL_LIMIT)
                 self.sleep_collecting(rng.uniform(0.0, save_window))
             self.kill_trainer()
+        elif self.mode in ("saved", "memory"):  # it kills itself; its orphan worker writes
+            started = self.wait_for("started", TRIAL_LIMIT)
+            if started is not None:
+                self.known_pids.add(started["worker_pid"])
         elif self.mode == "worker":
             started = self.wait_for("started", TRIAL_LIMIT)
             if started is not None:
@@ -320,7 +342,7 @@ def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path 
     # The first trials visit every fault point once; then a random mix.
     # (The remote tier's points are test_s3.py's: this trainer saves to a local root.)
     named = [f"point:{p}" for p in faults.LOCAL_POINTS]
-    plan = named + ["kill", "worker"] * 2
+    plan = named + ["kill", "worker", "saved", "memory"] * 2
     acked: int | None = None  # newest step the trainer was told had committed
     expected: int | None = None  # what the next start must resume from
     for n in range(trials):
@@ -328,7 +350,17 @@ def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path 
             mode = plan[n]
         else:
             r = rng.random()
-            mode = "kill" if r < 0.45 else "worker" if r < 0.65 else rng.choice(named)
+            mode = (
+                "kill"
+                if r < 0.3
+                else "worker"
+                if r < 0.45
+                else "saved"
+                if r < 0.6
+                else "memory"
+                if r < 0.75
+                else rng.choice(named)
+            )
         t0 = time.monotonic()
         t = Trial(root, logdir, n, mode, rng)
         t.run()
@@ -352,10 +384,17 @@ def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path 
 
         rc = t.proc.returncode
         fired = None
+        returned = [e["step"] for e in t.of("staged")]
         if rc == -signal.SIGKILL:
             tally.trainer_kills += 1
-            if not t.killed_trainer_ourselves:
+            if mode == "saved":
+                tally.kills_after_save += 1
+            elif mode == "memory":
+                tally.kills_after_memory_save += 1
+            elif not t.killed_trainer_ourselves:
                 fired = "after_stage"
+        elif mode in ("saved", "memory"):
+            bad.append(f"the trainer did not kill itself after a save: exit code {rc}")
         elif rc == 0:
             tally.clean_exits += 1
         elif rc != 3:
@@ -379,6 +418,15 @@ def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path 
 
         expected, problems = _check_root(root, acked)
         bad += problems
+        # Invariant 12: every save that returned is committed once its trainer is dead.
+        if returned and mode in ("saved", "memory", "kill") and rc == -signal.SIGKILL:
+            newest = max(returned)
+            exact = mode != "kill"  # a random kill may land after a save it never reported
+            if expected is None or expected < newest or (exact and expected != newest):
+                bad.append(
+                    f"save() of step {newest} had returned before the trainer died; the "
+                    f"newest committed step is {expected}"
+                )
         for b in bad:
             tally.failures.append(f"{where}: {b}\n--- stderr ---\n{t.stderr_tail()}")
         if summary is not None:

@@ -6,6 +6,12 @@ it bit for bit. The loop saves every step with ``KeepLast(2)``; faults come from
 environment (``ASYNCCKPT_FAULTS``), kills from the test.
 
     python tests/torture_train.py ROOT --steps N [--step-sleep SECONDS]
+        [--memory-every K --disk-every D] [--die-after-saves N [--die-tier memory]]
+
+``--memory-every``: ``engine.due(step)`` picks the tier (a disk save every D steps, a memory
+save every K). ``--die-after-saves N``: the trainer SIGKILLs itself right after the N-th save
+returned (with ``--die-tier memory``: the first memory save from the N-th save on), having
+reported it: a restart must resume from exactly that step.
 
 It prints one JSON object per line on stdout:
 
@@ -13,7 +19,7 @@ It prints one JSON object per line on stdout:
   engine has started (which removes leftovers) and ``load_latest`` has run; ``state_ok`` is
   whether the loaded state equals ``make_state(resumed)`` bit for bit; ``leftovers`` lists
   temporaries or trash still in the root.
-* ``{"event": "staged", "step"}`` when ``save`` returned; ``{"event": "committed", "step"}``
+* ``{"event": "staged", "step", "tier"}`` when ``save`` returned; ``{"event": "committed", "step"}``
   when a checkpoint committed (from the engine's ``on_commit``).
 * ``{"event": "save_failed", "type", "error"}`` when a save failed (the worker died, a fault
   raised), then it exits with code 3.
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -92,13 +99,17 @@ def advance(state: dict[str, Any], step: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncckpt import KeepLast, SaveFailed, SyncCheckpointEngine
+    from asyncckpt import KeepLast, SaveFailed, Schedule, SyncCheckpointEngine
     from asyncckpt import layout as L
 
     p = argparse.ArgumentParser()
     p.add_argument("root")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--memory-every", type=int, default=None)
+    p.add_argument("--disk-every", type=int, default=1)
+    p.add_argument("--die-after-saves", type=int, default=None)
+    p.add_argument("--die-tier", choices=("disk", "memory"), default=None)
     args = p.parse_args(argv)
 
     state = make_state(0)
@@ -108,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             for t in state[group].values():
                 t.zero_()
     engine = SyncCheckpointEngine(
-        args.root, keep=KeepLast(2), on_commit=lambda st: emit(event="committed", step=st.step)
+        args.root,
+        keep=KeepLast(2),
+        on_commit=lambda st: emit(event="committed", step=st.step),
+        schedule=Schedule(
+            every_steps=args.disk_every if args.memory_every else None,
+            memory_every_steps=args.memory_every,
+        ),
     )
+    saves = 0
     with engine:
         resumed = engine.load_latest(state)
         ok = resumed is not None and same_state(state, make_state(resumed))
@@ -134,8 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                     advance(state, step)
                 if args.step_sleep:
                     time.sleep(args.step_sleep)  # "compute"
-                engine.save(step, state)
-                emit(event="staged", step=step)
+                tier = engine.due(step) if args.memory_every else "disk"
+                if tier is None:
+                    continue
+                engine.save(step, state, tier=tier)
+                emit(event="staged", step=step, tier=tier)
+                saves += 1
+                die = args.die_after_saves is not None and saves >= args.die_after_saves
+                if die and args.die_tier in (None, tier):
+                    os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
             engine.wait()
         except SaveFailed as e:
             emit(

@@ -1,0 +1,232 @@
+"""Goodput under process failures: steps lost per trainer death, and what checkpointing costs.
+
+A training loop (``--state-mb`` of state, a few matmuls per step) runs in a subprocess per
+(config, kill step) and SIGKILLs itself right after step ``k`` (no exit handler runs: the
+scheduler's kill, the OOM killer). Then a new engine (or DCP's loader) resumes from the root:
+steps lost = ``k`` - the resumed step. Configs, in one run:
+
+* ``none``: no checkpointing (the loop's own step time: the baseline of the overhead);
+* ``disk``: ``save_every_steps=--disk-every`` (asyncckpt, to disk);
+* ``memory+disk``: the same, plus ``memory_every_steps=--memory-every`` (``engine.due``);
+* ``dcp.async_save``: torch's ``dcp.async_save`` every ``--disk-every`` steps (thread executor;
+  the next one waits for the previous one, as its docs advise).
+
+Reported per config: median and mean step time (save stalls included) and the overhead
+against ``none``; per kill: the step resumed, steps lost, and the time from the trainer's death
+to the commit the restart resumed from (a commit made by the orphaned worker after the death;
+None if what it resumed from had committed before).
+
+``python benchmarks/goodput.py [--state-mb 64 --matmul 1024 --kills 155,283 --disk-every 100
+--memory-every 10]``; ``--quick`` for the tests. Writes ``results/goodput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = ("none", "disk", "memory+disk", "dcp.async_save")
+
+
+def make_state(mb: int) -> dict:
+    n = mb * (1 << 20) // 4 // 4
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {f"w{i}": torch.randn(n, generator=g) for i in range(4)},
+        "step": torch.zeros((), dtype=torch.int64),
+    }
+
+
+def child(args: argparse.Namespace) -> None:
+    """The training loop: runs steps 1..kill, saving per its config, then SIGKILLs itself."""
+    torch.set_num_threads(1)
+    state = make_state(args.state_mb)
+    a = torch.randn(args.matmul, args.matmul)
+    root = Path(args.root)
+    times: list[float] = []
+    saved: list[int] = []  # the steps that saved (their stall is in their step time)
+    engine = fut = None
+    if args.config in ("disk", "memory+disk"):
+        from asyncckpt import KeepLast, Schedule, SyncCheckpointEngine
+
+        memory_every = args.memory_every if args.config == "memory+disk" else None
+        engine = SyncCheckpointEngine(
+            root,
+            keep=KeepLast(2),
+            schedule=Schedule(every_steps=args.disk_every, memory_every_steps=memory_every),
+        )
+        engine.__enter__()  # never left: the trainer dies inside
+        engine.prepare(state)
+    elif args.config == "dcp.async_save":
+        import torch.distributed.checkpoint as dcp
+    for step in range(1, args.kill + 1):
+        t0 = time.perf_counter()
+        b = a
+        for _ in range(4):
+            b = (b @ a).tanh_()
+        with torch.no_grad():
+            state["model"]["w0"][: args.matmul].add_(b[0])  # the step changes the state
+            state["step"].fill_(step)
+        if engine is not None:
+            tier = engine.due(step)
+            if tier:
+                engine.save(step, state, tier=tier)
+                saved.append(step)
+        elif args.config == "dcp.async_save" and step % args.disk_every == 0:
+            if fut is not None:
+                fut.result()
+            fut = dcp.async_save(state, checkpoint_id=str(root / f"step_{step}"))
+            saved.append(step)
+        times.append(time.perf_counter() - t0)
+    report = {"step_seconds": times, "saved_steps": saved, "killed_at": time.time()}
+    print(json.dumps(report), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(config: str, root: Path, state_mb: int) -> tuple[int | None, float | None]:
+    """(step resumed, its commit time) after the trainer's death."""
+    if config == "none" or not root.exists():
+        return None, None
+    target = make_state(state_mb)
+    if config == "dcp.async_save":
+        import torch.distributed.checkpoint as dcp
+
+        # Only a complete checkpoint (its .metadata, written last) loads.
+        done = sorted(
+            (int(p.name.split("_")[1]), p)
+            for p in root.glob("step_*")
+            if (p / ".metadata").exists()
+        )
+        if not done:
+            return None, None
+        step, path = done[-1]
+        dcp.load(target, checkpoint_id=str(path))
+        assert int(target["step"]) == step
+        return step, (path / ".metadata").stat().st_mtime
+    from asyncckpt import SyncCheckpointEngine
+
+    with SyncCheckpointEngine(root) as engine:  # waits for the orphaned worker to finish
+        step = engine.load_latest(target)
+        if step is None:
+            return None, None
+        info = next(c for c in engine.list_checkpoints() if c.step == step)
+    assert int(target["step"]) == step
+    return step, info.committed_at
+
+
+def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> dict:
+    root = scratch / f"{config.replace('+', '_').replace('.', '_')}_{kill}"
+    cmd = [sys.executable, __file__, "--child", config, "--root", str(root), "--kill", str(kill)]
+    for k in ("state_mb", "matmul", "disk_every", "memory_every"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    # Files, not pipes: the orphaned worker inherits them and outlives the trainer.
+    with open(scratch / "child.out", "w") as out, open(scratch / "child.err", "w") as err:
+        proc = subprocess.run(cmd, stdout=out, stderr=err, timeout=900)
+    if proc.returncode != -signal.SIGKILL:
+        raise RuntimeError(f"{config}: {proc.returncode}\n{(scratch / 'child.err').read_text()}")
+    report = json.loads((scratch / "child.out").read_text().splitlines()[-1])
+    step, committed_at = resume(config, root, args.state_mb)
+    times = report["step_seconds"]
+    saved = set(report["saved_steps"])
+    quiet = statistics.median(t for i, t in enumerate(times, 1) if i not in saved)
+    after = committed_at is not None and committed_at > report["killed_at"]
+    shutil.rmtree(root, ignore_errors=True)
+    return {
+        "kill_step": kill,
+        "resumed_step": step,
+        "steps_lost": kill - (step or 0),
+        "death_to_commit_s": committed_at - report["killed_at"] if after else None,
+        "step_seconds_median": statistics.median(times),
+        "step_seconds_mean": statistics.fmean(times),
+        # Paired: the mean step against this run's own steps that did not save (what the save
+        # calls cost; not the background write's pull on the other steps: overhead_pct has it).
+        "paired_overhead_pct": (statistics.fmean(times) / quiet - 1) * 100,
+        "saves": len(saved),
+        "steps": len(times),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--state-mb", type=int, default=64)
+    ap.add_argument("--matmul", type=int, default=1024, help="the step's square matmul size")
+    ap.add_argument("--kills", default="155,283", help="steps after which the trainer dies")
+    ap.add_argument("--disk-every", type=int, default=100)
+    ap.add_argument("--memory-every", type=int, default=10)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--dir", type=Path, default=Path(__file__).parent / ".scratch")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--child", choices=CONFIGS)
+    ap.add_argument("--root")
+    ap.add_argument("--kill", type=int)
+    args = ap.parse_args()
+    if args.child:
+        args.config = args.child
+        return child(args)
+    if args.quick:
+        args.state_mb, args.matmul, args.kills = 4, 128, "37"
+        args.disk_every, args.memory_every = 20, 5
+    args.dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
+    kills = [int(k) for k in args.kills.split(",")]
+    results: dict = {}
+    try:
+        # Interleaved (every config at one kill step, then the next): the machine's load
+        # drifts, and the overhead is a comparison between configs.
+        for k in kills:
+            for config in args.configs.split(","):
+                results.setdefault(config, {"runs": []})["runs"].append(
+                    run_one(config, k, args, scratch)
+                )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    base = statistics.fmean(r["step_seconds_mean"] for r in results["none"]["runs"])
+    for config, res in results.items():
+        runs = res["runs"]
+        mean = statistics.fmean(r["step_seconds_mean"] for r in runs)
+        lost = [r["steps_lost"] for r in runs]
+        waits = [r["death_to_commit_s"] for r in runs if r["death_to_commit_s"] is not None]
+        res.update(
+            step_seconds_mean=mean,
+            overhead_pct=(mean / base - 1) * 100,
+            paired_overhead_pct=statistics.fmean(r["paired_overhead_pct"] for r in runs),
+            steps_lost_mean=statistics.fmean(lost),
+            death_to_commit_s_max=max(waits) if waits else None,
+        )
+        print(
+            f"{config:15s} step {mean * 1e3:7.2f} ms  overhead {res['overhead_pct']:+6.1f}% "
+            f"(paired {res['paired_overhead_pct']:+5.1f}%)  "
+            f"steps lost {lost}  death -> commit {[round(w, 2) for w in waits]} s"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput.json").write_text(
+        json.dumps(
+            {
+                "bench": "goodput",
+                "state_mb": args.state_mb,
+                "matmul": args.matmul,
+                "kills": kills,
+                "disk_every": args.disk_every,
+                "memory_every": args.memory_every,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
