@@ -276,3 +276,81 @@ def test_cuda_two_ranks_gloo_save_and_load(tmp_path):
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs for an NCCL group (this machine has {GPUS})")
 def test_cuda_two_ranks_nccl_save_and_load(tmp_path):
     _run_two_ranks(tmp_path, "nccl", None)
+
+
+# ------------------------------------------------ the trainer dies: flush-on-death and memory tier
+DYING_TRAINER = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from test_cuda import dying_state
+from asyncckpt import SyncCheckpointEngine
+root, device = sys.argv[1], sys.argv[2]
+engine = SyncCheckpointEngine(root, keep=None)
+engine.__enter__()
+state = dying_state(1, device)
+engine.save(1, state)  # a disk save: returned (staged), not yet committed
+print(json.dumps({"worker": engine.worker_pid, "returned": 1}), flush=True)
+for step in (2, 3):
+    new = dying_state(step, device)
+    for k in state:
+        state[k].copy_(new[k])
+    engine.save(step, state, tier="memory")
+    print(json.dumps({"returned": step}), flush=True)
+for k in state:
+    state[k].zero_()  # the loop goes on mutating its state on the device
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def dying_state(step: int, device: str) -> dict[str, torch.Tensor]:
+    """Several dtypes on ``device`` and one CPU tensor beside them, a function of ``step``."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(1 << 20, generator=g).to(device),
+        "h": torch.randn(4096, generator=g).to(torch.bfloat16).to(device),
+        "i": (torch.arange(1000) * step).to(device),
+        "cpu": torch.full((100,), float(step)),
+    }
+
+
+def run_dying_trainer(tmp_path: Path, device: str) -> Path:
+    """A trainer on ``device`` SIGKILLs itself right after a disk save and two memory saves
+    returned; waits for its orphaned worker to finish and exit; returns the root."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from test_flush_on_death import wait_gone
+
+    script = tmp_path / "trainer.py"
+    script.write_text(DYING_TRAINER)
+    root = tmp_path / "r"
+    # Files, not pipes: the orphaned worker inherits the trainer's output.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        args = [sys.executable, str(script), str(root), device, str(Path(__file__).parent)]
+        proc = subprocess.run(args, stdout=out, stderr=err, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "err").read_text()[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "out").read_text().splitlines() if x.strip()]
+    assert [x["returned"] for x in lines] == [1, 2, 3]
+    wait_gone(lines[0]["worker"], 120)
+    return root
+
+
+def check_dying_trainer_saves(root: Path, device: str) -> None:
+    from asyncckpt import SyncCheckpointEngine
+
+    with SyncCheckpointEngine(root, keep=None) as engine:
+        # The disk save that had returned is committed; the newest memory save is written.
+        assert [c.step for c in engine.list_checkpoints()] == [1, 3]
+        for step in (1, 3):
+            target = zeros_like_state(dying_state(step, device))
+            engine.load(target, step)
+            for k, v in dying_state(step, device).items():
+                assert same_bytes(target[k], v), (step, k)
+        tiers = {c.step: c.tier for c in engine.list_checkpoints()}
+    assert tiers == {1: "disk", 3: "memory"}, tiers
+
+
+def test_cuda_saves_that_returned_survive_the_trainers_sigkill(tmp_path):
+    check_dying_trainer_saves(run_dying_trainer(tmp_path, "cuda"), "cuda")
