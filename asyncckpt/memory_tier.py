@@ -43,14 +43,6 @@ def check_tier(tier: Any) -> str:
     return tier
 
 
-def check_every(every_steps: Any) -> int | None:
-    if every_steps is None:
-        return None
-    if isinstance(every_steps, bool) or not isinstance(every_steps, int) or every_steps < 1:
-        raise ValueError(f"memory_every_steps must be an int >= 1 or None, got {every_steps!r}")
-    return every_steps
-
-
 def check_memory_tier(tensors: dict[str, Any], held_bytes: int) -> None:
     """Refuse the memory tier's two slots if the machine cannot hold them (before allocating
     either). ``held_bytes``: what the memory slots already hold (re-laid out in place)."""

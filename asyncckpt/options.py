@@ -54,9 +54,8 @@ class Schedule:
 
     def __post_init__(self) -> None:
         self.make()  # SaveSchedule checks the fields (types and ranges)
-        from .memory_tier import check_every
-
-        check_every(self.memory_every_steps)
+        # (Not memory_tier's check: that module imports torch, and `import asyncckpt` must not.)
+        _optional_int("memory_every_steps", self.memory_every_steps, 1)
 
     def make(self) -> SaveSchedule:
         """The stateful trigger an engine asks (one per engine)."""
