@@ -9,12 +9,13 @@ the next start.
 
 The same order serves the worker (``commit_step``), the trainer finishing a commit its worker
 left before the tracker (``finish_commit``), the remote tier (``publish_committed``) and the HF
-export (through the same store primitives, ``export.py``). The fault points (docs/faults.md)
+export (``publish``, and ``publish_replacing`` for a step exported again, ``export.py``). The fault points (docs/faults.md)
 are announced here, between the store's primitives, under the names ``store.points`` gives.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,12 +24,15 @@ from .storage.base import Store
 from .storage.local import LocalStore
 from .storage.localfs import fsync_dir, new_token, remove_tree, write_synced
 
+log = logging.getLogger("asyncckpt.commit")
+
 __all__ = [
     "commit_step",
     "finish_commit",
     "new_token",
     "publish",
     "publish_committed",
+    "publish_replacing",
     "remove_tree",
     "rename_into_place",
     "write_synced",
@@ -41,10 +45,10 @@ def _store(root: Store | Path | str) -> Store:
     return root if isinstance(root, Store) else LocalStore(root)
 
 
-def publish(
+def _seal(
     store: Store, staged: Path, name: str, on_file: Callable[[int], None] | None = None
 ) -> int:
-    """Seal ``staged`` and publish it as ``name``: the commit proper without its tracker."""
+    """Seal ``staged`` (its ``file`` fault point after each file), then announce ``publish``."""
     point = store.points.file
     hook = on_file
     if point is not None:
@@ -57,8 +61,37 @@ def publish(
     nbytes = store.seal(staged, name, hook)
     if store.points.publish is not None:
         faults.point(store.points.publish)
+    return nbytes
+
+
+def publish(
+    store: Store, staged: Path, name: str, on_file: Callable[[int], None] | None = None
+) -> int:
+    """Seal ``staged`` and publish it as ``name``: the commit proper without its tracker."""
+    nbytes = _seal(store, staged, name, on_file)
     store.publish(staged, name)
     return nbytes
+
+
+def publish_replacing(store: LocalStore, staged: Path, name: str) -> None:
+    """``publish``, replacing a committed ``name`` (the HF export of a step exported again):
+    sealed, the old one retired (renamed to trash), the new one published, the old one
+    reclaimed. A publish that fails puts the old one back; a crash between the two renames
+    leaves neither (never a mix) and the trash as a leftover."""
+    if not store.exists(name):
+        publish(store, staged, name)
+        return
+    _seal(store, staged, name)
+    retired = store.retire(name)
+    try:
+        store.publish(staged, name)
+    except BaseException:
+        store.unretire(retired, name)
+        raise
+    try:
+        store.reclaim(retired)
+    except OSError as e:  # published already; the next prune removes the trash
+        log.warning("asyncckpt: could not remove the replaced %s: %s", retired, e)
 
 
 def commit_step(

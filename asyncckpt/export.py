@@ -27,13 +27,12 @@ directory the worker publishes.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -569,15 +568,32 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
 
 def _leftover_re(name: str) -> re.Pattern[str]:
     """A temporary or trash entry of the export named ``name`` (``new_token``: 12 hex)."""
-    escaped = re.escape(name)
+    # Named by layout.tmp_name_of/trash_name ("-" as "_"); earlier releases kept the "-".
+    escaped = "|".join(sorted({re.escape(name), re.escape(name.replace("-", "_"))}))
+    escaped = f"(?:{escaped})"
     prefixes = f"(?:{re.escape(_layout.TMP_PREFIX)}|{re.escape(_layout.TRASH_PREFIX)})"
     return re.compile(f"^{prefixes}{escaped}-[0-9a-f]{{12}}$")
 
 
+class _ExportStore(LocalStore):
+    """A directory of the export root as a store: a local store without fault points (an
+    export must not consume the checkpoint commit's ``before_rename``), whose ``seal`` makes
+    every directory made under the temporary durable, deepest first."""
+
+    points = FaultPoints(publish=None, tracker=None, retire=None)
+
+    def seal(self, staged: Path, name: str, on_file: Callable[[int], None] | None = None) -> int:
+        dirs = [Path(d) for d, _, _ in os.walk(staged, followlinks=False)]
+        for d in reversed(dirs):
+            fsync_dir(d)
+        return 0
+
+
 class _Staged:
-    """A temporary sibling of the topmost directory of ``final`` that does not exist yet,
-    locked (``flock``) while it is written so that ``prune_exports`` can tell a crashed
-    export's leftover from one in flight.
+    """A temporary sibling of the topmost directory of ``final`` that does not exist yet
+    (``LocalStore.stage`` of its parent), locked (``flock``) while it is written so that
+    ``prune_exports`` can tell a crashed export's leftover from one in flight; published
+    through the commit order (``commit.publish``, ``commit.publish_replacing``).
 
     Staging at the topmost missing directory (``global_step_N`` itself when no export of that
     step exists yet), not beside ``final``: a crash mid-export must leave no empty
@@ -595,69 +611,47 @@ class _Staged:
             top = top.parent
         localfs.makedirs_synced(top.parent)
         self.top = top
-        self.tmp = top.parent / f"{_layout.TMP_PREFIX}{top.name}-{new_token()}"
-        localfs.mkdir(self.tmp)
+        self.store = _ExportStore(top.parent)
+        self.tmp = self.store.stage(top.name)
         self.dir = self.tmp.joinpath(*final.relative_to(top).parts)  # where the files go
         self._fd: int | None = None
         try:
             self._fd = localfs.lock_dir(self.tmp)
-            self.dir.mkdir(parents=True, exist_ok=True)
+            localfs.makedirs(self.dir)
         except BaseException:
             self.abort()
             raise
 
     def publish(self) -> None:
-        """Rename into place, replacing an export of the same step.
-
-        Not ``commit.rename_into_place``: that refuses an existing directory and announces the
-        checkpoint commit's ``before_rename`` fault point, which an export must not consume.
-        An existing export goes to trash first: a crash between the two renames leaves no
-        export of that step (the checkpoint is still there to export again), never a mix.
-        """
-        p = self.dir
-        while True:  # every directory made under the temporary, its entries durable
-            fsync_dir(p)
-            if p == self.tmp:
-                break
-            p = p.parent
+        """Seal and publish, replacing an export of the same step (``publish_replacing``: the
+        old one goes to trash first; a crash between the two renames leaves no export of that
+        step, the checkpoint is still there to export again, never a mix)."""
         if self.top != self.final:
             self._publish_new()
             return
-        trash = None
-        if os.path.lexists(self.final):
-            trash = self.final.parent / f"{_layout.TRASH_PREFIX}{self.final.name}-{new_token()}"
-            localfs.rename(self.final, trash)
-        try:
-            localfs.rename(self.tmp, self.final)
-        except BaseException:
-            if trash is not None:  # put the old export back rather than leave none
-                localfs.rename(trash, self.final)
-            raise
-        fsync_dir(self.final.parent)
+        from .commit import publish_replacing
+
+        publish_replacing(self.store, self.tmp, self.final.name)
         self.close()
-        if trash is not None:
-            try:
-                _remove(trash)
-            except OSError as e:  # published already; the next prune removes the trash
-                log.warning("asyncckpt: could not remove the replaced export %s: %s", trash, e)
 
     def _publish_new(self) -> None:
-        """``self.top`` was missing: rename the whole chain in. If a directory of it appeared
+        """``self.top`` was missing: publish the whole chain. If a directory of it appeared
         meanwhile (another component's export of the same step), go one level down."""
-        src, dst = self.tmp, self.top
+        from .commit import publish
+
+        store, src, name = self.store, self.tmp, self.top.name
         while True:
             try:
-                localfs.rename(src, dst)
+                publish(store, src, name)
                 break
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or dst == self.final:
+            except FileExistsError:
+                if store.root / name == self.final:
                     raise
                 (child,) = os.listdir(src)  # one directory per level down to the export
-                src, dst = src / child, dst / child
-        fsync_dir(dst.parent)
+                store, src, name = _ExportStore(store.root / name), src / child, child
         self.close()
         if src != self.tmp:
-            _remove(self.tmp)  # the emptied levels above
+            self.store.discard(self.tmp)  # the emptied levels above
 
     def close(self) -> None:
         if self._fd is not None:
@@ -667,9 +661,7 @@ class _Staged:
     def abort(self) -> None:
         self.close()
         try:
-            remove_tree(self.tmp)
-        except FileNotFoundError:
-            pass
+            self.store.discard(self.tmp)
         except OSError as e:
             log.warning("asyncckpt: could not remove the failed export %s: %s", self.tmp, e)
 

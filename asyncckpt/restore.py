@@ -444,8 +444,9 @@ class Restorer:
         """Download a committed checkpoint of the store into the local root, as a commit there
         (temporary, then rename: a crash mid-download leaves only a leftover)."""
         from .commit import new_token, rename_into_place
+        from .storage.local import LocalStore
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        LocalStore(self.root).create_root()
         step = _layout.parse_dir_name(self.layout, name)
         if step is None:
             raise CheckpointError(f"{name} is not a {self.layout} checkpoint name")

@@ -14,7 +14,6 @@ import multiprocessing.connection as mpc
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from typing import Any, Protocol
 import torch.multiprocessing as tmp
 
 from . import faults
-from . import layout as _layout
 from . import messages as M
 from .errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
 from .storage.localfs import lock_path, unlock
@@ -277,21 +275,19 @@ class WorkerSupervisor:
 def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     """Create and check ``root``, take this rank's lock on it (returned: close it to let go),
     and wait for a worker an earlier trainer left behind."""
+    from .storage.local import LocalStore
+
+    store = LocalStore(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        store.create_root()
     except OSError as e:
         raise CheckpointError(f"cannot create checkpoint root {root}: {e}") from e
     if not root.is_dir():
         raise CheckpointError(f"checkpoint root {root} is not a directory")
-    probe = root / f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        store.check_writable()
     except OSError as e:
         raise CheckpointError(f"checkpoint root {root} is not writable: {e}") from e
-    from .storage.local import LocalStore
-
-    store = LocalStore(root)
     fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
     if fd is None:
         raise RootLocked(

@@ -277,7 +277,7 @@ class Worker:
         final = self.root / _layout.dir_name(self.config.layout, job.step)
         # Several ranks share one temporary (named alike by every rank); one rank's is its own.
         token = f"{cfg.token}-{job.attempt}" if cfg is not None else f"{job.job_id}-{os.getpid()}"
-        tmp = self.root / _layout.tmp_name(self.config.layout, job.step, token)
+        tmp = self.root / _layout.tmp_name(self.config.layout, job.step, token)  # stage's name
         preexisting = final.exists()
         t0 = time.perf_counter()
         self._reset_paused(job)
@@ -292,7 +292,7 @@ class Worker:
                 local_error: dict | None = None
                 crcs: dict = {}
                 try:
-                    crcs = self._write_shards(job, tmp, pg, rank)
+                    crcs = self._write_shards(job, final.name, token, pg, rank)
                 except BaseException as e:  # noqa: BLE001 - reported to every rank
                     local_error = error_info(e)
                 # The staging arena is free as soon as the bytes are in the files.
@@ -336,9 +336,13 @@ class Worker:
         if job.prune is not None:
             self._prune(job.job_id, job.prune, job.step)
 
-    def _write_shards(self, job: SaveJob, tmp: Path, pg: Any, rank: int) -> dict:
-        """This rank's files in ``tmp``, durable; returns their checksums (name -> entry)."""
-        tmp.mkdir(exist_ok=self.config.dist is not None)
+    def _write_shards(self, job: SaveJob, name: str, token: str, pg: Any, rank: int) -> dict:
+        """This rank's files in the temporary of ``name``, durable; returns their checksums
+        (name -> entry)."""
+        from .storage.local import LocalStore
+
+        # Several ranks share one temporary (same token): each may be the one that makes it.
+        tmp = LocalStore(self.root).stage(name, token, exist_ok=self.config.dist is not None)
         faults.point("before_shard_write")
         flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
         for spec in self._specs(job):

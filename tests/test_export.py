@@ -483,6 +483,52 @@ def test_a_crash_while_writing_leaves_the_old_export(
     assert not (tmp_path / "empty").exists()
 
 
+def test_a_failed_publish_puts_the_replaced_export_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """commit.publish_replacing: the old export is retired, the rename of the new one fails:
+    the old one is renamed back, the new temporary removed (never no export, never a mix)."""
+    from asyncckpt.storage import localfs
+
+    out = tmp_path / "global_step_1" / "model"
+    write_safetensors({"a": torch.zeros(4)}, out, 100, step=1)
+
+    def refuse(src: Any, dst: Any) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(localfs, "rename_new", refuse)
+    with pytest.raises(OSError, match="Input/output"):
+        write_safetensors({"a": torch.ones(4)}, out, 100, step=1)
+    assert os.listdir(out.parent) == ["model"]  # no temporary, no trash
+    assert_bit_equal(load_export(out), {"a": torch.zeros(4)})
+    assert check_dir(out) == []
+
+
+def test_prune_removes_the_leftover_of_a_crashed_export_with_a_dash_in_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary is named by layout.tmp_name_of ("-" as "_"); the pruner finds it."""
+    from asyncckpt import export as E
+
+    root = tmp_path / "hf"
+    export = HFExport(1, root, keep=1, dirname="my-model")
+    write_safetensors({"w": torch.ones(2)}, export_dir(export, 1), 100)
+    # A crash: the lock goes with the process, the temporary stays.
+    monkeypatch.setattr(E._Staged, "abort", lambda self: self.close())
+
+    def fail(tensors: Any, path: str, metadata: Any = None) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors_torch, "save_file", fail)
+    with pytest.raises(OSError, match="No space left"):
+        write_safetensors({"w": torch.zeros(2)}, export_dir(export, 1), 100)
+    monkeypatch.undo()
+    [leftover] = [n for n in os.listdir(root / "global_step_1") if n != "my-model"]
+    assert leftover.startswith(".tmp-my_model-")
+    prune_exports(export)
+    assert os.listdir(root / "global_step_1") == ["my-model"]
+
+
 # ------------------------------------------------------------------------------ pruning
 
 

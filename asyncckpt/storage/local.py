@@ -141,6 +141,18 @@ class LocalStore:
             return []
 
     # ------------------------------------------------------------------ write
+    def create_root(self) -> None:
+        """Make the root if missing (``mkdir -p``); ``OSError`` if it cannot be made (a file
+        in the way, no permission)."""
+        localfs.makedirs(self.root)
+
+    def check_writable(self) -> None:
+        """Create and remove a file in the root; ``OSError`` if it cannot (read-only mount,
+        no permission). The probe has a temporary's name: a crash leaves only a leftover."""
+        probe = self.root / _layout.tmp_name_of("probe", localfs.new_token()[:8])
+        localfs.write_synced(probe, b"")
+        localfs.remove_tree(probe)
+
     def stage(self, name: str, token: str | None = None, *, exist_ok: bool = False) -> Path:
         """``root/.tmp-<name>-<token>``; ``exist_ok``: several ranks share one temporary."""
         tmp = self.root / _layout.tmp_name_of(name, token or localfs.new_token())
@@ -197,6 +209,11 @@ class LocalStore:
         localfs.rename(path, trash)
         localfs.fsync_dir(self.root)
         return trash
+
+    def unretire(self, retired: Path, name: str) -> None:
+        """Put a retired ``name`` back (its replacement failed to publish)."""
+        localfs.rename(retired, self.root / name)
+        localfs.fsync_dir(self.root)
 
     def reclaim(self, retired: Path) -> None:
         try:

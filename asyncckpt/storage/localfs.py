@@ -97,6 +97,11 @@ def makedirs_synced(path: str | os.PathLike) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
 
 
+def makedirs(path: str | os.PathLike) -> None:
+    """``mkdir -p`` without syncs (inside a temporary: its seal makes the names durable)."""
+    os.makedirs(path, exist_ok=True)
+
+
 def mkdir(path: str | os.PathLike, *, exist_ok: bool = False) -> None:
     try:
         os.mkdir(path)
@@ -215,6 +220,7 @@ __all__ = [
     "lock_file",
     "lock_path",
     "locked_elsewhere",
+    "makedirs",
     "makedirs_synced",
     "mkdir",
     "new_token",
