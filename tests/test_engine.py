@@ -376,6 +376,21 @@ async def test_unwritable_root_is_refused(tmp_path, anyio_backend):
         ro.chmod(0o755)
 
 
+def test_a_root_whose_probe_write_fails_is_refused(tmp_path, monkeypatch):
+    """The writability probe (LocalStore.check_writable) also where permissions do not apply
+    (as root): a write refused by the disk is the same clear error, and no probe is left."""
+    from asyncckpt.storage import localfs
+    from asyncckpt.supervisor import lock_root
+
+    def refuse(path, data):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(localfs, "write_synced", refuse)
+    with pytest.raises(CheckpointError, match="is not writable: .*Read-only"):
+        lock_root(tmp_path / "run", 0, None)
+    assert os.listdir(tmp_path / "run") == []
+
+
 async def test_staging_refuses_rather_than_swap(tmp_path, anyio_backend, monkeypatch):
     import asyncckpt.staging as staging
 
