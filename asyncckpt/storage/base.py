@@ -9,8 +9,8 @@ marker last, a deletion removes the marker first, and there are no locks.
 
 The operations are primitives, without fault points: the commit order (``commit.py``) and the
 pruner (``prune.py``) are written once over a ``Store`` and announce the fault points named
-in ``points`` between them (docs/faults.md), so the HF export reuses the same primitives in its
-own order. The CLI, the engine, the worker, the remote tier and the export all use a store;
+in ``points`` between them (docs/faults.md); the HF export publishes through the same order
+(``commit.publish``, ``commit.publish_replacing``). The CLI, the engine, the worker, the remote tier and the export all use a store;
 tests/test_storage_protocol.py puts both implementations through the same contract.
 """
 

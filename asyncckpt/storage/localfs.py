@@ -2,8 +2,8 @@
 syncs them, or locks them (tests/test_architecture.py keeps it so).
 
 Primitives only: no fault point fires here and no order is imposed. The commit order
-(``commit.py``), the pruner (``prune.py``) and the HF export (``export.py``) put them in order
-and announce their own fault points between them, so each reuses the same calls. Nothing here
+(``commit.py``, also the HF export's) and the pruner (``prune.py``) put them in order and
+announce the fault points between them, so each reuses the same calls. Nothing here
 imports the rest of the package (the manifest, the formats and ``LocalStore`` all stand on it).
 """
 
