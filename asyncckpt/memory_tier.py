@@ -172,7 +172,6 @@ def save(saver: Any, pending: Any) -> Any:
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, StateModifiedWhileStaging, WorkerDied
     from .staging import modified_since
-    from .worker import SaveJob
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -208,26 +207,8 @@ def save(saver: Any, pending: Any) -> Any:
         faults.point("after_stage")
         with jobs.cond:
             jobs.next_job += 1
-            job = SaveJob(
-                job_id=jobs.next_job,
-                step=step,
-                arena_ids=list(slot.arena_ids),
-                specs=None,  # sent with the arenas, on the jobs pipe (saving._send_arenas)
-                objects=flat.objects,
-                paths=flat.paths,
-                metrics=dict(pending.metrics),
-                metadata=pending.metadata,
-                prune=saver._prune_request(step),
-                extra=flat.extra,
-                attempt=jobs.attempts.get(step, 0),
-                saved_at=stats.saved_at,
-                figures={
-                    "stage_seconds": stats.stage_seconds,
-                    "wait_seconds": stats.wait_seconds,
-                    "alloc_seconds": stats.alloc_seconds,
-                    "staged_bytes": stats.staged_bytes,
-                },
-                tier="memory",
+            job = saver.job_for(
+                pending, slot, jobs.next_job, jobs.attempts.get(step, 0), tier="memory"
             )
             jobs.attempts[step] = job.attempt + 1
             jobs.slot_owner[i] = job.job_id

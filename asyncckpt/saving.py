@@ -341,27 +341,7 @@ class Saver:
             return handle
         faults.point("after_stage")
         job_id, attempt = self.jobs.add(step, handle, slot_idx)
-        job = SaveJob(
-            job_id=job_id,
-            step=step,
-            arena_ids=list(slot.arena_ids),
-            specs=None,  # the worker has them for these arenas (_send_arenas)
-            objects=flat.objects,
-            paths=flat.paths,  # or None when sent: the worker has them (see below)
-            metrics=dict(pending.metrics),
-            metadata=pending.metadata,
-            prune=self._prune_request(step),
-            extra=flat.extra,
-            attempt=attempt,
-            saved_at=stats.saved_at,
-            # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
-            figures={
-                "stage_seconds": stats.stage_seconds,
-                "wait_seconds": stats.wait_seconds,
-                "alloc_seconds": stats.alloc_seconds,
-                "staged_bytes": stats.staged_bytes,
-            },
-        )
+        job = self.job_for(pending, slot, job_id, attempt)
         sending = False
         try:
             with self.sigterm.handing_off():
@@ -416,6 +396,34 @@ class Saver:
                 if link is not self.worker.link or not self.is_started():
                     return
                 self.jobs.cond.wait(0.5)
+
+    def job_for(
+        self, pending: PendingSave, slot: StagingSlot, job_id: int, attempt: int, tier: str = "disk"
+    ) -> SaveJob:
+        """The worker's job for ``pending``, staged in ``slot`` (a disk or a memory save)."""
+        flat, stats = pending.flat, pending.stats
+        return SaveJob(
+            job_id=job_id,
+            step=pending.step,
+            arena_ids=list(slot.arena_ids),
+            specs=None,  # the worker has them for these arenas (_send_arenas)
+            objects=flat.objects,
+            paths=flat.paths,  # set to None by the caller when the worker has them already
+            metrics=dict(pending.metrics),
+            metadata=pending.metadata,
+            prune=self._prune_request(pending.step),
+            extra=flat.extra,
+            attempt=attempt,
+            saved_at=stats.saved_at,
+            # Recorded in the manifest ("stats"), for `python -m asyncckpt stats`.
+            figures={
+                "stage_seconds": stats.stage_seconds,
+                "wait_seconds": stats.wait_seconds,
+                "alloc_seconds": stats.alloc_seconds,
+                "staged_bytes": stats.staged_bytes,
+            },
+            tier=tier,
+        )
 
     def _prune_request(self, step: int) -> PruneRequest | None:
         rules, resumed_from = self.rules, self.jobs.resumed_from
