@@ -163,12 +163,9 @@ def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_i
     assert [c.step for c in eng.list_checkpoints()] == [1]
 
 
-def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
-    """start() no longer waits for the worker, so the OOM killer (or a crash test) can kill
-    it before it is ready: that is a death like any other, and a new worker takes over (the
-    torture run's trainer died of 'failed to start (signal 9)' before)."""
-    import os
-    import signal
+def _drop_first_ready(monkeypatch):
+    """The engine never hears the first worker's Ready (it stays "starting"); returns the event
+    set when that Ready was dropped."""
     import threading
 
     from asyncckpt import messages as M
@@ -177,13 +174,24 @@ def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
     first_ready = threading.Event()
     original = WorkerSupervisor._on_event
 
-    def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
+    def drop_first_ready(self, msg):
         if isinstance(msg, M.Ready) and not first_ready.is_set():
             first_ready.set()
             return
         original(self, msg)
 
     monkeypatch.setattr(WorkerSupervisor, "_on_event", drop_first_ready)
+    return first_ready
+
+
+def test_a_worker_killed_while_it_starts_is_replaced(tmp_path, monkeypatch):
+    """start() no longer waits for the worker, so the OOM killer (or a crash test) can kill
+    it before it is ready: that is a death like any other, and a new worker takes over (the
+    torture run's trainer died of 'failed to start (signal 9)' before)."""
+    import os
+    import signal
+
+    first_ready = _drop_first_ready(monkeypatch)
     with SyncCheckpointEngine(tmp_path / "r") as eng:
         assert first_ready.wait(120)
         first = eng.worker_pid
@@ -208,19 +216,8 @@ def test_a_save_failed_while_it_waited_for_the_worker_is_not_sent_to_the_next_on
     import threading
 
     from asyncckpt import WorkerDied
-    from asyncckpt import messages as M
-    from asyncckpt.supervisor import WorkerSupervisor
 
-    first_ready = threading.Event()
-    original = WorkerSupervisor._on_event
-
-    def drop_first_ready(self, msg):  # the first worker never becomes ready to the engine
-        if isinstance(msg, M.Ready) and not first_ready.is_set():
-            first_ready.set()
-            return
-        original(self, msg)
-
-    monkeypatch.setattr(WorkerSupervisor, "_on_event", drop_first_ready)
+    first_ready = _drop_first_ready(monkeypatch)
     with SyncCheckpointEngine(tmp_path / "r") as eng:
         assert first_ready.wait(120)
         first = eng.worker_pid
