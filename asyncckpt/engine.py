@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -31,7 +32,7 @@ from . import memory_tier
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
-from .jobs import CommitContext, JobTable, SaveHandle
+from .jobs import CommitContext, JobTable, SaveHandle, log_unraised
 from .loadcheck import LoadReport
 from .options import (
     Distributed,
@@ -272,9 +273,30 @@ class EngineParts:
     def _at_exit(self) -> None:
         if self.started:
             try:
-                self.stop()  # staged saves commit first (bounded by the worker's liveness)
+                # Staged saves commit first (bounded by the worker's liveness).
+                self.close(raise_failure=False, why="the engine was never closed")
             except BaseException:  # noqa: BLE001 - exiting anyway
                 log.exception("stopping the checkpoint engine at exit failed")
+
+    def close(self, *, raise_failure: bool, why: str = "") -> None:
+        """``stop()``, then the first failed save no caller saw: raised when the caller can
+        take it (``raise_failure``: the block was left normally, ``close()``), so a job that
+        checks its exit code does not believe in a checkpoint that does not exist; else logged
+        as an error with ``why`` (an exception of the user's is already on its way)."""
+        try:
+            self.stop()
+        except BaseException:
+            # The stop's own error goes up; an unseen failure is not lost beside it.
+            err = self.jobs.take_pending_error()
+            if err is not None:
+                log_unraised(err, "not raised: stopping the engine failed")
+            raise
+        err = self.jobs.take_pending_error()
+        if err is None:
+            return
+        if raise_failure:
+            raise err
+        log_unraised(err, f"not raised: {why}")
 
     def stop(self, *, drain: bool = True) -> None:
         """Wait for staged saves to commit (``drain``), then stop the worker."""
@@ -416,6 +438,11 @@ def _default_spool(tier: RemoteTier) -> Path:
     scheme, rest = tier.url.split("://", 1)
     parts = [p for p in rest.split("/") if p not in ("", ".", "..")] or ["root"]
     return base.joinpath(scheme, *parts[:-1], f"{parts[-1]}-{tier.spool_key()}")
+
+
+def left_by(exc_type: Any) -> str:
+    """Why a failed save was not raised on leaving an engine's block: what left it."""
+    return f"the engine's block was left by {getattr(exc_type, '__name__', exc_type)}"
 
 
 async def _load_in_thread(fn: Callable[[], Any]) -> Any:
@@ -755,18 +782,28 @@ class CheckpointEngine(EngineBase):
         self._engine.sigterm.install()
 
     async def aclose(self) -> None:
-        """Wait for every staged save to commit, then stop the worker."""
+        """Wait for every staged save to commit, then stop the worker; raise the first save
+        that failed unseen (``SaveFailed``: not on its handle, not by ``wait()`` or a save)."""
+        await self._close(raise_failure=True)
+
+    async def _close(self, *, raise_failure: bool, why: str = "") -> None:
         self._engine.sigterm.uninstall()
-        await anyio.to_thread.run_sync(self._engine.stop)
+        await anyio.to_thread.run_sync(
+            functools.partial(self._engine.close, raise_failure=raise_failure, why=why)
+        )
 
     async def __aenter__(self) -> CheckpointEngine:
         await self.start()
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # Staged data is never thrown away, also when the block raises.
+        # Staged data is never thrown away, also when the block raises; a failed save is
+        # raised only when the block ended normally (else the user's exception goes on).
         with anyio.CancelScope(shield=True):
-            await self.aclose()
+            await self._close(
+                raise_failure=exc_type is None,
+                why=left_by(exc_type),
+            )
 
     def __enter__(self) -> CheckpointEngine:
         # A plain `with` would otherwise fail with a bare AttributeError (or, worse, run the

@@ -116,6 +116,20 @@ class _InFlight:
     attempt: int = 0  # SaveJob.attempt: with the run's token, names a multi-rank commit
 
 
+def _log_failure(err: SaveFailed) -> None:
+    """A failed save, as it happens, at INFO: the user receives it as an exception (its
+    handle, the next save, ``wait()``, leaving the engine), so by default it is not printed
+    twice; a failure that can no longer be raised is logged as an error (``log_unraised``)."""
+    log.info("%s", " ".join(str(err).split()))  # one line per failure
+
+
+def log_unraised(err: SaveFailed, why: str) -> None:
+    """A failed save nobody saw, when raising it is not possible (``why``)."""
+    log.error("%s (%s)", " ".join(str(err).split()), why)
+    for note in getattr(err, "__notes__", ()):
+        log.error("%s", note)
+
+
 def _rebuild_error(info: dict[str, Any]) -> BaseException:
     if info.get("errno") is not None:
         err: BaseException = OSError(info["errno"], info["message"])
@@ -162,8 +176,9 @@ class JobTable:
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
         self.attempts: dict[int, int] = {}  # step -> SaveJob.attempt of its next save
-        self.pending_error: SaveFailed | None = None
-        self.pending_handle: SaveHandle | None = None
+        # Failures in the order they happened; a caller sees one on its handle, or it is
+        # raised by the next save, wait() or leaving the engine (take_pending_error).
+        self.failures: list[tuple[SaveFailed, SaveHandle]] = []
         self.resumed_from: int | None = None
         self.dist_token: str | None = None
         self.last_prune: Any = None  # prune.PruneResult of the worker's last prune
@@ -180,7 +195,7 @@ class JobTable:
                     slot = (same or free)[0]
                     self.slot_owner[slot] = RESERVED
                     return slot
-                if not block or self.pending_error is not None:
+                if not block or self.failures:
                     return None
                 self.cond.wait(0.5)
 
@@ -230,12 +245,27 @@ class JobTable:
         with self.cond:
             return [j.handle.step for j in self.inflight.values()]
 
+    @property
+    def pending_error(self) -> SaveFailed | None:
+        """The first failure no caller has seen yet (None: none), without taking it."""
+        with self.cond:
+            unseen = [err for err, handle in self.failures if not handle._observed]
+        return unseen[0] if unseen else None
+
     def take_pending_error(self) -> SaveFailed | None:
-        """The last failure, once, unless the caller already saw it on its handle."""
-        err, self.pending_error = self.pending_error, None
-        if err is not None and self.pending_handle is not None and self.pending_handle._observed:
+        """The first failure no caller saw on its handle, once (every failure recorded so
+        far is taken). Later unseen ones are named in a note on it: none is dropped silently."""
+        with self.cond:
+            failures, self.failures = self.failures, []
+        unseen = [(err, handle) for err, handle in failures if not handle._observed]
+        if not unseen:
             return None
-        return err
+        first = unseen[0][0]
+        for err, handle in unseen[1:]:
+            first.add_note(f"a later save failed too: step {handle.step}: {err}")
+            handle._observed = True
+        unseen[0][1]._observed = True
+        return first
 
     def step_committed(self, step: int) -> None:
         """A newer checkpoint ends the protection of the resumed-from one (``until_newer``)."""
@@ -385,19 +415,17 @@ class JobTable:
     def fail_unsent(self, handle: SaveHandle, err: SaveFailed) -> None:
         """Fail a save that was never handed to the worker (nothing was written)."""
         with self.cond:
-            self.pending_error = err
-            self.pending_handle = handle
+            self.failures.append((err, handle))
             self.cond.notify_all()
-        log.error("%s", err)
+        _log_failure(err)
         handle._finish(err)
 
     def _fail_locked(self, job_id: int, err: SaveFailed) -> None:
         job = self.inflight.pop(job_id)
         self._release_locked(job)
-        self.pending_error = err
-        self.pending_handle = job.handle
+        self.failures.append((err, job.handle))
         self.cond.notify_all()
-        log.error("%s", " ".join(str(err).split()))  # one line per failure
+        _log_failure(err)
         worker_tb = getattr(err.__cause__, "worker_traceback", None)
         if worker_tb:
             log.debug("step %d: the worker's traceback:\n%s", job.handle.step, worker_tb)

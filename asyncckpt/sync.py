@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from .engine import EngineBase, SaveHandle, run_steps
+from .engine import EngineBase, SaveHandle, left_by, run_steps
 from .saving import SaveOptions
 
 
@@ -26,14 +26,20 @@ class SyncCheckpointEngine(EngineBase):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close()
+        # A failed save is raised only when the block ended normally: else the user's own
+        # exception goes on and the failure is logged.
+        self._close(raise_failure=exc_type is None, why=left_by(exc_type))
 
     def close(self) -> None:
-        """Wait for every staged save to commit, then stop the worker."""
+        """Wait for every staged save to commit, then stop the worker; raise the first save
+        that failed unseen (``SaveFailed``: not on its handle, not by ``wait()`` or a save)."""
+        self._close(raise_failure=True)
+
+    def _close(self, *, raise_failure: bool, why: str = "") -> None:
         try:
             # Our SIGTERM handler stays on while draining: a preemption notice now still waits
             # for the staged saves (bounded), instead of killing the process mid-write.
-            self._engine.stop()
+            self._engine.close(raise_failure=raise_failure, why=why)
         finally:
             self._engine.sigterm.uninstall()
 
