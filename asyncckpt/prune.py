@@ -114,7 +114,7 @@ class PruneResult:
 def report_warnings(
     result: PruneResult | None, seen: set[str] | None = None, *, stacklevel: int = 2
 ) -> list[str]:
-    """Warn (``warnings.warn`` and the ``asyncckpt`` logger) for each of ``result.warnings``
+    """``warnings.warn`` (one channel, not the logger too) for each of ``result.warnings``
     whose key is not in ``seen``; adds the keys to ``seen``. Returns the messages emitted.
 
     The engine calls it with its own ``seen`` set when the worker's report arrives, so each
@@ -127,7 +127,6 @@ def report_warnings(
             seen.add(key)
         category = UserWarning if key.startswith("corrupt:") else MissingMetricWarning
         warnings.warn(message, category, stacklevel=stacklevel + 1)
-        logging.getLogger("asyncckpt").warning("%s", message)
         out.append(message)
     return out
 

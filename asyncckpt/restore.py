@@ -259,15 +259,15 @@ class Restorer:
         dcp.merge_into(part.state, restrict(sub, like))
 
     def _check_root(self) -> bool:
-        """False (loudly) when the root does not exist; raise when it is not a root at all."""
+        """False when the root does not exist (a fresh run: said at INFO, no warning); raise
+        when it is not a root at all."""
         root = self.root
         if not root.exists():
-            msg = (
-                f"checkpoint root {root.absolute()} does not exist: nothing to load, starting "
-                "from scratch (check the path if a checkpoint was expected)"
+            log.info(
+                "checkpoint root %s does not exist: nothing to load, starting from scratch "
+                "(check the path if a checkpoint was expected)",
+                root.absolute(),
             )
-            log.warning(msg)
-            _warn(msg, stacklevel=4)
             return False
         if not root.is_dir():
             raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
@@ -355,8 +355,7 @@ class Restorer:
                         f"checkpoint step {c.step} at {c.path} is unusable ({e}); "
                         f"{aside}trying an older one"
                     )
-                    log.error(msg)
-                    _warn(msg, stacklevel=3)
+                    _warn(msg, stacklevel=3)  # one channel: the caller's warning
                     continue
                 self._loaded(report, c.step, c.path)
                 return c.step

@@ -328,8 +328,7 @@ class AsyncCheckpointIO(CheckpointIO):
                     continue  # pruned while read
                 errors.append(f"step {c.step}: {e}")
                 msg = f"checkpoint step {c.step} at {c.path} is unusable ({e}); trying an older one"
-                log.error(msg)
-                warnings.warn(msg, stacklevel=3)
+                warnings.warn(msg, stacklevel=3)  # one channel: the caller's warning
         raise CorruptCheckpoint(f"no checkpoint in {root} could be loaded: " + "; ".join(errors))
 
 
