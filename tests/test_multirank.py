@@ -157,7 +157,7 @@ def save_steps(rank: int, world: int, root: str, steps: list[int], fail_rank: in
                 cause = e.__cause__
                 outcomes[step] = f"failed: {e} | cause: {type(cause).__name__}: {cause}"
         faults.clear()
-        parts(engine).jobs.pending_error = None  # seen above, on the handles
+        parts(engine).jobs.take_pending_error()  # seen above, on the handles
         # After a failure the side group is fresh again: the next save commits everywhere.
         if fault:
             outcomes["tracker_after_failure"] = L.read_tracker(root)
