@@ -233,6 +233,7 @@ class EngineParts:
                 before_publish=self._open_and_clean if rank == 0 else None,
             )
             self.jobs.dist_token = self.dist_cfg.token
+            self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             if rank != 0:
                 self._open_and_clean()
         else:

@@ -1,10 +1,19 @@
 """The worker's side of the memory tier (memory_tier.py is the trainer's): ``Holder``, a
-thread that keeps the newest complete memory checkpoint for the worker to write when it must."""
+thread that keeps the newest complete memory checkpoint for the worker to write when it must.
+
+Several ranks: a memory checkpoint is worth writing only if every rank's worker holds its part
+of the same step, so a worker holds up to two: the newest step every rank handed off (the
+"common" one, kept until a newer one is common) and a newer one. The trainers agree over the
+side store which of the two goes when a third arrives (memory_tier.Agreement); when the
+trainers are gone the workers exchange what they hold and write the newest common step
+(``newest_common``), or nothing: never a mix of steps.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import layout as _layout
@@ -16,10 +25,36 @@ TRAINER_DIED = "trainer died"
 PREEMPTION = "preemption"
 CLOSE = "close"
 
+#: The fate of a rank's newest held memory step when a newer one needs its slot (agreed once
+#: per step over the side store, so that no two ranks decide it differently).
+COMMON = "common"  # every rank handed it off: it is kept, the older one goes
+DROPPED = "dropped"  # not (yet) on every rank: it goes, the older common one is kept
+
+
+def fate(handed_off: int, world_size: int) -> str:
+    """What a rank proposes for a step ``handed_off`` ranks handed off (the first proposal
+    recorded for the step wins, on every rank)."""
+    return COMMON if handed_off >= world_size else DROPPED
+
+
+def let_go(kept: int, newest: int, agreed: str) -> int:
+    """Of the two steps a worker holds, the one to release for a newer save: the older only
+    once the newer is common (a common step is never evicted before a newer one is)."""
+    return kept if agreed == COMMON else newest
+
+
+def newest_common(held: Sequence[Iterable[int]]) -> int | None:
+    """The newest step every rank holds (``held``: each rank's held steps), or None."""
+    if not held:
+        return None
+    common = set(held[0]).intersection(*held[1:])
+    return max(common) if common else None
+
 
 class Holder:
     """The worker's side: a thread that reads ``Hold`` messages from their own pipe and keeps
-    the newest complete memory checkpoint, releasing the slot of the one it replaces.
+    the newest complete memory checkpoint, releasing the slot of the one it replaces (but the
+    one the ``Hold`` says to keep: several ranks' common step; a ``LetGo`` releases that).
 
     The main loop asks for it (``take``) when it must be written: at the trainer's death once
     this pipe is at its end too (``wait_closed``), or when the trainer asks (``forget`` the
@@ -30,7 +65,8 @@ class Holder:
         self.conn = conn
         self.events = events
         self.lock = threading.Lock()
-        self.held: Any = None  # a SaveJob
+        self.held: dict[int, Any] = {}  # job id -> SaveJob: the newest, and one kept (ranks)
+        self.ever = False  # a Hold came: this rank takes part in the ranks' exchange
         self.last_paths: Any = None
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._run, name="asyncckpt-holder", daemon=True)
@@ -42,6 +78,12 @@ class Holder:
         try:
             while True:
                 msg = self.conn.recv()
+                if isinstance(msg, M.LetGo):
+                    with self.lock:
+                        gone = self.held.pop(msg.job_id, None)
+                    if gone is not None:
+                        self.events.send(M.Released(gone.job_id))
+                    continue
                 if not isinstance(msg, M.Hold):
                     raise TypeError(f"unknown message on the memory tier's pipe: {msg!r}")
                 job = msg.job
@@ -50,9 +92,12 @@ class Holder:
                     job.paths = self.last_paths
                 self.last_paths = job.paths
                 with self.lock:
-                    old, self.held = self.held, job
-                if old is not None:
-                    self.events.send(M.Released(old.job_id))
+                    old, self.held = self.held, {job.job_id: job}
+                    if msg.keep in old:
+                        self.held[msg.keep] = old.pop(msg.keep)
+                    self.ever = True
+                for gone in old.values():
+                    self.events.send(M.Released(gone.job_id))
         except (EOFError, OSError):
             pass  # the trainer is gone (or closed the engine)
         finally:
@@ -64,13 +109,13 @@ class Holder:
     def forget(self, job_id: int) -> None:
         """The trainer persists memory job ``job_id`` itself: never write it a second time."""
         with self.lock:
-            if self.held is not None and self.held.job_id == job_id:
-                self.held = None
+            self.held.pop(job_id, None)
 
-    def take(self) -> Any:
+    def take(self) -> list[Any]:
+        """The jobs held (newest first), forgotten here."""
         with self.lock:
-            job, self.held = self.held, None
-            return job
+            jobs, self.held = self.held, {}
+        return sorted(jobs.values(), key=lambda j: j.step, reverse=True)
 
 
 def persist_held(worker: Any) -> None:
@@ -82,10 +127,16 @@ def persist_held(worker: Any) -> None:
     # a forked child keeps the pipe open, the slot held is still never being written to:
     # the trainer stages only into slots this worker released.)
     worker.holder.wait_closed(10.0)
-    job = worker.holder.take()
+    jobs = worker.holder.take()
+    newest = _layout.read_tracker(worker.root)
+    if worker.config.dist is None:
+        job = jobs[0] if jobs else None
+    elif not worker.holder.ever:
+        return  # no memory save reached this rank: nothing for the others to wait for
+    else:
+        job, newest = _agree(worker, jobs, newest)
     if job is None:
         return
-    newest = _layout.read_tracker(worker.root)
     final = worker.root / _layout.dir_name(worker.config.layout, job.step)
     if (newest is not None and job.step <= newest) or final.exists():
         log.warning(
@@ -98,3 +149,30 @@ def persist_held(worker: Any) -> None:
     log.warning("the trainer is gone: writing its memory checkpoint of step %d", job.step)
     job.tier, job.persisted_because = "memory", TRAINER_DIED
     worker._save(job)
+
+
+def _agree(worker: Any, jobs: list[Any], newest: int | None) -> tuple[Any, int | None]:
+    """Several ranks: every worker says what it holds; the newest step all hold is written
+    (its attempt the highest any rank had, so that every rank joins the same group), or
+    nothing. Also returns the newest step on disk as any rank read it."""
+    from . import dist as _dist
+
+    cfg = worker.config.dist
+    mine = [(j.step, j.attempt) for j in jobs]
+    try:
+        with _dist.job_group(cfg, "memory-held") as pg:
+            results = _dist.all_gather(pg, (mine, newest), cfg.world_size)
+    except Exception as e:  # noqa: BLE001 - a peer that never came: write nothing
+        log.warning("the ranks could not agree on a memory checkpoint to write: %s", e)
+        return None, newest
+    step = newest_common([[s for s, _ in held] for held, _ in results])
+    newest = max((n for _, n in results if n is not None), default=None)
+    if step is None:
+        log.warning(
+            "the trainer is gone; no memory step is held by every rank (%s): none written",
+            "; ".join(f"rank {r}: {[s for s, _ in h]}" for r, (h, _) in enumerate(results)),
+        )
+        return None, newest
+    job = next(j for j in jobs if j.step == step)
+    job.attempt = max(a for held, _ in results for s, a in held if s == step)
+    return job, newest

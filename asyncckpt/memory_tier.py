@@ -19,15 +19,29 @@ of a newer, completely staged checkpoint arrives (a ``Hold`` is sent only after 
 a ``Hold`` is read by a thread of its own (``memory_hold.Holder``), so that this takes a pipe's round trip
 even while the worker writes a disk checkpoint. Forward only: a memory checkpoint whose step is
 not newer than the newest committed one is never written.
+
+Several ranks: only a step every rank holds can be written, so each worker keeps the newest
+step every rank handed off (common) besides the newest. Each memory save, before its
+``save()`` returns, counts itself in the side store (``Agreement.handed_off``); when a third
+step needs a slot, the trainer asks the store whether its newest held step is common
+(``Agreement.common``: proposed and recorded once per step, the same answer on every rank) and
+tells its worker to let go of the older one if so, else of the newest (``LetGo``): the common
+step is never evicted before a newer one is common. A rank a whole memory save ahead of a
+peer waits for it at most ``COMMON_WAIT_S``, then overwrites its non-common step (never
+blocks longer: its peer may be dead). In a training loop with a collective between two memory
+saves every peer has handed a step off before any rank's next save asks, so nothing whose
+``save()`` returned on every rank is lost. No collective runs on the training thread: these
+are key operations on the store.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .memory_hold import CLOSE, PREEMPTION, TRAINER_DIED
+from .memory_hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
 from .staging import check_memory, plan_arenas
 
 __all__ = ["CLOSE", "PREEMPTION", "TRAINER_DIED", "MemoryTier", "check_tier", "persist", "save"]
@@ -60,6 +74,75 @@ def check_memory_tier(tensors: dict[str, Any], held_bytes: int) -> None:
         ) from None
 
 
+#: How long a rank a memory save ahead of a peer waits for it before dropping its newest step.
+COMMON_WAIT_S = 1.0
+
+
+class Agreement:
+    """Several ranks: which memory steps every rank handed off, over the side store (served
+    by rank 0's worker; ``dist.py``). Keys: a counter per step, and its fate once asked."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.store: Any = None
+        self.steps: list[int] = []  # handed off here, whose keys rank 0 removes once obsolete
+
+    def _key(self, step: int) -> str:
+        return f"asyncckpt/{self.cfg.token}/memory/{step}"
+
+    def _client(self) -> Any:
+        if self.store is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            td = datetime.timedelta(seconds=self.cfg.timeout)
+            self.store = dist.TCPStore(self.cfg.host, self.cfg.port, None, False, td)
+        return self.store
+
+    def handed_off(self, step: int) -> None:
+        """Count this rank's hand-off of ``step`` (before its ``save()`` returns)."""
+        try:
+            self._client().add(self._key(step), 1)
+            self.steps.append(step)
+        except Exception as e:  # noqa: BLE001 - the peers then see it as not common
+            self.store = None
+            log.warning("memory save of step %d: the side store is unreachable: %s", step, e)
+
+    def common(self, step: int) -> bool:
+        """Whether every rank handed off ``step`` -- decided once for all ranks: the first
+        rank to ask records its answer, the others read it."""
+        try:
+            store = self._client()
+            deadline = time.monotonic() + COMMON_WAIT_S
+            while True:
+                n = store.add(self._key(step), 0)
+                if n >= self.cfg.world_size or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+            want = fate(n, self.cfg.world_size)
+            agreed = store.compare_set(self._key(step) + "/fate", "", want).decode()
+        except Exception as e:  # noqa: BLE001 - keep the older step: never a newer guess
+            self.store = None
+            log.warning("memory step %d: the side store is unreachable: %s", step, e)
+            return False
+        if agreed == COMMON:
+            self._forget_before(step)
+        elif agreed != DROPPED:
+            raise RuntimeError(f"memory step {step}: unexpected agreement {agreed!r}")
+        return agreed == COMMON
+
+    def _forget_before(self, step: int) -> None:
+        """Once ``step`` is common no rank asks about an older one: rank 0 removes their keys."""
+        old = [s for s in self.steps if s < step]
+        self.steps = [s for s in self.steps if s >= step]
+        if self.cfg.rank != 0:
+            return
+        for s in old:
+            self.store.delete_key(self._key(s))
+            self.store.delete_key(self._key(s) + "/fate")
+
+
 @dataclass
 class MemoryTier:
     """The trainer's side: which of the engine's slots are the memory tier's, what was sent.
@@ -75,6 +158,12 @@ class MemoryTier:
     held: Any = None  # the SaveJob of the last Hold sent (the newest complete memory save)
     held_slot: int | None = None
     held_link: Any = None  # the worker link it was sent on (a new worker holds nothing)
+    # Several ranks: the older step the worker also holds (common to every rank, or the
+    # older of two not yet known to be), and how the ranks agree on it.
+    kept: Any = None
+    kept_slot: int | None = None
+    dist: Any = None  # dist.DistConfig (set at the engine's start) or None
+    agreement: Any = None
     sent_on: dict[int, Any] = field(default_factory=dict)  # slot -> link of its last Hold
     last_step: int | None = None  # the newest memory save's step (steps go forward)
     last_due: int | None = None
@@ -95,16 +184,34 @@ class MemoryTier:
         with the engine's lock held.) A slot sent to a worker that was since replaced is free:
         the new worker holds nothing of it."""
         if self.held_link is not None and self.held_link is not link:
-            self.held = self.held_slot = self.held_link = None
+            self.held = self.held_slot = self.held_link = self.kept = self.kept_slot = None
         for i in self.slots:
             o = owner[i]
             if o is not None and o not in inflight and self.sent_on.get(i) is not link:
                 owner[i] = None
-        free = [i for i in self.slots if owner[i] is None and i != self.held_slot]
+        free = [
+            i for i in self.slots if owner[i] is None and i not in (self.held_slot, self.kept_slot)
+        ]
         if not free:
             return None
         same = [i for i in free if keys.get(i) == key]
         return (same or free)[0]
+
+    def agree(self) -> Agreement | None:
+        if self.dist is None:
+            return None
+        if self.agreement is None or self.agreement.cfg is not self.dist:
+            self.agreement = Agreement(self.dist)
+        return self.agreement
+
+    def newest_common(self) -> tuple[Any, int | None]:
+        """Several ranks holding two: the one of them to keep (and its slot), as agreed."""
+        agreement = self.agree()
+        if self.kept is None or agreement is None:
+            return self.held, self.held_slot
+        if self.held is None or not agreement.common(self.held.step):
+            return self.kept, self.kept_slot
+        return self.held, self.held_slot
 
     def released(self, owner: dict[int, Any], job_id: int) -> bool:
         """The worker let go of memory job ``job_id``'s slot; True if it was one of ours."""
@@ -137,6 +244,29 @@ def _add_slots(saver: Any, pending: Any) -> None:
             jobs.slot_owner[i] = None
             jobs.memory_slots.add(i)
             mem.slots.append(i)
+
+
+def _make_room(saver: Any) -> None:
+    """Several ranks, the worker holding two: let go of the one the ranks agree is not to be
+    kept (its slot comes back with ``Released``, which ``_take_slot`` waits for)."""
+    from . import messages as M
+
+    mem, jobs = saver.memory, saver.jobs
+    link = saver.worker.link
+    if mem.kept is None or mem.held is None or mem.held_link is not link:
+        return
+    agreement = mem.agree()
+    common = agreement is not None and agreement.common(mem.held.step)  # outside the lock
+    gone = let_go(mem.kept.step, mem.held.step, COMMON if common else DROPPED)
+    victim, keep = (mem.kept, mem.held) if gone == mem.kept.step else (mem.held, mem.kept)
+    keep_slot = mem.held_slot if keep is mem.held else mem.kept_slot
+    with saver.sigterm.handing_off():
+        with saver.worker.sending():
+            M.send(link.memory, M.encode(M.LetGo(victim.job_id)))
+        with jobs.cond:
+            mem.kept, mem.kept_slot = keep, keep_slot
+            mem.held = mem.held_slot = None
+    saver.sigterm.run_deferred()
 
 
 def _take_slot(saver: Any, pending: Any) -> int:
@@ -181,6 +311,10 @@ def save(saver: Any, pending: Any) -> Any:
             f"{mem.last_step})"
         )
     _add_slots(saver, pending)
+    try:
+        _make_room(saver)
+    except OSError as e:  # the worker is gone: the next one holds nothing anyway
+        log.warning("memory save of step %d: could not reach the worker: %s", step, e)
     i = _take_slot(saver, pending)
     slot = saver.slots[i]
     stats.wait_seconds = time.perf_counter() - pending.started
@@ -231,7 +365,13 @@ def save(saver: Any, pending: Any) -> Any:
             wire = (
                 job if link.memory_paths is not flat.paths else dataclasses.replace(job, paths=None)
             )
-            payload = M.encode(M.Hold(wire))
+            # Several ranks: the worker keeps the older one it holds as well (_make_room).
+            keep, keep_slot = (None, None)
+            if mem.dist is not None and mem.held_link is link:
+                keep, keep_slot = (
+                    (mem.kept, mem.kept_slot) if mem.kept else (mem.held, mem.held_slot)
+                )
+            payload = M.encode(M.Hold(wire, keep.job_id if keep is not None else None))
             with saver.worker.sending():
                 saver.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
                 M.send(link.memory, payload)
@@ -239,6 +379,7 @@ def save(saver: Any, pending: Any) -> Any:
             with jobs.cond:
                 mem.sent_on[i] = link
                 mem.held, mem.held_slot, mem.held_link = job, i, link
+                mem.kept, mem.kept_slot = keep, keep_slot
                 mem.last_step = step
     except OSError as e:
         let_go()
@@ -250,6 +391,9 @@ def save(saver: Any, pending: Any) -> Any:
     finally:
         saver.sigterm.run_deferred()
     saver.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
+    agreement = mem.agree()
+    if agreement is not None:  # counted before save() returns: the peers may rely on it
+        agreement.handed_off(step)
     handle._finish()  # held by the worker: done (it is written only if it must be)
     return handle
 
@@ -266,13 +410,13 @@ def persist(saver: Any, reason: str) -> Any:
     from .errors import WorkerDied
 
     mem, jobs = saver.memory, saver.jobs
-    if mem.held is None or mem.held_link is not saver.worker.link:
+    if mem.held_link is not saver.worker.link or (mem.held is None and mem.kept is None):
         return None
     saver.wait_staged()  # an overlapped save's thread may be sending: never two at once
     dirs = saver.restorer.committed()
     newest = dirs[-1].step if dirs else None
+    job, slot = mem.newest_common()  # several ranks: the step all of them write
     with jobs.cond:
-        job = mem.held
         if job is None:
             return None
         flying = max((j.handle.step for j in jobs.inflight.values()), default=None)
@@ -288,8 +432,9 @@ def persist(saver: Any, reason: str) -> Any:
             memory_job_id=job.job_id,
             faults=faults.snapshot(),
         )
-        handle = jobs.track(pjob, mem.held_slot)  # its slot is the write's until released
-        mem.held = mem.held_slot = mem.held_link = None  # the worker forgets it too
+        handle = jobs.track(pjob, slot)  # its slot is the write's until released
+        # The worker forgets it too (and the other one it holds is not written by the trainer).
+        mem.held = mem.held_slot = mem.held_link = mem.kept = mem.kept_slot = None
     log.warning("writing the memory checkpoint of step %d (%s)", job.step, reason)
     try:
         with saver.worker.sending():

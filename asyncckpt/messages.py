@@ -55,9 +55,19 @@ class Save:
 @dataclass(frozen=True)
 class Hold:
     """A memory-tier save, completely staged: the newest memory checkpoint the worker keeps
-    (and writes if the trainer dies). Sent on the memory tier's own pipe (memory_tier.py)."""
+    (and writes if the trainer dies). Sent on the memory tier's own pipe (memory_tier.py).
+    ``keep``: the id of the one held job not to release (several ranks: their common step)."""
 
     job: Any  # worker.SaveJob
+    keep: int | None = None
+
+
+@dataclass(frozen=True)
+class LetGo:
+    """Release memory job ``job_id``'s slot (answered by ``Released``): the trainer needs it
+    for a newer memory save. On the memory tier's pipe, as ``Hold``."""
+
+    job_id: int
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,4 +87,99 @@ def test_every_trainer_killed_after_a_memory_save(tmp_path, world):
     assert manifest["world_size"] == world
     report = verify(root)
     assert report.ok and [c.step for c in report.checkpoints] == [1, 3], report
+    assert report.leftovers == []
+
+
+# Issue 32 item 4: rank 0's trainer dies right after memory save K returned on every rank; the
+# other ranks go on (no collective stops them) and return K+1 and K+2 (K+1 is then dropped:
+# rank 0 never had it), then are SIGKILLed one after another, 0.3 s apart, mid-way through
+# later memory saves. K is the newest step whose save() returned on every rank, and every
+# worker must still hold it: the workers agree on it and commit it, never a mix.
+STAGGERED = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+from asyncckpt import SyncCheckpointEngine, memory_tier
+sys.path.insert(0, sys.argv[5])
+from test_flush_on_death_multirank import state
+rank, world, root, store, last = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                  sys.argv[4], int(sys.argv[6]))
+# Longer than the default: a loaded machine must not make rank 0's hand-off of step K late.
+memory_tier.COMMON_WAIT_S = 3.0
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+engine = SyncCheckpointEngine(root, keep=None, dist_timeout=20)
+engine.__enter__()  # never left: the trainer dies inside
+engine.save(1, state(rank, 1)).committed_sync(120)
+print(engine.worker_pid, flush=True)
+step = 2
+while True:
+    if step <= last:
+        dist.barrier()  # training's collectives, up to rank 0's death
+    engine.save(step, state(rank, step), tier="memory")
+    print(step, flush=True)  # returned
+    if rank == 0 and step == last:
+        os.kill(os.getpid(), signal.SIGKILL)
+    step += 1
+"""
+
+
+def _returned(out: Path) -> list[int]:
+    lines = out.read_text().split()
+    return [int(s) for s in lines[1:]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_staggered_kills_keep_the_newest_common_memory_step(tmp_path, world):
+    last = 6
+    script = tmp_path / "trainer.py"
+    script.write_text(STAGGERED)
+    here = str(Path(__file__).parent)
+    procs, logs = {}, {}
+    for r in range(world):
+        logs[r] = (tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err")
+        with open(logs[r][0], "w") as out, open(logs[r][1], "w") as err:
+            procs[r] = subprocess.Popen(
+                [sys.executable, str(script), str(r), str(world), str(tmp_path / "r")]
+                + [str(tmp_path / "store"), here, str(last)],
+                stdout=out,
+                stderr=err,
+            )
+    try:
+        procs[0].wait(timeout=240)
+        assert procs[0].returncode == -signal.SIGKILL, logs[0][1].read_text()
+        deadline = time.monotonic() + 120
+        # The survivors return K+1 and K+2 (K+1 dropped for K+2: rank 0 never had it) ...
+        for r in range(1, world):
+            while not any(s >= last + 2 for s in _returned(logs[r][0])):
+                assert procs[r].poll() is None, logs[r][1].read_text()
+                assert time.monotonic() < deadline, logs[r][1].read_text()
+                time.sleep(0.05)
+        # ... then die one after another while saving on.
+        for r in range(1, world):
+            time.sleep(0.3)
+            procs[r].send_signal(signal.SIGKILL)
+            procs[r].wait(timeout=60)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    returned = {r: _returned(logs[r][0]) for r in range(world)}
+    assert returned[0][-1] == last
+    everywhere = min(max(steps) for steps in returned.values())  # returned on every rank
+    for r in range(world):
+        wait_gone(int(logs[r][0].read_text().split()[0]), 120)
+    root = tmp_path / "r"
+    step = L.read_tracker(root)
+    assert step is not None and step >= everywhere == last, (step, returned)
+    with SyncCheckpointEngine(root, keep=None) as engine:
+        target = {
+            "model": {k: torch.zeros_like(v) for k, v in all_ranks(world, 0)["model"].items()}
+        }
+        assert engine.load_latest(target) == step
+    assert_same(target, all_ranks(world, step))  # bit for bit, every rank's part of one step
+    manifest = json.loads((root / f"global_step_{step}" / "asyncckpt_manifest.json").read_text())
+    assert (manifest["tier"], manifest["persisted_because"]) == ("memory", "trainer died")
+    report = verify(root)
+    assert report.ok and [c.step for c in report.checkpoints] == [1, step], report
     assert report.leftovers == []
