@@ -26,7 +26,7 @@ from .errors import (
 )
 from .formats.components import Component
 from .manifest import VerifyReport, verify
-from .options import Distributed, ObjectStore, Preemption, Retention, Schedule
+from .options import Distributed, MemoryTier, ObjectStore, Preemption, Retention, Schedule
 from .retention import (
     CheckpointInfo,
     KeepAll,
@@ -123,4 +123,5 @@ __all__ = [
     "Distributed",
     "Preemption",
     "ObjectStore",
+    "MemoryTier",
 ]

@@ -93,6 +93,59 @@ def detect(
     return rank, world_size, local_rank
 
 
+@dataclass(frozen=True)
+class Node:
+    """Which node a rank runs on (``node_rank``) and how many ranks every node runs."""
+
+    node_rank: int
+    ranks_per_node: int
+
+
+def detect_node(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    node_rank: int | None = None,
+    ranks_per_node: int | None = None,
+) -> Node | None:
+    """This rank's node: explicit values win, else torchrun's ``$GROUP_RANK`` /
+    ``$LOCAL_WORLD_SIZE``; else one node with every rank when the local rank is the rank, and
+    None (unknown) when it is not. Ranks must be laid out as torchrun lays them out (node ``n``
+    runs ranks ``n * ranks_per_node ...``, local rank = position): what a peer node is, and
+    which node holds a replica, is computed from that."""
+    if ranks_per_node is None and world_size > 1:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        ranks_per_node = int(env) if env else None
+    if node_rank is None and world_size > 1:
+        env = os.environ.get("GROUP_RANK")
+        node_rank = int(env) if env else None
+    if ranks_per_node is None and node_rank is None:
+        if local_rank != rank:
+            return None  # several nodes, of a size nobody said
+        return Node(0, world_size)
+    if ranks_per_node is None or node_rank is None:
+        raise ValueError(
+            "node_rank and ranks_per_node go together (Distributed(node_rank=..., "
+            f"ranks_per_node=...)); got node_rank={node_rank}, ranks_per_node={ranks_per_node}"
+        )
+    if ranks_per_node < 1 or world_size % ranks_per_node:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node} does not divide world_size={world_size}: every "
+            "node must run the same number of ranks"
+        )
+    nodes = world_size // ranks_per_node
+    if not 0 <= node_rank < nodes:
+        raise ValueError(f"node_rank {node_rank} is out of range for {nodes} node(s)")
+    if rank != node_rank * ranks_per_node + local_rank:
+        raise ValueError(
+            f"rank {rank} is not local rank {local_rank} of node {node_rank} with "
+            f"{ranks_per_node} ranks per node (expected rank "
+            f"{node_rank * ranks_per_node + local_rank}): pass Distributed(node_rank=..., "
+            "ranks_per_node=..., local_rank=...) that match torchrun's layout"
+        )
+    return Node(node_rank, ranks_per_node)
+
+
 def _store_host() -> str:
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 

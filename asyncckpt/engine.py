@@ -37,6 +37,7 @@ from .loadcheck import LoadReport
 from .options import (
     Distributed,
     EngineOptions,
+    MemoryTier,
     ObjectStore,
     Preemption,
     Retention,
@@ -55,6 +56,7 @@ from .throttle import AppliedThrottle, ThrottleConfig, WritePause
 from .worker import WorkerConfig
 
 if TYPE_CHECKING:
+    from .dist import Node
     from .export import HFExport
     from .prune import PruneResult
 
@@ -67,11 +69,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this engine sits in the job: the one source of its rank (``dist.detect``)."""
+    """Where this engine sits in the job: the one source of its rank and node (``dist.detect``,
+    ``dist.detect_node``)."""
 
     rank: int
     world_size: int
     local_rank: int
+    node: Node | None = None  # None: several nodes of a size nobody said
+
+    @property
+    def nodes(self) -> int | None:
+        return None if self.node is None else self.world_size // self.node.ranks_per_node
 
 
 class EngineParts:
@@ -113,7 +121,9 @@ class EngineParts:
         # The trainer's "hold the writes" hint; outlives worker restarts (handed to each one).
         self.write_pause = WritePause(tmp.get_context("spawn"))
         d = opts.distributed
-        self.ranks = Ranks(*_dist.detect(d.rank, d.world_size, d.local_rank))
+        rank, world_size, local_rank = _dist.detect(d.rank, d.world_size, d.local_rank)
+        node = _dist.detect_node(rank, world_size, local_rank, d.node_rank, d.ranks_per_node)
+        self.ranks = Ranks(rank, world_size, local_rank, node)
         rank = self.ranks.rank
         prunes_here = should_prune(rank, self.ranks.local_rank, d.storage)
         legacy = staged.legacy_ranks(rank, self.ranks.world_size, d.legacy_ranks)
@@ -191,7 +201,7 @@ class EngineParts:
             is_started=lambda: self.started,
         )
         self.saver.memory.every_steps = opts.schedule.memory_every_steps
-        self.saver.memory.persist_on_close = opts.persist_memory_on_close
+        self.saver.memory.persist_on_close = opts.memory.persist_on_close
         self.started = False
         self.lock_fd: int | None = None
 
@@ -517,7 +527,7 @@ class EngineBase:
         remote: RemoteTier | None = None,
         object_store: ObjectStore | None = None,
         export: HFExport | None = None,
-        persist_memory_on_close: bool = False,
+        memory: MemoryTier | None = None,
         **deprecated: Any,
     ) -> None:
         opts = resolve_options(
@@ -539,7 +549,7 @@ class EngineBase:
                 "remote": remote,
                 "object_store": object_store,
                 "export": export,
-                "persist_memory_on_close": persist_memory_on_close,
+                "memory": memory,
             },
             deprecated,
         )
@@ -562,6 +572,19 @@ class EngineBase:
     @property
     def world_size(self) -> int:
         return self._engine.ranks.world_size
+
+    @property
+    def node_rank(self) -> int | None:
+        """This rank's node (``Distributed(node_rank=)``, else torchrun's ``$GROUP_RANK``, else
+        0 on one node); None when the local rank says there are several nodes but not how many
+        ranks each runs (``Distributed(ranks_per_node=)``)."""
+        node = self._engine.ranks.node
+        return None if node is None else node.node_rank
+
+    @property
+    def nodes(self) -> int | None:
+        """How many nodes the job runs on (None: unknown, see ``node_rank``)."""
+        return self._engine.ranks.nodes
 
     @property
     def throttle(self) -> ThrottleConfig:

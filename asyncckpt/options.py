@@ -2,8 +2,8 @@
 
 ``CheckpointEngine(root, keep=KeepLast(3))`` stays a one-liner; a behaviour with more than one
 knob is one object: ``schedule=Schedule(every_steps=100)``, ``retention=Retention(...)``,
-``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``
-and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
+``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``,
+``memory=MemoryTier(...)`` and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
 one release, with a ``DeprecationWarning`` naming the replacement (``resolve_options``).
 
 Each object checks its own fields when made (a wrong type is refused there, not at the first
@@ -86,7 +86,10 @@ class Distributed:
     """Several ranks on one root. Every field defaults to what torch.distributed says.
 
     ``rank``/``world_size`` (None: torch.distributed's, else 0 and 1), ``local_rank`` (None:
-    ``$LOCAL_RANK``, else the rank), ``store=(host, port)``: where rank 0 hosts the side store
+    ``$LOCAL_RANK``, else the rank). ``node_rank``/``ranks_per_node``: which node this rank is on
+    and how many ranks each node runs (None: torchrun's ``$GROUP_RANK``/``$LOCAL_WORLD_SIZE``,
+    else one node holding every rank); several nodes may be simulated on one machine.
+    ``store=(host, port)``: where rank 0 hosts the side store
     when no process group is initialised, ``timeout``: how long workers wait for each other per
     save, ``storage``: ``"shared"`` root (rank 0 prunes) or ``"local"`` node disks (each node's
     local rank 0 prunes), ``legacy_ranks``: megatron_legacy's tp/pp ranks
@@ -96,6 +99,8 @@ class Distributed:
     rank: int | None = None
     world_size: int | None = None
     local_rank: int | None = None
+    node_rank: int | None = None
+    ranks_per_node: int | None = None
     store: tuple[str, int] | None = None
     timeout: float = 600.0
     storage: str = "shared"
@@ -105,6 +110,8 @@ class Distributed:
         _optional_int("rank", self.rank, 0)
         _optional_int("world_size", self.world_size, 1)
         _optional_int("local_rank", self.local_rank, 0)
+        _optional_int("node_rank", self.node_rank, 0)
+        _optional_int("ranks_per_node", self.ranks_per_node, 1)
         if self.store is not None and not (
             isinstance(self.store, tuple) and len(self.store) == 2
             and isinstance(self.store[0], str) and isinstance(self.store[1], int)
@@ -147,6 +154,21 @@ class ObjectStore:
 
 
 @dataclass(frozen=True)
+class MemoryTier:
+    """The memory tier (``save(step, state, tier="memory")``; its schedule is
+    ``Schedule(memory_every_steps=)``). ``persist_on_close``: leaving the engine writes the
+    newest memory save to disk as well (by default only a trainer's death or SIGTERM does)."""
+
+    persist_on_close: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.persist_on_close, bool):
+            raise TypeError(
+                f"persist_on_close must be True or False, got {self.persist_on_close!r}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Everything an engine was configured with, checked and grouped (``resolve_options``)."""
 
@@ -167,7 +189,7 @@ class EngineOptions:
     remote: Any = None  # storage.RemoteTier
     object_store: ObjectStore = ObjectStore()
     export: Any = None  # export.HFExport
-    persist_memory_on_close: bool = False  # close() writes the memory tier's newest save
+    memory: MemoryTier = MemoryTier()
 
 
 #: Flat keywords of before the grouping -> (the group's keyword, its field, how to say it).
@@ -191,6 +213,11 @@ DEPRECATED = {
         "object_store=ObjectStore(storage_options=...)",
     ),  # fmt: skip
     "spool": ("object_store", "spool", "object_store=ObjectStore(spool=...)"),
+    "persist_memory_on_close": (
+        "memory",
+        "persist_on_close",
+        "memory=MemoryTier(persist_on_close=...)",
+    ),  # fmt: skip
     "optimizer_offload": ("throttle", None, "throttle=ThrottleConfig.for_optimizer_offload()"),
     "durable_within": ("throttle", None, "throttle=ThrottleConfig.background(durable_within=...)"),
 }
@@ -201,6 +228,7 @@ _GROUPS = {
     "distributed": Distributed,
     "preemption": Preemption,
     "object_store": ObjectStore,
+    "memory": MemoryTier,
 }
 
 

@@ -1,6 +1,7 @@
 """The memory tier: ``save(step, state, tier="memory")`` copies and writes nothing; the worker
 keeps the newest complete memory checkpoint and writes it, committed like any save, when the
-trainer dies (SIGKILL), on SIGTERM, and at close only if asked (``persist_memory_on_close``).
+trainer dies (SIGKILL), on SIGTERM, and at close only if asked
+(``MemoryTier(persist_on_close=True)``).
 Never a torn one, never one older than what is on disk."""
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import torch
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
-from asyncckpt import Schedule, StagingMemoryError, SyncCheckpointEngine, faults, staging, verify
+from asyncckpt import (
+    MemoryTier,
+    Schedule,
+    StagingMemoryError,
+    SyncCheckpointEngine,
+    faults,
+    staging,
+    verify,
+)
 from asyncckpt import layout as L
 from asyncckpt.cli import main
 from asyncckpt.testing import parts
@@ -27,11 +36,13 @@ N = 1 << 20  # "w": 4 MiB, copied by the copy pool before the mid_stage point; "
 
 TRAINER = """
 import json, os, signal, sys, time, torch
-from asyncckpt import SyncCheckpointEngine, faults
+from asyncckpt import MemoryTier, SyncCheckpointEngine, faults
 root, scenario = sys.argv[1], sys.argv[2]
 sys.path.insert(0, sys.argv[3])
 from test_memory_tier import state_at
-engine = SyncCheckpointEngine(root, keep=None, persist_memory_on_close=scenario == "close_option")
+engine = SyncCheckpointEngine(
+    root, keep=None, memory=MemoryTier(persist_on_close=scenario == "close_option")
+)
 engine.__enter__()
 state = state_at(1)
 if scenario == "first_disk":  # the first save sends the slot's arenas: killed at once
@@ -299,7 +310,9 @@ def test_a_torn_memory_save_fails_and_the_previous_one_stays_held(tmp_path, monk
     from asyncckpt import SaveFailed, StateModifiedWhileStaging
 
     state = state_at(1)
-    with SyncCheckpointEngine(tmp_path, keep=None, persist_memory_on_close=True) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, keep=None, memory=MemoryTier(persist_on_close=True)
+    ) as engine:
         engine.save(2, state, tier="memory")
         Gate(monkeypatch, during=mutate_from_a_thread(state["w"]))
         h = engine.save(3, state, tier="memory")
@@ -320,7 +333,10 @@ async def test_the_async_engine_takes_the_tier_too(tmp_path):
     from asyncckpt import CheckpointEngine
 
     engine = CheckpointEngine(
-        tmp_path, keep=None, schedule=Schedule(memory_every_steps=2), persist_memory_on_close=True
+        tmp_path,
+        keep=None,
+        schedule=Schedule(memory_every_steps=2),
+        memory=MemoryTier(persist_on_close=True),
     )
     async with engine:
         for step in range(1, 6):

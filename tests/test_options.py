@@ -13,6 +13,7 @@ from asyncckpt import (
     CheckpointEngine,
     Distributed,
     KeepLast,
+    MemoryTier,
     ObjectStore,
     Preemption,
     Retention,
@@ -48,6 +49,11 @@ FLAT = [
     ("preemption_save", True, lambda o: o.preemption == Preemption(final_save=True)),
     ("storage_options", {"a": 1}, lambda o: o.object_store == ObjectStore({"a": 1})),
     ("spool", "/sp", lambda o: o.object_store == ObjectStore(spool="/sp")),
+    (
+        "persist_memory_on_close",
+        True,
+        lambda o: o.memory == MemoryTier(persist_on_close=True),
+    ),
     (
         "optimizer_offload",
         True,
@@ -101,6 +107,7 @@ def test_a_flat_keyword_and_its_group_together_are_refused(tmp_path):
         ({"distributed": {"rank": 0}}, r"distributed= takes Distributed"),
         ({"preemption": False}, r"preemption= takes Preemption"),
         ({"object_store": {"spool": "x"}}, r"object_store= takes ObjectStore"),
+        ({"memory": {"persist_on_close": True}}, r"memory= takes MemoryTier"),
         ({"throttle": "offload"}, r"throttle must be a ThrottleConfig"),
         ({"save_evry_steps": 5}, r"unexpected keyword argument\(s\) \['save_evry_steps'\]"),
     ],
@@ -123,6 +130,9 @@ def test_wrong_types_are_refused_when_the_engine_is_made(tmp_path, kwargs, match
         (lambda: Distributed(storage="nfs"), "storage"),
         (lambda: Preemption(handle_sigterm="yes"), "handle_sigterm"),
         (lambda: ObjectStore(storage_options=[1]), "storage_options"),
+        (lambda: MemoryTier(persist_on_close=1), "persist_on_close"),
+        (lambda: Distributed(node_rank=-1), "node_rank"),
+        (lambda: Distributed(ranks_per_node=0), "ranks_per_node"),
     ],
 )
 def test_each_group_checks_its_fields(make, match):
@@ -160,3 +170,64 @@ def test_lightnings_defaults_are_one_rank_and_no_sigterm_handler_unless_given():
     assert mine["distributed"] == Distributed(rank=0, world_size=1, timeout=5)
     assert _lightning_defaults({"preemption": Preemption()})["preemption"] == Preemption()
     assert _lightning_defaults({"rank": 0})["world_size"] == 1
+
+
+# -- nodes (issue 33 item 2): from torchrun's environment or Distributed(...) ------------------
+
+
+@pytest.mark.parametrize(
+    "rank, world, local, node_rank, per_node, env, expected",
+    [
+        (0, 1, 0, None, None, {}, (0, 1)),  # one process: one node
+        (3, 4, 3, None, None, {}, (0, 4)),  # local rank = rank: every rank on one node
+        (3, 4, 1, None, None, {"GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (1, 2)),  # torchrun
+        (5, 6, 1, 2, 2, {}, (2, 2)),  # explicit, 3 nodes x 2 ranks
+        (5, 6, 1, 2, 2, {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "6"}, (2, 2)),  # explicit wins
+        (2, 4, 0, None, None, {}, None),  # several nodes, their size unknown
+    ],
+)
+def test_a_ranks_node_comes_from_torchrun_or_distributed(
+    monkeypatch, rank, world, local, node_rank, per_node, env, expected
+):
+    from asyncckpt.dist import Node, detect_node
+
+    for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    got = detect_node(rank, world, local, node_rank, per_node)
+    assert got == (None if expected is None else Node(*expected))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((3, 4, 1, 1, 3), "does not divide"),
+        ((3, 4, 1, 2, 2), "out of range"),
+        ((3, 4, 0, 1, 2), "is not local rank 0 of node 1"),  # rank 3 is local rank 1 there
+        ((3, 4, 1, 1, None), "go together"),
+    ],
+)
+def test_a_node_layout_torchrun_would_not_make_is_refused(monkeypatch, args, match):
+    from asyncckpt.dist import detect_node
+
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=match):
+        detect_node(*args)
+
+
+def test_the_engine_says_its_node(tmp_path, monkeypatch):
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    engine = CheckpointEngine(
+        tmp_path,
+        distributed=Distributed(rank=3, world_size=4, local_rank=1, node_rank=1, ranks_per_node=2),
+    )
+    assert (engine.node_rank, engine.nodes) == (1, 2)
+    assert (CheckpointEngine(tmp_path).node_rank, CheckpointEngine(tmp_path).nodes) == (0, 1)
+    with pytest.raises(ValueError, match="is not local rank"):
+        CheckpointEngine(
+            tmp_path, distributed=Distributed(rank=2, world_size=4, local_rank=1, ranks_per_node=2,
+                                              node_rank=0)
+        )  # fmt: skip
