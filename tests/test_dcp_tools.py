@@ -1,9 +1,11 @@
 """torch's own DCP tools read an asyncckpt checkpoint as they read a plain ``dcp.save`` (issue
 32.5): ``.metadata``'s ``planner_data`` maps every key to its object path in the nested state,
-so ``dcp_to_torch_save`` (and its command line) gives back the nested state, not flat keys."""
+so ``dcp_to_torch_save`` (and its command line) gives back the nested state, not flat keys.
+And DCP's ``CheckpointException`` (a BaseException) reaches callers as a ``CheckpointError``."""
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 import warnings
@@ -13,9 +15,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import CheckpointError, SyncCheckpointEngine, read_checkpoint
+from asyncckpt.export import read_full_state
+from asyncckpt.formats import dcp as dcp_format
 
 
 @pytest.fixture(autouse=True)
@@ -125,3 +130,26 @@ def test_the_cached_plan_follows_a_changed_object_path(tmp_path):
     for step, want in ((1, {"a": {"0": t}}), (2, {"a": [t]}), (3, {"a": {"0": t}})):
         got = converted(tmp_path / "r" / f"global_step_{step}", tmp_path / f"{step}.pt")
         assert_same(got, want)
+
+
+def test_dcps_checkpoint_exception_reaches_readers_as_a_checkpoint_error(tmp_path, monkeypatch):
+    """An I/O error while DCP reads (after the checksums passed) comes out of DCP as a
+    CheckpointException, a BaseException that ``except Exception`` misses: every reader
+    raises a CheckpointError with it as the cause."""
+    state = training_state()
+    with SyncCheckpointEngine(tmp_path / "r") as eng:
+        eng.save(1, state).committed_sync(60)
+    step_dir = tmp_path / "r" / "global_step_1"
+
+    def failing_read(self, plan, planner):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(dcp_format.CachedMetadataReader, "read_data", failing_read)
+    readers = {
+        "read_full_state": lambda: read_full_state(step_dir, "model"),
+        "read_checkpoint": lambda: read_checkpoint(step_dir),
+    }
+    for name, read in readers.items():
+        with pytest.raises(CheckpointError, match="Input/output error") as info:
+            read()
+        assert isinstance(info.value.__cause__, CheckpointException), name
