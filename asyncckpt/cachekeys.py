@@ -17,8 +17,9 @@ The caches, what each holds, and what its key covers:
   (container types, lengths and keys, leaf types, dtypes and shapes).
 - DCP's save plans and ``.metadata`` (``formats.dcp.write_flat``, worker): DCP's own plan
   caching, whose own check of "unchanged" ignores dtypes. ``dcp_plan_signature``: every
-  key with what DCP's plan and metadata record of it (dtype, shape, requires_grad, layout,
-  pinning; a shard's global shape and chunks; a byte leaf); ``DcpPlanKeys`` turns it into
+  key with what DCP's plan and metadata record of it (its object path in the nested state,
+  ``planner_data``; dtype, shape, requires_grad, layout, pinning; a shard's global shape and
+  chunks; a byte leaf); ``DcpPlanKeys`` turns it into
   DCP's cache key, together with the planner, the name of what is written and, across
   ranks, every rank's signature digest and process (any rank's change re-plans on every
   rank; a restarted worker anywhere has no cached plans).
@@ -45,27 +46,33 @@ def arena_key(tensors: Mapping[str, torch.Tensor]) -> tuple:
     return tuple((k, t.dtype, tuple(t.shape)) for k, t in tensors.items())
 
 
-def dcp_plan_signature(flat: Mapping[str, Any], byte_leaf: type) -> tuple | None:
+def dcp_plan_signature(
+    flat: Mapping[str, Any], byte_leaf: type, object_paths: Mapping[str, tuple] | None = None
+) -> tuple | None:
     """Everything DCP's local save plan and its ``.metadata`` entry of a flat state depend on,
     per key; None where a leaf is of a kind not described here (then nothing is cached).
 
     ``byte_leaf``: the type of the pre-serialised leaves (written as bytes).
+    ``object_paths``: each key's path in the nested state, the plan's ``planner_data``
+    (``{"a": {"0": t}}`` and ``{"a": [t]}`` have the same keys and tensors, not the same paths).
     """
     from .dist import LocalShard
 
+    paths = object_paths or {}
     sig: list[tuple[Any, ...]] = []
     for k, v in flat.items():
         kind = type(v)
+        path = paths.get(k)
         if kind is torch.Tensor:
-            sig.append((k, v.dtype, v.shape, v.requires_grad, v.layout, v.is_pinned()))
+            sig.append((k, path, v.dtype, v.shape, v.requires_grad, v.layout, v.is_pinned()))
         elif kind is LocalShard:
             pieces = tuple(
                 (tuple(off), p.dtype, p.shape, p.requires_grad, p.layout, p.is_pinned())
                 for p, off in zip(v._pieces, v._offsets, strict=True)
             )
-            sig.append((k, LocalShard, v.dtype, v.shape, pieces))
+            sig.append((k, path, LocalShard, v.dtype, v.shape, pieces))
         elif isinstance(v, byte_leaf):
-            sig.append((k, byte_leaf))
+            sig.append((k, path, byte_leaf))
         else:
             return None
     return tuple(sig)

@@ -304,19 +304,26 @@ class _DCPSource(_Source):
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from .formats.dcp import load_flat
+        from .loadcheck import read_error
 
         request = {
             self.fqn[n]: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype)
             for n in names
         }
         # No process group: the worker has none here, and needs none to read every chunk.
-        load_flat(
-            request,
-            self.directory,
-            planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-        )
+        try:
+            load_flat(
+                request,
+                self.directory,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
+        except CheckpointException as e:
+            # A BaseException: past ``except Exception`` (the worker's export redo at start)
+            # and past callers of read_full_state / export_step that catch our errors.
+            raise read_error(self.directory, e) from e
         return {n: request[self.fqn[n]] for n in names}
 
 

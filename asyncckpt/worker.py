@@ -393,6 +393,7 @@ class Worker:
             step=job.step,
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
+            paths=job.paths,
         )
 
     def _commit_all(

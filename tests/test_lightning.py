@@ -34,6 +34,7 @@ from asyncckpt import (  # noqa: E402
 from asyncckpt import layout as _layout  # noqa: E402
 from asyncckpt.integrations.lightning import (  # noqa: E402
     AsyncCheckpointIO,
+    load_from_checkpoint,
     retention_policy,
 )
 
@@ -189,6 +190,31 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
         AsyncCheckpointIO().load_checkpoint(tmp_path / "nothing.ckpt")
     with pytest.raises(Exception, match="weights_only=True"):
         io.load_checkpoint(tmp_path, weights_only=True)
+    # Lightning's .ckpt name, through the plugin that saved it.
+    loaded = load_from_checkpoint(lt.TinyModel, cb.best_model_path, checkpoint_io=io)
+    assert_same(loaded.state_dict(), model.state_dict())
+
+
+def test_load_from_checkpoint_of_best_model_path(tmp_path: Path) -> None:
+    """Lightning's habit ``Model.load_from_checkpoint(best_model_path)`` opens a file, and
+    best_model_path is a global_step_N directory: ``load_from_checkpoint(Model, path)`` does
+    it instead (hyperparameters, strict, map_location and kwargs as Lightning's own)."""
+    cb = lt.checkpoint_callback(tmp_path)
+    model = lt.TinyModel(lr=0.01)
+    lt.trainer(15, [cb]).fit(model, lt.data())
+    best = cb.best_model_path
+    assert _layout.parse_dir_name("global_step", os.path.basename(best)) is not None
+    with pytest.raises(IsADirectoryError):  # why the function exists
+        lt.TinyModel.load_from_checkpoint(best)
+    loaded = load_from_checkpoint(lt.TinyModel, best)
+    assert isinstance(loaded, lt.TinyModel) and loaded.hparams.lr == 0.01
+    assert_same(loaded.state_dict(), read_checkpoint(best)["state_dict"])
+    # A root: its newest checkpoint (step 15, the model as trained); kwargs override hparams.
+    newest = load_from_checkpoint(lt.TinyModel, tmp_path, map_location="cpu", lr=0.5)
+    assert newest.hparams.lr == 0.5
+    assert_same(newest.state_dict(), model.state_dict())
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        load_from_checkpoint(lt.TinyModel, best, weights_only=True)
 
 
 def test_readme_section_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

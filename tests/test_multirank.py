@@ -374,8 +374,12 @@ def save_rank_own_dtype_changes(rank: int, world: int, root: str) -> dict:
         for step, dtype in dtypes[rank].items():
             engine.save(step, state(step, dtype)).committed_sync(120)
     out = {}
+    # Every rank's keys with their object paths, as DCP's default planner merges them (a
+    # cached plan's too): the dot inside "r0.w" is a key's, not a level of nesting.
+    paths = {f"model.r{r}.w": ("model", f"r{r}.w") for r in (0, 1)}
     for step in dtypes[rank]:
-        md = FileSystemReader(f"{root}/global_step_{step}").read_metadata().state_dict_metadata
+        metadata = FileSystemReader(f"{root}/global_step_{step}").read_metadata()
+        md = metadata.state_dict_metadata
         recorded = {k: str(v.properties.dtype) for k, v in md.items()}
         want = {f"model.r{r}.w": str(dtypes[r][step]) for r in (0, 1)}
         target = state(0, dtypes[rank][step])
@@ -383,7 +387,8 @@ def save_rank_own_dtype_changes(rank: int, world: int, root: str) -> dict:
         same = torch.equal(
             target["model"][f"r{rank}.w"], state(step, dtypes[rank][step])["model"][f"r{rank}.w"]
         )
-        out[step] = recorded == want and same or (recorded, want, same)
+        mapped = metadata.planner_data == paths
+        out[step] = recorded == want and same and mapped or (recorded, want, same, mapped)
     return out
 
 

@@ -115,7 +115,8 @@ class Format(ABC):
         """Worker side: write this rank's part into ``location`` (an existing directory, or
         for a one-file format the file, its directory not yet made). ``part`` is what
         ``prepare`` returned as the worker has it: ``tensors`` are the staged copies (views of
-        the staging arenas, by the same keys), ``objects`` and ``extra`` as prepared.
+        the staging arenas, by the same keys), ``objects``, ``paths`` and ``extra`` as
+        prepared.
 
         Returns (checksum, size) of each file it wrote, by path relative to ``location`` (a
         one-file format: relative to its directory): a multi-rank worker makes those durable

@@ -285,12 +285,13 @@ def write(
     step: int,
     world_size: int,
     options: Any,
+    paths: Mapping[str, list] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write every component into its place under ``directory``; crcs by relative path.
 
     Components are written in the order they were declared, the same on every rank, so the
     collective formats (dcp, torch_dist) meet their peers. ``options``: the worker's
-    ``base.WriteOptions``.
+    ``base.WriteOptions``; ``paths``: the prepared paths, prefixed by component.
     """
     from .base import Prepared
 
@@ -303,7 +304,9 @@ def write(
         if fmt.owns_directory:
             target.mkdir(parents=True, exist_ok=True)
         cache = f"{options.plan_cache}/{name}" if options.plan_cache else None
-        part = Prepared(strip(views, name), strip(objects, name), {}, part_extra)
+        part = Prepared(
+            strip(views, name), strip(objects, name), strip(paths or {}, name), part_extra
+        )
         written = fmt.write(part, target, dataclasses.replace(options, plan_cache=cache))
         # A directory's files are named from it, a one-file part's from its directory.
         base = rel if fmt.owns_directory else posixpath.dirname(rel)

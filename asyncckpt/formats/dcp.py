@@ -98,6 +98,11 @@ class _PassThroughPlanner(DefaultSavePlanner):
     """
 
     _reuse: SavePlan | None = None
+    #: Each flat key's object path in the nested state (``object_paths``), written as
+    #: ``.metadata``'s ``planner_data`` where the planner flattens (DCP's default planner maps
+    #: a key to its path; flattening a flat state would map each key to itself, and DCP's
+    #: tools, ``dcp_to_torch_save``, would give back flat keys).
+    object_paths: Mapping[str, tuple] | None = None
 
     def set_up_planner(
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
@@ -113,8 +118,12 @@ class _PassThroughPlanner(DefaultSavePlanner):
         if not cached:
             self._reuse = None
             super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            if self.flatten_state_dict and self.object_paths:
+                paths = self.object_paths
+                self.mappings = {k: paths.get(k, p) for k, p in self.mappings.items()}
             return
-        # A flat state flattens to itself: the traversal is skipped with the planning.
+        # A flat state flattens to itself: the traversal is skipped with the planning (the
+        # plan's planner_data is the mapping: the cache key covers the object paths).
         self._reuse = dcp_plan_cache("_cached_save_plan")[key]
         self.mappings = self._reuse.planner_data
         self.state_dict = state_dict
@@ -368,6 +377,7 @@ def write_flat(
     process_group: Any = None,
     planner: Any = None,
     plan_cache: str | None = None,
+    object_paths: Mapping[str, tuple] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write a flat state dict as DCP shards into ``directory``; returns crcs per file.
 
@@ -376,11 +386,14 @@ def write_flat(
     ``plan_cache`` names what is written (a persistent worker writes the same layout again
     and again): a save reuses DCP's plans and metadata from the last save under that name
     while the layout holds (``DefaultSavePlanner``'s plan caching; across ranks, while no
-    rank's process changed).
+    rank's process changed). ``object_paths`` (``dcp_object_paths``): each key's path in the
+    nested state, recorded in ``.metadata`` as DCP's default planner records it.
     """
     writer = ChecksumWriter(directory, thread_count=thread_count, pace=pace, direct_io=direct_io)
     no_dist = process_group is None
     planner = planner or _PassThroughPlanner()
+    if isinstance(planner, _PassThroughPlanner):
+        planner.object_paths = object_paths
     if plan_cache is not None and hasattr(planner, "_enable_plan_caching"):
         # DCP's own check of an unchanged local plan ignores dtypes, so its cache is only
         # turned on under a key that covers the whole layout (``cachekeys``). Across ranks the
@@ -388,7 +401,7 @@ def write_flat(
         # its own key is new, so any rank's change must change the key everywhere; and DCP's
         # caching assumes the coordinator holds the plans every other rank skips sending,
         # which a restarted worker (its caches empty) would break.
-        signature = dcp_plan_signature(flat, Serialized)
+        signature = dcp_plan_signature(flat, Serialized, object_paths)
         layout: Any = signature
         if not no_dist:
             ranks = _all_layouts(process_group, signature)
@@ -406,6 +419,25 @@ def write_flat(
             no_dist=no_dist,
         )
     return writer.crcs
+
+
+#: The last ``dcp_object_paths`` answer: a worker gets the same paths object save after save.
+_last_object_paths: tuple[Any, dict[str, tuple]] = (None, {})
+
+
+def dcp_object_paths(paths: Mapping[str, list] | None) -> dict[str, tuple]:
+    """DCP's object path of each key (``.metadata``'s ``planner_data``), from the typed paths
+    of ``staging.flatten_state``: dict keys as ``str`` (DCP's ``traverse_state_dict`` makes
+    them so), list indices as ``int``."""
+    global _last_object_paths
+    if not paths:
+        return {}
+    last, out = _last_object_paths
+    if paths is last:
+        return out
+    out = {k: tuple(i if kind == "l" else str(i) for kind, i in p) for k, p in paths.items()}
+    _last_object_paths = (paths, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -761,6 +793,7 @@ class DCPFormat(Format):
             process_group=options.process_group,
             planner=None if self.planner is None else self.planner(),  # None: the default
             plan_cache=options.plan_cache,
+            object_paths=dcp_object_paths(part.paths),
         )
 
     def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:

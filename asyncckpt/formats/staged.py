@@ -206,21 +206,32 @@ def write(
     step: int = 0,
     world_size: int = 1,
     plan_cache: str | None = None,
+    paths: Mapping[str, list] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written
     (by path relative to ``directory``).
 
     With a ``process_group`` every rank of it must call this for the same directory; DCP's
     metadata and the format's global files come from its rank 0. ``step`` and ``world_size``
-    place the parts of a checkpoint of components (``formats.components``).
+    place the parts of a checkpoint of components (``formats.components``). ``paths``: the
+    prepared ``Prepared.paths`` (dcp records them in ``.metadata`` as DCP's object paths).
     """
     extra = extra or {}
+    paths = paths or {}
     options = WriteOptions(rank, process_group, thread_count, pace, direct_io, plan_cache)
     if fmt == components.COMPONENTS:
         return components.write(
-            extra, views, objects, directory, step=step, world_size=world_size, options=options
+            extra,
+            views,
+            objects,
+            directory,
+            step=step,
+            world_size=world_size,
+            options=options,
+            paths=paths,
         )
-    return format_of(fmt, extra).write(Prepared(views, objects, {}, extra), directory, options)
+    part = Prepared(views, objects, paths, extra)
+    return format_of(fmt, extra).write(part, directory, options)
 
 
 # ------------------------------------------------------------------------------ loading

@@ -7,6 +7,9 @@
   commits and prunes; ``teardown`` (end of ``fit``, also after an exception) waits for every
   staged save to commit and stops the worker. A Lightning path ``<dir>/<name>.ckpt`` becomes the
   asyncckpt checkpoint ``<dir>/global_step_<checkpoint["global_step"]>`` (root ``<dir>``).
+- ``load_from_checkpoint(Model, path)``: ``Model.load_from_checkpoint(path)`` for an asyncckpt
+  checkpoint (Lightning's own reads ``path`` as one file; an asyncckpt checkpoint is a
+  ``global_step_N`` directory).
 - ``AsyncModelCheckpoint``: ``ModelCheckpoint``'s triggers (``every_n_train_steps``,
   ``train_time_interval``, ``every_n_epochs``, validation end, ``save_last``) with asyncckpt's
   retention: ``save_top_k`` / ``monitor`` / ``mode`` / ``save_last`` map to
@@ -19,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import threading
@@ -47,7 +51,7 @@ from ..sync import SyncCheckpointEngine
 
 log = logging.getLogger("asyncckpt")
 
-__all__ = ["AsyncCheckpointIO", "AsyncModelCheckpoint", "retention_policy"]
+__all__ = ["AsyncCheckpointIO", "AsyncModelCheckpoint", "load_from_checkpoint", "retention_policy"]
 
 
 def retention_policy(
@@ -330,6 +334,41 @@ class AsyncCheckpointIO(CheckpointIO):
                 msg = f"checkpoint step {c.step} at {c.path} is unusable ({e}); trying an older one"
                 warnings.warn(msg, stacklevel=3)  # one channel: the caller's warning
         raise CorruptCheckpoint(f"no checkpoint in {root} could be loaded: " + "; ".join(errors))
+
+
+def load_from_checkpoint(
+    cls: Any,
+    checkpoint_path: str | os.PathLike,
+    map_location: Any | None = None,
+    *,
+    checkpoint_io: AsyncCheckpointIO | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, map_location, **kwargs)`` for an asyncckpt
+    checkpoint: ``load_from_checkpoint(Model, checkpoint_callback.best_model_path)``.
+
+    Lightning's ``load_from_checkpoint`` opens its path as one file (``IsADirectoryError`` on a
+    ``global_step_N`` directory) and asks no ``CheckpointIO``, so a plugin cannot take it over.
+    Here the checkpoint dict is read as ``AsyncCheckpointIO.load_checkpoint`` reads it (a
+    ``global_step_N`` directory, or a root: its newest checkpoint that loads; a ``.ckpt`` name
+    only through the ``checkpoint_io`` that saved it, e.g. ``trainer.strategy.checkpoint_io``)
+    and handed to ``cls.load_from_checkpoint`` as an in-memory file, so hyperparameters,
+    ``strict``, ``on_load_checkpoint`` and ``map_location`` are Lightning's own. The dict
+    passes through memory twice (read, then serialised for Lightning). Works for a
+    ``LightningDataModule`` too.
+    """
+    if kwargs.pop("weights_only", None):
+        raise CheckpointError(
+            f"load_from_checkpoint({checkpoint_path!s}, weights_only=True): asyncckpt "
+            "checkpoints unpickle their non-tensor entries (DCP); load only trusted checkpoints"
+        )
+    checkpoint = (checkpoint_io or AsyncCheckpointIO()).load_checkpoint(checkpoint_path)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    del checkpoint
+    buffer.seek(0)
+    # weights_only=False: the dict holds what was saved (hparams objects included), as read.
+    return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=False, **kwargs)
 
 
 def _step_of(path: str) -> int:
