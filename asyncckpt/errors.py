@@ -20,20 +20,34 @@ class WriteTimeout(SaveFailed):
 
 
 class StateModifiedWhileStaging(CheckpointError):
-    """A tensor of the state was modified in place before its save was fully staged.
+    """A tensor of the state was modified in place, or its storage freed, resized or replaced
+    (``untyped_storage().resize_()``, ``set_()``), before its save was fully staged.
 
     The cause of that save's ``SaveFailed``: ``keys`` names the tensors (their flattened keys,
-    as in the checkpoint). Nothing of that save was written.
+    as in the checkpoint), ``storage`` those of them whose storage moved. Nothing of that save
+    was written.
     """
 
-    def __init__(self, keys: list[str]) -> None:
+    def __init__(self, keys: list[str], storage: list[str] | None = None) -> None:
         self.keys = list(keys)
-        shown = ", ".join(self.keys[:10]) + (
-            f" and {len(self.keys) - 10} more" if len(self.keys) > 10 else ""
-        )
-        super().__init__(
-            f"{len(self.keys)} tensor(s) modified in place while being staged: {shown}"
-        )
+        self.storage = list(storage or [])
+        moved = set(self.storage)
+        written = [k for k in self.keys if k not in moved]
+        parts = []
+        if written:
+            parts.append(
+                f"{len(written)} tensor(s) modified in place while being staged: {_few(written)}"
+            )
+        if self.storage:
+            parts.append(
+                f"{len(self.storage)} tensor(s) whose storage was freed, resized or replaced "
+                f"while being staged: {_few(self.storage)}"
+            )
+        super().__init__("; ".join(parts))
+
+
+def _few(keys: list[str]) -> str:
+    return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
 
 
 class StagingMemoryError(CheckpointError, MemoryError):

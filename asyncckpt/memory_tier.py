@@ -300,8 +300,8 @@ def save(saver: Any, pending: Any) -> Any:
 
     from . import faults
     from . import messages as M
-    from .errors import CheckpointError, SaveFailed, StateModifiedWhileStaging, WorkerDied
-    from .staging import modified_since
+    from .errors import CheckpointError, SaveFailed, WorkerDied
+    from .staging import copy_checked, torn_since
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -324,17 +324,19 @@ def save(saver: Any, pending: Any) -> Any:
         if slot.ensure(flat.tensors, pin, pending.key):
             stats.alloc_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        slot.copy_in(flat.tensors, any_cuda=pin)
+        # Blocking, on the caller's thread: only another thread can free a storage before the
+        # copy, racing it as during the copy, which no check makes safe (no guard).
+        torn = copy_checked(slot, flat.tensors, pending.marks, False, pin)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
-        torn = modified_since(flat.tensors, pending.versions)
-        if torn:  # invariant 13, as for a disk save: a torn slot is never held
-            cause = StateModifiedWhileStaging(torn)
+        if torn is None:
+            torn = torn_since(flat.tensors, pending.marks)
+        if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
             err = SaveFailed(
                 f"memory save of step {step} failed: the state changed while it was staged "
-                f"({cause}); the worker still holds the previous memory checkpoint"
+                f"({torn}); the worker still holds the previous memory checkpoint"
             )
-            err.__cause__ = cause
+            err.__cause__ = torn
             jobs.unreserve(i)
             jobs.fail_unsent(handle, err)
             return handle

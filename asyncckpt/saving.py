@@ -28,14 +28,14 @@ from typing_extensions import Unpack
 from . import faults
 from . import layout as _layout
 from . import messages as M
-from .errors import CheckpointError, SaveFailed, StateModifiedWhileStaging, WorkerDied
+from .errors import CheckpointError, SaveFailed, WorkerDied
 from .flatplan import FlattenCache
 from .jobs import JobTable, SaveHandle
 from .preemption import SigtermHandler
 from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import RetentionPolicy, SaveSchedule
-from .staging import StagingSlot, layout_key, modified_since, ready_events, versions
+from .staging import Marks, StagingSlot, copy_checked, layout_key, ready_events, torn_since
 from .stats import SaveStats
 from .supervisor import WorkerLink
 from .worker import PruneRequest, SaveJob
@@ -154,6 +154,8 @@ class Saver:
 
             return memory_tier.save(self, pending)
         if not self.take_slot(pending, block=False):
+            # Other code runs while it waits (the async facade's other tasks, other threads).
+            pending.guard = True
             yield lambda: self.take_slot(pending)
         return self.finish_save(pending, overlap=opts["overlap"])
 
@@ -232,7 +234,7 @@ class Saver:
             stats,
             time.perf_counter(),
             SaveHandle(step, stats),
-            versions(flat.tensors),
+            Marks.of(flat.tensors),
             metadata=meta,
         )
 
@@ -265,6 +267,7 @@ class Saver:
             if any(t.is_cuda for t in pending.flat.tensors.values()):
                 pending.ready = ready_events(pending.flat.tensors)
             pending.stats.overlapped = True
+            pending.guard = True  # the loop goes on (and may free a storage) as it copies
             thread = threading.Thread(
                 target=self._stage_behind, args=(pending,), name="asyncckpt-stage", daemon=True
             )
@@ -322,20 +325,21 @@ class Saver:
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
-        slot.copy_in(flat.tensors, any_cuda=pin, ready=pending.ready)
+        torn = copy_checked(slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
         handle = pending.handle
-        torn = modified_since(flat.tensors, pending.versions)
-        if torn:
+        if torn is None:
+            torn = torn_since(flat.tensors, pending.marks)
+        if torn is not None:
             # Invariant 13: the arena may hold two moments of the state; never send it.
-            cause = StateModifiedWhileStaging(torn)
             err = SaveFailed(
-                f"save of step {step} failed: the state changed while it was staged ({cause}); "
+                f"save of step {step} failed: the state changed while it was staged ({torn}); "
                 "nothing was written, older checkpoints are intact. Wait for the copy before "
-                "mutating the state (handle.staged(), engine.stage_before_step(optimizer))"
+                "mutating the state or freeing its storage (handle.staged(), "
+                "engine.stage_before_step(optimizer))"
             )
-            err.__cause__ = cause
+            err.__cause__ = torn
             self.jobs.unreserve(slot_idx)
             self.jobs.fail_unsent(handle, err)
             return handle
@@ -549,7 +553,8 @@ class PendingSave:
     stats: SaveStats
     started: float
     handle: SaveHandle
-    versions: list[int]  # the tensors' version counters when save was called (torn states)
+    marks: Marks  # the tensors' version counters and data pointers when save was called (torn)
     slot: int | None = None
+    guard: bool = False  # other code ran since save was called: check pointers before the copy
     ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
     metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked

@@ -23,6 +23,7 @@ import torch
 from . import faults
 from ._torch import foreach_copy_, host_register, host_unregister, version_counters
 from .cachekeys import arena_key
+from .errors import StateModifiedWhileStaging
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
 ALIGN = 64
@@ -289,6 +290,7 @@ class StagingSlot:
         tensors: dict[str, torch.Tensor],
         any_cuda: bool | None = None,
         ready: dict[int, Any] | None = None,
+        marks: Marks | None = None,
     ) -> None:
         """Copy every tensor into its view; returns once the copies have completed.
 
@@ -300,9 +302,14 @@ class StagingSlot:
         ``ready``: device index -> a CUDA event recorded where the values to save were queued
         (an overlapped save, copied on another thread: that thread's current stream is not the
         trainer's); without it the side stream waits for this thread's current stream.
+        ``marks``: check, right before each group of tensors is read, that none of their
+        storages moved since ``save`` was called (``StateModifiedWhileStaging``): a freed one
+        would be read through a dangling pointer (torch's copy crashes on a null one).
         """
         srcs = list(tensors.values())
         cuda_pairs = []
+        if marks is not None and self.large:
+            marks.check_pointers(tensors, srcs, self.large)
         with _CpuCopier(cpu_copy_threads()) as copier:
             for i in self.large:
                 t = srcs[i]
@@ -319,6 +326,8 @@ class StagingSlot:
             faults.point("mid_stage")
             # All small (the many-tensor case): the plan's indices are 0..n-1, no gather.
             small = srcs if len(self.small) == len(srcs) else [srcs[i] for i in self.small]
+            if marks is not None and self.small:
+                marks.check_pointers(tensors, srcs, self.small)
             if (any_cuda is None or any_cuda) and any(t.is_cuda for t in small):
                 cpu_dst, cpu_src = [], []
                 for view, t in zip(self.small_views, small, strict=True):
@@ -476,22 +485,91 @@ def _copy_from_cuda(
 # ------------------------------------------------------------------ torn states (invariant 13)
 # Every in-place op through autograd's view of a tensor (``add_``, ``copy_``, an optimizer's
 # step, also under ``torch.no_grad``, and through ``.detach()`` aliases, which share the
-# counter) bumps its version counter. Reading the counters of 20,000 tensors is ~1.7 ms of
-# Python, so it is done twice per save (when it is called, when staging ends) and nothing more.
+# counter) bumps its version counter, and so do the in-place ops that change its shape, strides
+# or offset (``resize_``, ``set_``, ``as_strided_``, ``t_``). What does not bump it is freeing,
+# resizing or swapping the storage under the tensor (``untyped_storage().resize_(0)``, which FSDP
+# does to parameters between steps, a growing or shrinking ``resize_``, ``.data = other``):
+# there the tensor's data pointer moves, as torch allocates a resized storage's new block while
+# the old one is still held, and a freed one has none. Counters and pointers of 20,000 tensors
+# are ~1.5 ms of Python each, read twice per save (when it is called, when staging ends), and
+# the pointers once more before the copy reads them where other code of the program ran since
+# ``save`` was called (``Marks.check_pointers``). A storage's size adds nothing the pointer
+# does not show, save a free and a re-allocation of another size at the same address, and
+# neither shows a free and a re-allocation of the same size there.
+
+_DATA_PTR = torch.Tensor.data_ptr  # unbound: 3x cheaper per tensor than a methodcaller
 
 
-def versions(tensors: dict[str, torch.Tensor]) -> list[int]:
-    """The version counters of the tensors to stage, in staging order (empty where torch
-    has none: then nothing is found torn)."""
-    return version_counters(tensors.values())
+@dataclass
+class Marks:
+    """What says each tensor still holds the bytes of the ``save`` call, in staging order."""
+
+    versions: list[int]  # in-place writes (empty where torch has no counters)
+    pointers: list[int]  # the data pointer: a storage freed, resized or replaced
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Marks:
+        ts = tensors.values()
+        return cls(version_counters(ts), list(map(_DATA_PTR, ts)))
+
+    def check_pointers(
+        self, tensors: dict[str, torch.Tensor], srcs: list[torch.Tensor], indices: list[int]
+    ) -> None:
+        """Raise ``StateModifiedWhileStaging`` if a storage of ``srcs[i]`` (``i`` in
+        ``indices``) moved: the copy must not read a storage that was freed or replaced."""
+        if len(indices) == len(srcs):  # all of them (the many-small-tensors case): no gather
+            now, before = list(map(_DATA_PTR, srcs)), self.pointers
+        else:
+            now = [_DATA_PTR(srcs[i]) for i in indices]
+            before = [self.pointers[i] for i in indices]
+        if now != before:
+            keys = list(tensors)
+            moved = [keys[i] for i, a, b in zip(indices, now, before, strict=True) if a != b]
+            raise StateModifiedWhileStaging(moved, storage=moved)
 
 
-def modified_since(tensors: dict[str, torch.Tensor], before: list[int]) -> list[str]:
-    """The keys of the tensors modified in place since ``before = versions(tensors)``."""
-    after = versions(tensors)
-    if after == before:
-        return []
-    return [k for k, a, b in zip(tensors, after, before, strict=True) if a != b]
+def torn_since(tensors: dict[str, torch.Tensor], before: Marks) -> StateModifiedWhileStaging | None:
+    """The error naming the tensors written in place or whose storage moved since
+    ``before = Marks.of(tensors)``; None if none did."""
+    now = Marks.of(tensors)
+    if now == before:
+        return None
+    changed = set()
+    if now.versions != before.versions:
+        changed = {
+            k for k, a, b in zip(tensors, now.versions, before.versions, strict=True) if a != b
+        }
+    moved = [k for k, a, b in zip(tensors, now.pointers, before.pointers, strict=True) if a != b]
+    changed.update(moved)
+    return StateModifiedWhileStaging([k for k in tensors if k in changed], storage=moved)
+
+
+def copy_checked(
+    slot: StagingSlot,
+    tensors: dict[str, torch.Tensor],
+    before: Marks,
+    guard: bool,
+    any_cuda: bool,
+    ready: dict[int, Any] | None = None,
+) -> StateModifiedWhileStaging | None:
+    """``slot.copy_in``, where a torn state that stops the copy is returned, not raised.
+
+    ``guard``: other code of the program ran since ``save`` was called (an overlapped save, a
+    wait for a slot), so no storage is read before its pointer is checked. A storage swapped
+    while the copy runs can make torch or NumPy refuse it (a size mismatch): that is reported
+    as the torn state it is. The caller still checks ``torn_since`` once the copy is over.
+    """
+    try:
+        slot.copy_in(tensors, any_cuda=any_cuda, ready=ready, marks=before if guard else None)
+    except StateModifiedWhileStaging as e:
+        return e
+    except Exception as e:
+        torn = torn_since(tensors, before)
+        if torn is None:
+            raise
+        torn.__cause__ = e  # what torch or NumPy said, for the traceback
+        return torn
+    return None
 
 
 def ready_events(tensors: dict[str, torch.Tensor]) -> dict[int, Any]:
