@@ -191,10 +191,10 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
         io.load_checkpoint(tmp_path, weights_only=True)
 
 
-def test_readme_section_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's Lightning snippet, run twice (in this process: Lightning is
+def test_docs_page_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lightning page's snippet (docs/how-to/lightning.md), run twice (in this process: Lightning is
     imported already): the second run resumes at step 10 and trains to 20."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "how-to" / "lightning.md").read_text()
     (code,) = [
         b
         for b in re.findall(r"```python\n(.*?)```", text, re.S)
