@@ -8,7 +8,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "${PYTHON:-python3}" -m venv "$tmp/venv"
 "$tmp/venv/bin/pip" install torch==2.13.0
-"$tmp/venv/bin/pip" install -e ".[test,bench,megatron,tensorboard,lightning,hf,s3]"
+"$tmp/venv/bin/pip" install -e ".[test,bench,megatron,tensorboard,lightning,hf,s3,docs]" build
 {
   sed -n '/^#/p' constraints/test.txt
   # torch and its CUDA packages are chosen by their own command, not pinned here.

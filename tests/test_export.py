@@ -668,14 +668,16 @@ def test_engine_export_failure_says_the_step_is_committed(gpt2: Any, tmp_path: P
     assert [c.step for c in L.scan(tmp_path / "ckpt", "global_step")] == [1]
 
 
-def test_readme_export_snippet_runs_as_written(tmp_path: Path) -> None:
+def test_docs_export_snippet_runs_as_written(tmp_path: Path) -> None:
     import re
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[1]
     blocks = re.findall(
-        r"```python\n(# requires: safetensors.*?)```", (repo / "README.md").read_text(), re.S
+        r"```python\n(# requires: safetensors.*?)```",
+        (repo / "docs" / "how-to" / "hf-export.md").read_text(),
+        re.S,
     )
     assert len(blocks) == 1
     env = {**os.environ, "PYTHONPATH": str(repo)}

@@ -320,20 +320,21 @@ def test_save_strategy_best_is_refused_loudly(tmp_path: Path) -> None:
         trainer.train()
 
 
-def test_readme_section_snippet_runs(
+def test_docs_page_snippet_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "how-to" / "hf-trainer.md").read_text()
     blocks = [
         b
         for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
         if b.startswith("# requires: transformers")
     ]
-    assert len(blocks) == 1, "the README's Hugging Face Trainer section has one snippet"
-    # In-process (a subprocess would pay the transformers import again); the README test runs
-    # it as a script.
+    assert len(blocks) == 1, (
+        "the Hugging Face Trainer page (docs/how-to/hf-trainer.md) has one snippet"
+    )
+    # In-process (a subprocess would pay the transformers import again).
     monkeypatch.chdir(tmp_path)
-    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "__main__"})
+    exec(compile(blocks[0], "hf-trainer.md", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     assert "first run ended at step 8" in out
     assert "second run resumed from step 8, ended at step 16" in out

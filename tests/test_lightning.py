@@ -217,10 +217,10 @@ def test_load_from_checkpoint_of_best_model_path(tmp_path: Path) -> None:
         load_from_checkpoint(lt.TinyModel, best, weights_only=True)
 
 
-def test_readme_section_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's Lightning snippet, run twice (in this process: Lightning is
+def test_docs_page_snippet_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Lightning page's snippet (docs/how-to/lightning.md), run twice (in this process: Lightning is
     imported already): the second run resumes at step 10 and trains to 20."""
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "how-to" / "lightning.md").read_text()
     (code,) = [
         b
         for b in re.findall(r"```python\n(.*?)```", text, re.S)

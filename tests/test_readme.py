@@ -38,7 +38,13 @@ def run_python(code: str, cwd: Path) -> str:
 
 
 def test_setup_commands_are_what_ci_runs():
-    setup = [b.strip() for b in blocks("bash") if b.strip().startswith("pip install torch==")]
+    # The two set-up commands chain torch's install with the rest; the CPU-only machine's
+    # `pip install torch==... --index-url ...` beside them is a step before, not a third one.
+    setup = [
+        b.strip()
+        for b in blocks("bash")
+        if b.strip().startswith("pip install torch==") and "&&" in b
+    ]
     assert len(setup) == 2, "the README holds two set-up commands (example, tests)"
     example, tests = setup
     assert "python examples/" in example and "pytest" in tests
@@ -62,12 +68,27 @@ def test_setup_commands_are_what_ci_runs():
     assert ci.index(example) < ci.index(tests) < ci.index(integration)
     made = [v.strip('"') for v in re.findall(r"^\s*python -m venv (\S+)$", ci, re.M)]
     sourced = re.findall(r'^(\s*)source "?([^"\s]+)/bin/activate"?$', ci, re.M)
-    assert len(set(made)) == 2 and [v for _, v in sourced] == made, (made, sourced)
+    assert len(set(made)) == len(made) >= 2, made
+    assert [v for _, v in sourced] == made, (made, sourced)
     before_example = ci[: ci.index(example)]
     before_tests = ci[ci.index(example) + len(example) : ci.index(tests)]
     assert f"{made[0]}/bin/activate" in before_example
     assert f'python -m venv "{made[1]}"' in before_tests
     assert ("", made[1]) in sourced, "the tests' venv is activated in CI's own shell"
+    # After them, the docs site is built by the README's command, in a fresh venv with the docs
+    # extra (and torch installed first, as the README's first command does); then the package
+    # is built and its wheel and sdist installed in fresh venvs of their own.
+    docs = next(
+        line.split("#")[0].strip()
+        for b in blocks("bash")
+        for line in b.splitlines()
+        if "mkdocs build --strict" in line
+    )
+    assert '".[docs]"' in docs and f"pip install torch==2.13.0 && {docs}" in ci
+    after = ci[ci.index(integration) :]
+    assert docs in after and "python -m build" in after[after.index(docs) :]
+    docs_venv = after[: after.index(docs)].rsplit("python -m venv ", 1)[1].split()[0].strip('"')
+    assert docs_venv in made[2:], (docs_venv, made)
 
 
 def test_the_test_command_installs_from_the_committed_constraints():

@@ -366,11 +366,13 @@ def test_cli_ls_verify_prune_on_a_bucket(s3, tmp_path, capsys):
     assert main(["ls", f"s3://{s3.bucket}-nope/run", *opts]) == 1
 
 
-def test_readme_object_storage_snippet_runs_as_written(s3, tmp_path):
+def test_docs_object_storage_snippet_runs_as_written(s3, tmp_path):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (
+        Path(__file__).resolve().parents[1] / "docs" / "how-to" / "object-storage.md"
+    ).read_text()
     (code, printed) = re.findall(
         r"```python\n(# requires: s3fs.*?)```\n\nprints\n\n```text\n(.*?)```", readme, re.S
     )[0]

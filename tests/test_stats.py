@@ -375,7 +375,7 @@ def test_tensorboard_logger_needs_a_place(tmp_path):
         TensorBoardLogger()
 
 
-# -- the README section's snippet --------------------------------------------------------------
+# -- the docs page's snippet (docs/how-to/pytorch-loop.md) -----------------------------------------
 
 README_SNIPPET = """
 import tempfile
@@ -404,8 +404,8 @@ def python_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", markdown, re.S | re.M)
 
 
-def test_readme_section_snippet_runs(tmp_path):
-    doc = (REPO / "README.md").read_text()
+def test_docs_page_snippet_runs(tmp_path):
+    doc = (REPO / "docs" / "how-to" / "pytorch-loop.md").read_text()
     assert README_SNIPPET.strip() in doc  # the test runs what the section shows
     script = tmp_path / "snippet.py"
     script.write_text(README_SNIPPET)
@@ -419,11 +419,11 @@ def test_readme_section_snippet_runs(tmp_path):
     assert "'with_figures': 3" in lines[3] and "'total_bytes'" in lines[3]
 
 
-def test_readme_section_tensorboard_snippet_runs(tmp_path):
+def test_docs_page_tensorboard_snippet_runs(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    blocks = python_blocks((REPO / "README.md").read_text())
+    blocks = python_blocks((REPO / "docs" / "how-to" / "pytorch-loop.md").read_text())
     assert README_SNIPPET.strip() in [b.strip() for b in blocks]
     (tb,) = [b for b in blocks if b.startswith("# requires: tensorboard\n")]
     script = tmp_path / "snippet.py"

@@ -1,0 +1,178 @@
+"""The documentation site (issue 36): every Python block of every page under docs/ runs, in a
+fresh directory per page, with the checkout's asyncckpt, and prints what the page says it
+prints (a ```text block right after it). A block that cannot run here is marked in the page
+source, right before its fence: ``<!-- not run: why -->``, or ``<!-- run by: tests/x.py -->``
+for a block an integration's own test module runs (it needs that integration, "# requires:"
+on its first line). The marked blocks are exactly those listed below: a new one must be added
+here on purpose. `mkdocs build --strict` (broken links, missing references) is `.ci/run`'s."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>\w*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)  # fmt: skip
+MARK = re.compile(r"<!--\s*(not run|run by):\s*(.*?)\s*-->\s*$")
+
+#: (page, why) of every block marked ``<!-- not run: why -->``.
+NOT_RUN = {
+    ("how-to/multi-rank.md", "needs torchrun (several processes)"),
+    ("how-to/migrating.md", "the code being replaced, a fragment"),
+}
+#: (page, test module) of every block marked ``<!-- run by: ... -->``.
+RUN_BY = {
+    ("how-to/pytorch-loop.md", "tests/test_stats.py"),
+    ("how-to/lightning.md", "tests/test_lightning.py"),
+    ("how-to/hf-trainer.md", "tests/test_hf_trainer.py"),
+    ("how-to/object-storage.md", "tests/test_s3.py"),
+    ("how-to/hf-export.md", "tests/test_export.py"),
+}
+#: A page whose first block is run a second time, printing its n-th ```text block: the
+#: Getting started loop, run again, resumes.
+RERUN = {"getting-started.md": 1}
+
+
+@dataclass
+class Block:
+    lang: str
+    code: str
+    indent: str
+    mark: tuple[str, str] | None  # ("not run", why) / ("run by", module)
+    prints: str | None  # the ```text block right after it
+
+
+def pages() -> list[str]:
+    return sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+
+
+def blocks(page: str) -> list[Block]:
+    text = (DOCS / page).read_text()
+    found = list(FENCE.finditer(text))
+    out = []
+    for i, m in enumerate(found):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = MARK.search(before)
+        after = found[i + 1] if i + 1 < len(found) else None
+        prints = None
+        if after and after.group("lang") == "text" and not text[m.end() : after.start()].strip():
+            prints = after.group("body")
+        out.append(
+            Block(
+                m.group("lang"),
+                m.group("body"),
+                m.group("indent"),
+                (mark.group(1), mark.group(2)) if mark else None,
+                prints,
+            )
+        )
+    return out
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("ASYNCCKPT_FAULTS", None)
+    return e
+
+
+def run_python(code: str, cwd: Path, where: str) -> str:
+    script = cwd / "snippet.py"
+    script.write_text(code)
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, env=env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, f"{where} failed:\n{code}\n--- stderr:\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+def is_cli(block: Block) -> bool:
+    """A shell block of asyncckpt commands only: run like the Python blocks."""
+    lines = [ln.split("#", 1)[0].strip() for ln in block.code.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return block.lang == "bash" and bool(lines) and all(
+        ln.startswith("python -m asyncckpt ") for ln in lines
+    )  # fmt: skip
+
+
+def runnable(page: str) -> list[Block]:
+    return [b for b in blocks(page) if (b.lang == "python" and b.mark is None) or is_cli(b)]
+
+
+def test_the_site_has_its_pages():
+    names = pages()
+    assert len(names) >= 12, names
+    api = (DOCS / "reference" / "api.md").read_text()
+    assert "::: asyncckpt.CheckpointEngine" in api and "load_latest" in api
+    nav = (REPO / "mkdocs.yml").read_text()
+    for name in names:  # every page is in the navigation (mkdocs only warns otherwise)
+        assert f": {name}\n" in nav, f"{name} is not in mkdocs.yml's nav"
+
+
+def test_every_python_block_runs_or_is_marked():
+    not_run, run_by = set(), set()
+    for page in pages():
+        for b in blocks(page):
+            if b.lang != "python":
+                assert b.mark is None, f"{page}: a mark before a {b.lang!r} block"
+                continue
+            # A block inside a tab or a list would be rendered but found by no simple reader.
+            assert not b.indent, f"{page}: an indented Python block"
+            requires = b.code.startswith("# requires:")
+            if b.mark is None:
+                assert not requires, f"{page}: a '# requires:' block without '<!-- run by: -->'"
+            elif b.mark[0] == "not run":
+                not_run.add((page, b.mark[1]))
+            else:
+                assert requires, f"{page}: run by {b.mark[1]}, but no '# requires:' line"
+                run_by.add((page, b.mark[1]))
+    assert not_run == NOT_RUN
+    assert run_by == RUN_BY
+    for page, module in RUN_BY:  # and that module does read the page
+        assert f'"{Path(page).name}"' in (REPO / module).read_text(), (page, module)
+
+
+def test_deprecated_keywords_are_listed_on_one_page():
+    from asyncckpt.options import DEPRECATED
+
+    text = (DOCS / "reference" / "deprecated.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)=` \| `(.+?)` \|$", text, re.M))
+    assert rows == {name: replacement for name, (_, _, replacement) in DEPRECATED.items()}
+    for page in pages():  # and nowhere else as a row of a table
+        if page != "reference/deprecated.md":
+            for name in DEPRECATED:
+                assert f"| `{name}=` |" not in (DOCS / page).read_text(), (page, name)
+
+
+@pytest.mark.parametrize("page", [p for p in pages() if runnable(p)])
+def test_page_snippets_run_as_written(page, tmp_path):
+    todo = runnable(page)
+    for i, b in enumerate(todo):
+        where = f"{page}, block {i + 1}"
+        if b.lang == "python":
+            out = run_python(b.code, tmp_path, where)
+            if b.prints is not None:
+                assert out.strip() == b.prints.strip(), f"{where} printed:\n{out}"
+            if i == 0 and page in RERUN:
+                texts = [x for x in blocks(page) if x.lang == "text"]
+                again = run_python(b.code, tmp_path, where + " (again)")
+                assert again.strip() == texts[RERUN[page]].code.strip(), again
+            continue
+        for line in b.code.splitlines():
+            cmd = line.split("#", 1)[0].strip()
+            if cmd:
+                argv = shlex.split(cmd)
+                r = subprocess.run(
+                    [sys.executable, *argv[1:]], cwd=tmp_path, env=env(), capture_output=True,
+                    text=True, timeout=120,
+                )  # fmt: skip
+                assert r.returncode == 0, f"{where}: {cmd}\n{r.stdout}\n{r.stderr}"
