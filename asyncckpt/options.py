@@ -166,7 +166,7 @@ class MemoryTier:
     replicas: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.replicas, bool) or self.replicas not in (0, 1):
+        if type(self.replicas) is not int or self.replicas not in (0, 1):
             raise ValueError(f"replicas must be 0 or 1, got {self.replicas!r}")
         if not isinstance(self.persist_on_close, bool):
             raise TypeError(

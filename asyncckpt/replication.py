@@ -41,7 +41,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -402,8 +402,6 @@ class ReplicaReceiver:
                 self.gone.set()  # mid-transfer or between: what is held stays whole
 
     def _one(self, sock: socket.socket) -> None:
-        from .staging import check_memory
-
         kind, job, sizes, keep = _recv_obj(sock)
         if kind != "replica":
             raise EOFError(f"unexpected message {kind!r}")
@@ -414,6 +412,8 @@ class ReplicaReceiver:
         arenas: dict[int, Any] = {}
         try:
             import torch
+
+            from .staging import check_memory
 
             need = sum(n for n in sizes) - sum(int(a.numel()) for a in reuse)
             if need > 0:
@@ -515,3 +515,45 @@ def stand_in_config(config: Any, rank: int) -> Any:
         store_socket=None,
         replication=None,
     )
+
+
+@contextlib.contextmanager
+def standing_in(replication: Replication | None, config: Any, target: Any) -> Iterator[None]:
+    """Around a worker's own persist at the trainers' death: the stand-ins it starts, joined
+    at the end (``start_stand_ins``)."""
+    procs = start_stand_ins(replication, config, target)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.join(config.orphan_deadline_s)
+
+
+def start_stand_ins(replication: Replication | None, config: Any, target: Any) -> list[Any]:
+    """At the trainers' death: a process standing in for the source peer if its worker is
+    gone, writing its part of the memory step as that rank would (``target``: the worker's
+    ``stand_in_main``), or none."""
+    if replication is None:
+        return []
+    try:
+        replicas = replication.stand_in_jobs()
+    except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
+        log.warning("could not stand in for rank %d: %s", replication.rep.source, e)
+        return []
+    if not replicas:
+        return []
+    import multiprocessing
+
+    import torch.multiprocessing as tmp
+
+    stand_in = stand_in_config(config, replication.rep.source)
+    jobs = [r.job for r in replicas]
+    arenas = {i: a for r in replicas for i, a in r.arenas.items()}
+    # A worker is a daemonic process, which multiprocessing forbids children; the stand-in
+    # is joined before the worker exits.
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    proc = tmp.get_context("spawn").Process(
+        target=target, args=(stand_in, jobs, arenas), name=f"asyncckpt-stand-in-{stand_in.rank}"
+    )
+    proc.start()
+    return [proc]

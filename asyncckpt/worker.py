@@ -200,7 +200,7 @@ class Worker:
             if isinstance(msg, EOFError):
                 # The trainer is gone without closing the engine: every staged save above is
                 # written; now the memory checkpoint it held, if newer.
-                self._persist_held()
+                _persist_held(self)
                 raise msg
             if isinstance(msg, BaseException):
                 raise msg
@@ -591,52 +591,22 @@ class Worker:
             except OSError:
                 pass  # complete and verified; only the tracker lags it
 
-    def _persist_held(self) -> None:
-        from .memory_hold import persist_held
-
-        stand_ins = self._stand_ins()
-        try:
-            persist_held(self)
-        finally:
-            for proc in stand_ins:
-                proc.join(self.config.orphan_deadline_s)
-
-    def _stand_ins(self) -> list[Any]:
-        """Replicas: a process standing in for the peer whose worker is gone, writing its
-        part of the memory step as that rank would (replication.py), or none."""
-        if self.replication is None:
-            return []
-        try:
-            replicas = self.replication.stand_in_jobs()
-        except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
-            log.warning("could not stand in for rank %d: %s", self.replication.rep.source, e)
-            return []
-        if not replicas:
-            return []
-        import multiprocessing
-
-        from .replication import stand_in_config
-
-        config = stand_in_config(self.config, self.replication.rep.source)
-        jobs = [r.job for r in replicas]
-        arenas = {i: a for r in replicas for i, a in r.arenas.items()}
-        # This worker is a daemonic process, which multiprocessing forbids children; the
-        # stand-in is joined before this process exits.
-        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-        proc = torch.multiprocessing.get_context("spawn").Process(
-            target=stand_in_main,
-            args=(config, jobs, arenas),
-            name=f"asyncckpt-stand-in-{config.rank}",
-        )
-        proc.start()
-        return [proc]
-
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
             report = request.run(self.root, self.config, step)
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+def _persist_held(worker: Worker) -> None:
+    """The trainer died: write the memory checkpoint it left (memory_hold.py), with the
+    stand-ins for gone peers whose replicas this worker holds (replication.py)."""
+    from .memory_hold import persist_held
+    from .replication import standing_in
+
+    with standing_in(worker.replication, worker.config, stand_in_main):
+        persist_held(worker)
 
 
 def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any = None) -> None:
