@@ -169,3 +169,17 @@ def test_node_lost_mid_replication_keeps_the_previous_step(tmp_path):
     _check_loads(root, 4, 2)
     report = verify(root)
     assert report.ok and [c.step for c in report.checkpoints] == [1, 2], report
+
+
+def test_two_adjacent_nodes_lost_fall_back_to_disk(tmp_path):
+    """3 nodes x 2 ranks, replicas=1: nodes 1 and 2 die whole. Node 1's ranks have no copy
+    left (their replicas lived on node 2): nothing of the memory tier is written, the disk
+    step 1 stays the latest, and the survivors say why."""
+    _run(tmp_path, 3, 2, "replicated", {1, 2})
+    root = tmp_path / "r"
+    errs = "\n".join(_err(tmp_path, r) for r in range(6))
+    assert L.read_tracker(root) == 1, errs
+    _check_loads(root, 6, 1)
+    assert "could not agree on a memory checkpoint" in errs
+    report = verify(root)
+    assert report.ok and [c.step for c in report.checkpoints] == [1], report
