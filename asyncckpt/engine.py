@@ -82,6 +82,38 @@ class Ranks:
         return None if self.node is None else self.world_size // self.node.ranks_per_node
 
 
+def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
+    """``MemoryTier(replicas=1)``: whom this rank's worker sends its memory saves to and whose
+    it holds (replication.py); refused where there is no other node to hold them."""
+    if not opts.memory.replicas:
+        return None
+    from .replication import ReplicaConfig, peer_rank, source_rank
+
+    nodes = ranks.nodes
+    if ranks.node is None or nodes is None or nodes < 2:
+        raise ValueError(
+            "memory=MemoryTier(replicas=1) keeps each memory save on another node too, and "
+            + (
+                "this job runs on one node"
+                if nodes is not None
+                else "this job's node layout is unknown (LOCAL_RANK differs from the rank but "
+                "no LOCAL_WORLD_SIZE/GROUP_RANK or Distributed(node_rank=, ranks_per_node=) "
+                "says how many ranks each node runs)"
+            )
+            + ": use replicas=0 here"
+        )
+    if opts.distributed.storage != "shared":
+        raise ValueError(
+            "memory=MemoryTier(replicas=1) recovers onto one root every node writes: "
+            'Distributed(storage="local") with replicas is not supported yet'
+        )
+    node, per = ranks.node.node_rank, ranks.node.ranks_per_node
+    return ReplicaConfig(
+        peer=peer_rank(ranks.rank, node, per, nodes),
+        source=source_rank(ranks.rank, node, per, nodes),
+    )
+
+
 class EngineParts:
     """One engine's parts and its lifecycle (``start``/``stop``/``drain``); see the module."""
 
@@ -124,6 +156,7 @@ class EngineParts:
         rank, world_size, local_rank = _dist.detect(d.rank, d.world_size, d.local_rank)
         node = _dist.detect_node(rank, world_size, local_rank, d.node_rank, d.ranks_per_node)
         self.ranks = Ranks(rank, world_size, local_rank, node)
+        self.replication = _replication(self.ranks, opts)
         rank = self.ranks.rank
         prunes_here = should_prune(rank, self.ranks.local_rank, d.storage)
         legacy = staged.legacy_ranks(rank, self.ranks.world_size, d.legacy_ranks)
@@ -202,6 +235,7 @@ class EngineParts:
         )
         self.saver.memory.every_steps = opts.schedule.memory_every_steps
         self.saver.memory.persist_on_close = opts.memory.persist_on_close
+        self.saver.memory.replicas = opts.memory.replicas
         self.started = False
         self.lock_fd: int | None = None
 
@@ -221,6 +255,7 @@ class EngineParts:
             orphan_deadline_s=self.opts.write_timeout or WorkerConfig.orphan_deadline_s,
             spool=self.spooled,
             store_socket=self.rendezvous.listener,
+            replication=self.replication,
         )
 
     def _on_loaded(self, step: int) -> None:

@@ -19,6 +19,13 @@ class WriteTimeout(SaveFailed):
     """A write took longer than ``write_timeout``; the hung worker was killed."""
 
 
+class NotReplicated(CheckpointError):
+    """A memory save's replica is not held by the peer node's worker (``handle.replicated``):
+    the peer was unreachable or had no room, a newer save superseded it before it was sent,
+    or the save is not a replicated one (``memory=MemoryTier(replicas=1)``, ``tier="memory"``).
+    The save itself stands: its own worker holds it."""
+
+
 class StateModifiedWhileStaging(CheckpointError):
     """A tensor of the state was modified in place, or its storage freed, resized or replaced
     (``untyped_storage().resize_()``, ``set_()``), before its save was fully staged.

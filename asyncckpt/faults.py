@@ -52,6 +52,8 @@ POINTS = (
     "mid_remote_prune",  # worker: a remote checkpoint's marker deleted, its files not yet
     # With an HFExport (export.py): after the commit, before the save's handle resolves.
     "mid_export",  # worker: a file of a Hugging Face export written, the export not published
+    # With MemoryTier(replicas=1) (replication.py): a memory save's replica being sent.
+    "mid_replication",  # worker: the replica's header sent, none of its bytes yet
 )
 #: The points only a save with a remote tier reaches (storage/); the others, every save.
 REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
@@ -60,7 +62,12 @@ EXPORT_POINTS = ("mid_export",)
 #: A point for tests of torn states (a delay while staging); crash tests cover the trainer's
 #: staging through ``after_stage``.
 STAGE_POINTS = ("mid_stage",)
-LOCAL_POINTS = tuple(p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS)
+#: The point only a replicated memory save reaches (fired from the job's own snapshot: the
+#: sender runs beside the main loop, which installs the snapshots of the saves it writes).
+REPLICA_POINTS = ("mid_replication",)
+LOCAL_POINTS = tuple(
+    p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS
+)
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
 
 
@@ -203,6 +210,18 @@ def point(name: str) -> None:
         except Exception:  # noqa: BLE001 - a closed pipe must not stop the fault itself
             pass
     _perform(name, fault)
+
+
+def point_of(snap: dict[str, tuple[str, int, float, str]], name: str) -> None:
+    """``point(name)`` as armed in a job's snapshot (every hit fires), for a thread that must
+    not install it over the main loop's."""
+    entry = snap.get(name)
+    if entry is not None and entry[3] not in _fired:
+        action, _, seconds, fid = entry
+        if action != "delay":
+            with _lock:
+                _fired.add(fid)
+        _perform(name, Fault(action, 0, seconds, id=fid))
 
 
 def _perform(name: str, fault: Fault) -> None:

@@ -48,6 +48,10 @@ class SaveHandle:
         self._staged = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
+        # MemoryTier(replicas=1): set once the peer node's worker holds this memory save's
+        # replica, or it will not (``_replica_error``); None: not a replicated save.
+        self._replica: threading.Event | None = None
+        self._replica_error: str | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -95,6 +99,51 @@ class SaveHandle:
             self._observed = True
             raise self._error
         return self.stats
+
+    def replicated_sync(self, timeout: float | None = None) -> None:
+        """Block until this memory save's replica is held whole by the worker of the peer
+        node (``memory=MemoryTier(replicas=1)``); from then on it survives the loss of this
+        rank's node. Raises ``NotReplicated`` if it will not be (the save stands: its own
+        worker holds it), ``TimeoutError`` after ``timeout`` seconds."""
+        event = self._replica_event()
+        if not event.wait(timeout):
+            raise TimeoutError(f"step {self.step} was not replicated within {timeout} s")
+        self._replica_result()
+
+    async def replicated(self) -> None:
+        """``replicated_sync`` without blocking the event loop."""
+        event = self._replica_event()
+        if not event.is_set():
+            await anyio.to_thread.run_sync(event.wait, abandon_on_cancel=True)
+        self._replica_result()
+
+    def is_replicated(self) -> bool:
+        """True once the replica is held (False while it is not, or if it will not be)."""
+        return self._replica is not None and self._replica.is_set() and not self._replica_error
+
+    def _replica_event(self) -> threading.Event:
+        from .errors import NotReplicated
+
+        if self._replica is None:
+            raise NotReplicated(
+                f"step {self.step} is not a replicated save: only memory saves "
+                '(tier="memory") with memory=MemoryTier(replicas=1) are replicated'
+            )
+        return self._replica
+
+    def _replica_result(self) -> None:
+        from .errors import NotReplicated
+
+        if self._replica_error is not None:
+            raise NotReplicated(
+                f"memory save of step {self.step} is not replicated: {self._replica_error} "
+                "(its own worker holds it)"
+            )
+
+    def _replica_done(self, error: str | None) -> None:
+        if self._replica is not None and not self._replica.is_set():
+            self._replica_error = error
+            self._replica.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
@@ -173,6 +222,8 @@ class JobTable:
         self.cond = threading.Condition()
         self.slot_owner: dict[int, int | None] = {i: None for i in range(n_slots)}
         self.memory_slots: set[int] = set()  # the memory tier's (memory_tier.py hands them out)
+        # Memory jobs whose replica the worker is sending (replication.py): job id -> handle.
+        self.replicating: dict[int, SaveHandle] = {}
         self.inflight: dict[int, _InFlight] = {}
         self.next_job = 0
         self.attempts: dict[int, int] = {}  # step -> SaveJob.attempt of its next save
@@ -332,6 +383,10 @@ class JobTable:
                         self.cond.notify_all()
             elif isinstance(msg, M.Mapped):
                 self.cond.notify_all()  # the supervisor updated its link (Saver.wait_mapped)
+            elif isinstance(msg, M.Replicated):
+                waiting = self.replicating.pop(msg.job_id, None)
+                if waiting is not None:
+                    waiting._replica_done(msg.error)
             elif isinstance(msg, M.Committed) and job:
                 self._committed_locked(msg.job_id, job, msg.stats)
                 committed = True
@@ -361,6 +416,9 @@ class JobTable:
         tracker is written here), else failed with ``reason`` or a ``WorkerDied``."""
         finished = []
         with self.cond:
+            for handle in self.replicating.values():
+                handle._replica_done(f"the worker sending it died with {how}")
+            self.replicating.clear()
             for job_id, job in list(self.inflight.items()):
                 # Died after the rename (before the tracker): committed; the handle says so.
                 manifest = self._committed_on_disk(job_id, job)

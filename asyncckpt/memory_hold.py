@@ -61,9 +61,10 @@ class Holder:
     one it persists itself, since the trainer reuses that slot once that write released it).
     """
 
-    def __init__(self, conn: Any, events: Any) -> None:
+    def __init__(self, conn: Any, events: Any, sender: Any = None) -> None:
         self.conn = conn
         self.events = events
+        self.sender = sender  # replication.ReplicaSender (replicas=1), or None
         self.lock = threading.Lock()
         self.held: dict[int, Any] = {}  # job id -> SaveJob: the newest, and one kept (ranks)
         self.ever = False  # a Hold came: this rank takes part in the ranks' exchange
@@ -82,7 +83,7 @@ class Holder:
                     with self.lock:
                         gone = self.held.pop(msg.job_id, None)
                     if gone is not None:
-                        self.events.send(M.Released(gone.job_id))
+                        self._release(gone)
                     continue
                 if not isinstance(msg, M.Hold):
                     raise TypeError(f"unknown message on the memory tier's pipe: {msg!r}")
@@ -96,12 +97,24 @@ class Holder:
                     if msg.keep in old:
                         self.held[msg.keep] = old.pop(msg.keep)
                     self.ever = True
+                    others = [j.step for j in self.held.values() if j is not job]
                 for gone in old.values():
-                    self.events.send(M.Released(gone.job_id))
+                    self._release(gone)
+                if self.sender is not None:  # in the background: nobody waits for it
+                    self.sender.offer(job, others)
         except (EOFError, OSError):
             pass  # the trainer is gone (or closed the engine)
         finally:
             self.closed.set()
+
+    def _release(self, job: Any) -> None:
+        """Let the trainer reuse ``job``'s slot, once nothing reads it (a replica being sent
+        from it is cut off: its receiver keeps what it held)."""
+        from . import messages as M
+
+        if self.sender is not None:
+            self.sender.release(job.job_id)
+        self.events.send(M.Released(job.job_id))
 
     def wait_closed(self, timeout: float) -> bool:
         return self.closed.wait(timeout)
@@ -116,6 +129,23 @@ class Holder:
         with self.lock:
             jobs, self.held = self.held, {}
         return sorted(jobs.values(), key=lambda j: j.step, reverse=True)
+
+
+class FixedHolder:
+    """A stand-in's holder (replication.py): the replicas of a gone rank, as that rank's
+    worker would have held them."""
+
+    ever = True
+
+    def __init__(self, jobs: list[Any]) -> None:
+        self.jobs = jobs
+
+    def wait_closed(self, timeout: float) -> bool:
+        return True
+
+    def take(self) -> list[Any]:
+        jobs, self.jobs = self.jobs, []
+        return sorted(jobs, key=lambda j: j.step, reverse=True)
 
 
 def persist_held(worker: Any) -> None:
@@ -134,6 +164,8 @@ def persist_held(worker: Any) -> None:
     elif not worker.holder.ever:
         return  # no memory save reached this rank: nothing for the others to wait for
     else:
+        if worker.replication is not None and not _speaks_for_itself(worker):
+            return
         job, newest = _agree(worker, jobs, newest)
     if job is None:
         return
@@ -146,33 +178,69 @@ def persist_held(worker: Any) -> None:
             newest,
         )
         return
-    log.warning("the trainer is gone: writing its memory checkpoint of step %d", job.step)
+    log.warning(
+        "the trainer is gone: writing %s memory checkpoint of step %d",
+        f"rank {worker.config.rank}'s replicated" if worker.stand_in else "its",
+        job.step,
+    )
     job.tier, job.persisted_because = "memory", TRAINER_DIED
     worker._save(job)
 
 
+def _speaks_for_itself(worker: Any) -> bool:
+    """Replicas: this worker takes its rank's part in the exchange unless the holder of its
+    replica already does (it found this worker gone or hung): one voice per rank."""
+    from .replication import claim
+
+    cfg = worker.config.dist
+    try:
+        who = claim(cfg, cfg.rank, "self")
+    except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
+        log.warning("rank %d: the side store is unreachable: %s", cfg.rank, e)
+        return False
+    if who != "self":
+        log.warning(
+            "rank %d: its peer (%s) already speaks for it with its replica; not written here",
+            cfg.rank,
+            who,
+        )
+        return False
+    return True
+
+
 def _agree(worker: Any, jobs: list[Any], newest: int | None) -> tuple[Any, int | None]:
-    """Several ranks: every worker says what it holds; the newest step all hold is written
-    (its attempt the highest any rank had, so that every rank joins the same group), or
-    nothing. Also returns the newest step on disk as any rank read it."""
+    """Several ranks: every worker (or the stand-in holding a gone rank's replica) says what
+    it holds; the newest step all ranks hold is written (its attempt the highest any rank
+    had, so that every rank joins the same group), or nothing. Also returns the newest step
+    on disk as any rank read it."""
     from . import dist as _dist
+    from .replication import which_step_to_persist
 
     cfg = worker.config.dist
     mine = [(j.step, j.attempt) for j in jobs]
     try:
         with _dist.job_group(cfg, "memory-held") as pg:
-            results = _dist.all_gather(pg, (mine, newest), cfg.world_size)
+            results = _dist.all_gather(pg, (mine, newest, worker.stand_in), cfg.world_size)
     except Exception as e:  # noqa: BLE001 - a peer that never came: write nothing
-        log.warning("the ranks could not agree on a memory checkpoint to write: %s", e)
+        log.warning(
+            "the ranks could not agree on a memory checkpoint to write (a rank whose node is "
+            "gone with no replica of it elsewhere never comes): %s",
+            e,
+        )
         return None, newest
-    step = newest_common([[s for s, _ in held] for held, _ in results])
-    newest = max((n for _, n in results if n is not None), default=None)
+    own = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if not rep}
+    replicas = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if rep}
+    step = which_step_to_persist(own, replicas, cfg.world_size)
+    newest = max((n for _, n, _ in results if n is not None), default=None)
     if step is None:
         log.warning(
             "the trainer is gone; no memory step is held by every rank (%s): none written",
-            "; ".join(f"rank {r}: {[s for s, _ in h]}" for r, (h, _) in enumerate(results)),
+            "; ".join(
+                f"rank {r}{' (replica)' if rep else ''}: {[s for s, _ in h]}"
+                for r, (h, _, rep) in enumerate(results)
+            ),
         )
         return None, newest
     job = next(j for j in jobs if j.step == step)
-    job.attempt = max(a for held, _ in results for s, a in held if s == step)
+    job.attempt = max(a for held, _, _ in results for s, a in held if s == step)
     return job, newest

@@ -57,20 +57,27 @@ def check_tier(tier: Any) -> str:
     return tier
 
 
-def check_memory_tier(tensors: dict[str, Any], held_bytes: int) -> None:
+def check_memory_tier(tensors: dict[str, Any], held_bytes: int, replicas: int = 0) -> None:
     """Refuse the memory tier's two slots if the machine cannot hold them (before allocating
-    either). ``held_bytes``: what the memory slots already hold (re-laid out in place)."""
+    either). ``held_bytes``: what the memory slots already hold (re-laid out in place).
+    ``replicas=1``: this rank's worker also holds two replicas of its peer rank's memory
+    saves, counted as the same size as this rank's (the peer's receiver checks again)."""
     from .errors import StagingMemoryError
 
     _, sizes = plan_arenas(tensors)
-    need = 2 * sum(sizes)
+    need = 2 * sum(sizes) * (1 + replicas)
     try:
         check_memory(need - held_bytes)
     except StagingMemoryError as e:
+        what = (
+            "the checkpoint the worker holds and the one being staged"
+            if not replicas
+            else "the checkpoint the worker holds, the one being staged, and two replicas of "
+            "a peer node's rank"
+        )
         raise StagingMemoryError(
-            f"the memory tier keeps two copies of the state in shared memory (the checkpoint "
-            f"the worker holds and the one being staged): {need / 2**30:.2f} GiB. {e}; "
-            "nothing was staged"
+            f"the memory tier keeps {2 * (1 + replicas)} copies of the state in shared memory "
+            f"({what}): {need / 2**30:.2f} GiB. {e}; nothing was staged"
         ) from None
 
 
@@ -154,6 +161,7 @@ class MemoryTier:
 
     every_steps: int | None = None
     persist_on_close: bool = False
+    replicas: int = 0  # options.MemoryTier.replicas: the worker replicates each Hold
     slots: list[int] = field(default_factory=list)
     held: Any = None  # the SaveJob of the last Hold sent (the newest complete memory save)
     held_slot: int | None = None
@@ -236,7 +244,9 @@ def _add_slots(saver: Any, pending: Any) -> None:
     keys = {saver.slots[i].key for i in mem.slots}
     if mem.slots and keys == {pending.key}:
         return
-    check_memory_tier(pending.flat.tensors, sum(saver.slots[i].nbytes for i in mem.slots))
+    check_memory_tier(
+        pending.flat.tensors, sum(saver.slots[i].nbytes for i in mem.slots), mem.replicas
+    )
     with jobs.cond:
         while len(mem.slots) < 2:
             i = len(saver.slots)
@@ -348,6 +358,11 @@ def save(saver: Any, pending: Any) -> Any:
             )
             jobs.attempts[step] = job.attempt + 1
             jobs.slot_owner[i] = job.job_id
+            if mem.replicas:  # before the Hold: its Replicated may come at once
+                import threading
+
+                handle._replica = threading.Event()
+                jobs.replicating[job.job_id] = handle
     except BaseException:
         jobs.unreserve(i)
         raise
@@ -356,6 +371,8 @@ def save(saver: Any, pending: Any) -> Any:
         with jobs.cond:
             if jobs.slot_owner[i] == job.job_id:
                 jobs.slot_owner[i] = None
+            if jobs.replicating.pop(job.job_id, None) is not None:
+                handle._replica_done("it never reached the worker")
             jobs.cond.notify_all()
 
     try:

@@ -112,6 +112,15 @@ class Released:
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """Memory job ``job_id`` is held whole by the peer worker (``error`` None), or will not be
+    (why): ``MemoryTier(replicas=1)``, replication.py."""
+
+    job_id: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Committed:
     job_id: int
     stats: dict

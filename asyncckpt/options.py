@@ -157,11 +157,17 @@ class ObjectStore:
 class MemoryTier:
     """The memory tier (``save(step, state, tier="memory")``; its schedule is
     ``Schedule(memory_every_steps=)``). ``persist_on_close``: leaving the engine writes the
-    newest memory save to disk as well (by default only a trainer's death or SIGTERM does)."""
+    newest memory save to disk as well (by default only a trainer's death or SIGTERM does).
+    ``replicas``: 0, or 1 to have each memory save sent by the worker to the worker of the same
+    local rank on the next node, which holds it (a whole node's loss then keeps the newest
+    memory step: replication.py); several nodes and a shared root needed."""
 
     persist_on_close: bool = False
+    replicas: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.replicas) is not int or self.replicas not in (0, 1):
+            raise ValueError(f"replicas must be 0 or 1, got {self.replicas!r}")
         if not isinstance(self.persist_on_close, bool):
             raise TypeError(
                 f"persist_on_close must be True or False, got {self.persist_on_close!r}"

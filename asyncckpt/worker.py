@@ -53,6 +53,9 @@ class WorkerConfig:
     # Rank 0 of several: the socket its trainer bound for the side store, served here so that
     # the commit's rendezvous outlives the trainer (dist.py).
     store_socket: Any = None
+    # MemoryTier(replicas=1): whom this worker replicates its memory saves to and holds the
+    # replicas of (replication.ReplicaConfig), or None.
+    replication: Any = None
 
 
 @dataclass
@@ -155,6 +158,8 @@ class Worker:
     ) -> None:
         self.config = config
         self.holder = holder  # memory_tier.Holder: the newest memory checkpoint, or None
+        self.replication: Any = None  # replication.Replication (replicas=1), or None
+        self.stand_in = False  # a stand-in writing a gone rank's replica (replication.py)
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
@@ -183,7 +188,7 @@ class Worker:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(
             target=_receive,
-            args=(self.jobs, self.events, inbox),
+            args=(self.jobs, self.events, inbox, self.replication),
             name="asyncckpt-receive",
             daemon=True,
         ).start()
@@ -195,7 +200,7 @@ class Worker:
             if isinstance(msg, EOFError):
                 # The trainer is gone without closing the engine: every staged save above is
                 # written; now the memory checkpoint it held, if newer.
-                self._persist_held()
+                _persist_held(self)
                 raise msg
             if isinstance(msg, BaseException):
                 raise msg
@@ -586,11 +591,6 @@ class Worker:
             except OSError:
                 pass  # complete and verified; only the tracker lags it
 
-    def _persist_held(self) -> None:
-        from .memory_hold import persist_held
-
-        persist_held(self)
-
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
             report = request.run(self.root, self.config, step)
@@ -599,7 +599,17 @@ class Worker:
             self.events.send(M.Pruned(job_id, None, error_info(e)))
 
 
-def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue) -> None:
+def _persist_held(worker: Worker) -> None:
+    """The trainer died: write the memory checkpoint it left (memory_hold.py), with the
+    stand-ins for gone peers whose replicas this worker holds (replication.py)."""
+    from .memory_hold import persist_held
+    from .replication import standing_in
+
+    with standing_in(worker.replication, worker.config, stand_in_main):
+        persist_held(worker)
+
+
+def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any = None) -> None:
     """The worker's reader thread: the trainer's messages as they come, also while a save is
     being written. An arena's shared memory is mapped by receiving it, which needs its trainer
     alive (the descriptor is fetched from it), so the trainer waits for ``Mapped`` before a
@@ -609,6 +619,8 @@ def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue) -> None:
             msg = jobs.recv()
             if isinstance(msg, M.Arena):
                 events.send(M.Mapped(msg.arena_id))
+            if replication is not None:  # its sender reads the arenas beside the main loop
+                replication.registry.note(msg)
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
         inbox.put(e)
@@ -703,12 +715,45 @@ def worker_main(
         from . import dist as _dist
 
         side_store = _dist.serve(config.dist, config.store_socket)  # noqa: F841 - kept alive
+    replication = None
+    if config.replication is not None and config.dist is not None:
+        from .replication import Replication
+
+        replication = Replication(config.dist, config.replication, events)
     holder = None
     if memory is not None:
         from .memory_hold import Holder
 
-        holder = Holder(memory, events)
+        holder = Holder(memory, events, replication.sender if replication else None)
+    worker = Worker(config, jobs, events, pause, holder)
+    worker.replication = replication
     try:
-        Worker(config, jobs, events, pause, holder).run()
+        worker.run()
     except (EOFError, OSError):
         pass  # the trainer closed the pipe; temporaries are removed at the next start
+
+
+class _Nowhere:
+    """A stand-in's events: no trainer listens."""
+
+    def send(self, msg: Any) -> None:
+        pass
+
+
+def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, Any]) -> None:
+    """Entry point of a stand-in process (replication.py): the worker of a rank whose node
+    is gone, holding its replicas; it takes that rank's part in the exchange at the trainers'
+    death and writes its files of the step agreed, as that rank's worker would have."""
+    from .memory_hold import FixedHolder, persist_held
+    from .storage.local import LocalStore
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The gone worker's lock: a new trainer of that rank waits for this process.
+    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=False)  # noqa: F841
+    _skip_torch_save_crc()
+    faults.clear()
+    worker = Worker(config, None, _Nowhere(), None, FixedHolder(jobs))
+    worker.stand_in = True
+    worker.arenas = dict(arenas)
+    persist_held(worker)

@@ -95,12 +95,14 @@ def test_the_first_unseen_failure_is_raised_and_later_ones_are_named(tmp_path):
 
 
 def test_a_block_left_by_an_exception_keeps_it_and_logs_the_failure(tmp_path, caplog):
+    from asyncckpt.testing import parts
+
     caplog.set_level(logging.INFO, logger="asyncckpt")
     with pytest.raises(KeyError, match="users own"):
         with SyncCheckpointEngine(tmp_path, keep=None) as engine:
             faults.inject("before_rename", "raise")
             engine.save(5, _state(5))
-            engine._engine.drain()
+            parts(engine).drain()  # failed in the background, unseen
             raise KeyError("users own")
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("step 5 failed" in m and "left by KeyError" in m for m in errors), errors

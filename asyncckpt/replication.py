@@ -1,0 +1,559 @@
+"""The memory tier replicated to a peer node (``MemoryTier(replicas=1)``): between workers only.
+
+A node dies with its workers, and with them the memory checkpoints they held. With
+``replicas=1`` every worker sends each memory save it holds to one peer worker on another
+node -- the same local rank on node ``(n + 1) % nodes`` (``peer_rank``) -- which holds it in
+its own memory. The trainer never waits for it: the ``Hold`` reaches the worker as before
+(one local copy is the stall); the worker's ``ReplicaSender`` thread sends it and reports
+``Replicated`` to the trainer, where ``handle.replicated()`` waits for it.
+
+Transport: a TCP connection per pair, the receiver's address published in the side store
+(``asyncckpt/<token>/replica/<rank>``). A replica is a header (the ``SaveJob`` with its specs
+and paths: what writing that rank's files as that rank would takes), the receiver's go-ahead
+(or its refusal: no memory for it), the arenas' bytes, and an end mark. The receiver reads
+into buffers of its own that hold no replica and swaps them in only once the end mark came:
+a sender that dies mid-transfer leaves the previous replica, never a torn one. A sender whose
+slot is released mid-transfer (the trainer needs it for a newer save) aborts the transfer the
+same way before the slot is let go (``ReplicaSender.release``).
+
+What a node holds: per rank, its two memory slots, and two replica buffers of the rank it
+receives from (the two steps that rank holds: the newest and the one common to every rank),
+so with equal shards four times a rank's state. Checked when the first memory save allocates
+(``memory_tier.check_memory_tier``) and again by the receiver before it allocates.
+
+Recovery (shared storage): when the trainers die, every surviving worker persists what it
+holds as before (``memory_hold.persist_held``), and for each peer whose worker is gone it
+starts a stand-in process that joins the workers' exchange and the save's group *as that
+rank*, with the replica (``Worker.stand_ins``). Who speaks for a rank is decided once in the
+side store (``claim``): the rank's own worker or the holder of its replica, never both. The
+newest step every rank (or its replica) holds is written (``which_step_to_persist``) by the
+usual commit, or nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+log = logging.getLogger("asyncckpt")
+
+#: How long the holder of a peer's replica waits for that peer's own worker to speak for its
+#: rank at the trainers' death before standing in for it (a worker whose connection ended is
+#: known dead at once).
+CLAIM_WAIT_S = 10.0
+#: Bytes sent per piece: a release waits at most for one piece in flight.
+CHUNK = 8 << 20
+_END = b"ASYNCCKPT-REPLICA-END"
+_LEN = struct.Struct("!Q")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What a worker needs for ``replicas=1`` (picklable, in ``WorkerConfig.replication``):
+    the rank it sends its memory saves to and the rank whose saves it receives."""
+
+    peer: int
+    source: int
+
+
+def peer_rank(rank: int, node_rank: int, ranks_per_node: int, nodes: int) -> int:
+    """The rank that holds ``rank``'s replica: the same local rank on the next node."""
+    local = rank - node_rank * ranks_per_node
+    return ((node_rank + 1) % nodes) * ranks_per_node + local
+
+
+def source_rank(rank: int, node_rank: int, ranks_per_node: int, nodes: int) -> int:
+    """The rank whose replica ``rank`` holds: the same local rank on the previous node."""
+    local = rank - node_rank * ranks_per_node
+    return ((node_rank - 1) % nodes) * ranks_per_node + local
+
+
+def which_step_to_persist(
+    held_by_rank: Mapping[int, Iterable[int]],
+    replicas_held: Mapping[int, Iterable[int]],
+    world_size: int,
+) -> int | None:
+    """The memory step to write when the trainers died: the newest that every rank holds,
+    each rank through its own worker (``held_by_rank``, the surviving ones) or else through
+    the replica of it a peer holds (``replicas_held``); None when a rank has neither, or no
+    step is common. A rank's own worker wins over its replica."""
+    sets = []
+    for r in range(world_size):
+        steps = held_by_rank.get(r)
+        if steps is None:
+            steps = replicas_held.get(r)
+        if steps is None:
+            return None
+        sets.append(set(steps))
+    common = set(sets[0]).intersection(*sets[1:]) if sets else set()
+    return max(common) if common else None
+
+
+# ------------------------------------------------------------------ the side store
+
+
+def _key(token: str, what: str) -> str:
+    return f"asyncckpt/{token}/replica/{what}"
+
+
+def _store(cfg: Any, timeout: float | None = None) -> Any:
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout if timeout is not None else cfg.timeout)
+    return dist.TCPStore(cfg.host, cfg.port, None, False, td)
+
+
+def claim(cfg: Any, rank: int, who: str) -> str:
+    """Say once, for every process, who speaks for ``rank`` in the exchange at the trainers'
+    death (``"self"`` or ``"replica:<holder rank>"``); returns whoever did first."""
+    store = _store(cfg, min(cfg.timeout, 60.0))
+    return store.compare_set(_key(cfg.token, f"claim/{rank}"), "", who).decode()
+
+
+def claimed(store: Any, token: str, rank: int) -> bool:
+    return store.check([_key(token, f"claim/{rank}")])
+
+
+def _my_address(cfg: Any) -> str:
+    """The address peers reach this machine on: ``$ASYNCCKPT_REPLICA_HOST``, else the local
+    address of a route to the side store's host."""
+    host = os.environ.get("ASYNCCKPT_REPLICA_HOST")
+    if host:
+        return host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((cfg.host, cfg.port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+# ------------------------------------------------------------------ framing
+
+
+def _send_obj(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the peer closed the connection")
+        got += n
+
+
+def _recv_obj(sock: socket.socket) -> Any:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return pickle.loads(_recv_exact(sock, n))  # noqa: S301 - a peer worker of this job
+
+
+def _bytes_of(arena: Any) -> memoryview:
+    return memoryview(arena.numpy()).cast("B")
+
+
+# ------------------------------------------------------------------ the sender's side
+
+
+class ArenaRegistry:
+    """The arenas and specs the trainer sent (noted by the worker's reader thread as they
+    arrive), for the sender, which runs beside the main loop."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.arenas: dict[int, Any] = {}
+        self.specs: dict[tuple[int, ...], list] = {}
+
+    def note(self, msg: Any) -> None:
+        from . import messages as M
+
+        with self.cond:
+            if isinstance(msg, M.Arena):
+                self.arenas[msg.arena_id] = msg.tensor
+            elif isinstance(msg, M.Specs):
+                self.specs[tuple(msg.arena_ids)] = msg.specs
+            elif isinstance(msg, M.Drop):
+                self.arenas.pop(msg.arena_id, None)
+                self.specs = {k: v for k, v in self.specs.items() if msg.arena_id not in k}
+            else:
+                return
+            self.cond.notify_all()
+
+    def get(self, job: Any, timeout: float) -> tuple[list[Any], list]:
+        """The job's arenas and specs (they reach the worker on another pipe than its Hold)."""
+        ids = tuple(job.arena_ids)
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: (
+                    all(a in self.arenas for a in ids)
+                    and (job.specs is not None or ids in self.specs)
+                ),
+                timeout,
+            )
+            if not ok:
+                raise RuntimeError(f"memory job {job.job_id}: its arenas never arrived")
+            specs = job.specs if job.specs is not None else self.specs[ids]
+            return [self.arenas[a] for a in ids], specs
+
+
+@dataclass
+class _Offer:
+    job: Any
+    keep: list[int]  # the other steps the sender still holds (the receiver keeps those)
+
+
+class ReplicaSender:
+    """A worker's thread that sends the newest memory save it holds to its peer's receiver
+    and reports ``Replicated`` (or why not) to the trainer. Only the newest offer waits: an
+    older one not yet begun is superseded."""
+
+    def __init__(self, cfg: Any, rep: ReplicaConfig, registry: ArenaRegistry, events: Any):
+        self.cfg = cfg
+        self.rep = rep
+        self.registry = registry
+        self.events = events
+        self.cond = threading.Condition()
+        self.pending: _Offer | None = None
+        self.reading: int | None = None  # the job whose slot is being read
+        self.cancel: int | None = None  # a job whose slot was released: never read it again
+        self.sock: socket.socket | None = None
+        self.thread = threading.Thread(target=self._run, name="asyncckpt-replicate", daemon=True)
+        self.thread.start()
+
+    def offer(self, job: Any, keep: list[int]) -> None:
+        with self.cond:
+            old, self.pending = self.pending, _Offer(job, keep)
+            self.cond.notify_all()
+        if old is not None:
+            self._report(old.job.job_id, f"superseded by step {job.step} before it was sent")
+
+    def release(self, job_id: int) -> None:
+        """The slot of memory job ``job_id`` is about to be let go: stop reading from it (a
+        transfer under way is cut off: the receiver keeps its previous replica)."""
+        with self.cond:
+            self.cancel = job_id
+            if self.pending is not None and self.pending.job.job_id == job_id:
+                self.pending = None
+                self._report(job_id, "its slot was released before it was sent")
+            if self.reading == job_id:
+                sock = self.sock
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                self.cond.wait_for(lambda: self.reading != job_id, 30.0)
+
+    def _report(self, job_id: int, error: str | None) -> None:
+        from . import messages as M
+
+        self.events.send(M.Replicated(job_id, error))
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending is not None)
+                offer, self.pending = self.pending, None
+                assert offer is not None
+            error: str | None
+            try:
+                error = self._send(offer)
+            except Exception as e:  # noqa: BLE001 - reported on the handle; next one reconnects
+                error = f"{type(e).__name__}: {e}"
+                self._close()
+            finally:
+                with self.cond:
+                    self.reading = None
+                    self.cond.notify_all()
+            if error is not None:
+                log.warning(
+                    "memory save of step %d not replicated to rank %d: %s",
+                    offer.job.step,
+                    self.rep.peer,
+                    error,
+                )
+            self._report(offer.job.job_id, error)
+
+    def _connect(self) -> socket.socket:
+        if self.sock is None:
+            store = _store(self.cfg, min(self.cfg.timeout, 60.0))
+            raw = store.get(_key(self.cfg.token, f"addr/{self.rep.peer}")).decode()
+            host, port = raw.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _send_obj(sock, ("hello", self.cfg.rank))
+            with self.cond:
+                self.sock = sock
+        return self.sock
+
+    def _close(self) -> None:
+        with self.cond:
+            sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _send(self, offer: _Offer) -> str | None:
+        """One replica: header, the receiver's go, the bytes, the end mark, its answer."""
+        job = offer.job
+        arenas, specs = self.registry.get(job, 60.0)
+        sock = self._connect()
+        header = replace(job, specs=list(specs), faults={})
+        sizes = [int(a.numel()) for a in arenas]
+        _send_obj(sock, ("replica", header, sizes, offer.keep))
+        answer = _recv_obj(sock)
+        if answer[0] != "ready":
+            return str(answer[1])
+        with self.cond:
+            if self.cancel == job.job_id:
+                self._close()  # the receiver waits for bytes that never come: start afresh
+                return "its slot was released before it was sent"
+            self.reading = job.job_id
+        from . import faults
+
+        faults.point_of(job.faults, "mid_replication")
+        for arena in arenas:
+            view = _bytes_of(arena)
+            for i in range(0, len(view), CHUNK):
+                sock.sendall(view[i : i + CHUNK])
+        with self.cond:
+            self.reading = None  # every byte is out of the slot
+            self.cond.notify_all()
+        sock.sendall(_END)
+        answer = _recv_obj(sock)
+        return None if answer[0] == "held" else str(answer[1])
+
+
+# ------------------------------------------------------------------ the receiver's side
+
+
+@dataclass
+class Replica:
+    """A peer rank's memory save, held whole: its job (arena ids renumbered to ``arenas``)."""
+
+    job: Any
+    arenas: dict[int, Any] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(int(a.numel()) for a in self.arenas.values())
+
+
+class ReplicaReceiver:
+    """A worker's listener for its source peer's replicas: each held whole or not at all."""
+
+    def __init__(self, cfg: Any, rep: ReplicaConfig) -> None:
+        self.cfg = cfg
+        self.rep = rep
+        self.lock = threading.Lock()
+        self.held: dict[int, Replica] = {}  # step -> the source's replica
+        self.connected = False
+        self.gone = threading.Event()  # the source's connection ended (its worker is gone)
+        self.next_id = 0
+        self.listener = _listen()
+        threading.Thread(target=self._serve, name="asyncckpt-replicas", daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            port = self.listener.getsockname()[1]
+            store = _store(self.cfg)
+            store.set(
+                _key(self.cfg.token, f"addr/{self.cfg.rank}"), f"{_my_address(self.cfg)}:{port}"
+            )
+        except Exception as e:  # noqa: BLE001 - the peer's replicas then fail, saying so
+            log.warning("rank %d cannot take replicas: %s", self.cfg.rank, e)
+            return
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._connection, args=(sock,), name="asyncckpt-replica-in", daemon=True
+            ).start()
+
+    def _connection(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                hello = _recv_obj(sock)
+                if hello != ("hello", self.rep.source):
+                    log.warning("replica connection refused: %r", hello)
+                    return
+                self.connected = True
+                self.gone.clear()
+                while True:
+                    self._one(sock)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                self.gone.set()  # mid-transfer or between: what is held stays whole
+
+    def _one(self, sock: socket.socket) -> None:
+        kind, job, sizes, keep = _recv_obj(sock)
+        if kind != "replica":
+            raise EOFError(f"unexpected message {kind!r}")
+        with self.lock:  # the steps the source let go of go here too
+            spare = [r for s, r in self.held.items() if s not in keep]
+            self.held = {s: r for s, r in self.held.items() if s in keep}
+        reuse = [a for r in spare for a in r.arenas.values()]
+        arenas: dict[int, Any] = {}
+        try:
+            import torch
+
+            from .staging import check_memory
+
+            need = sum(n for n in sizes) - sum(int(a.numel()) for a in reuse)
+            if need > 0:
+                check_memory(need)
+            ids = []
+            for n in sizes:
+                same = next((a for a in reuse if int(a.numel()) == n), None)
+                if same is not None:
+                    reuse.remove(same)
+                else:
+                    same = torch.empty(n, dtype=torch.uint8).share_memory_()
+                self.next_id += 1
+                arenas[self.next_id] = same
+                ids.append(self.next_id)
+        except Exception as e:  # noqa: BLE001 - refused: the sender says so on its handle
+            _send_obj(sock, ("refused", f"rank {self.cfg.rank} cannot hold it: {e}"))
+            return
+        del reuse
+        _send_obj(sock, ("ready",))
+        for a in arenas.values():
+            _recv_into(sock, _bytes_of(a))
+        if _recv_exact(sock, len(_END)) != _END:
+            raise EOFError("a replica without its end mark")
+        job.arena_ids = ids
+        with self.lock:
+            self.held[job.step] = Replica(job, arenas)
+        _send_obj(sock, ("held", job.job_id))
+
+    def steps(self) -> list[int]:
+        with self.lock:
+            return sorted(self.held)
+
+    def take(self) -> list[Replica]:
+        with self.lock:
+            held, self.held = self.held, {}
+        return sorted(held.values(), key=lambda r: r.job.step, reverse=True)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.close()
+
+
+def _listen() -> socket.socket:
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", 0))
+
+
+class Replication:
+    """A worker's two halves (``WorkerConfig.replication``): its sender and its receiver."""
+
+    def __init__(self, cfg: Any, rep: ReplicaConfig, events: Any) -> None:
+        self.cfg = cfg
+        self.rep = rep
+        self.registry = ArenaRegistry()
+        self.receiver = ReplicaReceiver(cfg, rep)
+        self.sender = ReplicaSender(cfg, rep, self.registry, events)
+
+    def source_is_gone(self, wait: float) -> bool:
+        """Whether the source peer's worker is gone: its connection ended, or it did not
+        speak for its own rank within ``wait`` seconds (a peer that hangs)."""
+        store = _store(self.cfg, min(self.cfg.timeout, 60.0))
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.receiver.gone.is_set():
+                return True
+            if claimed(store, self.cfg.token, self.rep.source):
+                return False
+            time.sleep(0.05)
+        return not claimed(store, self.cfg.token, self.rep.source)
+
+    def stand_in_jobs(self) -> list[Any] | None:
+        """At the trainers' death: the replica jobs to write as the source rank (with their
+        arenas), if its worker is gone and this worker speaks for it; else None."""
+        if not self.receiver.steps():
+            return None
+        if not self.source_is_gone(CLAIM_WAIT_S):
+            return None
+        who = claim(self.cfg, self.rep.source, f"replica:{self.cfg.rank}")
+        if who != f"replica:{self.cfg.rank}":
+            return None
+        replicas = self.receiver.take()
+        log.warning(
+            "rank %d's worker is gone: rank %d stands in for it with its replicas of step(s) %s",
+            self.rep.source,
+            self.cfg.rank,
+            [r.job.step for r in replicas],
+        )
+        return replicas
+
+
+def stand_in_config(config: Any, rank: int) -> Any:
+    """A worker's config, as the worker of ``rank`` (a stand-in writes that rank's files)."""
+    dist = replace(config.dist, rank=rank, local_rank=config.dist.local_rank)
+    return replace(
+        config,
+        rank=rank,
+        dist=dist,
+        store_socket=None,
+        replication=None,
+    )
+
+
+@contextlib.contextmanager
+def standing_in(replication: Replication | None, config: Any, target: Any) -> Iterator[None]:
+    """Around a worker's own persist at the trainers' death: the stand-ins it starts, joined
+    at the end (``start_stand_ins``)."""
+    procs = start_stand_ins(replication, config, target)
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.join(config.orphan_deadline_s)
+
+
+def start_stand_ins(replication: Replication | None, config: Any, target: Any) -> list[Any]:
+    """At the trainers' death: a process standing in for the source peer if its worker is
+    gone, writing its part of the memory step as that rank would (``target``: the worker's
+    ``stand_in_main``), or none."""
+    if replication is None:
+        return []
+    try:
+        replicas = replication.stand_in_jobs()
+    except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
+        log.warning("could not stand in for rank %d: %s", replication.rep.source, e)
+        return []
+    if not replicas:
+        return []
+    import multiprocessing
+
+    import torch.multiprocessing as tmp
+
+    stand_in = stand_in_config(config, replication.rep.source)
+    jobs = [r.job for r in replicas]
+    arenas = {i: a for r in replicas for i, a in r.arenas.items()}
+    # A worker is a daemonic process, which multiprocessing forbids children; the stand-in
+    # is joined before the worker exits.
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    proc = tmp.get_context("spawn").Process(
+        target=target, args=(stand_in, jobs, arenas), name=f"asyncckpt-stand-in-{stand_in.rank}"
+    )
+    proc.start()
+    return [proc]
