@@ -47,7 +47,7 @@ from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy
 from .saving import SaveOptions, Saver, SaveRules
-from .stats import SaveStats
+from .stats import EngineStats, SaveStats
 from .storage import RemoteTier
 from .supervisor import WorkerSupervisor, lock_root
 from .throttle import AppliedThrottle, ThrottleConfig, WritePause
@@ -154,6 +154,7 @@ class EngineParts:
             # Nobody serves the side store then: refuse the other ranks' workers rather than
             # leave them waiting on a socket that no process answers.
             on_start_failed=self.rendezvous.close,
+            on_worker_lost=lambda link, pid: memory_tier.worker_lost(self.saver, link, pid),
         )
         # SIGTERM: drain, then one last save (preemption.py).
         self.sigterm = SigtermHandler(
@@ -560,6 +561,14 @@ class EngineBase:
         """What the current worker applied of ``throttle`` (levers in effect, and those the OS
         refused, with why); None until it is ready."""
         return self._engine.supervisor.report
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's figures across saves, as of now (``EngineStats``): memory saves lost
+        with a dead worker, and the step left unprotected until the next memory save."""
+        mem = self._engine.saver.memory
+        with self._engine.jobs.cond:
+            return EngineStats(mem.lost, mem.unprotected_step)
 
     @property
     def last_prune(self) -> PruneResult | None:
