@@ -269,6 +269,10 @@ class EngineParts:
                 from .storage.remote import reconcile_spool
 
                 reconcile_spool(self.root, self.remote, store, self.layout)
+            else:  # the record `ls` reads pending uploads from, before the first one
+                from .storage.remote import mark_published
+
+                mark_published(self.root, self.remote, self.layout, [])
 
     def _at_exit(self) -> None:
         if self.started:
