@@ -278,7 +278,7 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
     infos, problems, _ = _checked(store, layout, quick)
     tracker = store.read_tracker()
     protected = plan_prune(infos, None, tracker_step=tracker).keep
-    leftovers = store.leftovers(layout)
+    writes, leftovers, pending = _background(store, layout)
     usage = _usage(store, layout, infos)
     entries = _ls_entries(infos, problems, protected)
     quarantined = _quarantined(store, layout)
@@ -289,7 +289,9 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
             "layout": layout,
             "tracker": tracker,
             "checkpoints": entries,
+            "in_progress": writes,
             "leftovers": leftovers,
+            "uploads_pending": pending,
             "quarantined": quarantined,
             "usage": usage,
             "checked": checked,
@@ -311,10 +313,46 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
         console.print(
             f"warning: the tracker names step {tracker}, which is not here", style="yellow"
         )
+    for w in writes:
+        console.print(_write_line(w))
     for name in leftovers:
-        console.print(f"leftover: {name}")
+        console.print(f"leftover: {name} (its writer is gone; cleaned at the next start)")
+    if pending is not None and pending["steps"]:
+        steps = ", ".join(map(str, pending["steps"]))
+        console.print(f"upload pending to {pending['url'] or 'the remote tier'}: step {steps}")
     _print_quarantined(console, quarantined)
     return 0
+
+
+def _background(store: Any, layout: str) -> tuple[list[dict], list[str], dict[str, Any] | None]:
+    """What is under way beside the committed checkpoints: temporaries whose writer still runs
+    (``LocalStore.writes``), the leftovers of writers that are gone (names), and the uploads
+    a remote tier has not published yet (``remote.pending_uploads``; local roots only)."""
+    if not isinstance(store, LocalStore):
+        return [], store.leftovers(layout), None
+    from asyncckpt.storage.remote import pending_uploads
+
+    writes = store.writes()
+    live = [w for w in writes if w["state"] != "leftover"]
+    dead = [w["name"] for w in writes if w["state"] == "leftover"]
+    return live, dead, pending_uploads(store.root, layout)
+
+
+def _write_line(w: dict[str, Any]) -> str:
+    """``in progress: step 130 (memory: trainer died) by pid 4242 on host h, rank 0, 2.1 s``."""
+    import time
+
+    if "step" not in w:  # (noted, but unreadable: being written this instant)
+        return f"in progress: {w['name']}"
+    label = _step_label(w["step"], w.get("tier"), w.get("persisted_because"))
+    since = f", for {time.time() - w['started_at']:.1f} s" if w.get("started_at") else ""
+    ranks = w.get("ranks") or [w.get("rank", 0)]
+    who = f"pid {w.get('pid')} on host {w.get('host')}, rank {', '.join(map(str, ranks))}"
+    if w["state"] == "unknown":
+        return (
+            f"in progress?: step {label} by {who} (another host: not checked){since}: {w['name']}"
+        )
+    return f"in progress: step {label} by {who}{since}: {w['name']}"
 
 
 @subcommand

@@ -49,7 +49,7 @@ from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy
 from .saving import SaveOptions, Saver, SaveRules
-from .stats import SaveStats
+from .stats import EngineStats, SaveStats
 from .storage import RemoteTier
 from .supervisor import WorkerSupervisor, lock_root
 from .throttle import AppliedThrottle, ThrottleConfig, WritePause
@@ -198,6 +198,7 @@ class EngineParts:
             # Nobody serves the side store then: refuse the other ranks' workers rather than
             # leave them waiting on a socket that no process answers.
             on_start_failed=self.rendezvous.close,
+            on_worker_lost=lambda link, pid: memory_tier.worker_lost(self.saver, link, pid),
         )
         # SIGTERM: drain, then one last save (preemption.py).
         self.sigterm = SigtermHandler(
@@ -315,6 +316,10 @@ class EngineParts:
                 from .storage.remote import reconcile_spool
 
                 reconcile_spool(self.root, self.remote, store, self.layout)
+            else:  # the record `ls` reads pending uploads from, before the first one
+                from .storage.remote import mark_published
+
+                mark_published(self.root, self.remote, self.layout, [])
 
     def _at_exit(self) -> None:
         if self.started:
@@ -646,6 +651,14 @@ class EngineBase:
         """What the current worker applied of ``throttle`` (levers in effect, and those the OS
         refused, with why); None until it is ready."""
         return self._engine.supervisor.report
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's figures across saves, as of now (``EngineStats``): memory saves lost
+        with a dead worker, and the step left unprotected until the next memory save."""
+        mem = self._engine.saver.memory
+        with self._engine.jobs.cond:
+            return EngineStats(mem.lost, mem.unprotected_step)
 
     @property
     def last_prune(self) -> PruneResult | None:

@@ -108,6 +108,20 @@ def tmp_name_of(name: str, token: str) -> str:
     return f"{TMP_PREFIX}{_unsearchable(name)}-{token}"
 
 
+#: Beside a worker's temporary ``<tmp>``: ``<tmp>.writer-<rank>.json``, who writes it (pid,
+#: host, rank, step, since when), so that ``ls`` tells a write in progress from a crash's
+#: leftover. A leftover name itself (``TMP_PREFIX``): cleaned with its temporary.
+WRITER_NOTE = ".writer-{rank}.json"
+
+
+def writer_note_name(tmp: str, rank: int) -> str:
+    return tmp + WRITER_NOTE.format(rank=rank)
+
+
+def is_writer_note(name: str) -> bool:
+    return name.startswith(TMP_PREFIX) and ".writer-" in name and name.endswith(".json")
+
+
 def trash_name(name: str, token: str) -> str:
     return f"{TRASH_PREFIX}{_unsearchable(name)}-{token}"
 

@@ -44,7 +44,16 @@ from typing import Any
 from .memory_hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
 from .staging import check_memory, plan_arenas
 
-__all__ = ["CLOSE", "PREEMPTION", "TRAINER_DIED", "MemoryTier", "check_tier", "persist", "save"]
+__all__ = [
+    "CLOSE",
+    "PREEMPTION",
+    "TRAINER_DIED",
+    "MemoryTier",
+    "check_tier",
+    "persist",
+    "save",
+    "worker_lost",
+]
 
 log = logging.getLogger("asyncckpt")
 
@@ -175,6 +184,8 @@ class MemoryTier:
     sent_on: dict[int, Any] = field(default_factory=dict)  # slot -> link of its last Hold
     last_step: int | None = None  # the newest memory save's step (steps go forward)
     last_due: int | None = None
+    lost: int = 0  # memory saves lost with a worker that died holding them (worker_lost)
+    unprotected_step: int | None = None  # the last one lost, until a new worker holds one
 
     def due(self, step: int) -> bool:
         """Every ``every_steps`` steps (``step > 0``), once per step."""
@@ -400,6 +411,7 @@ def save(saver: Any, pending: Any) -> Any:
                 mem.held, mem.held_slot, mem.held_link = job, i, link
                 mem.kept, mem.kept_slot = keep, keep_slot
                 mem.last_step = step
+                mem.unprotected_step = None  # the hole a dead worker left is closed
     except OSError as e:
         let_go()
         jobs.fail_unsent(handle, WorkerDied(f"could not hand step {step} to the worker: {e}"))
@@ -415,6 +427,31 @@ def save(saver: Any, pending: Any) -> Any:
         agreement.handed_off(step)
     handle._finish()  # held by the worker: done (it is written only if it must be)
     return handle
+
+
+def worker_lost(saver: Any, link: Any, pid: int | None) -> None:
+    """The worker ``pid`` (its ``link``) died with the trainer alive: the memory save it held
+    is gone with its memory. Count it and say which step, unless disk has it or newer."""
+    from . import layout as _layout
+
+    mem, jobs = saver.memory, saver.jobs
+    with jobs.cond:
+        job = mem.held
+        if job is None or mem.held_link is not link:
+            return  # held nothing, or what it held was already counted or persisted
+        newest = _layout.read_tracker(saver.rules.root)
+        if newest is not None and job.step <= newest:
+            return  # a disk checkpoint at least as new: nothing is unprotected
+        mem.lost += 1
+        mem.unprotected_step = job.step
+    # The handle of that save succeeded long ago: this line is the only place it shows.
+    log.warning(
+        "the checkpoint worker (pid %s) died holding the memory save of step %d: it is lost; "
+        "until the next memory save, a trainer's death resumes from disk (step %s)",
+        pid,
+        job.step,
+        newest,
+    )
 
 
 def persist(saver: Any, reason: str) -> Any:

@@ -80,6 +80,18 @@ class SaveStats:
         return d
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Figures of the engine as a whole, across saves (``engine.stats``, a snapshot)."""
+
+    #: memory saves lost because the worker holding them died (the trainer alive): each one
+    #: also logs a WARNING on the ``asyncckpt`` logger naming its step
+    memory_saves_lost: int = 0
+    #: the step of the memory save lost last, until the replacement worker holds a newer
+    #: memory save (then None): meanwhile a trainer's death resumes from disk, not this step
+    memory_unprotected_step: int | None = None
+
+
 # ------------------------------------------------------------------ figures read back from disk
 # Every committed checkpoint's manifest records its save's figures (manifest.build_manifest:
 # ``manifest["stats"]``, plus the top-level ``bytes`` and ``committed_at``). These read them

@@ -75,7 +75,8 @@ class WorkerSupervisor:
 
     ``make_config()`` gives each new worker its ``WorkerConfig`` (the engine's, with what
     ``start`` learnt: the side store's address); ``on_started_failing()`` is told once a worker
-    fails by itself at start (nobody will serve the other ranks' side store then).
+    fails by itself at start (nobody will serve the other ranks' side store then);
+    ``on_worker_lost(link, pid)`` once a worker that was serving died (the memory tier).
     """
 
     def __init__(
@@ -86,12 +87,14 @@ class WorkerSupervisor:
         *,
         write_timeout: float | None,
         on_start_failed: Callable[[], None],
+        on_worker_lost: Callable[[WorkerLink, int | None], None] | None = None,
     ) -> None:
         self.jobs = jobs
         self.make_config = make_config
         self.write_pause = write_pause
         self.write_timeout = write_timeout
         self.on_start_failed = on_start_failed
+        self.on_worker_lost = on_worker_lost  # what the memory tier held on that link is gone
         self.proc: Any = None
         self.last_pid: int | None = None  # once stop() closed the process object
         self.events_conn: Any = None
@@ -255,6 +258,8 @@ class WorkerSupervisor:
         self.jobs.settle_dead_worker(proc.pid, how, reason)
         if reason is None:
             log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
+        if self.on_worker_lost is not None:
+            self.on_worker_lost(self.link, proc.pid)  # (the dead worker's link, before a new one)
         self._spawn()
 
     def _check_timeouts(self) -> None:

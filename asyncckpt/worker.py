@@ -26,10 +26,11 @@ import torch
 from . import faults
 from . import layout as _layout
 from . import messages as M
-from .commit import commit_step, remove_tree
+from .commit import commit_step
 from .formats.dcp import Serialized
-from .manifest import build_manifest, fsync_dir, fsync_file
+from .manifest import build_manifest, fsync_file
 from .staging import TensorSpec
+from .storage.local import LocalStore
 
 log = logging.getLogger("asyncckpt")
 
@@ -323,7 +324,7 @@ class Worker:
             outcome = ("failed", info)
             if tmp.exists():
                 with contextlib.suppress(OSError):
-                    remove_tree(tmp)
+                    LocalStore(self.root).discard(tmp)  # (and its writer note)
         assert outcome is not None
         if outcome[0] != "committed":
             if rank == 0 and not outcome[1].get("upload"):
@@ -344,10 +345,10 @@ class Worker:
     def _write_shards(self, job: SaveJob, name: str, token: str, pg: Any, rank: int) -> dict:
         """This rank's files in the temporary of ``name``, durable; returns their checksums
         (name -> entry)."""
-        from .storage.local import LocalStore
-
         # Several ranks share one temporary (same token): each may be the one that makes it.
-        tmp = LocalStore(self.root).stage(name, token, exist_ok=self.config.dist is not None)
+        tmp = LocalStore(self.root).stage(
+            name, token, exist_ok=self.config.dist is not None, writer=_writer(job, rank)
+        )
         faults.point("before_shard_write")
         flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
         for spec in self._specs(job):
@@ -477,15 +478,15 @@ class Worker:
             info = error_info(e)
             info["upload"] = True
             return info
-        if self.config.spool:
-            from .storage.remote import mark_published
+        # A spool's record (and any root's: `ls` shows the steps not in it as pending uploads).
+        from .storage.remote import mark_published
 
-            try:
-                mark_published(
-                    self.root, tier, self.config.layout, [job.step, *figures["uploaded_steps"]]
-                )
-            except OSError:
-                pass  # in the store all the same; a restart finds it there and records it
+        try:
+            mark_published(
+                self.root, tier, self.config.layout, [job.step, *figures["uploaded_steps"]]
+            )
+        except OSError:
+            pass  # in the store all the same; a restart finds it there and records it
         stats.update(figures)
         stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.config.layout, job.step)}"
         return None
@@ -577,8 +578,7 @@ class Worker:
         """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
         if tmp.exists():
             try:
-                remove_tree(tmp)
-                fsync_dir(self.root)
+                LocalStore(self.root).discard(tmp)  # (and its writer note)
             except OSError:
                 pass  # the next start removes it
         elif not preexisting and final.exists() and _layout.read_tracker(self.root) != step:
@@ -607,6 +607,25 @@ def _persist_held(worker: Worker) -> None:
 
     with standing_in(worker.replication, worker.config, stand_in_main):
         persist_held(worker)
+
+
+def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
+    """Who writes ``job``'s temporary, noted beside it: ``ls`` shows the write in progress
+    while this process lives (pid and its start time: a reused pid is not it)."""
+    import socket
+
+    import psutil
+
+    return {
+        "pid": os.getpid(),
+        "pid_started_at": psutil.Process().create_time(),
+        "host": socket.gethostname(),
+        "rank": rank,
+        "step": job.step,
+        "started_at": time.time(),
+        "tier": job.tier,
+        "persisted_because": job.persisted_because,
+    }
 
 
 def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any = None) -> None:
@@ -701,8 +720,6 @@ def worker_main(
         target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
-    from .storage.local import LocalStore
-
     lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)  # noqa: F841
     _skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this

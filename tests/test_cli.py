@@ -224,3 +224,49 @@ def test_prune_racing_the_engines_own_prune_succeeds(root, capsys, monkeypatch, 
         assert "error" not in out
     assert {c.step for c in L.scan(root, "global_step")} == {50, 60}
     assert not [n for n in os.listdir(root) if n.startswith(L.TRASH_PREFIX)]
+
+
+def _eventually(check, limit: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ls_shows_a_write_in_progress_by_its_worker_then_its_leftover(tmp_path, capsys):
+    """A worker still writing (hung before its rename): `ls` lists the step as in progress,
+    with the worker's pid; once that worker is killed, the same temporary is a leftover."""
+    import signal
+    import socket
+
+    import torch
+
+    from asyncckpt import SyncCheckpointEngine, faults
+
+    state = {"w": torch.arange(1000.0)}
+    # (write_timeout: a failed assertion must not leave the close waiting on the hung worker)
+    with SyncCheckpointEngine(tmp_path, keep=None, write_timeout=30) as engine:
+        engine.save(1, state).committed_sync(60)
+        faults.inject("before_rename", "hang")
+        handle = engine.save(2, state)
+        pid = engine.worker_pid
+        _eventually(lambda: any(L.is_writer_note(n) for n in os.listdir(tmp_path)))
+        code, out, _ = run(capsys, "ls", "--json", str(tmp_path))
+        d = json.loads(out)
+        (w,) = d["in_progress"]
+        assert (w["step"], w["pid"], w["rank"], w["state"]) == (2, pid, 0, "in progress")
+        assert w["host"] == socket.gethostname() and w["name"].startswith(L.TMP_PREFIX)
+        assert d["leftovers"] == [] and d["uploads_pending"] is None
+        code, out, _ = run(capsys, "ls", str(tmp_path))
+        assert f"in progress: step 2 by pid {pid} on host" in out, out
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception, match="died|write_timeout"):
+            handle.committed_sync(60)
+        code, out, _ = run(capsys, "ls", "--json", str(tmp_path))
+        d = json.loads(out)
+        assert d["in_progress"] == [] and d["leftovers"] == [w["name"]]
+        code, out, _ = run(capsys, "ls", str(tmp_path))
+        assert f"leftover: {w['name']} (its writer is gone; cleaned at the next start)" in out
+        assert "in progress" not in out

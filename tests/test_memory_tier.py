@@ -7,10 +7,12 @@ Never a torn one, never one older than what is on disk."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -348,3 +350,45 @@ async def test_the_async_engine_takes_the_tier_too(tmp_path):
     step, target = load(tmp_path)
     assert step == 4
     assert_same(target, state_at(4))
+
+
+def _eventually(check, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_worker_killed_while_it_holds_a_memory_save_says_which_step_is_lost(tmp_path, caplog):
+    """The handle of a memory save succeeded long ago: when its worker dies, the step must be
+    named (a WARNING) and counted in engine.stats until the new worker holds a newer one."""
+    from asyncckpt.stats import EngineStats
+
+    state = state_at(1)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(1, state).committed_sync()
+        engine.save(2, state, tier="memory")
+        engine.save(3, state, tier="memory")
+        assert engine.stats == EngineStats(memory_saves_lost=0, memory_unprotected_step=None)
+        os.kill(engine.worker_pid, signal.SIGKILL)
+        _eventually(lambda: engine.stats.memory_saves_lost == 1)
+        assert engine.stats.memory_unprotected_step == 3
+        _eventually(lambda: any("step 3: it is lost" in r.getMessage() for r in caplog.records))
+        (line,) = [r for r in caplog.records if "memory save of step 3" in r.getMessage()]
+        assert line.levelno == logging.WARNING and line.name == "asyncckpt"
+        engine.save(4, state, tier="memory")  # held by the replacement: the hole is closed
+        assert engine.stats == EngineStats(memory_saves_lost=1, memory_unprotected_step=None)
+
+
+def test_a_lost_memory_save_older_than_disk_is_no_hole(tmp_path, caplog):
+    state = state_at(1)
+    caplog.set_level(logging.WARNING, logger="asyncckpt")
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(2, state, tier="memory")
+        engine.save(3, state).committed_sync()  # on disk, newer than the memory save
+        os.kill(engine.worker_pid, signal.SIGKILL)
+        _eventually(lambda: engine.worker_restarts == 1 and engine.worker_ready)
+        assert engine.stats.memory_saves_lost == 0
+        assert engine.stats.memory_unprotected_step is None
+    assert not [r for r in caplog.records if "memory save of step" in r.getMessage()]

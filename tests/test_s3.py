@@ -645,3 +645,38 @@ def test_every_cli_subcommand_takes_a_url(s3, tmp_path, capsys):
     assert all(r["bytes"] > 0 and r["write_seconds"] is not None for r in records)
     assert records[1]["path"] == f"{s3.url}/global_step_2"
     assert main(["stats", f"s3://{s3.bucket}-nope/run", *opts]) == 1
+
+
+def test_ls_shows_the_uploads_a_remote_tier_has_not_published(s3, tmp_path, capsys):
+    """Committed locally, not yet in the store (an upload under way, then one cut by the
+    worker's death): `ls` of the local root lists it as pending; the next save publishes it."""
+    import signal
+
+    from asyncckpt.cli import main
+
+    def ls() -> dict:
+        assert main(["ls", "--json", str(root)]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    root = tmp_path / "local"
+    tier = RemoteTier(s3.url, storage_options=s3.options)
+    with SyncCheckpointEngine(root, remote=tier, write_timeout=20) as eng:
+        eng.save(1, make_state(1)).committed_sync(60)
+        assert ls()["uploads_pending"] == {"url": s3.url, "steps": []}
+        faults.inject("mid_upload", "hang")
+        handle = eng.save(2, make_state(2))
+        deadline = time.monotonic() + 60
+        while not (root / L.dir_name("global_step", 2)).is_dir():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ls()["uploads_pending"] == {"url": s3.url, "steps": [2]}
+        assert main(["ls", str(root)]) == 0
+        assert f"upload pending to {s3.url}: step 2" in capsys.readouterr().out
+        faults.clear()
+        os.kill(eng.worker_pid, signal.SIGKILL)
+        with pytest.raises(UploadFailed):
+            handle.committed_sync(60)
+        assert ls()["uploads_pending"]["steps"] == [2]  # still to do: the next save does it
+        eng.save(3, make_state(3)).committed_sync(60)
+        assert ls()["uploads_pending"]["steps"] == []
+    assert remote_steps(s3) == [1, 2, 3]

@@ -9,6 +9,7 @@ fires here (``commit.py`` and ``prune.py`` announce them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -77,6 +78,34 @@ def damage_kind(problems: list[str]) -> str:
         if needle in text:
             return kind
     return "corrupt"
+
+
+def _note(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def writer_alive(note: dict[str, Any]) -> bool | None:
+    """Whether the process a writer note names still runs: same pid and start time on this
+    host (a reused pid is another process); None when it ran on another host."""
+    import socket
+
+    import psutil
+
+    if note.get("host") != socket.gethostname():
+        return None
+    try:
+        proc = psutil.Process(int(note["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its trainer
+            return False
+        started = note.get("pid_started_at")
+        # (create_time is from the boot time and clock ticks: equal up to rounding)
+        return started is None or abs(proc.create_time() - float(started)) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
 
 
 class LocalStore:
@@ -153,11 +182,63 @@ class LocalStore:
         localfs.write_synced(probe, b"")
         localfs.remove_tree(probe)
 
-    def stage(self, name: str, token: str | None = None, *, exist_ok: bool = False) -> Path:
-        """``root/.tmp-<name>-<token>``; ``exist_ok``: several ranks share one temporary."""
+    def stage(
+        self,
+        name: str,
+        token: str | None = None,
+        *,
+        exist_ok: bool = False,
+        writer: dict[str, Any] | None = None,
+    ) -> Path:
+        """``root/.tmp-<name>-<token>``; ``exist_ok``: several ranks share one temporary.
+        ``writer`` (the worker's: pid, host, rank, step...): noted beside it for ``writes``
+        until it is published or discarded."""
         tmp = self.root / _layout.tmp_name_of(name, token or localfs.new_token())
         localfs.mkdir(tmp, exist_ok=exist_ok)
+        if writer is not None:
+            note = _layout.writer_note_name(tmp.name, int(writer.get("rank", 0)))
+            localfs.write_note(self.root / note, json.dumps(writer).encode())
         return tmp
+
+    def _drop_notes(self, staged: Path) -> None:
+        # Advisory only: one left by a crash is a leftover like its temporary.
+        for note in self.root.glob(f"{staged.name}.writer-*.json"):
+            with contextlib.suppress(OSError):
+                localfs.remove_tree(note)
+
+    def writes(self) -> list[dict[str, Any]]:
+        """Temporaries and trash in the root, each ``{"name", "state", ...}``: ``state`` is
+        ``"in progress"`` (a worker that noted itself, still alive; with its note's pid, host,
+        rank, step, started_at, tier), ``"unknown"`` (noted by a process on another host:
+        not checkable from here) or ``"leftover"`` (its writer is gone, or it has no note:
+        removed at the next start). Notes themselves are not listed."""
+        try:
+            names = sorted(e.name for e in os.scandir(self.root) if _layout.is_leftover(e.name))
+        except FileNotFoundError:
+            return []
+        notes = {n for n in names if _layout.is_writer_note(n)}
+        out = []
+        for name in names:
+            if name in notes:
+                continue
+            writers = [
+                w
+                for n in sorted(notes)
+                if n.startswith(name + ".writer-") and (w := _note(self.root / n))
+            ]
+            alive = [writer_alive(w) for w in writers]
+            if any(a is True for a in alive):
+                state = "in progress"
+            elif any(a is None for a in alive):
+                state = "unknown"
+            else:
+                state = "leftover"
+            entry: dict[str, Any] = {"name": name, "state": state}
+            if writers:
+                entry.update(writers[0])
+                entry["ranks"] = sorted(int(w.get("rank", 0)) for w in writers)
+            out.append(entry)
+        return out
 
     def seal(self, staged: Path, name: str, on_file: Callable[[int], None] | None = None) -> int:
         """The directory's names durable (each file was fsynced by its writer)."""
@@ -173,8 +254,10 @@ class LocalStore:
             raise FileExistsError(errno.EEXIST, "checkpoint already committed", str(final))
         localfs.rename_new(staged, final)
         localfs.fsync_dir(self.root)
+        self._drop_notes(staged)
 
     def discard(self, staged: Path) -> None:
+        self._drop_notes(staged)
         try:
             localfs.remove_tree(staged)
         except FileNotFoundError:

@@ -78,6 +78,21 @@ def replace_synced(path: str | os.PathLike, data: bytes, *, sync_dir: bool = Tru
         fsync_dir(path.parent)
 
 
+def write_note(path: str | os.PathLike, data: bytes) -> None:
+    """Write a small advisory file, whole or not at all for a reader (a temporary beside it,
+    renamed over it), without fsync: nothing is lost with it in a crash."""
+    path = Path(path)
+    part = path.parent / f"{TMP_PREFIX}{path.name}-{new_token()}"
+    try:
+        with open(part, "wb") as f:
+            f.write(data)
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(part)
+        raise
+
+
 # ------------------------------------------------------------------------------ names
 def makedirs_synced(path: str | os.PathLike) -> None:
     """``mkdir -p``, each new directory's name made durable."""
@@ -230,5 +245,6 @@ __all__ = [
     "replace_synced",
     "rmdir_if_empty",
     "unlock",
+    "write_note",
     "write_synced",
 ]

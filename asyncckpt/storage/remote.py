@@ -24,7 +24,8 @@ from ..retention import RetentionPolicy
 
 log = logging.getLogger("asyncckpt")
 
-#: In a URL root's spool: which store it belongs to, and which of its steps were published.
+#: In a URL root's spool (and a local root with ``remote=``): which store it belongs to, and
+#: which of its steps were published (``ls`` shows the others as pending uploads).
 SPOOL_RECORD = ".asyncckpt-spool.json"
 #: Spooled steps the store does not have (and that are not waiting to be uploaded) are moved
 #: aside under this prefix (never a checkpoint name, never removed by the engine).
@@ -204,10 +205,12 @@ def _read_record(spool: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _write_record(spool: Path, identity: dict[str, Any], published: Iterable[int]) -> None:
+def _write_record(
+    spool: Path, identity: dict[str, Any], published: Iterable[int], url: str | None = None
+) -> None:
     from .localfs import replace_synced
 
-    text = json.dumps({"store": identity, "published": sorted(set(published))})
+    text = json.dumps({"store": identity, "url": url, "published": sorted(set(published))})
     replace_synced(spool / SPOOL_RECORD, text.encode())
 
 
@@ -219,7 +222,21 @@ def mark_published(spool: Path, tier: RemoteTier, layout: str, steps: Iterable[i
     identity = tier.identity()
     published = set(record.get("published") or []) if record.get("store") == identity else set()
     here = {c.step for c in _layout.scan(spool, layout)}
-    _write_record(spool, identity, (published | set(steps)) & here)
+    _write_record(spool, identity, (published | set(steps)) & here, tier.url)
+
+
+def pending_uploads(root: Path, layout: str) -> dict[str, Any] | None:
+    """What ``ls`` shows of a root with a remote tier (a URL root's spool, or a local root
+    with ``remote=``), from its record alone (no store is reached): the store's URL and the
+    steps committed here and not yet published there (newer than the newest published one,
+    as ``publish_after_commit`` picks them). None: no remote tier ever wrote here."""
+    record = _read_record(root)
+    if record is None:
+        return None
+    published = {s for s in record.get("published") or [] if isinstance(s, int)}
+    newest = max(published, default=-1)
+    steps = [c.step for c in _layout.scan(root, layout) if c.step > newest]
+    return {"url": record.get("url"), "steps": steps}
 
 
 def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> list[str]:
@@ -264,5 +281,5 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
             tier.url,
             moved,
         )
-    _write_record(spool, identity, kept & remote)  # what is pending stays unpublished
+    _write_record(spool, identity, kept & remote, tier.url)  # what is pending stays unpublished
     return moved
