@@ -279,7 +279,7 @@ def test_the_memory_tier_checks_for_twice_the_state_before_allocating(tmp_path, 
             available = staging.MEMORY_HEADROOM + int(1.5 * nbytes)
 
         monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
-        with pytest.raises(StagingMemoryError, match="memory tier keeps two copies"):
+        with pytest.raises(StagingMemoryError, match="memory tier keeps 2 copies"):
             engine.save(2, state, tier="memory")
         assert parts(engine).saver.memory.slots == []  # nothing allocated
 
