@@ -166,6 +166,15 @@ def _x2n_table(polynomial: int) -> tuple[int, ...]:
     return tuple(table)
 
 
+class ChecksumMismatch(CorruptCheckpoint):
+    """Files of a checkpoint failed their manifest entries while read (``problems``): damage,
+    not an error of the reader or the target."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
 def file_checksum(entry: dict[str, Any]) -> tuple[str, int]:
     """(algorithm, value) a manifest entry records: crc32c, or crc32 in older manifests."""
     for algorithm in _ALGORITHMS:
