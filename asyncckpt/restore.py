@@ -203,10 +203,13 @@ class Restorer:
                 for p in parts
             ]
             rest = {r: f for r, f in files.items() if r not in first}
-            # The data files a part's reader checks as it reads them: read once, not a
-            # checksum pass and then the read. Their sizes first: a truncated, grown or
-            # missing file fails here, before anything is read into the target.
-            later = _checked_while_read(rest, parts, directory)
+            # Every file is checked before a byte goes into the target (invariant 11: a load
+            # restores the whole target or changes nothing). A reader can check the files as
+            # it reads them (``_checked_while_read``: one read instead of two), but tensors it
+            # reads in place would then hold a damaged checkpoint's bytes when nothing older
+            # loads (``load(step=)``, ``NoValidCheckpoint``): only a format whose manifest can
+            # be checked per part before the part is applied may take that path; none can yet.
+            later: dict[int, tuple[Verify, dict[str, str]]] = {}
             deferred = {r for _, names in later.values() for r in names}
             self._verify(directory, {r: f for r, f in rest.items() if r not in deferred}, progress)
             self._verify(directory, {r: rest[r] for r in deferred}, progress, quick=True)

@@ -1,6 +1,6 @@
-"""A load reads each data file once (issue 34 item 2): checksums computed on the bytes as they
-are read into the targets, not in a pass of their own before the read; damage found that way
-still falls back, names the file and applies nothing but the bytes of tensors read in place."""
+"""A verified load (issue 34 item 2): every checksum is checked before a byte goes into the
+target (invariant 11), then each file is read once, in parallel parts, straight into the
+targets; damage falls back, names the file, and changes nothing of the target."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def bytes_read() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counts")
-def test_a_verified_load_reads_each_data_file_once(tmp_path):
-    """Before: the manifest's checksums were a full read of every file, then the reader read
-    them again (2x the checkpoint's bytes)."""
+def test_a_verified_load_reads_the_files_twice_at_most(tmp_path):
+    """The checksum pass, then the reader's one read of each file (in parallel parts, straight
+    into the targets): not DCP's read of each record on top."""
     save(tmp_path, [1])
     size = data_file(tmp_path, 1).stat().st_size
     engine = SyncCheckpointEngine(tmp_path)
@@ -62,7 +62,7 @@ def test_a_verified_load_reads_each_data_file_once(tmp_path):
     assert engine.load_latest(target) == 1
     read = bytes_read() - before
     assert torch.equal(target["model"]["w3"], state_at(1)["model"]["w3"])
-    assert size <= read < 1.3 * size, (read, size)
+    assert 2 * size <= read < 2.3 * size, (read, size)
 
 
 def flip(path: Path, at: int) -> None:
@@ -85,21 +85,25 @@ def test_damage_found_while_reading_falls_back_and_applied_no_object(tmp_path):
     assert not (tmp_path / L.dir_name("global_step", 2)).exists()  # quarantined
 
 
-def test_with_nothing_older_the_damage_is_raised_before_objects_are_applied(tmp_path):
+def test_with_nothing_older_damage_changes_nothing_of_the_target(tmp_path):
+    """Invariant 11, with tensors large enough to be read in place (16 MiB): checked while
+    reading, the tensors before the damage already held the damaged checkpoint's bytes."""
     import torch.distributed.checkpoint as dcp
 
-    save(tmp_path, [1])
+    g = torch.Generator().manual_seed(1)
+    state = {"model": {f"w{i}": torch.randn(4096, 1024, generator=g) for i in range(4)}}
+    state["step"] = 1
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync()
     path = data_file(tmp_path, 1)
     where = dcp.FileSystemReader(str(path.parent)).read_metadata().storage_data
     w3 = next(info for index, info in where.items() if index.fqn == "model.w3")
     flip(path, w3.offset + w3.length // 2)  # in the middle of a large tensor's bytes
-    target = blank()
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
         SyncCheckpointEngine(tmp_path).load(target, step=1)
-    # Objects and small tensors (read whole, copied in once checked) are untouched; large
-    # tensors read in place may hold the damaged checkpoint's bytes.
     assert target["step"] == -1
-    assert torch.equal(target["small"], torch.zeros(3))
+    assert [k for k, t in target["model"].items() if t.any()] == []
 
 
 def test_bytes_no_key_asks_for_are_checked_too(tmp_path):
