@@ -205,3 +205,14 @@ def test_goodput_runs_and_reports_every_field(tmp_path):
     assert runs["memory+disk"]["resumed_step"] == 35  # the memory save, written at the death
     assert runs["memory+disk"]["death_to_commit_s"] is not None
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
+
+
+def test_restore_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("restore.py", tmp_path)
+    has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "hot", "targets")
+    assert "not built yet" in rep["hot"]  # a placeholder, never a number
+    for mode in ("cold", "warm"):
+        has(rep[mode], "seconds", "asyncckpt_vs_dcp_load", "asyncckpt_vs_raw_read", "gb_per_s")
+        has(rep[mode]["seconds"], "asyncckpt load_latest", "dcp.load", "raw read")
+        has(rep[mode]["seconds"], "raw read x2", "raw read x4")
+        assert rep[mode]["seconds"]["asyncckpt load_latest"]["n"] == rep["repeats"]

@@ -81,12 +81,23 @@ class WriteOptions:
     plan_cache: str | None = None  # names what is written again and again (dcp's plan cache)
 
 
+class Verify:
+    """Files of a checkpoint for a format's reader to check against the manifest while it
+    reads them (``Format.verifies_while_reading``): ``files`` maps a name in the part's
+    directory to its manifest entry; the reader adds each file it checked to ``done``."""
+
+    def __init__(self, files: Mapping[str, Any]) -> None:
+        self.files = dict(files)
+        self.done: set[str] = set()
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """What ``Format.entries`` / ``load_into`` may need besides the state and the place."""
 
     legacy: LegacyRanks = LegacyRanks()  # megatron_legacy: which rank's files
     weights_only: bool = True  # how a file of pickles is read (pt)
+    verify: Verify | None = None  # files to check while reading (verifies_while_reading)
 
 
 class Format(ABC):
@@ -97,6 +108,10 @@ class Format(ABC):
 
     #: The name given as ``format=`` or ``Component(format)``, recorded in the manifest.
     name: ClassVar[str]
+    #: True: ``load_into`` checks the files of ``LoadOptions.verify`` against their manifest
+    #: entries as it reads them (raising ``manifest.ChecksumMismatch`` before it applies
+    #: anything it does not read in place), so the restorer does not read them first.
+    verifies_while_reading: ClassVar[bool] = False
     #: True: a part in this format is a directory it owns (a whole checkpoint, or a
     #: component's); False: one file, which only a component can be (its path may name the
     #: rank, every rank writing its own).

@@ -27,6 +27,7 @@ from typing import Any, BinaryIO, cast
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -57,12 +58,31 @@ from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, sign
 from ..directio import DirectFile, open_for_write
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
 from ..entries import Entries, has_sharded_base
-from ..manifest import checksum
+from ..manifest import ChecksumMismatch, checksum, entry_problem
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..storage.localfs import fsync_fd
 from ..throttle import write_all
-from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
-from .records import RecordWriter, default_writer, read_record, torch_computes_crc
+from . import wholefiles
+from .base import (
+    Crcs,
+    Format,
+    LoadOptions,
+    Paths,
+    Prepared,
+    SaveOptions,
+    Verify,
+    WriteOptions,
+)
+from .records import (
+    Placement,
+    RecordWriter,
+    count,
+    default_writer,
+    fits,
+    place_record,
+    tensor_bytes,
+    torch_computes_crc,
+)
 
 
 @contextmanager
@@ -468,15 +488,30 @@ def read_dcp_metadata(directory: str | os.PathLike) -> Any:
 
 class CachedMetadataReader(FileSystemReader):
     """DCP's reader, with the metadata from ``read_dcp_metadata`` (not unpickled again), and
-    tensors read from their records straight into the targets (``records.read_record``).
+    tensors read from their records straight into the targets (``records.place_record``).
 
     DCP's own ``read_data`` runs ``torch.load`` on every record (unpickling, a new storage)
     and copies the result into the target: for 20,000 small tensors that is most of a load,
-    for large ones a second copy of every byte. Here each file's records are read in file
-    order, a tensor's bytes go straight into the target when the request covers the whole
-    stored tensor, and into a new tensor that is narrowed and copied as DCP does otherwise.
-    Stream extensions (compression) leave the reading to DCP.
+    for large ones a second copy of every byte. Here each file is read once, in large parallel
+    reads (``wholefiles``): a tensor's bytes go straight into the target when the request covers
+    the whole stored tensor, and into a new tensor that is narrowed and copied as DCP does
+    otherwise. Stream extensions (compression) leave the reading to DCP.
+
+    ``verify`` (file name -> its manifest entry): those files are read whole and their
+    checksums computed on the bytes as they arrive, instead of a separate pass over them
+    before the load. A file that fails its entry fails the read (``ChecksumMismatch``, kept in
+    ``damage``: DCP wraps what a reader raises) before anything is applied but the bytes of
+    tensors read in place; objects, copies into targets and DCP's commits come after.
+    ``verified`` names the files checked.
     """
+
+    def __init__(
+        self, path: str | os.PathLike, *, verify: Mapping[str, Any] | None = None, **kw: Any
+    ) -> None:
+        super().__init__(path, **kw)
+        self.verify = dict(verify or {})
+        self.verified: set[str] = set()
+        self.damage: ChecksumMismatch | None = None
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kw: Any):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kw)
@@ -485,29 +520,65 @@ class CachedMetadataReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         if any(info.transform_descriptors for info in infos):
+            self._check_first()  # DCP's reader reads them: checked before, apart
             return super().read_data(plan, planner)
-        per_file: dict[str, list[tuple[Any, Any, Any]]] = {}
+        per_file: dict[str, list[tuple[Any, Any, Any]]] = {name: [] for name in self.verify}
         for item, info in zip(plan.items, infos, strict=True):
             per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
         with_crc = torch_computes_crc()
-        for name, items in per_file.items():
-            items.sort(key=operator.itemgetter(0))
-            fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
-            try:
-                for _, item, info in items:
-                    self._read_item(fd, item, info, planner, with_crc)
-            finally:
-                os.close(fd)
+        files: list[wholefiles.FileRead] = []
+        todo: list[tuple[wholefiles.FileRead, Any, Any]] = []
+        applies: list[Callable[[], None]] = []
+        try:
+            for name, items in per_file.items():
+                fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+                f = wholefiles.FileRead(name, fd, os.fstat(fd).st_size, want=self.verify.get(name))
+                files.append(f)
+                if f.want is not None and f.size != f.want.get("size"):
+                    problem = entry_problem(name, f.want, f.size, None)  # grown or truncated
+                    self._fail({name: problem or f"{name}: size {f.size}"})
+                for _, item, info in sorted(items, key=operator.itemgetter(0)):
+                    todo.append((f, item, info))
+            # Where each record's bytes are (a few small reads each: in parallel, cold they
+            # are a disk's round trips), then their places in the files, in this thread.
+            places = _in_parallel(lambda job: self._where(job[0], job[1], job[2], with_crc), todo)
+            for (f, item, info), where in zip(todo, places, strict=True):
+                if where is not None:
+                    count(where)
+                applies.append(self._place_item(f, item, info, where, planner))
+            problems = wholefiles.read_files(files)
+        finally:
+            for f in files:
+                os.close(f.fd)
+        if problems:
+            # Damage only against a manifest: without one a short file may be a reader's or
+            # the machine's fault (the restorer quarantines damage alone).
+            if any(name in self.verify for name in problems):
+                self._fail(problems)
+            raise EOFError("; ".join(problems.values()))
+        self.verified.update(f.name for f in files if f.want is not None)
+        for apply in applies:  # every file checked: the rest of the checkpoint goes in
+            apply()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_item(
-        self, fd: int, item: Any, info: Any, planner: LoadPlanner, with_crc: bool
-    ) -> None:
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(os.pread(fd, info.length, info.offset)))
-            return
+    def _fail(self, problems: Mapping[str, str]) -> None:
+        self.damage = ChecksumMismatch(
+            f"{self.path}: " + "; ".join(problems.values()), list(problems.values())
+        )
+        raise self.damage
+
+    def _check_first(self) -> None:
+        from ..manifest import check_files
+
+        problems = check_files(self.path, {"files": self.verify})
+        if problems:
+            self._fail(dict(enumerate(problems)))  # type: ignore[arg-type]
+        self.verified.update(self.verify)
+
+    def _stored(self, item: Any) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of the stored chunk ``item`` reads."""
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
         offsets = tuple(item.storage_index.offset or ())
         chunk = next(
@@ -516,27 +587,71 @@ class CachedMetadataReader(FileSystemReader):
         )
         if chunk is None:
             raise ValueError(f"no stored chunk of {item.storage_index.fqn} at {offsets}")
-        shape = tuple(chunk.sizes)
+        return tuple(chunk.sizes), md.properties.dtype
+
+    def _where(
+        self, f: wholefiles.FileRead, item: Any, info: Any, with_crc: bool
+    ) -> Placement | None:
+        if item.type == LoadItemType.BYTE_IO:
+            return None
+        shape, dtype = self._stored(item)
+        return place_record(f.fd, info.offset, info.length, dtype, shape, with_crc)
+
+    def _place_item(
+        self,
+        f: wholefiles.FileRead,
+        item: Any,
+        info: Any,
+        where: Placement | None,
+        planner: LoadPlanner,
+    ) -> Callable[[], None]:
+        """Add where ``item``'s bytes go to ``f``'s spans; returns what applies it once read."""
+        if where is None:  # a byte item: an object's pickle
+            buf = bytearray(info.length)
+            f.spans.append(wholefiles.Span(info.offset, memoryview(buf)))
+            return lambda: planner.load_bytes(item, io.BytesIO(buf))
+        shape, dtype = self._stored(item)
         target = planner.resolve_tensor(item).detach()
         whole = not any(item.storage_offsets) and tuple(item.lengths) == shape
-        tensor = read_record(
-            fd,
-            info.offset,
-            info.length,
-            md.properties.dtype,
-            shape,
-            target if whole else None,
-            with_crc,
-        )
-        if tensor is not target:
-            tensor = _narrow(tensor, item.storage_offsets, item.lengths)
-            if target.size() != tensor.size():
-                raise ValueError(
-                    f"{item.storage_index.fqn}: stored {tuple(tensor.size())}, "
-                    f"target {tuple(target.size())}"
-                )
-            target.copy_(tensor)
-        planner.commit_tensor(item, target)
+        direct = whole and fits(target, dtype, shape)
+
+        def commit(tensor: torch.Tensor) -> None:
+            if tensor is not target:
+                tensor = _narrow(tensor, item.storage_offsets, item.lengths)
+                if target.size() != tensor.size():
+                    raise ValueError(
+                        f"{item.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                        f"target {tuple(target.size())}"
+                    )
+                target.copy_(tensor)
+            planner.commit_tensor(item, target)
+
+        if where.record is not None and where.span is not None:
+            # Read whole to recognise it: checksummed as it is, copied in once checked.
+            record, (lo, hi) = where.record, where.span
+            f.spans.append(wholefiles.Span(info.offset, memoryview(record), filled=True))
+
+            def from_record() -> None:
+                dst = target if direct else torch.empty(shape, dtype=dtype)
+                tensor_bytes(dst)[:] = memoryview(record)[lo:hi]
+                commit(dst)
+
+            return from_record
+        if where.at is not None:
+            at = info.offset + where.at
+            if direct:
+                f.spans.append(wholefiles.Span(at, tensor_bytes(target)))
+                return lambda: commit(target)
+            if whole and _on_accelerator(target, dtype, shape):
+                # Through this thread's pinned buffer into the device: no host tensor.
+                f.spans.append(wholefiles.Span(at, target.view(-1).view(torch.uint8)))
+                return lambda: commit(target)
+            dst = torch.empty(shape, dtype=dtype)
+            f.spans.append(wholefiles.Span(at, tensor_bytes(dst)))
+            return lambda: commit(dst)
+        buf = bytearray(info.length)  # torch.load's, as DCP reads it
+        f.spans.append(wholefiles.Span(info.offset, memoryview(buf)))
+        return lambda: commit(torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("rank") is not None:  # a per-rank metadata file: not ours to cache
@@ -545,6 +660,26 @@ class CachedMetadataReader(FileSystemReader):
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id  # as FileSystemReader does
         return metadata
+
+
+def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
+    """``[fn(job) for job in jobs]`` by ``wholefiles.read_threads()`` threads."""
+    threads = min(wholefiles.read_threads(), len(jobs))
+    if threads < 2:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-place") as pool:
+        return list(pool.map(fn, jobs))
+
+
+def _on_accelerator(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """A contiguous tensor on an accelerator that a record's bytes can be copied into."""
+    return (
+        t.device.type not in ("cpu", "meta")
+        and t.dtype == dtype
+        and tuple(t.shape) == shape
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+    )
 
 
 def _paths_from_dcp(metadata: Any) -> dict[str, list[PathItem]]:
@@ -589,6 +724,7 @@ def read_flat(
     targets: Mapping[str, torch.Tensor] | None = None,
     *,
     process_group: Any = None,
+    verify: Verify | None = None,
 ) -> dict[str, Any]:
     """Read every entry of a DCP checkpoint into a flat dict.
 
@@ -612,7 +748,7 @@ def read_flat(
                 flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         else:
             flat[fqn] = None  # replaced by the unpickled object
-    load_flat(flat, directory, process_group=process_group)
+    load_flat(flat, directory, process_group=process_group, verify=verify)
     return flat
 
 
@@ -622,6 +758,7 @@ def load_flat(
     *,
     planner: Any = None,
     process_group: Any = None,
+    verify: Verify | None = None,
 ) -> None:
     """``dcp.load`` of a flat dict (DCP keys to tensors and placeholders), in place.
 
@@ -630,10 +767,10 @@ def load_flat(
     loader is called directly where torch has it.
     """
 
-    reader = CachedMetadataReader(str(directory))
+    reader = CachedMetadataReader(str(directory), verify=verify.files if verify else None)
     no_dist = process_group is None
     inner = inner_dcp_load()
-    with _quiet_single_process():
+    with _quiet_single_process(), _damage_of(reader):
         if inner is None:
             dcp.load(
                 flat,
@@ -650,6 +787,20 @@ def load_flat(
                 no_dist=no_dist,
                 planner=planner,
             )
+    if verify is not None:
+        verify.done.update(reader.verified)
+
+
+@contextmanager
+def _damage_of(reader: CachedMetadataReader) -> Iterator[None]:
+    """A file that failed its checksum raises as itself, not as the ``CheckpointException``
+    DCP wraps it in (the restorer quarantines damage, not other read errors)."""
+    try:
+        yield
+    except (Exception, CheckpointException):  # noqa: BLE001 - re-raised, or as the damage
+        if reader.damage is not None:
+            raise reader.damage from None
+        raise
 
 
 def target_tensors(state: Any) -> dict[str, torch.Tensor]:
@@ -708,9 +859,14 @@ def _holds_tensor(x: Any) -> bool:
     return False
 
 
-def load_into(state: Any, directory: str | os.PathLike, paths: Mapping[str, list] | None) -> None:
+def load_into(
+    state: Any,
+    directory: str | os.PathLike,
+    paths: Mapping[str, list] | None,
+    verify: Verify | None = None,
+) -> None:
     """Read the checkpoint in ``directory`` and restore it into ``state`` in place."""
-    flat = read_flat(directory, target_tensors(state))
+    flat = read_flat(directory, target_tensors(state), verify=verify)
     if paths is None:
         paths = _paths_from_dcp(read_dcp_metadata(directory))
     loaded = unflatten(flat, paths)
@@ -763,6 +919,7 @@ class DCPFormat(Format):
 
     name = "dcp"
     shared_by_ranks = True
+    verifies_while_reading = True
     #: The files describing the checkpoint, read by the pre-load check.
     metadata_files = frozenset({L.DCP_METADATA})
     #: The DCP save planner's class (None: ``write_flat``'s default).
@@ -797,7 +954,7 @@ class DCPFormat(Format):
         )
 
     def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
-        load_into(state, location, paths)
+        load_into(state, location, paths, options.verify)
 
     def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries | None:
         if not (location / L.DCP_METADATA).exists() or has_sharded_base(state):

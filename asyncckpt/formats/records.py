@@ -522,15 +522,55 @@ def read_record(
     ``torch_computes_crc()``, read once by a caller reading many records (a template
     recognises records written either way; this only picks which one is made).
     """
-    if out is not None and not (
+    if out is not None and not fits(out, dtype, shape):
+        out = None
+    where = place_record(fd, offset, length, dtype, shape, with_crc)
+    count(where)
+    if where.record is not None and where.span is not None:
+        dst = out if out is not None else torch.empty(shape, dtype=dtype)
+        tensor_bytes(dst)[:] = memoryview(where.record)[where.span[0] : where.span[1]]
+        return dst
+    if where.at is not None:
+        dst = out if out is not None else torch.empty(shape, dtype=dtype)
+        pread_into(fd, tensor_bytes(dst), offset + where.at)
+        return dst
+    return torch.load(_slice(fd, offset, length), map_location="cpu", weights_only=True)
+
+
+def fits(out: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a record's bytes can go straight into ``out``: a contiguous CPU tensor of
+    ``dtype`` and ``shape``, not a conjugate or negative view (its memory is not its values)."""
+    return (
         out.device.type == "cpu"
         and out.dtype == dtype
         and tuple(out.shape) == tuple(shape)
         and out.is_contiguous()
-        # A conjugate or negative view's memory is not its values: the caller copies in.
         and not (out.is_conj() or out.is_neg())
-    ):
-        out = None
+    )
+
+
+@dataclass
+class Placement:
+    """Where a record's tensor bytes are: at ``span`` of ``record`` (the record, read whole
+    to recognise its template), or ``at`` bytes from the record's start; neither: the record
+    is one for ``torch.load``."""
+
+    record: bytes | None = None
+    span: tuple[int, int] | None = None
+    at: int | None = None
+    why: str | None = None  # why a record of data is left to torch.load
+
+
+def place_record(
+    fd: int,
+    offset: int,
+    length: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    with_crc: bool | None = None,
+) -> Placement:
+    """Where the tensor's bytes are in the record at ``offset`` of ``fd`` (``read_record``'s
+    first half; any thread); ``count`` it in the thread of the load."""
     nbytes = math.prod(shape) * dtype.itemsize
     if 0 < nbytes <= MAX_TEMPLATE_BYTES:
         if with_crc is None:
@@ -540,20 +580,26 @@ def read_record(
             record = os.pread(fd, length, offset)
             span = template.data_span(record)
             if span is not None:
-                dst = out if out is not None else torch.empty(shape, dtype=dtype)
-                tensor_bytes(dst)[:] = memoryview(record)[span[0] : span[1]]
-                read_counts["template"] += 1
-                return dst
+                return Placement(record=record, span=span)
     if nbytes > 0:
         at, why = _locate(fd, offset, length, dtype, tuple(shape))
         if at is not None:
-            dst = out if out is not None else torch.empty(shape, dtype=dtype)
-            pread_into(fd, tensor_bytes(dst), offset + at)
-            read_counts["located"] += 1
-            return dst
-        _fell_back(why)
-    read_counts["torch.load"] += 1
-    return torch.load(_slice(fd, offset, length), map_location="cpu", weights_only=True)
+            return Placement(at=at)
+        return Placement(why=why)
+    return Placement()
+
+
+def count(where: Placement) -> None:
+    """Count a placement in ``read_counts`` (a fallback also in ``fallbacks``, and in this
+    thread's ``count_fallbacks``)."""
+    if where.span is not None:
+        read_counts["template"] += 1
+    elif where.at is not None:
+        read_counts["located"] += 1
+    else:
+        if where.why is not None:
+            _fell_back(where.why)
+        read_counts["torch.load"] += 1
 
 
 #: The process's writer: a persistent worker's saves share its templates.

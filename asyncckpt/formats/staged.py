@@ -35,7 +35,7 @@ from . import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names
     get_format,
     prepare_part,
 )
-from .base import Format, LegacyRanks, LoadOptions, Prepared, SaveOptions, WriteOptions
+from .base import Format, LegacyRanks, LoadOptions, Prepared, SaveOptions, Verify, WriteOptions
 
 
 def legacy_ranks(rank: int, world_size: int, given: Any = None) -> LegacyRanks:
@@ -245,11 +245,13 @@ def load_into(
     *,
     legacy: LegacyRanks | None = None,
     weights_only: bool = True,
+    verify: Verify | None = None,
 ) -> None:
     """Restore the checkpoint in ``directory`` into ``state`` in place (any world size).
 
     For format ``pt`` (a component's ``torch.save`` file) ``directory`` is the file, read
-    with ``weights_only``.
+    with ``weights_only``. ``verify``: files the format checks as it reads them (only for a
+    format that ``verifies_while_reading``).
     """
-    options = LoadOptions(legacy=legacy or LegacyRanks(), weights_only=weights_only)
+    options = LoadOptions(legacy=legacy or LegacyRanks(), weights_only=weights_only, verify=verify)
     get_format(fmt).load_into(state, Path(directory), paths, options)

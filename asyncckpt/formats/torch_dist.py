@@ -60,7 +60,7 @@ from .. import layout as L
 from ..commit import write_synced
 from ..dist import ShardInfo
 from ..staging import serialize_objects
-from .base import Crcs, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
+from .base import Crcs, LoadOptions, Paths, Prepared, SaveOptions, Verify, WriteOptions
 from .dcp import (
     DCPFormat,
     _PassThroughPlanner,
@@ -221,7 +221,10 @@ def read_config(directory: str | os.PathLike) -> dict | None:
 
 
 def read_torch_dist(
-    directory: str | os.PathLike, target_state: dict, paths: Mapping[str, list] | None = None
+    directory: str | os.PathLike,
+    target_state: dict,
+    paths: Mapping[str, list] | None = None,
+    verify: Verify | None = None,
 ) -> dict:
     """Load a plain-state checkpoint into ``target_state`` in place and return it.
 
@@ -260,6 +263,7 @@ def read_torch_dist(
         request,
         directory,
         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+        verify=verify,
     )
     with open(directory / L.TORCH_DIST_COMMON, "rb") as f:
         loaded = _load_weights_only(f)
@@ -420,9 +424,16 @@ class TorchDistFormat(DCPFormat):
         target = materialize(state)
         mapping = _mcore_mapping()
         if mapping is not None and _has_sharded_base(target, mapping.ShardedBase):
+            if options.verify is not None:  # megatron's loader reads: checked before, apart
+                from ..manifest import ChecksumMismatch, check_files
+
+                problems = check_files(location, {"files": options.verify.files})
+                if problems:
+                    raise ChecksumMismatch(f"{location}: " + "; ".join(problems), problems)
+                options.verify.done.update(options.verify.files)
             _load_megatron(target, location)
         else:
-            read_torch_dist(location, target, paths)
+            read_torch_dist(location, target, paths, options.verify)
         merge_into(state, target)
 
     def objects_known(self, location: Path) -> bool:

@@ -1,0 +1,267 @@
+"""How fast a resume reads a checkpoint back (issue 34 items 2 and 3).
+
+One committed checkpoint (default 1 GiB in 64 tensors) is read back, in rounds, by:
+
+- ``asyncckpt``: a fresh ``SyncCheckpointEngine(root).load_latest(target)`` (checksums
+  verified, in place into the target);
+- ``dcp.load``: plain ``torch.distributed.checkpoint.load`` of the same directory into a target
+  of the same shapes;
+- ``raw read``: every file of the checkpoint read sequentially (8 MiB reads into one buffer),
+  and ``raw read xN``: the same bytes by N threads over ranges: what the disk gives.
+
+Each round runs every method cold (the checkpoint's files dropped from the page cache with
+``posix_fadvise(DONTNEED)`` before each) and warm (read once just before); the order of the
+methods turns each round, and ratios are taken within a round, then the median over rounds.
+A hot resume (from a surviving worker's memory) is not built yet: its row says so.
+
+Usage: ``python benchmarks/restore.py [--size-mb 1024] [--tensors 64] [--repeats 5]
+[--device cuda] [--quick]``; prints a table, writes ``results/restore.json`` and
+``results/restore.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+C.quiet_spawned_children()
+
+CHUNK = 8 * C.MiB
+PARALLEL = (2, 4)
+
+
+def make_state(nbytes: int, tensors: int, device: str = "cpu") -> dict[str, Any]:
+    numel = max(1, nbytes // 4 // tensors)
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.w": torch.randn(numel, generator=g).to(device) for i in range(tensors)}
+    return {"model": model, "step": 1}
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(files: list[Path]) -> None:
+    buf = memoryview(bytearray(CHUNK))
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def raw_read_parallel(files: list[Path], threads: int) -> None:
+    """The same bytes by ``threads`` threads, each a range of a file (8 MiB preads)."""
+    jobs = []
+    for f in files:
+        size = f.stat().st_size
+        step = max(CHUNK, -(-size // threads))
+        jobs += [(f, start, min(size, start + step)) for start in range(0, size, step)]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        buf = memoryview(bytearray(CHUNK))
+        while True:
+            with lock:
+                if not jobs:
+                    return
+                f, start, end = jobs.pop()
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                at = start
+                while at < end:
+                    got = os.preadv(fd, [buf[: min(CHUNK, end - at)]], at)
+                    if got <= 0:
+                        break
+                    at += got
+            finally:
+                os.close(fd)
+
+    pool = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+
+
+def fresh_metadata_cache() -> None:
+    """A fresh process has not read the checkpoint's ``.metadata`` yet: neither does a load
+    here (asyncckpt keeps the last two in memory)."""
+    from asyncckpt.formats import dcp as fdcp
+
+    fdcp._METADATA_CACHE.clear()
+
+
+def main() -> None:
+    p = C.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--size-mb", type=int, default=1024)
+    p.add_argument("--tensors", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    C.apply_threads(args)
+    if args.quick:
+        args.size_mb, args.tensors, args.repeats = 16, 8, 2
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import SyncCheckpointEngine
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    base = args.dir / "restore"
+    C.rmtree(base)
+    root = base / "ckpts"
+    state = make_state(args.size_mb * C.MiB, args.tensors, device)
+    with SyncCheckpointEngine(root) as engine:
+        engine.save(1, state).committed_sync()
+    directory = next(root.glob("global_step_*"))
+    files = checkpoint_files(directory)
+    nbytes = sum(f.stat().st_size for f in files)
+    target = blank_like(state)
+    del state
+
+    def load_asyncckpt() -> None:
+        fresh_metadata_cache()
+        assert SyncCheckpointEngine(root).load_latest(target) == 1
+        sync()
+
+    def load_dcp() -> None:
+        dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+        sync()
+
+    methods: dict[str, Callable[[], None]] = {
+        "asyncckpt load_latest": load_asyncckpt,
+        "dcp.load": load_dcp,
+        "raw read": lambda: raw_read(files),
+    }
+    for n in PARALLEL:
+        methods[f"raw read x{n}"] = lambda n=n: raw_read_parallel(files, n)
+    times: dict[str, dict[str, list[float]]] = {
+        mode: {m: [] for m in methods} for mode in ("cold", "warm")
+    }
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        for r in range(args.repeats):
+            order = list(methods)
+            order = order[r % len(order) :] + order[: r % len(order)]  # interleaved
+            for mode in ("cold", "warm"):
+                for name in order:
+                    if mode == "cold":
+                        drop_page_cache(files)
+                    else:
+                        raw_read(files)
+                    t0 = time.perf_counter()
+                    methods[name]()
+                    times[mode][name].append(time.perf_counter() - t0)
+    C.rmtree(base)
+
+    def ratios(mode: str, a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(times[mode][a], times[mode][b], strict=True)]
+
+    ours = "asyncckpt load_latest"
+    rows, result = [], {}
+    for mode in ("cold", "warm"):
+        vs_dcp = ratios(mode, ours, "dcp.load")
+        vs_raw = ratios(mode, ours, "raw read")
+        result[mode] = {
+            "seconds": {m: C.summary(v) for m, v in times[mode].items()},
+            "asyncckpt_vs_dcp_load": C.summary(vs_dcp),
+            "asyncckpt_vs_raw_read": C.summary(vs_raw),
+            "gb_per_s": {m: nbytes / C.med(v) / 1e9 for m, v in times[mode].items()},
+        }
+        for m in methods:
+            s = result[mode]["seconds"][m]
+            rows.append(
+                [
+                    f"{m} ({mode})",
+                    s["median"],
+                    s["min"],
+                    s["max"],
+                    C.med(ratios(mode, m, "dcp.load")),
+                    C.med(ratios(mode, m, "raw read")),
+                ]
+            )
+        rows.append([f"hot resume from memory ({mode})", "not built yet", "", "", "", ""])
+    C.print_table(
+        f"restore {nbytes / C.GiB:.2f} GiB, {args.tensors} tensors, {device}, "
+        f"median of {args.repeats} (seconds)",
+        ["method", "median", "min", "max", "x dcp.load", "x raw read"],
+        rows,
+    )
+    targets = {
+        "cold load_latest <= 1.0x cold dcp.load": {
+            "target": "<= 1.0",
+            "measured": result["cold"]["asyncckpt_vs_dcp_load"]["median"],
+            "met": result["cold"]["asyncckpt_vs_dcp_load"]["median"] <= 1.0,
+        },
+        "cold load_latest <= 1.1x raw sequential read": {
+            "target": "<= 1.1",
+            "measured": result["cold"]["asyncckpt_vs_raw_read"]["median"],
+            "met": result["cold"]["asyncckpt_vs_raw_read"]["median"] <= 1.1,
+        },
+    }
+    C.print_targets(targets, args.quick)
+    tag = args.tag
+    data = {
+        "environment": C.environment(device),
+        "bytes": nbytes,
+        "tensors": args.tensors,
+        "repeats": args.repeats,
+        "device": device,
+        "cold": result["cold"],
+        "warm": result["warm"],
+        "hot": "not built yet (issue 34 item 1)",
+        "targets": targets,
+    }
+    out = C.write_json(args.out, f"restore{tag}", data)
+    print(f"written {out}")
+    if not args.no_plot:
+        labels = list(methods)
+        panels = [
+            (
+                f"{mode} seconds (median)",
+                labels,
+                [result[mode]["seconds"][m]["median"] for m in labels],
+                result[mode]["seconds"]["dcp.load"]["median"],
+            )
+            for mode in ("cold", "warm")
+        ]
+        png = C.plot_bars(
+            args.out / f"restore{tag}.png",
+            f"restore of {nbytes / C.GiB:.2f} GiB ({device}); dashed: dcp.load",
+            panels,
+        )
+        print(f"written {png}")
+
+
+if __name__ == "__main__":
+    main()
