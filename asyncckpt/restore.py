@@ -28,10 +28,9 @@ from .errors import (
     NoValidCheckpoint,
     StateMismatch,
 )
-from .formats.base import Verify
 from .formats.components import COMPONENTS, Component, Part, load_parts, saved_spec
 from .loadcheck import LoadReport, Vanished
-from .manifest import ChecksumMismatch, check_files, entry_problem, read_manifest
+from .manifest import check_files, read_manifest
 from .retention import CheckpointInfo
 from .storage import RemoteTier
 
@@ -81,34 +80,6 @@ class _Damaged(CorruptCheckpoint):
     def __init__(self, message: str, problems: list[str]) -> None:
         super().__init__(message)
         self.problems = problems
-
-
-def _checked_while_read(
-    files: dict[str, Any], parts: list[Part], directory: Path
-) -> dict[int, tuple[Verify, dict[str, str]]]:
-    """Of ``files`` (manifest entries by path in ``directory``), those a part's reader checks
-    as it reads them: part index -> (what its reader is given, {path: name in the part})."""
-    from .formats import get_format
-
-    out: dict[int, tuple[Verify, dict[str, str]]] = {}
-    for i, part in enumerate(parts):
-        location = Path(part.location)
-        if not (get_format(part.fmt).verifies_while_reading and location.is_dir()):
-            continue
-        names = {r: (directory / r).name for r in files if (directory / r).parent == location}
-        if names:
-            out[i] = (Verify({names[r]: files[r] for r in names}), names)
-    return out
-
-
-def _sizes(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """``check_files(quick=True)``: what is missing, truncated or grown (nothing read)."""
-    problems: list[str] = []
-    for rel, want in manifest["files"].items():
-        path = directory / rel
-        size = path.stat().st_size if path.is_file() else None
-        problems += filter(None, [entry_problem(rel, want, size, None)])
-    return problems
 
 
 class Restorer:
@@ -202,25 +173,16 @@ class Restorer:
                 )  # fmt: skip
                 for p in parts
             ]
-            rest = {r: f for r, f in files.items() if r not in first}
             # Every file is checked before a byte goes into the target (invariant 11: a load
-            # restores the whole target or changes nothing). A reader can check the files as
-            # it reads them (``_checked_while_read``: one read instead of two), but tensors it
-            # reads in place would then hold a damaged checkpoint's bytes when nothing older
-            # loads (``load(step=)``, ``NoValidCheckpoint``): only a format whose manifest can
-            # be checked per part before the part is applied may take that path; none can yet.
-            later: dict[int, tuple[Verify, dict[str, str]]] = {}
-            deferred = {r for _, names in later.values() for r in names}
-            self._verify(directory, {r: f for r, f in rest.items() if r not in deferred}, progress)
-            self._verify(directory, {r: rest[r] for r in deferred}, progress, quick=True)
+            # restores the whole target or changes nothing). A reader can check files as it
+            # reads them (``LoadOptions.verify``), but tensors it reads in place would then
+            # hold a damaged checkpoint's bytes when nothing older loads (``load(step=)``):
+            # one pass needs checksums per part, checked before the part is applied.
+            self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
             progress.reading()
             with records.count_fallbacks() as fallbacks:
-                for i, (part, report) in enumerate(zip(parts, reports, strict=True)):
-                    verify = later[i][0] if i in later else None
-                    self._read_part(part, report, directory, verify)
-            # A file its reader did not check after all: checked now, late but never skipped.
-            done = {r for v, names in later.values() for r, n in names.items() if n in v.done}
-            self._verify(directory, {r: rest[r] for r in deferred - done}, progress)
+                for part, report in zip(parts, reports, strict=True):
+                    self._read_part(part, report, directory)
         merged = loadcheck.merge_reports(parts, reports, strict)
         merged.records_fallbacks = fallbacks.total()
         return merged
@@ -249,26 +211,20 @@ class Restorer:
         paths = (manifest or {}).get("paths")
         return [Part(None, fmt, state, directory, paths)]
 
-    def _read_part(
-        self, part: Part, report: LoadReport, directory: Path, verify: Verify | None
-    ) -> None:
+    def _read_part(self, part: Part, report: LoadReport, directory: Path) -> None:
         from . import loadcheck
         from .formats import staged
 
         try:
             # strict=False and something to skip, or other ranks' keys: read only the target's
             if report.missing or report.unexpected or report.other_ranks:
-                self._load_partial(part, report, verify)
+                self._load_partial(part, report)
             else:
                 # Any world size: each rank reads what its state asks for (DCP reshards).
                 staged.load_into(
                     part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
-                    weights_only=part.weights_only, verify=verify,
+                    weights_only=part.weights_only,
                 )  # fmt: skip
-        except ChecksumMismatch as e:
-            # Found while read: tensors read in place may hold its bytes (an older checkpoint
-            # loaded in its place overwrites them); nothing else was applied.
-            raise _Damaged(str(e), e.problems) from None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
             if isinstance(e, CheckpointError):
                 raise
@@ -276,20 +232,16 @@ class Restorer:
                 raise loadcheck.Vanished(f"{directory} went away while it was read") from e
             raise loadcheck.read_error(directory, e) from e
 
-    def _verify(
-        self, directory: Path, files: dict[str, Any], progress: Any, quick: bool = False
-    ) -> None:
-        """``verify_dir`` over ``files`` (of the manifest), file by file; ``quick``: sizes."""
+    def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
+        """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
         damage: list[str] = []
         unreadable: list[str] = []
         for rel, want in files.items():
             try:
-                one = {"files": {rel: want}}
-                damage += _sizes(directory, one) if quick else check_files(directory, one)
+                damage += check_files(directory, {"files": {rel: want}})
             except OSError as e:  # gone between the check and the read, or unreadable
                 unreadable.append(f"{rel}: {e}")
-            if not quick:
-                progress.verified(int(want.get("size", 0)))
+            progress.verified(int(want.get("size", 0)))
         if damage or unreadable:
             if not directory.is_dir():
                 raise Vanished(f"{directory} went away while it was verified")
@@ -297,7 +249,7 @@ class Restorer:
             # An I/O error alone may pass (a flaky mount): only a mismatch is damage.
             raise _Damaged(message, damage) if damage else CorruptCheckpoint(message)
 
-    def _load_partial(self, part: Part, report: LoadReport, verify: Verify | None) -> None:
+    def _load_partial(self, part: Part, report: LoadReport) -> None:
         """strict=False: read into a copy of the target's containers without the missing keys,
         then hand each part back cut to the target's keys (missing ones keep their value,
         unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
@@ -308,7 +260,7 @@ class Restorer:
         sub = without(like, set(report.missing))
         staged.load_into(
             part.fmt, sub, part.location, part.paths, legacy=self.legacy,
-            weights_only=part.weights_only, verify=verify,
+            weights_only=part.weights_only,
         )  # fmt: skip
         dcp.merge_into(part.state, restrict(sub, like))
 
