@@ -25,7 +25,7 @@ def test_a_worker_failure_is_one_info_line_and_the_traceback_is_kept_not_printed
     # The user receives the failure as this exception: by default nothing else is printed
     # (issue 32: one channel); at INFO, one line says when it happened.
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    lines = [r for r in caplog.records if r.levelno == logging.INFO and "step 1" in r.getMessage()]
+    lines = [r for r in caplog.records if r.levelno == logging.INFO and "failed" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0].getMessage(), lines
     assert "fault injected at before_rename" in lines[0].getMessage()
     # The worker's traceback: on the chained cause and at debug level ...

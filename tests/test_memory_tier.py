@@ -324,7 +324,7 @@ def test_a_torn_memory_save_fails_and_the_previous_one_stays_held(tmp_path, monk
         monkeypatch.undo()
         with pytest.raises(SaveFailed, match="an earlier save failed"):
             engine.save(4, state, tier="memory")
-    # Closing with persist_memory_on_close writes the one held: step 2, whole.
+    # Closing with MemoryTier(persist_on_close=True) writes the one held: step 2, whole.
     step, target = load(tmp_path)
     assert step == 2
     assert_same(target, state_at(1))

@@ -95,7 +95,10 @@ async def test_torchtitan_finds_and_loads_what_asyncckpt_wrote(tmp_path):
     root = str(tmp_path)
 
     def entries(prefix: str) -> list[Path]:
-        return [tmp_path / n for n in os.listdir(tmp_path) if n.startswith(prefix)]
+        # Directories only: a worker's note of who writes a temporary (``ls``) is a file
+        # beside it that shares its prefix.
+        named = [tmp_path / n for n in os.listdir(tmp_path) if n.startswith(prefix)]
+        return [p for p in named if p.is_dir()]
 
     async def wait_for(prefix: str) -> Path:
         deadline = time.monotonic() + 15

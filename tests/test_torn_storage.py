@@ -21,6 +21,7 @@ from test_overlap import Gate, blank, committed_steps
 
 from asyncckpt import (
     CheckpointEngine,
+    MemoryTier,
     SaveFailed,
     StateModifiedWhileStaging,
     SyncCheckpointEngine,
@@ -217,7 +218,9 @@ def test_a_storage_changed_during_a_memory_save_fails_it_and_the_held_one_stays(
     tmp_path, monkeypatch, change
 ):
     state = state_of()
-    with SyncCheckpointEngine(tmp_path, keep=None, persist_memory_on_close=True) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, keep=None, memory=MemoryTier(persist_on_close=True)
+    ) as engine:
         engine.save(1, state_of(), tier="memory")
         CopyGate(monkeypatch, during=from_a_thread(CHANGES[change], state["model"]["w"]))
         handle = engine.save(2, state, tier="memory")
@@ -228,7 +231,7 @@ def test_a_storage_changed_during_a_memory_save_fails_it_and_the_held_one_stays(
         assert parts(engine).saver.memory.held.step == 1
         with pytest.raises(SaveFailed, match="an earlier save failed"):
             engine.save(3, state_of(), tier="memory")
-    # Closing with persist_memory_on_close writes the one held: step 1, whole.
+    # Closing with MemoryTier(persist_on_close=True) writes the one held: step 1, whole.
     assert_only_step_1(tmp_path, state_of())
 
 
