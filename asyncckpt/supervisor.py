@@ -142,13 +142,15 @@ class WorkerSupervisor:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+        # The reader first: it may be settling this worker's death, which reads the process
+        # object that close() invalidates (a ValueError on the reader thread, once).
+        if self.reader is not None:
+            self.reader.join(5)
         if self.proc.exitcode is not None:
             # Its sentinel pipes, else freed only when the garbage collector finds the
             # engine (a trainer opening and closing engines ran out of fds).
             self.last_pid = self.proc.pid
             self.proc.close()
-        if self.reader is not None:
-            self.reader.join(5)
         self.link.conn.close()
         self.link.memory.close()
         self.events_conn.close()
@@ -234,7 +236,8 @@ class WorkerSupervisor:
             self.jobs.on_event(msg)
 
     def _on_death(self, proc: Any, reason: SaveFailed | None) -> None:
-        code = proc.exitcode
+        # Read once: stop() may close the process object while this runs on the reader thread.
+        pid, code = proc.pid, proc.exitcode
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         was_ready = self.ready.is_set()
         self.ready.clear()  # saves from now on wait for the replacement
@@ -255,11 +258,11 @@ class WorkerSupervisor:
         # Before failing the handles: a save made as soon as one fails must wait for the new
         # worker, not write into the dead one's pipe, and must see the death counted.
         self.restarts += 1
-        self.jobs.settle_dead_worker(proc.pid, how, reason)
+        self.jobs.settle_dead_worker(pid, how, reason)
         if reason is None:
-            log.error("checkpoint worker (pid %s) died with %s; starting a new one", proc.pid, how)
+            log.error("checkpoint worker (pid %s) died with %s; starting a new one", pid, how)
         if self.on_worker_lost is not None:
-            self.on_worker_lost(self.link, proc.pid)  # (the dead worker's link, before a new one)
+            self.on_worker_lost(self.link, pid)  # (the dead worker's link, before a new one)
         self._spawn()
 
     def _check_timeouts(self) -> None:
