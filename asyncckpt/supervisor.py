@@ -307,20 +307,20 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     # the worker lock) before cleaning the temporaries it may still touch, and resume
     # from what it committed.
     try:
-        _wait_for_orphan(store, rank, root, write_timeout)
+        _wait_for_orphan(store, f"worker{rank}", root, write_timeout)
     except BaseException:
         unlock(fd)  # not started: the root is not ours
         raise
     return fd
 
 
-def _wait_for_orphan(store: Any, rank: int, root: Path, write_timeout: float | None) -> None:
+def _wait_for_orphan(store: Any, holder: str, root: Path, write_timeout: float | None) -> None:
     bound = write_timeout or WorkerConfig.orphan_deadline_s
     deadline = time.monotonic() + bound + 30
     told = False
-    while (wfd := store.lock(f"worker{rank}", wait=False)) is None:
+    while (wfd := store.lock(holder, wait=False)) is None:
         if time.monotonic() > deadline:
-            raise RootLocked(f"a worker process still holds {_worker_lock_path(root, rank)}")
+            raise RootLocked(f"a worker process still holds {lock_path(root, holder)}")
         if not told:
             log.warning(
                 "waiting for the worker of an earlier trainer on %s: it is finishing "
@@ -331,6 +331,22 @@ def _wait_for_orphan(store: Any, rank: int, root: Path, write_timeout: float | N
             told = True
         time.sleep(0.05)
     unlock(wfd)
+
+
+def wait_for_orphaned_workers(root: str | Path) -> None:
+    """Wait until no worker process holds a lock on ``root``: a reader about to pick the
+    newest checkpoint of a root it does not write. A worker orphaned by a killed trainer
+    finishes the saves that trainer staged; reading before it is done resumes from an older
+    step, and that run's next save then meets the orphan's newer commit."""
+    from .storage.local import LocalStore
+
+    store = LocalStore(Path(root))
+    prefix = lock_path(root, "").name  # a holder's lock file is <prefix><holder>
+    for path in sorted(Path(root).glob(prefix + "worker*")):
+        try:
+            _wait_for_orphan(store, path.name[len(prefix) :], Path(root), None)
+        except PermissionError:  # a read-only root: no writer of ours can be finishing there
+            log.debug("cannot check %s for a running worker (read-only)", path)
 
 
 @contextlib.contextmanager
@@ -351,7 +367,3 @@ def _main_module_hidden() -> Any:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
-
-
-def _worker_lock_path(root: Path, rank: int) -> Path:
-    return lock_path(root, f"worker{rank}")

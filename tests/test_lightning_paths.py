@@ -43,3 +43,50 @@ def test_best_and_last_paths_load_in_a_new_trainer_and_best_k_models_is_kept(tmp
 def test_filename_is_refused_loudly(tmp_path: Path):
     with pytest.raises(ValueError, match=r"filename=.*global_step_<N>"):
         AsyncModelCheckpoint(tmp_path, filename="{epoch}-{loss:.2f}")
+
+
+_ORPHANING_TRAINER = """
+import sys, time
+from asyncckpt import faults
+from asyncckpt.integrations.lightning import AsyncCheckpointIO
+
+root = sys.argv[1]
+io = AsyncCheckpointIO()
+io.save_checkpoint({"global_step": 10, "w": [1.0]}, root + "/global_step_10")
+io.load_checkpoint(root + "/global_step_10")  # waits for the commit
+faults.inject("before_rename", "delay:3")  # the next save's worker is slow to commit
+io.save_checkpoint({"global_step": 15, "w": [2.0]}, root + "/global_step_15")
+print("STAGED 15", flush=True)
+time.sleep(600)  # SIGKILLed here: its worker goes on and commits step 15
+"""
+
+
+def test_reading_a_root_waits_for_a_killed_runs_worker(tmp_path: Path) -> None:
+    """A trainer SIGKILLed right after save(15) returned leaves its worker committing step 15.
+    A new process reading the root's newest checkpoint gets 15, not 10: it waits for that
+    worker (before the fix it read step 10, and the resumed run's save of step 15 then met the
+    orphan's commit: "step 15 is already committed", seen in CI)."""
+    import signal
+    import subprocess
+    import sys
+
+    from asyncckpt.integrations.lightning import AsyncCheckpointIO
+
+    root = tmp_path / "ckpts"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ORPHANING_TRAINER, str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "STAGED 15"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert not (root / "global_step_15").exists()  # still being written by the orphan
+        ckpt = AsyncCheckpointIO().load_checkpoint(root)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ckpt["global_step"] == 15 and ckpt["w"] == [2.0]

@@ -47,6 +47,7 @@ from ..errors import CheckpointError, CorruptCheckpoint
 from ..options import Distributed, Preemption
 from ..reading import read_checkpoint
 from ..retention import KeepBest, KeepLast, RetentionPolicy
+from ..supervisor import wait_for_orphaned_workers
 from ..sync import SyncCheckpointEngine
 
 log = logging.getLogger("asyncckpt")
@@ -316,6 +317,8 @@ class AsyncCheckpointIO(CheckpointIO):
         engine = self._engines.get(_norm(root))
         if engine is not None:
             engine.wait()
+        else:  # a killed run's worker may still be committing what that run staged
+            wait_for_orphaned_workers(root)
 
     def _read(self, directory: Path) -> dict[str, Any]:
         checkpoint = read_checkpoint(directory)
