@@ -8,7 +8,6 @@ here on purpose. `mkdocs build --strict` (broken links, missing references) is `
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from snippets import env, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -75,24 +75,6 @@ def blocks(page: str) -> list[Block]:
             )
         )
     return out
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    e.pop("ASYNCCKPT_FAULTS", None)
-    return e
-
-
-def run_python(code: str, cwd: Path, where: str) -> str:
-    script = cwd / "snippet.py"
-    script.write_text(code)
-    r = subprocess.run(
-        [sys.executable, str(script)], cwd=cwd, env=env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, f"{where} failed:\n{code}\n--- stderr:\n{r.stderr[-4000:]}"
-    return r.stdout
 
 
 def is_cli(block: Block) -> bool:

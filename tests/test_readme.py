@@ -4,12 +4,13 @@ checkout's asyncckpt (the fresh-venv run of the first command is `.ci/run`'s job
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from snippets import env, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -18,23 +19,6 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 def blocks(lang: str) -> list[str]:
     return [m.group(2) for m in FENCE.finditer(README.read_text()) if m.group(1) == lang]
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
-def run_python(code: str, cwd: Path) -> str:
-    script = cwd / "snippet.py"
-    script.write_text(code)
-    r = subprocess.run(
-        [sys.executable, str(script)], cwd=cwd, env=env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, f"README snippet failed:\n{code}\n--- stderr:\n{r.stderr[-4000:]}"
-    return r.stdout
 
 
 def test_setup_commands_are_what_ci_runs():
@@ -116,11 +100,11 @@ def test_python_snippets_run_as_written(tmp_path):
     assert len(snippets) >= 3
     quick_start = snippets[0]
     assert "load_latest" in quick_start
-    first = run_python(quick_start, tmp_path)
+    first = run_python(quick_start, tmp_path, "README quick start")
     assert "starting at step 0" in first
     assert "latest committed step: 1000" in first
     # Run twice verbatim: the second run is the resume the Quick start promises.
-    second = run_python(quick_start, tmp_path)
+    second = run_python(quick_start, tmp_path, "README quick start")
     assert "starting at step 1000" in second, second
     for code in snippets[1:]:
         # A block for an optional integration names it on its first line ("# requires: pkg")
@@ -128,7 +112,7 @@ def test_python_snippets_run_as_written(tmp_path):
         # (test_hf_trainer, test_lightning, test_stats), which skips where pkg is missing.
         if code.startswith("# requires:"):
             continue
-        run_python(code, tmp_path)
+        run_python(code, tmp_path, "README snippet")
 
     # The command-line block, on the root the Quick start wrote.
     (cli,) = [b for b in blocks("bash") if "python -m asyncckpt" in b]
