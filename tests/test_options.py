@@ -74,8 +74,9 @@ FLAT = [
     (
         "write_timeout",
         5.0,
-        lambda o: o.throttle == ThrottleConfig.background(write_timeout=5.0)
-        and o.write_timeout == 5.0,
+        lambda o: (
+            o.throttle == ThrottleConfig.background(write_timeout=5.0) and o.write_timeout == 5.0
+        ),
     ),
 ]
 
