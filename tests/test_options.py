@@ -177,19 +177,6 @@ def test_a_flat_keyword_beside_its_new_group_is_refused(tmp_path):
         CheckpointEngine(tmp_path, throttle=ThrottleConfig.off(), write_timeout=5)
 
 
-def test_deprecated_flat_keywords_are_listed_on_the_one_reference_page():
-    """Every flat keyword of ``DEPRECATED`` is on docs/reference/deprecated.md, and the page
-    listing the current options does not name them as keywords."""
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parent.parent / "docs" / "reference"
-    deprecated = (docs / "deprecated.md").read_text()
-    current = (docs / "options.md").read_text()
-    for name, (_, _, replacement) in DEPRECATED.items():
-        assert f"| `{name}=` | `{replacement}` |" in deprecated, name
-        assert f"| `{name}=` |" not in current, name
-
-
 def test_object_store_is_only_for_a_url_root(tmp_path):
     with pytest.raises(ValueError, match="object_store= .* is for a URL root"):
         CheckpointEngine(tmp_path, object_store=ObjectStore(spool=tmp_path / "s"))
