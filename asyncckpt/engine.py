@@ -42,6 +42,7 @@ from .options import (
     Preemption,
     Retention,
     Schedule,
+    Staging,
     resolve_options,
 )
 from .preemption import SigtermHandler
@@ -49,6 +50,7 @@ from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import CheckpointInfo, RetentionPolicy
 from .saving import SaveOptions, Saver, SaveRules
+from .staging import check_memory
 from .stats import EngineStats, SaveStats
 from .storage import RemoteTier
 from .supervisor import WorkerSupervisor, lock_root
@@ -139,14 +141,10 @@ class EngineParts:
         else:
             # Built-in or registered (formats.register_format); aliases resolved.
             self.fmt = check_format(opts.format or default_format(self.layout))
-        if not isinstance(opts.max_in_flight, int) or opts.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be an int >= 1, got {opts.max_in_flight!r}")
         if opts.keep is not None and not isinstance(opts.keep, RetentionPolicy):
             raise TypeError(
                 f"keep must be a retention policy (e.g. KeepLast(3)), not {opts.keep!r}"
             )
-        if opts.write_timeout is not None and opts.write_timeout <= 0:
-            raise ValueError("write_timeout must be > 0 seconds")
         _check_picklable(keep=self.local_keep, remote=self.remote, export=opts.export)
         assert opts.throttle is not None  # resolve_options fills it in
         self.throttle: ThrottleConfig = opts.throttle
@@ -163,7 +161,7 @@ class EngineParts:
         self.run_id = uuid.uuid4().hex[:16]
         self.schedule = opts.schedule.make()
         self.jobs = JobTable(
-            opts.max_in_flight,
+            opts.staging.max_in_flight,
             CommitContext(
                 self.root,
                 self.layout,
@@ -219,8 +217,9 @@ class EngineParts:
                 legacy=legacy,
                 rank=rank,
                 run_id=self.run_id,
-                max_in_flight=opts.max_in_flight,
-                allow_older_steps=opts.allow_older_steps,
+                max_in_flight=opts.staging.max_in_flight,
+                max_host_bytes=opts.staging.max_host_bytes,
+                allow_older_steps=opts.retention.allow_older_steps,
                 export=opts.export,
                 keep=self.local_keep,
                 prunes_here=prunes_here,
@@ -266,6 +265,11 @@ class EngineParts:
     def start(self) -> None:
         if self.started:
             raise CheckpointError("engine already started")
+        budget = self.opts.staging.max_host_bytes
+        if budget is not None:
+            # The budget is what staging will take at most: refused now if the machine does
+            # not have it, not at the first save after a step of training.
+            check_memory(budget)
         rank, world_size = self.ranks.rank, self.ranks.world_size
         if world_size > 1:
             # Rank 0 cleans, then publishes the side store's address (dist.py): the other
@@ -553,21 +557,19 @@ class EngineBase:
         *,
         format: str | None = None,
         keep: RetentionPolicy | None = None,
-        max_in_flight: int = 1,
         throttle: ThrottleConfig | None = None,
-        write_timeout: float | None = None,
         on_commit: Callable[[SaveStats], None] | None = None,
         verify_on_load: bool = True,
         schedule: Schedule | None = None,
         retention: Retention | None = None,
         distributed: Distributed | None = None,
         preemption: Preemption | None = None,
-        allow_older_steps: bool = False,
         components: Mapping[str, Component | str | Mapping[str, Component | str]] | None = None,
         remote: RemoteTier | None = None,
         object_store: ObjectStore | None = None,
         export: HFExport | None = None,
         memory: MemoryTier | None = None,
+        staging: Staging | None = None,
         **deprecated: Any,
     ) -> None:
         opts = resolve_options(
@@ -575,21 +577,19 @@ class EngineBase:
                 "layout": layout,
                 "format": format,
                 "keep": keep,
-                "max_in_flight": max_in_flight,
                 "throttle": throttle,
-                "write_timeout": write_timeout,
                 "on_commit": on_commit,
                 "verify_on_load": verify_on_load,
                 "schedule": schedule,
                 "retention": retention,
                 "distributed": distributed,
                 "preemption": preemption,
-                "allow_older_steps": allow_older_steps,
                 "components": components,
                 "remote": remote,
                 "object_store": object_store,
                 "export": export,
                 "memory": memory,
+                "staging": staging,
             },
             deprecated,
         )
@@ -799,7 +799,9 @@ class CheckpointEngine(EngineBase):
     ``preemption=Preemption(handle_sigterm=, final_save=)``, ``throttle=ThrottleConfig...``
     (``ThrottleConfig.for_optimizer_offload()`` for optimizer offload;
     ``ThrottleConfig.background(durable_within=60)`` for a bound on the time to durable),
-    ``object_store=ObjectStore(storage_options=, spool=)`` for a URL root. The flat keywords
+    ``object_store=ObjectStore(storage_options=, spool=)`` for a URL root,
+    ``staging=Staging(max_in_flight=, max_host_bytes=)`` for the host memory saves stage into
+    (``ThrottleConfig(write_timeout=)`` fails a save whose worker hangs). The flat keywords
     they replaced (``save_every_steps=``, ``rank=``, ``optimizer_offload=``...) still work for
     one release, with a ``DeprecationWarning`` naming the replacement.
 
@@ -816,7 +818,7 @@ class CheckpointEngine(EngineBase):
 
     Steps go forward: a save of a step lower than the newest committed or in-flight one is
     refused, since the tracker would name an older checkpoint than the newest on disk.
-    ``allow_older_steps=True`` writes and commits it anyway, and the tracker keeps naming the
+    ``Retention(allow_older_steps=True)`` writes and commits it anyway, and the tracker keeps naming the
     newest step (it never moves backwards).
 
     ``on_commit(stats: SaveStats)`` is called once per committed save, before its handle

@@ -3,7 +3,8 @@
 ``CheckpointEngine(root, keep=KeepLast(3))`` stays a one-liner; a behaviour with more than one
 knob is one object: ``schedule=Schedule(every_steps=100)``, ``retention=Retention(...)``,
 ``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``,
-``memory=MemoryTier(...)`` and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
+``memory=MemoryTier(...)``, ``staging=Staging(...)`` and ``throttle=ThrottleConfig...``
+(throttle.py). The flat keywords these replaced still work for
 one release, with a ``DeprecationWarning`` naming the replacement (``resolve_options``).
 
 Each object checks its own fields when made (a wrong type is refused there, not at the first
@@ -67,12 +68,20 @@ class Retention:
     """How ``keep=`` is applied. ``scope``: ``"all"`` committed checkpoints are candidates, or
     only those this ``"run"`` wrote. ``keep_resumed``: the checkpoint this engine resumed from
     is protected ``"until_newer"`` commits (default), or for the whole ``"run"`` (Lightning's
-    habit: the starting point survives ``KeepLast(1)``)."""
+    habit: the starting point survives ``KeepLast(1)``). ``allow_older_steps``: write a step
+    below the newest one anyway (resuming an older run beside a newer one's checkpoints)."""
 
     scope: str = "all"
     keep_resumed: str = "until_newer"
+    #: accept a step lower than the newest committed or in-flight one (the tracker keeps
+    #: naming the newest); by default such a step is refused before anything is written
+    allow_older_steps: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.allow_older_steps, bool):
+            raise TypeError(
+                f"allow_older_steps must be True or False, got {self.allow_older_steps!r}"
+            )
         if self.scope not in PRUNE_SCOPES:
             raise ValueError(f"retention scope must be one of {PRUNE_SCOPES}, got {self.scope!r}")
         if self.keep_resumed not in KEEP_RESUMED:
@@ -175,27 +184,52 @@ class MemoryTier:
 
 
 @dataclass(frozen=True)
+class Staging:
+    """The host memory ``save`` stages into (staging.py), and how many saves it holds.
+
+    ``max_in_flight``: saves written at once; each holds one copy of the state in shared
+    (pinned, on a GPU machine) host memory until its shards are written, and a save beyond
+    them waits for the oldest to be written (back-pressure, reported as ``wait_seconds``).
+    ``max_host_bytes``: the most host memory the disk saves' staging buffers may take,
+    together (all ``max_in_flight`` copies); None: no cap beyond what the machine has. A state
+    whose staging would exceed it is refused with ``StagingMemoryError`` before anything is
+    written (at ``prepare`` or the first save), never left to the OOM killer. The memory
+    tier's own copies (``MemoryTier``) are not counted here.
+    """
+
+    max_host_bytes: int | None = None
+    max_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        _optional_int("max_host_bytes", self.max_host_bytes, 1)
+        if type(self.max_in_flight) is not int or self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Everything an engine was configured with, checked and grouped (``resolve_options``)."""
 
     layout: str = "global_step"
     format: str | None = None
     keep: RetentionPolicy | None = None
-    max_in_flight: int = 1
     throttle: ThrottleConfig | None = None
-    write_timeout: float | None = None
     on_commit: Callable[[Any], None] | None = None
     verify_on_load: bool = True
     schedule: Schedule = Schedule()
     retention: Retention = Retention()
     distributed: Distributed = Distributed()
     preemption: Preemption = Preemption()
-    allow_older_steps: bool = False
     components: Mapping[str, Any] | None = None
     remote: Any = None  # storage.RemoteTier
     object_store: ObjectStore = ObjectStore()
     export: Any = None  # export.HFExport
     memory: MemoryTier = MemoryTier()
+    staging: Staging = Staging()
+
+    @property
+    def write_timeout(self) -> float | None:
+        return self.throttle.write_timeout if self.throttle is not None else None
 
 
 #: Flat keywords of before the grouping -> (the group's keyword, its field, how to say it).
@@ -224,6 +258,13 @@ DEPRECATED = {
         "persist_on_close",
         "memory=MemoryTier(persist_on_close=...)",
     ),  # fmt: skip
+    "max_in_flight": ("staging", "max_in_flight", "staging=Staging(max_in_flight=...)"),
+    "allow_older_steps": (
+        "retention",
+        "allow_older_steps",
+        "retention=Retention(allow_older_steps=...)",
+    ),  # fmt: skip
+    "write_timeout": ("throttle", None, "throttle=ThrottleConfig.background(write_timeout=...)"),
     "optimizer_offload": ("throttle", None, "throttle=ThrottleConfig.for_optimizer_offload()"),
     "durable_within": ("throttle", None, "throttle=ThrottleConfig.background(durable_within=...)"),
 }
@@ -235,6 +276,7 @@ _GROUPS = {
     "preemption": Preemption,
     "object_store": ObjectStore,
     "memory": MemoryTier,
+    "staging": Staging,
 }
 
 
@@ -285,4 +327,6 @@ def _throttle(throttle: Any, flat: dict[str, Any]) -> ThrottleConfig:
         )
     if durable is not None:
         throttle = dataclasses.replace(throttle, durable_within=durable)
+    if "write_timeout" in flat:
+        throttle = dataclasses.replace(throttle, write_timeout=flat["write_timeout"])
     return throttle

@@ -35,7 +35,15 @@ from .preemption import SigtermHandler
 from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import RetentionPolicy, SaveSchedule
-from .staging import Marks, StagingSlot, copy_checked, layout_key, ready_events, torn_since
+from .staging import (
+    HostBudget,
+    Marks,
+    StagingSlot,
+    copy_checked,
+    layout_key,
+    ready_events,
+    torn_since,
+)
 from .stats import SaveStats
 from .supervisor import WorkerLink
 from .worker import PruneRequest, SaveJob
@@ -95,6 +103,7 @@ class SaveRules:
     rank: int
     run_id: str
     max_in_flight: int
+    max_host_bytes: int | None  # Staging(max_host_bytes=): the disk slots' arenas, together
     allow_older_steps: bool
     export: Any  # export.HFExport | None
     keep: RetentionPolicy | None  # the local retention (None: prune nothing here)
@@ -125,6 +134,11 @@ class Saver:
         self.sigterm = sigterm
         self.is_started = is_started
         self.slots = [StagingSlot(i) for i in range(rules.max_in_flight)]
+        self.budget = (
+            HostBudget(rules.max_host_bytes, rules.max_in_flight)
+            if rules.max_host_bytes is not None
+            else None
+        )
         # The last state's flattening, replayed while its structure holds (flatplan.py).
         self.flatten_cache = FlattenCache()
         self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
@@ -321,7 +335,7 @@ class Saver:
         slot = self.slots[slot_idx]
         pin = any(t.is_cuda for t in flat.tensors.values())
         t0 = time.perf_counter()
-        allocated = slot.ensure(flat.tensors, pin, pending.key)
+        allocated = slot.ensure(flat.tensors, pin, pending.key, self.budget)
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
@@ -453,7 +467,7 @@ class Saver:
         flat = self.prepare_state(state)
         pin = any(t.is_cuda for t in flat.tensors.values())
         for i in self.jobs.free_slots():
-            self.slots[i].ensure(flat.tensors, pin)
+            self.slots[i].ensure(flat.tensors, pin, budget=self.budget)
             if self.is_started():
                 try:
                     with self.sigterm.handing_off():

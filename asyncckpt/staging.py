@@ -189,7 +189,7 @@ def check_memory(nbytes: int) -> None:
         raise StagingMemoryError(
             f"staging needs {nbytes / 2**30:.2f} GiB of shared memory but only "
             f"{available / 2**30:.2f} GiB is available (keeping {MEMORY_HEADROOM / 2**30:.1f} GiB "
-            "headroom); lower max_in_flight or free memory"
+            "headroom); lower Staging(max_in_flight=) or free memory"
         )
     try:
         shm_free = shutil.disk_usage("/dev/shm").free
@@ -200,6 +200,29 @@ def check_memory(nbytes: int) -> None:
             f"staging needs {nbytes / 2**30:.2f} GiB in /dev/shm but only {shm_free / 2**30:.2f} GiB "
             "is free there (in a container, raise --shm-size)"
         )
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """``Staging(max_host_bytes=, max_in_flight=)`` as the slots see it: each of the
+    ``copies`` slots may hold at most ``max_bytes // copies`` (the slots are reused for every
+    save, so one that fits at the first save fits for the whole run)."""
+
+    max_bytes: int
+    copies: int
+
+    def check(self, nbytes: int) -> None:
+        """Raise ``StagingMemoryError`` if one slot of ``nbytes`` is over its share."""
+        from .errors import StagingMemoryError
+
+        if nbytes * self.copies > self.max_bytes:
+            raise StagingMemoryError(
+                f"staging this state takes {nbytes / 2**20:.1f} MiB of host memory per save in "
+                f"flight ({self.copies} in flight: {nbytes * self.copies / 2**20:.1f} MiB), over "
+                f"Staging(max_host_bytes={self.max_bytes}) ({self.max_bytes / 2**20:.1f} MiB); "
+                "raise max_host_bytes or lower max_in_flight (a state larger than the budget "
+                "is not staged in chunks yet); nothing was written"
+            )
 
 
 def allocate_arena(nbytes: int, pin: bool) -> torch.Tensor:
@@ -245,12 +268,21 @@ class StagingSlot:
         # until it is told to drop them (engine._send_arenas), or the memory is never freed.
         self.retired: list[int] = []
 
-    def ensure(self, tensors: dict[str, torch.Tensor], pin: bool, key: tuple | None = None) -> bool:
-        """Allocate arenas for this layout unless they exist; True if newly allocated."""
+    def ensure(
+        self,
+        tensors: dict[str, torch.Tensor],
+        pin: bool,
+        key: tuple | None = None,
+        budget: HostBudget | None = None,
+    ) -> bool:
+        """Allocate arenas for this layout unless they exist; True if newly allocated.
+        ``budget``: refuse (``StagingMemoryError``) a layout that does not fit in it."""
         key = layout_key(tensors) if key is None else key
         if key == self.key and self.arenas and (self.pinned or not pin):
             return False
         specs, sizes = plan_arenas(tensors)
+        if budget is not None:
+            budget.check(sum(sizes))
         check_memory(sum(sizes) - self.nbytes)
         self.release()
         self.arenas = [allocate_arena(n, pin) for n in sizes]

@@ -66,6 +66,9 @@ class ThrottleConfig:
     direct_io: bool = False
     max_pause_seconds: float = 2.0
     durable_within: float | None = None
+    #: fail a save whose worker shows no sign of life for this many seconds (``WriteTimeout``;
+    #: the hung worker is killed and replaced); None: never (600 s for an orphaned worker)
+    write_timeout: float | None = None
 
     def __post_init__(self) -> None:
         # bool is an int subclass; nice=True or cpu_cores=True are almost surely mistakes.
@@ -113,6 +116,11 @@ class ThrottleConfig:
         if isinstance(mp, bool) or not isinstance(mp, (int, float)) or not 0 <= mp < 1e9:
             raise ValueError(f"max_pause_seconds must be a number >= 0, got {mp!r}")
         check_durable_within(self.durable_within)
+        wt = self.write_timeout
+        if wt is not None and (
+            isinstance(wt, bool) or not isinstance(wt, (int, float)) or not 0 < wt < 1e9
+        ):
+            raise ValueError(f"write_timeout must be a number of seconds > 0 or None, got {wt!r}")
 
     @classmethod
     def off(cls) -> ThrottleConfig:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncckpt import ThrottleConfig
 from asyncckpt import layout as L
 from asyncckpt.cli import main
 
@@ -247,7 +248,9 @@ def test_ls_shows_a_write_in_progress_by_its_worker_then_its_leftover(tmp_path, 
 
     state = {"w": torch.arange(1000.0)}
     # (write_timeout: a failed assertion must not leave the close waiting on the hung worker)
-    with SyncCheckpointEngine(tmp_path, keep=None, write_timeout=30) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, keep=None, throttle=ThrottleConfig.background(write_timeout=30)
+    ) as engine:
         engine.save(1, state).committed_sync(60)
         faults.inject("before_rename", "hang")
         handle = engine.save(2, state)

@@ -19,6 +19,7 @@ from asyncckpt import (
     Preemption,
     RootLocked,
     SaveFailed,
+    Staging,
     StagingMemoryError,
     SyncCheckpointEngine,
     WorkerDied,
@@ -270,7 +271,7 @@ async def test_a_failed_write_surfaces_on_the_handle_and_the_next_save(tmp_path,
 async def test_backpressure_waits_for_a_free_buffer_and_reports_it(tmp_path, anyio_backend):
     faults.inject("before_shard_write", "delay:0.8")
     state = {"w": torch.randn(1000)}
-    async with CheckpointEngine(tmp_path, max_in_flight=1) as engine:
+    async with CheckpointEngine(tmp_path, staging=Staging(max_in_flight=1)) as engine:
         h1 = await engine.save(1, state)
         h2 = await engine.save(2, state)
         # the second save could stage only once the first had written its shards
@@ -402,6 +403,34 @@ async def test_staging_refuses_rather_than_swap(tmp_path, anyio_backend, monkeyp
         with pytest.raises(StagingMemoryError, match="GiB"):
             await engine.save(1, {"w": torch.ones(1000)})
     assert not (tmp_path / "global_step_1").exists()
+
+
+def test_a_state_over_the_staging_budget_is_refused_before_anything_is_written(tmp_path):
+    """``Staging(max_host_bytes=)`` caps every disk slot together: a state whose copies
+    (``max_in_flight`` of them) would exceed it fails at its first save, nothing written, and
+    a state that fits saves as usual."""
+    budget = Staging(max_host_bytes=3 << 20, max_in_flight=2)
+    with SyncCheckpointEngine(tmp_path, staging=budget) as engine:
+        with pytest.raises(StagingMemoryError, match=r"2 in flight.*max_host_bytes"):
+            engine.save(1, {"w": torch.ones(1 << 19)})  # 2 MiB, two copies: 4 MiB > 3 MiB
+        assert list(tmp_path.glob("global_step_*")) == []
+        engine.save(2, {"w": torch.ones(1 << 18)}).committed_sync(60)  # 1 MiB, 2 copies
+        with pytest.raises(StagingMemoryError, match="max_host_bytes"):
+            engine.prepare({"w": torch.ones(1 << 20)})
+    assert SyncCheckpointEngine(tmp_path).latest_step() == 2
+
+
+def test_a_staging_budget_the_machine_lacks_is_refused_at_start(tmp_path, monkeypatch):
+    from asyncckpt import staging
+
+    class FakeVM:
+        available = 4 << 30
+
+    monkeypatch.setattr(staging.psutil, "virtual_memory", lambda: FakeVM)
+    engine = SyncCheckpointEngine(tmp_path, staging=Staging(max_host_bytes=8 << 30))
+    with pytest.raises(StagingMemoryError, match="GiB"):
+        engine.__enter__()
+    assert engine.worker_pid is None
 
 
 def test_sync_facade(tmp_path):

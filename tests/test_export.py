@@ -732,13 +732,13 @@ def test_worker_killed_mid_export_fails_the_handle_and_the_next_worker_exports(
 
 _TRAINER = """
 import sys, torch
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import SyncCheckpointEngine, ThrottleConfig
 from asyncckpt.export import HFExport
 sys.path.insert(0, {tests!r})
 from test_export import _small_model
 export = HFExport(every_steps=2, path={hf!r}, component="policy.model", max_shard_size=20000)
 # write_timeout bounds the orphaned worker, hung in the export, once the trainer is killed.
-with SyncCheckpointEngine({ckpt!r}, export=export, write_timeout=5) as engine:
+with SyncCheckpointEngine({ckpt!r}, export=export, throttle=ThrottleConfig.background(write_timeout=5)) as engine:
     engine.save(2, {{"policy": {{"model": _small_model(2)}}}})
     print("saved", flush=True)
     engine.wait()

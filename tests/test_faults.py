@@ -25,6 +25,7 @@ from asyncckpt import (
     KeepLast,
     SaveFailed,
     SyncCheckpointEngine,
+    ThrottleConfig,
     WorkerDied,
     WriteTimeout,
     faults,
@@ -32,6 +33,11 @@ from asyncckpt import (
 )
 from asyncckpt import layout as L
 from asyncckpt.testing import parts
+
+
+def _timeout(seconds: float) -> ThrottleConfig:
+    return ThrottleConfig.background(write_timeout=seconds)
+
 
 #: Points in the worker's write path, in order; an error at any of them fails the save.
 WRITE_POINTS = (
@@ -385,7 +391,7 @@ def test_real_disk_full_on_a_small_filesystem(small_tmpfs):
 
 def test_a_hung_write_fails_with_write_timeout_and_the_next_save_works(tmp_path):
     points = ("before_shard_write", "mid_shard_write", "before_rename")
-    with SyncCheckpointEngine(tmp_path, keep=KeepLast(2), write_timeout=2.0) as engine:
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(2), throttle=_timeout(2.0)) as engine:
         engine.save(1, state_at(1)).committed_sync()
         for i, point in enumerate(points, start=2):
             faults.inject(point, "hang")
@@ -402,7 +408,7 @@ def test_a_hung_write_fails_with_write_timeout_and_the_next_save_works(tmp_path)
 
 def test_a_worker_hung_outside_a_write_is_caught_too(tmp_path):
     """Hung while pruning (after a commit): the next save must not wait forever."""
-    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1), write_timeout=2.0) as engine:
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1), throttle=_timeout(2.0)) as engine:
         engine.save(1, state_at(1)).committed_sync()
         faults.inject("mid_prune", "hang")
         engine.save(2, state_at(2)).committed_sync()  # committed; its prune hangs

@@ -19,9 +19,10 @@ from asyncckpt import SyncCheckpointEngine, verify
 
 TRAINER = """
 import os, signal, sys, torch
-from asyncckpt import SyncCheckpointEngine, faults
+from asyncckpt import SyncCheckpointEngine, ThrottleConfig, faults
 root, how, write_timeout = sys.argv[1], sys.argv[2], float(sys.argv[3]) or None
-engine = SyncCheckpointEngine(root, keep=None, write_timeout=write_timeout)
+throttle = ThrottleConfig.background(write_timeout=write_timeout)
+engine = SyncCheckpointEngine(root, keep=None, throttle=throttle)
 engine.__enter__()  # never left: the trainer dies inside
 state = {"w": torch.full((1 << 22,), 1.0), "b": torch.arange(10)}
 engine.save(1, state).committed_sync()

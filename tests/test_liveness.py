@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncckpt import CheckpointError, SyncCheckpointEngine, WorkerDied, faults
+from asyncckpt import CheckpointError, Retention, SyncCheckpointEngine, WorkerDied, faults
 from asyncckpt import commit as C
 from asyncckpt import layout as L
 from asyncckpt.testing import parts
@@ -67,7 +67,7 @@ def test_a_save_older_than_the_newest_committed_or_in_flight_step_is_refused(tmp
 
 
 def test_allow_older_steps_commits_it_but_the_tracker_never_moves_back(tmp_path):
-    with SyncCheckpointEngine(tmp_path, allow_older_steps=True) as engine:
+    with SyncCheckpointEngine(tmp_path, retention=Retention(allow_older_steps=True)) as engine:
         engine.save(30, state_at(30)).committed_sync(120)
         stats = engine.save(5, state_at(5)).committed_sync(120)
         assert Path(stats.path).name == "global_step_5"

@@ -18,6 +18,7 @@ from asyncckpt import (
     Preemption,
     Retention,
     Schedule,
+    Staging,
     SyncCheckpointEngine,
     ThrottleConfig,
 )
@@ -64,6 +65,19 @@ FLAT = [
         30.0,
         lambda o: o.throttle == ThrottleConfig.background(durable_within=30.0),
     ),
+    ("max_in_flight", 2, lambda o: o.staging == Staging(max_in_flight=2)),
+    (
+        "allow_older_steps",
+        True,
+        lambda o: o.retention == Retention(allow_older_steps=True),
+    ),
+    (
+        "write_timeout",
+        5.0,
+        lambda o: (
+            o.throttle == ThrottleConfig.background(write_timeout=5.0) and o.write_timeout == 5.0
+        ),
+    ),
 ]
 
 
@@ -108,6 +122,7 @@ def test_a_flat_keyword_and_its_group_together_are_refused(tmp_path):
         ({"preemption": False}, r"preemption= takes Preemption"),
         ({"object_store": {"spool": "x"}}, r"object_store= takes ObjectStore"),
         ({"memory": {"persist_on_close": True}}, r"memory= takes MemoryTier"),
+        ({"staging": 2}, r"staging= takes Staging"),
         ({"throttle": "offload"}, r"throttle must be a ThrottleConfig"),
         ({"save_evry_steps": 5}, r"unexpected keyword argument\(s\) \['save_evry_steps'\]"),
     ],
@@ -133,11 +148,33 @@ def test_wrong_types_are_refused_when_the_engine_is_made(tmp_path, kwargs, match
         (lambda: MemoryTier(persist_on_close=1), "persist_on_close"),
         (lambda: Distributed(node_rank=-1), "node_rank"),
         (lambda: Distributed(ranks_per_node=0), "ranks_per_node"),
+        (lambda: Staging(max_in_flight=0), "max_in_flight"),
+        (lambda: Staging(max_in_flight=True), "max_in_flight"),
+        (lambda: Staging(max_host_bytes=0), "max_host_bytes"),
+        (lambda: Staging(max_host_bytes=1.5), "max_host_bytes"),
+        (lambda: Retention(allow_older_steps="yes"), "allow_older_steps"),
+        (lambda: ThrottleConfig(write_timeout=0), "write_timeout"),
     ],
 )
 def test_each_group_checks_its_fields(make, match):
     with pytest.raises((TypeError, ValueError), match=match):
         make()
+
+
+def test_the_engine_takes_at_most_16_keyword_options():
+    """Issue 36 item 4: knobs go into option objects, not beside them (``root`` and the
+    deprecated ``**flat`` keywords are not options)."""
+    params = inspect.signature(CheckpointEngine.__init__).parameters.values()
+    options = [p.name for p in params if p.name not in ("self", "root") and p.kind != p.VAR_KEYWORD]
+    assert len(options) <= 16, options
+    assert "staging" in options and "max_in_flight" not in options
+
+
+def test_a_flat_keyword_beside_its_new_group_is_refused(tmp_path):
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
+        CheckpointEngine(tmp_path, staging=Staging(), max_in_flight=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
+        CheckpointEngine(tmp_path, throttle=ThrottleConfig.off(), write_timeout=5)
 
 
 def test_object_store_is_only_for_a_url_root(tmp_path):

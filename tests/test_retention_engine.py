@@ -8,7 +8,15 @@ import time
 import pytest
 import torch
 
-from asyncckpt import CheckpointEngine, KeepBest, KeepLast, SaveFailed, SyncCheckpointEngine, faults
+from asyncckpt import (
+    CheckpointEngine,
+    KeepBest,
+    KeepLast,
+    Retention,
+    SaveFailed,
+    SyncCheckpointEngine,
+    faults,
+)
 from asyncckpt import layout as L
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +105,9 @@ def test_allow_older_steps_never_prunes_the_step_it_just_committed(tmp_path, n, 
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.save(1000, {"w": torch.full((4,), 1000.0)})
         engine.wait()
-    with SyncCheckpointEngine(tmp_path, keep=KeepLast(n), allow_older_steps=True) as engine:
+    with SyncCheckpointEngine(
+        tmp_path, keep=KeepLast(n), retention=Retention(allow_older_steps=True)
+    ) as engine:
         for step in (10, 20, 30):
             engine.save(step, {"w": torch.full((4,), float(step))})
             engine.wait()

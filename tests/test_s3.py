@@ -25,6 +25,7 @@ from asyncckpt import (
     KeepLast,
     ObjectStore,
     SyncCheckpointEngine,
+    ThrottleConfig,
     commit,
     faults,
     prune,
@@ -660,7 +661,9 @@ def test_ls_shows_the_uploads_a_remote_tier_has_not_published(s3, tmp_path, caps
 
     root = tmp_path / "local"
     tier = RemoteTier(s3.url, storage_options=s3.options)
-    with SyncCheckpointEngine(root, remote=tier, write_timeout=20) as eng:
+    with SyncCheckpointEngine(
+        root, remote=tier, throttle=ThrottleConfig.background(write_timeout=20)
+    ) as eng:
         eng.save(1, make_state(1)).committed_sync(60)
         assert ls()["uploads_pending"] == {"url": s3.url, "steps": []}
         faults.inject("mid_upload", "hang")

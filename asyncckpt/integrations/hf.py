@@ -181,8 +181,8 @@ class AsyncCheckpointCallback(TrainerCallback):
     at a step that already reaches ``max_steps`` raises ``CheckpointError`` (the Trainer would
     run one more step before it checks).
 
-    Extra keyword arguments go to :class:`asyncckpt.SyncCheckpointEngine` (``max_in_flight``,
-    ``on_commit``, ``write_timeout``, ...). ``on_train_end`` waits for every save to commit and
+    Extra keyword arguments go to :class:`asyncckpt.SyncCheckpointEngine` (``staging``,
+    ``on_commit``, ``throttle``, ...). ``on_train_end`` waits for every save to commit and
     stops the worker; if training raises, call :meth:`close` (an unclosed engine is also drained
     at interpreter exit).
     """

@@ -119,7 +119,7 @@ class AsyncCheckpointIO(CheckpointIO):
     root (default: the directory of the path Lightning passes). ``keep``: the retention policy
     of roots nobody configured (default: keep all, and let the caller's ``remove_checkpoint``
     calls prune). ``engine_options``: other ``CheckpointEngine`` arguments (``throttle``,
-    ``max_in_flight``, ``on_commit``, ...); ``handle_sigterm`` defaults to False, since Lightning
+    ``staging``, ``on_commit``, ...); ``handle_sigterm`` defaults to False, since Lightning
     handles SIGTERM itself and tears the strategy down, which drains the engine.
 
     Paths: a save to ``<dir>/<anything>`` writes step ``checkpoint["global_step"]`` under root
