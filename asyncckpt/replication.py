@@ -34,7 +34,6 @@ usual commit, or nothing.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import mmap
 import os
@@ -49,6 +48,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("asyncckpt")
@@ -115,10 +115,35 @@ def _key(token: str, what: str) -> str:
 
 
 def _store(cfg: Any, timeout: float | None = None) -> Any:
-    import torch.distributed as dist
+    from .dist import side_store
 
-    td = datetime.timedelta(seconds=timeout if timeout is not None else cfg.timeout)
-    return dist.TCPStore(cfg.host, cfg.port, None, False, td)
+    return side_store(cfg, timeout)
+
+
+def recovery_over(worker: Any) -> None:
+    """Whoever spoke for rank 0 at the recovery removes the shared root's FileStore once its
+    own part is done: every other rank took its part in the same exchange (and commit) by
+    then, and nobody reads the store after it."""
+    from .storage.local import LocalStore
+
+    cfg = worker.config.dist
+    if cfg is None or cfg.recovery_store is None or cfg.rank != 0 or not worker.agreed:
+        return
+    with contextlib.suppress(OSError):  # else a leftover the next start removes
+        LocalStore(worker.root).discard(Path(cfg.recovery_store))
+
+
+def recovering(config: Any) -> Any:
+    """A worker's config for the recovery at its trainer's death: with replicas, every rank's
+    worker (and stand-in) agrees over a FileStore on the shared root instead of rank 0's
+    store, which dies with node 0. Every rank switches at the same moment (its trainer's
+    death), so no two agree over different stores."""
+    if config.replication is None or config.dist is None:
+        return config
+    from . import layout as _layout
+
+    path = os.path.join(config.root, _layout.recovery_store_name(config.dist.token))
+    return replace(config, dist=replace(config.dist, recovery_store=path))
 
 
 def claim(cfg: Any, rank: int, who: str) -> str:
@@ -513,27 +538,28 @@ class Replication:
         self.receiver = ReplicaReceiver(cfg, rep)
         self.sender = ReplicaSender(cfg, rep, self.registry, events)
 
-    def source_is_gone(self, wait: float) -> bool:
+    def source_is_gone(self, cfg: Any, wait: float) -> bool:
         """Whether the source peer's worker is gone: its connection ended, or it did not
-        speak for its own rank within ``wait`` seconds (a peer that hangs)."""
-        store = _store(self.cfg, min(self.cfg.timeout, 60.0))
+        speak for its own rank within ``wait`` seconds (a peer that hangs). ``cfg``: the
+        side group's config at the recovery (``recovering``)."""
+        store = _store(cfg, min(cfg.timeout, 60.0))
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if self.receiver.gone.is_set():
                 return True
-            if claimed(store, self.cfg.token, self.rep.source):
+            if claimed(store, cfg.token, self.rep.source):
                 return False
             time.sleep(0.05)
-        return not claimed(store, self.cfg.token, self.rep.source)
+        return not claimed(store, cfg.token, self.rep.source)
 
-    def stand_in_jobs(self) -> list[Any] | None:
+    def stand_in_jobs(self, cfg: Any) -> list[Any] | None:
         """At the trainers' death: the replica jobs to write as the source rank (with their
         arenas), if its worker is gone and this worker speaks for it; else None."""
         if not self.receiver.steps():
             return None
-        if not self.source_is_gone(CLAIM_WAIT_S):
+        if not self.source_is_gone(cfg, CLAIM_WAIT_S):
             return None
-        who = claim(self.cfg, self.rep.source, f"replica:{self.cfg.rank}")
+        who = claim(cfg, self.rep.source, f"replica:{self.cfg.rank}")
         if who != f"replica:{self.cfg.rank}":
             return None
         replicas = self.receiver.take()
@@ -587,7 +613,7 @@ def start_stand_ins(
     if replication is None:
         return []
     try:
-        replicas = replication.stand_in_jobs()
+        replicas = replication.stand_in_jobs(config.dist)
     except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
         log.warning("could not stand in for rank %d: %s", replication.rep.source, e)
         return []

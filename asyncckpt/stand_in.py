@@ -12,7 +12,7 @@ from typing import Any
 
 from . import faults
 from .memory_hold import FixedHolder, persist_held
-from .replication import read_stand_in
+from .replication import read_stand_in, recovery_over
 from .storage.local import LocalStore
 from .worker import SaveJob, Worker, WorkerConfig, skip_torch_save_crc
 
@@ -36,6 +36,7 @@ def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, A
     worker.stand_in = True
     worker.arenas = dict(arenas)
     persist_held(worker)
+    recovery_over(worker)
 
 
 def main() -> None:

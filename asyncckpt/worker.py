@@ -161,6 +161,7 @@ class Worker:
         self.holder = holder  # memory_tier.Holder: the newest memory checkpoint, or None
         self.replication: Any = None  # replication.Replication (replicas=1), or None
         self.stand_in = False  # a stand-in writing a gone rank's replica (replication.py)
+        self.agreed = False  # took its rank's part in the exchange at the trainers' death
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
@@ -603,10 +604,12 @@ def _persist_held(worker: Worker) -> None:
     """The trainer died: write the memory checkpoint it left (memory_hold.py), with the
     stand-ins for gone peers whose replicas this worker holds (replication.py)."""
     from .memory_hold import persist_held
-    from .replication import standing_in
+    from .replication import recovering, recovery_over, standing_in
 
+    worker.config = recovering(worker.config)
     with standing_in(worker.replication, worker.config):
         persist_held(worker)
+    recovery_over(worker)
 
 
 def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
