@@ -18,7 +18,7 @@ until the trial kills it:
 * ``node``: two simulated nodes of one rank (torchrun's environment, gloo, their own root),
   ``MemoryTier(replicas=1)``, a memory save every step and a disk save every third; once both
   ranks' memory saves were replicated, after a random delay (a replica may be on the wire),
-  node 1 is SIGKILLed whole (trainer and worker), then node 0's trainer. The root must verify,
+  node 0 or node 1 is SIGKILLed whole (trainer and worker), then the other trainer. The root must verify,
   load one step bit for bit on every rank (never a mix), no newer than a step both ranks
   staged and no older than one acknowledged committed (``node_trial``).
 
@@ -386,18 +386,19 @@ def node_trial(base: Path, logdir: Path, n: int, rng: random.Random) -> tuple[li
         time.sleep(rng.uniform(0.0, 1.0))  # anywhere in the saves that follow
         events = {r: _events_of(outs[r]) for r in range(2)}
         workers = {e["worker_pid"] for r in range(2) for e in events[r] if e["event"] == "started"}
+        dead = rng.randrange(2)  # node 0 too: its worker served the side store
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: trainer and worker
-        procs[1].wait(ORPHAN_EXIT_LIMIT)
-        procs[0].send_signal(signal.SIGKILL)  # then the launcher tears down node 0's trainer
-        procs[0].wait(ORPHAN_EXIT_LIMIT)
+            os.killpg(procs[dead].pid, signal.SIGKILL)  # the whole node: trainer and worker
+        procs[dead].wait(ORPHAN_EXIT_LIMIT)
+        procs[1 - dead].send_signal(signal.SIGKILL)  # then the launcher tears down the other
+        procs[1 - dead].wait(ORPHAN_EXIT_LIMIT)
     finally:
         for p in procs.values():
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    # Node 0's worker writes (standing in for rank 1 with its replicas), then exits.
+    # The survivor's worker writes (standing in for the dead rank with its replica), then exits.
     alive = _reap_and_check_gone(workers, ours_before, TRIAL_LIMIT)
     if alive:
         bad.append(f"workers still alive: {alive}")
