@@ -67,6 +67,10 @@ class DistConfig:
     port: int
     token: str
     timeout: float = DEFAULT_TIMEOUT
+    #: A FileStore on the shared root, in place of rank 0's store, once the trainers died
+    #: with ``MemoryTier(replicas=1)`` (``replication.recovering``): node 0's loss takes rank
+    #: 0's worker and the store it serves, not the shared root.
+    recovery_store: str | None = None
 
 
 def detect(
@@ -259,6 +263,21 @@ def serve(cfg: DistConfig, listener: socket.socket) -> Any:
     )
 
 
+def side_store(cfg: DistConfig, timeout: float | None = None) -> Any:
+    """A client of the workers' side store: rank 0's worker's ``TCPStore``, or the shared
+    root's FileStore during a recovery (``DistConfig.recovery_store``)."""
+    import torch.distributed as dist
+
+    td = datetime.timedelta(seconds=timeout if timeout is not None else cfg.timeout)
+    if cfg.recovery_store is not None:
+        # -1: never removed by a client's exit (more clients than ranks come and go); rank
+        # 0's speaker removes it once the recovery is over (memory_hold.persist_held).
+        store = dist.FileStore(cfg.recovery_store, -1)
+        store.set_timeout(td)
+        return store
+    return dist.TCPStore(cfg.host, cfg.port, None, False, td)
+
+
 @contextlib.contextmanager
 def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
     """A gloo group of every rank's worker for one job; torn down afterwards.
@@ -269,8 +288,7 @@ def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
     import torch.distributed as dist
 
     td = datetime.timedelta(seconds=cfg.timeout)
-    client = dist.TCPStore(cfg.host, cfg.port, None, False, td)
-    store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", client)
+    store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", side_store(cfg))
     dist.init_process_group(
         "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
     )

@@ -146,6 +146,12 @@ def tracker_names(layout: str) -> tuple[str, ...]:
     return (TRACKER, SKYRL_TRACKER) if check_layout(layout) == "global_step" else (TRACKER,)
 
 
+def recovery_store_name(token: str) -> str:
+    """The FileStore the workers of run ``token`` agree over after node loss (replication.py):
+    a temporary, so a recovery cut short leaves a leftover the next start removes."""
+    return f"{TMP_PREFIX}recovery-{token}.store"
+
+
 def is_leftover(name: str) -> bool:
     """A temporary or trash entry left by a crash; removed at the next start."""
     return name.startswith(TMP_PREFIX) or name.startswith(TRASH_PREFIX)

@@ -167,6 +167,7 @@ def persist_held(worker: Any) -> None:
         if worker.replication is not None and not _speaks_for_itself(worker):
             return
         job, newest = _agree(worker, jobs, newest)
+        worker.agreed = True
     if job is None:
         return
     final = worker.root / _layout.dir_name(worker.config.layout, job.step)

@@ -23,9 +23,12 @@ so with equal shards four times a rank's state. Checked when the first memory sa
 
 Recovery (shared storage): when the trainers die, every surviving worker persists what it
 holds as before (``memory_hold.persist_held``), and for each peer whose worker is gone it
-starts a stand-in process that joins the workers' exchange and the save's group *as that
-rank*, with the replica (``Worker.stand_ins``). Who speaks for a rank is decided once in the
+starts a stand-in process (stand_in.py, a plain child process: the replica's bytes live in
+shared files handed over by descriptor) that joins the workers' exchange and the save's group
+*as that rank*, with the replica (``standing_in``). Who speaks for a rank is decided once in the
 side store (``claim``): the rank's own worker or the holder of its replica, never both. The
+side store of the recovery is a FileStore on the shared root (``recovering``), not rank 0's
+worker's TCPStore: node 0 may be the node that died. The
 newest step every rank (or its replica) holds is written (``which_step_to_persist``) by the
 usual commit, or nothing.
 """
@@ -33,16 +36,21 @@ usual commit, or nothing.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
+import mmap
 import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("asyncckpt")
@@ -54,6 +62,8 @@ CLAIM_WAIT_S = 10.0
 #: Bytes sent per piece: a release waits at most for one piece in flight.
 CHUNK = 8 << 20
 _END = b"ASYNCCKPT-REPLICA-END"
+#: The module a stand-in runs (``python -m``): stand_in.py.
+STAND_IN_MODULE = "asyncckpt.stand_in"
 _LEN = struct.Struct("!Q")
 
 
@@ -107,10 +117,35 @@ def _key(token: str, what: str) -> str:
 
 
 def _store(cfg: Any, timeout: float | None = None) -> Any:
-    import torch.distributed as dist
+    from .dist import side_store
 
-    td = datetime.timedelta(seconds=timeout if timeout is not None else cfg.timeout)
-    return dist.TCPStore(cfg.host, cfg.port, None, False, td)
+    return side_store(cfg, timeout)
+
+
+def recovery_over(worker: Any) -> None:
+    """Whoever spoke for rank 0 at the recovery removes the shared root's FileStore once its
+    own part is done: every other rank took its part in the same exchange (and commit) by
+    then, and nobody reads the store after it."""
+    from .storage.local import LocalStore
+
+    cfg = worker.config.dist
+    if cfg is None or cfg.recovery_store is None or cfg.rank != 0 or not worker.agreed:
+        return
+    with contextlib.suppress(OSError):  # else a leftover the next start removes
+        LocalStore(worker.root).discard(Path(cfg.recovery_store))
+
+
+def recovering(config: Any) -> Any:
+    """A worker's config for the recovery at its trainer's death: with replicas, every rank's
+    worker (and stand-in) agrees over a FileStore on the shared root instead of rank 0's
+    store, which dies with node 0. Every rank switches at the same moment (its trainer's
+    death), so no two agree over different stores."""
+    if config.replication is None or config.dist is None:
+        return config
+    from . import layout as _layout
+
+    path = os.path.join(config.root, _layout.recovery_store_name(config.dist.token))
+    return replace(config, dist=replace(config.dist, recovery_store=path))
 
 
 def claim(cfg: Any, rank: int, who: str) -> str:
@@ -343,15 +378,50 @@ class ReplicaSender:
 # ------------------------------------------------------------------ the receiver's side
 
 
+def _anonymous_file() -> int:
+    """A descriptor of a file in memory and without a name (nothing left to clean when the
+    node dies); an unlinked temporary file where memfd is missing."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("asyncckpt-replica", os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile() as f:
+        return os.dup(f.fileno())
+
+
+def map_shared(fd: int, nbytes: int) -> Any:
+    """A uint8 tensor over the shared file ``fd`` (every process mapping it sees the same
+    bytes); it keeps the mapping alive."""
+    import torch
+
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+
+
+class SharedBuffer:
+    """Replica bytes in a shared file of their own: a stand-in process maps the same memory
+    by its descriptor (``spawn_stand_in``). The descriptor is closed with the tensor."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.fd = _anonymous_file()
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self.tensor = map_shared(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        weakref.finalize(self, os.close, self.fd)
+
+
 @dataclass
 class Replica:
     """A peer rank's memory save, held whole: its job (arena ids renumbered to ``arenas``)."""
 
     job: Any
-    arenas: dict[int, Any] = field(default_factory=dict)
+    arenas: dict[int, SharedBuffer] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(int(a.numel()) for a in self.arenas.values())
+        return sum(b.nbytes for b in self.arenas.values())
 
 
 class ReplicaReceiver:
@@ -408,23 +478,21 @@ class ReplicaReceiver:
         with self.lock:  # the steps the source let go of go here too
             spare = [r for s, r in self.held.items() if s not in keep]
             self.held = {s: r for s, r in self.held.items() if s in keep}
-        reuse = [a for r in spare for a in r.arenas.values()]
-        arenas: dict[int, Any] = {}
+        reuse = [b for r in spare for b in r.arenas.values()]
+        arenas: dict[int, SharedBuffer] = {}
         try:
-            import torch
-
             from .staging import check_memory
 
-            need = sum(n for n in sizes) - sum(int(a.numel()) for a in reuse)
+            need = sum(n for n in sizes) - sum(b.nbytes for b in reuse)
             if need > 0:
                 check_memory(need)
             ids = []
             for n in sizes:
-                same = next((a for a in reuse if int(a.numel()) == n), None)
+                same = next((b for b in reuse if b.nbytes == n), None)
                 if same is not None:
                     reuse.remove(same)
                 else:
-                    same = torch.empty(n, dtype=torch.uint8).share_memory_()
+                    same = SharedBuffer(n)
                 self.next_id += 1
                 arenas[self.next_id] = same
                 ids.append(self.next_id)
@@ -433,8 +501,8 @@ class ReplicaReceiver:
             return
         del reuse
         _send_obj(sock, ("ready",))
-        for a in arenas.values():
-            _recv_into(sock, _bytes_of(a))
+        for b in arenas.values():
+            _recv_into(sock, _bytes_of(b.tensor))
         if _recv_exact(sock, len(_END)) != _END:
             raise EOFError("a replica without its end mark")
         job.arena_ids = ids
@@ -472,27 +540,28 @@ class Replication:
         self.receiver = ReplicaReceiver(cfg, rep)
         self.sender = ReplicaSender(cfg, rep, self.registry, events)
 
-    def source_is_gone(self, wait: float) -> bool:
+    def source_is_gone(self, cfg: Any, wait: float) -> bool:
         """Whether the source peer's worker is gone: its connection ended, or it did not
-        speak for its own rank within ``wait`` seconds (a peer that hangs)."""
-        store = _store(self.cfg, min(self.cfg.timeout, 60.0))
+        speak for its own rank within ``wait`` seconds (a peer that hangs). ``cfg``: the
+        side group's config at the recovery (``recovering``)."""
+        store = _store(cfg, min(cfg.timeout, 60.0))
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if self.receiver.gone.is_set():
                 return True
-            if claimed(store, self.cfg.token, self.rep.source):
+            if claimed(store, cfg.token, self.rep.source):
                 return False
             time.sleep(0.05)
-        return not claimed(store, self.cfg.token, self.rep.source)
+        return not claimed(store, cfg.token, self.rep.source)
 
-    def stand_in_jobs(self) -> list[Any] | None:
+    def stand_in_jobs(self, cfg: Any) -> list[Any] | None:
         """At the trainers' death: the replica jobs to write as the source rank (with their
         arenas), if its worker is gone and this worker speaks for it; else None."""
         if not self.receiver.steps():
             return None
-        if not self.source_is_gone(CLAIM_WAIT_S):
+        if not self.source_is_gone(cfg, CLAIM_WAIT_S):
             return None
-        who = claim(self.cfg, self.rep.source, f"replica:{self.cfg.rank}")
+        who = claim(cfg, self.rep.source, f"replica:{self.cfg.rank}")
         if who != f"replica:{self.cfg.rank}":
             return None
         replicas = self.receiver.take()
@@ -518,42 +587,73 @@ def stand_in_config(config: Any, rank: int) -> Any:
 
 
 @contextlib.contextmanager
-def standing_in(replication: Replication | None, config: Any, target: Any) -> Iterator[None]:
-    """Around a worker's own persist at the trainers' death: the stand-ins it starts, joined
-    at the end (``start_stand_ins``)."""
-    procs = start_stand_ins(replication, config, target)
+def standing_in(
+    replication: Replication | None, config: Any, entry: str = STAND_IN_MODULE
+) -> Iterator[None]:
+    """Around a worker's own persist at the trainers' death: the stand-ins it starts, waited
+    for at the end (``start_stand_ins``)."""
+    procs = start_stand_ins(replication, config, entry)
     try:
         yield
     finally:
         for proc in procs:
-            proc.join(config.orphan_deadline_s)
+            try:
+                code = proc.wait(config.orphan_deadline_s)
+            except subprocess.TimeoutExpired:
+                log.warning("the stand-in for rank %d did not finish in time", config.rank)
+                continue
+            if code != 0:
+                log.warning("the stand-in (pid %d) exited with status %d", proc.pid, code)
 
 
-def start_stand_ins(replication: Replication | None, config: Any, target: Any) -> list[Any]:
+def start_stand_ins(
+    replication: Replication | None, config: Any, entry: str = STAND_IN_MODULE
+) -> list[subprocess.Popen]:
     """At the trainers' death: a process standing in for the source peer if its worker is
-    gone, writing its part of the memory step as that rank would (``target``: the worker's
-    ``stand_in_main``), or none."""
+    gone, writing its part of the memory step as that rank would (``entry``: the module run
+    with ``python -m``, ``stand_in.py``), or none."""
     if replication is None:
         return []
     try:
-        replicas = replication.stand_in_jobs()
+        replicas = replication.stand_in_jobs(config.dist)
     except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
         log.warning("could not stand in for rank %d: %s", replication.rep.source, e)
         return []
     if not replicas:
         return []
-    import multiprocessing
-
-    import torch.multiprocessing as tmp
-
     stand_in = stand_in_config(config, replication.rep.source)
     jobs = [r.job for r in replicas]
-    arenas = {i: a for r in replicas for i, a in r.arenas.items()}
-    # A worker is a daemonic process, which multiprocessing forbids children; the stand-in
-    # is joined before the worker exits.
-    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    proc = tmp.get_context("spawn").Process(
-        target=target, args=(stand_in, jobs, arenas), name=f"asyncckpt-stand-in-{stand_in.rank}"
+    buffers = {i: b for r in replicas for i, b in r.arenas.items()}
+    return [spawn_stand_in(entry, stand_in, jobs, buffers)]
+
+
+def spawn_stand_in(
+    entry: str, config: Any, jobs: list[Any], buffers: Mapping[int, SharedBuffer]
+) -> subprocess.Popen:
+    """A plain child process (a worker is a daemonic multiprocessing process, which may not
+    have multiprocessing children): the replicas' shared files are handed over by descriptor
+    (``pass_fds``), the rest pickled on its stdin after the worker's ``sys.path``."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # asyncckpt's parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    fds = {i: (b.fd, b.nbytes) for i, b in buffers.items()}
+    proc = subprocess.Popen(  # noqa: S603 - this interpreter, a module of this package
+        [sys.executable, "-m", entry],
+        stdin=subprocess.PIPE,
+        pass_fds=[fd for fd, _ in fds.values()],
+        env=env,
     )
-    proc.start()
-    return [proc]
+    assert proc.stdin is not None
+    with proc.stdin:
+        pickle.dump(list(sys.path), proc.stdin)
+        pickle.dump((config, jobs, fds), proc.stdin)
+    return proc
+
+
+def read_stand_in(stream: Any) -> tuple[Any, list[Any], dict[int, Any]]:
+    """The stand-in's side of ``spawn_stand_in``: its config, its jobs and their arenas."""
+    for path in reversed(pickle.load(stream)):  # noqa: S301 - from its parent worker
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    config, jobs, fds = pickle.load(stream)  # noqa: S301
+    return config, jobs, {i: map_shared(fd, n) for i, (fd, n) in fds.items()}

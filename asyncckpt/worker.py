@@ -161,6 +161,7 @@ class Worker:
         self.holder = holder  # memory_tier.Holder: the newest memory checkpoint, or None
         self.replication: Any = None  # replication.Replication (replicas=1), or None
         self.stand_in = False  # a stand-in writing a gone rank's replica (replication.py)
+        self.agreed = False  # took its rank's part in the exchange at the trainers' death
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
@@ -603,10 +604,12 @@ def _persist_held(worker: Worker) -> None:
     """The trainer died: write the memory checkpoint it left (memory_hold.py), with the
     stand-ins for gone peers whose replicas this worker holds (replication.py)."""
     from .memory_hold import persist_held
-    from .replication import standing_in
+    from .replication import recovering, recovery_over, standing_in
 
-    with standing_in(worker.replication, worker.config, stand_in_main):
+    worker.config = recovering(worker.config)
+    with standing_in(worker.replication, worker.config):
         persist_held(worker)
+    recovery_over(worker)
 
 
 def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
@@ -702,7 +705,7 @@ class _ToTrainer:
             self.gone = True
 
 
-def _skip_torch_save_crc() -> None:
+def skip_torch_save_crc() -> None:
     # torch.save computes a crc32 of every record it writes; the manifest already checksums
     # every byte of every file (and is what load verifies), so that pass is pure CPU cost.
     # Readers do not need it: torch.load accepts archives written without it.
@@ -721,7 +724,7 @@ def worker_main(
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
     lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)  # noqa: F841
-    _skip_torch_save_crc()
+    skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the
     # trainer disarms the point and a restarted worker does not fire it again.
@@ -748,29 +751,3 @@ def worker_main(
         worker.run()
     except (EOFError, OSError):
         pass  # the trainer closed the pipe; temporaries are removed at the next start
-
-
-class _Nowhere:
-    """A stand-in's events: no trainer listens."""
-
-    def send(self, msg: Any) -> None:
-        pass
-
-
-def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, Any]) -> None:
-    """Entry point of a stand-in process (replication.py): the worker of a rank whose node
-    is gone, holding its replicas; it takes that rank's part in the exchange at the trainers'
-    death and writes its files of the step agreed, as that rank's worker would have."""
-    from .memory_hold import FixedHolder, persist_held
-    from .storage.local import LocalStore
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The gone worker's lock: a new trainer of that rank waits for this process.
-    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=False)  # noqa: F841
-    _skip_torch_save_crc()
-    faults.clear()
-    worker = Worker(config, None, _Nowhere(), None, FixedHolder(jobs))
-    worker.stand_in = True
-    worker.arenas = dict(arenas)
-    persist_held(worker)

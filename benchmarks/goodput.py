@@ -16,8 +16,21 @@ against ``none``; per kill: the step resumed, steps lost, and the time from the 
 to the commit the restart resumed from (a commit made by the orphaned worker after the death;
 None if what it resumed from had committed before).
 
+Node loss (``--node-kill K``, on by default at 155): two simulated nodes of one rank each
+(torchrun's environment, gloo over a FileStore, one shared root), both running the loop to step
+``K``; then node 1 is SIGKILLed whole (trainer and worker) and node 0's trainer after it, and a
+single process resumes both ranks. Configs: ``disk``; ``memory+disk``; ``memory+disk+replicas``
+(``MemoryTier(replicas=1)``). Reported per config: steps lost, and the mean step time and the
+mean stall of a memory save (the time inside ``save``) on the two ranks; ``replication_cost``:
+those of ``memory+disk+replicas`` over ``memory+disk``, in this one run (ratios, not timings
+from another run). Whether the last memory save's replica was held at the kill is reported too
+(``replicated_at_kill``): the kill does not wait for it (``--settle`` seconds after the last
+step, 0 unless ``--quick``, whose steps take a millisecond).
+
 ``python benchmarks/goodput.py [--state-mb 64 --matmul 1024 --kills 155,283 --disk-every 100
---memory-every 10]``; ``--quick`` for the tests. Writes ``results/goodput.json``.
+--memory-every 10 --node-kill 155]``; ``--quick`` for the tests (without the node-loss rows
+unless ``--node-kill`` is given; ``--node-kill 0`` leaves them out). Writes
+``results/goodput.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from pathlib import Path
 import torch
 
 CONFIGS = ("none", "disk", "memory+disk", "dcp.async_save")
+NODE_CONFIGS = ("disk", "memory+disk", "memory+disk+replicas")
 
 
 def make_state(mb: int) -> dict:
@@ -92,6 +106,167 @@ def child(args: argparse.Namespace) -> None:
     report = {"step_seconds": times, "saved_steps": saved, "killed_at": time.time()}
     print(json.dumps(report), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_state(mb: int, rank: int) -> dict:
+    """One rank's state on the simulated nodes: its own names (a single process resumes both)."""
+    s = make_state(mb)
+    return {"model": {f"r{rank}.{k}": v for k, v in s["model"].items()}, f"step{rank}": s["step"]}
+
+
+def node_child(args: argparse.Namespace) -> None:
+    """One rank of the node-loss loop: steps 1..kill, then a report, then it waits to be
+    killed (its node, or the launcher's teardown)."""
+    import torch.distributed as dist
+
+    from asyncckpt import Distributed, KeepLast, MemoryTier, Schedule, SyncCheckpointEngine
+
+    torch.set_num_threads(1)
+    rank = args.rank
+    dist.init_process_group("gloo", store=dist.FileStore(args.store, 2), rank=rank, world_size=2)
+    state = rank_state(args.state_mb, rank)
+    a = torch.randn(args.matmul, args.matmul)
+    config = args.node_child
+    engine = SyncCheckpointEngine(
+        Path(args.root),
+        keep=KeepLast(2),
+        distributed=Distributed(timeout=60),
+        memory=MemoryTier(replicas=1 if config.endswith("replicas") else 0),
+        schedule=Schedule(
+            every_steps=args.disk_every,
+            memory_every_steps=args.memory_every if config != "disk" else None,
+        ),
+    )
+    engine.__enter__()  # never left: the process is killed inside
+    engine.prepare(state)
+    times: list[float] = []
+    stalls: list[float] = []  # memory saves: the time inside save()
+    handle = None
+    w = state["model"][f"r{rank}.w0"]
+    for step in range(1, args.kill + 1):
+        t0 = time.perf_counter()
+        b = a
+        for _ in range(4):
+            b = (b @ a).tanh_()
+        with torch.no_grad():
+            w[: args.matmul].add_(b[0])
+            state[f"step{rank}"].fill_(step)
+        tier = engine.due(step)
+        if tier:
+            s0 = time.perf_counter()
+            h = engine.save(step, state, tier=tier)
+            if tier == "memory":
+                stalls.append(time.perf_counter() - s0)
+                handle = h
+        times.append(time.perf_counter() - t0)
+    time.sleep(args.settle)  # --quick: steps of a millisecond; let the saves land first
+    replicated = handle.is_replicated() if handle is not None else None
+    report = {
+        "step_seconds": times,
+        "stalls": stalls,
+        "worker_pid": engine.worker_pid,
+        "replicated_at_kill": replicated,
+    }
+    print(json.dumps(report), flush=True)
+    time.sleep(3600)
+
+
+def _gone(pid: int, limit: float) -> None:
+    import psutil
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"process {pid} still alive after {limit:.0f}s")
+
+
+def run_node_loss(config: str, args: argparse.Namespace, scratch: Path) -> dict:
+    """Two nodes of one rank to step ``--node-kill``; node 1 dies whole, then node 0's
+    trainer; a single process resumes both ranks."""
+    base = scratch / f"node_{config.replace('+', '_')}"
+    base.mkdir()
+    root = base / "root"
+    procs, outs = {}, {}
+    for r in range(2):
+        cmd = [sys.executable, __file__, "--node-child", config, "--root", str(root)]
+        cmd += ["--kill", str(args.node_kill), "--rank", str(r), "--store", str(base / "store")]
+        for k in ("state_mb", "matmul", "disk_every", "memory_every", "settle"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        env = dict(os.environ, GROUP_RANK=str(r), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+        outs[r] = base / f"rank{r}.out"
+        # Files, not pipes: a worker inherits them and outlives its trainer.
+        with open(outs[r], "w") as out, open(base / f"rank{r}.err", "w") as err:
+            procs[r] = subprocess.Popen(
+                cmd, stdout=out, stderr=err, env=env, start_new_session=True
+            )  # a node = its trainer's process group (its worker included)
+    try:
+        deadline = time.monotonic() + 900
+        while not all(outs[r].read_text().strip() for r in range(2)):
+            for r in range(2):
+                if procs[r].poll() is not None or time.monotonic() > deadline:
+                    err = (base / f"rank{r}.err").read_text()[-3000:]
+                    raise RuntimeError(f"node-loss {config}, rank {r}: {err}")
+            time.sleep(0.05)
+        reports = [json.loads(outs[r].read_text().splitlines()[-1]) for r in range(2)]
+        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: its trainer and its worker
+        procs[1].wait(60)
+        _gone(reports[1]["worker_pid"], 60)
+        procs[0].send_signal(signal.SIGKILL)  # then the launcher tears down node 0
+        procs[0].wait(60)
+        _gone(reports[0]["worker_pid"], 300)  # it writes what it can, then exits
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    from asyncckpt import SyncCheckpointEngine
+
+    target = {**rank_state(args.state_mb, 0)}
+    target["model"].update(rank_state(args.state_mb, 1)["model"])
+    target["step1"] = torch.zeros((), dtype=torch.int64)
+    step = None
+    if root.exists():
+        with SyncCheckpointEngine(root) as engine:
+            step = engine.load_latest(target)
+    if step is not None:
+        assert int(target["step0"]) == int(target["step1"]) == step
+    shutil.rmtree(base, ignore_errors=True)
+    times = [t for rep in reports for t in rep["step_seconds"]]
+    stalls = [t for rep in reports for t in rep["stalls"]]
+    return {
+        "kill_step": args.node_kill,
+        "resumed_step": step,
+        "steps_lost": args.node_kill - (step or 0),
+        "step_seconds_mean": statistics.fmean(times),
+        "memory_stall_s_mean": statistics.fmean(stalls) if stalls else None,
+        "replicated_at_kill": [rep["replicated_at_kill"] for rep in reports],
+    }
+
+
+def node_loss_rows(args: argparse.Namespace, scratch: Path) -> dict:
+    rows = {c: run_node_loss(c, args, scratch) for c in NODE_CONFIGS}
+    plain, rep = rows["memory+disk"], rows["memory+disk+replicas"]
+    cost = {
+        "step_time_ratio": rep["step_seconds_mean"] / plain["step_seconds_mean"],
+        "memory_stall_ratio": rep["memory_stall_s_mean"] / plain["memory_stall_s_mean"],
+    }
+    for c, r in rows.items():
+        print(
+            f"node loss {c:22s} steps lost {r['steps_lost']:4d}  step "
+            f"{r['step_seconds_mean'] * 1e3:7.2f} ms  memory stall "
+            f"{(r['memory_stall_s_mean'] or 0) * 1e3:6.2f} ms  replicated at the kill "
+            f"{r['replicated_at_kill']}"
+        )
+    print(
+        f"replication cost (replicas=1 / 0, this run): step time x{cost['step_time_ratio']:.3f}"
+        f", memory save stall x{cost['memory_stall_ratio']:.3f}"
+    )
+    return {"rows": rows, "replication_cost": cost}
 
 
 def resume(config: str, root: Path, state_mb: int) -> tuple[int | None, float | None]:
@@ -168,16 +343,31 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path(__file__).parent / ".scratch")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--node-kill", type=int, default=None, help="0: no node-loss rows")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="node loss: seconds from the last step to the kill",
+    )
     ap.add_argument("--child", choices=CONFIGS)
+    ap.add_argument("--node-child", choices=NODE_CONFIGS)
     ap.add_argument("--root")
     ap.add_argument("--kill", type=int)
+    ap.add_argument("--rank", type=int)
+    ap.add_argument("--store")
     args = ap.parse_args()
     if args.child:
         args.config = args.child
         return child(args)
+    if args.node_child:
+        return node_child(args)
     if args.quick:
         args.state_mb, args.matmul, args.kills = 4, 128, "37"
         args.disk_every, args.memory_every = 20, 5
+        args.settle = 3.0
+    if args.node_kill is None:
+        args.node_kill = 0 if args.quick else 155  # the tests ask for it on its own
     args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="goodput-", dir=args.dir))
     kills = [int(k) for k in args.kills.split(",")]
@@ -190,6 +380,7 @@ def main() -> None:
                 results.setdefault(config, {"runs": []})["runs"].append(
                     run_one(config, k, args, scratch)
                 )
+        node_loss = node_loss_rows(args, scratch) if args.node_kill else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     base = statistics.fmean(r["step_seconds_mean"] for r in results["none"]["runs"])
@@ -221,6 +412,9 @@ def main() -> None:
                 "disk_every": args.disk_every,
                 "memory_every": args.memory_every,
                 "results": results,
+                "node_kill": args.node_kill,
+                "settle_s": args.settle,
+                "node_loss": node_loss,
             },
             indent=2,
         )

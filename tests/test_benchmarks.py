@@ -207,6 +207,30 @@ def test_goodput_runs_and_reports_every_field(tmp_path):
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
 
 
+@pytest.mark.integration
+def test_goodput_node_loss_rows(tmp_path):
+    """Two simulated nodes, node 1 SIGKILLed whole after step 37 (disk every 20, memory every
+    5): what each config resumes from is fixed by its schedule and the replicas."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "goodput.py"), "--quick", "--configs", "none"]
+    cmd += ["--node-kill", "37", "--dir", str(tmp_path / "s"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "goodput.json").read_text())
+    rows = rep["node_loss"]["rows"]
+    assert set(rows) == {"disk", "memory+disk", "memory+disk+replicas"}
+    for r in rows.values():
+        has(r, "kill_step", "resumed_step", "steps_lost", "step_seconds_mean")
+        has(r, "memory_stall_s_mean", "replicated_at_kill")
+    assert rows["disk"]["resumed_step"] == 20
+    assert rows["memory+disk"]["resumed_step"] == 20  # node 1's memory saves died with it
+    assert rows["memory+disk+replicas"]["resumed_step"] == 35  # node 0 held rank 1's replica
+    assert rows["memory+disk+replicas"]["replicated_at_kill"] == [True, True]
+    cost = rep["node_loss"]["replication_cost"]
+    assert cost["step_time_ratio"] > 0 and cost["memory_stall_ratio"] > 0
+    assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
+
+
 def test_restore_runs_and_reports_every_field(tmp_path):
     rep = run_bench("restore.py", tmp_path)
     has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "hot", "targets")

@@ -201,7 +201,7 @@ def _job(registry, job_id: int, step: int, fill: int, nbytes: int = 1 << 20, fau
 
 def _held_bytes(receiver, step: int) -> torch.Tensor:
     replica = receiver.held[step]
-    return next(iter(replica.arenas.values()))
+    return next(iter(replica.arenas.values())).tensor
 
 
 def test_a_replica_is_held_whole_and_mirrors_what_the_sender_keeps(pair):
@@ -262,3 +262,18 @@ def test_a_receiver_without_room_refuses_and_keeps_what_it_held(pair, monkeypatc
     sender.offer(job3, [2])
     assert "cannot hold it" in events.replicated(2).error
     assert receiver.steps() == [2]
+
+
+def test_a_stand_in_is_a_plain_process_mapping_the_replicas_memory(monkeypatch):
+    """The stand-in (replication.spawn_stand_in) is a subprocess given the replica buffers by
+    descriptor: it reads the bytes held, and what it writes is the holder's memory."""
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # tests/stand_in_probe.py
+    buffers = {7: R.SharedBuffer(1 << 20), 8: R.SharedBuffer(3), 9: R.SharedBuffer(0)}
+    buffers[7].tensor.fill_(2)
+    buffers[8].tensor.fill_(1)
+    expect = {7: 2 << 20, 8: 3, 9: 0}
+    proc = R.spawn_stand_in("stand_in_probe", {"expect": expect}, ["job"], buffers)
+    assert proc.wait(60) == 0
+    assert [int(b.tensor.sum()) for b in buffers.values()] == [5 << 20, 15, 0]

@@ -183,3 +183,34 @@ def test_two_adjacent_nodes_lost_fall_back_to_disk(tmp_path):
     assert "could not agree on a memory checkpoint" in errs
     report = verify(root)
     assert report.ok and [c.step for c in report.checkpoints] == [1], report
+
+
+@pytest.mark.parametrize("dead", [1, 2])
+def test_one_of_three_nodes_lost(tmp_path, dead):
+    """3 nodes x 2 ranks, replicas=1: one node dies whole (node 2's replicas live on node 0,
+    the wrap-around), then the other trainers: step 3 is committed from the survivors' own
+    saves and the replicas of the dead node's ranks, bit for bit."""
+    _run(tmp_path, 3, 2, "replicated", {dead})
+    root = tmp_path / "r"
+    errs = "\n".join(_err(tmp_path, r) for r in range(6))
+    assert L.read_tracker(root) == 3, errs
+    _check_loads(root, 6, 3)
+    assert errs.count("stands in for it") == 2  # one stand-in per rank of the dead node
+    report = verify(root)
+    assert report.ok and [c.step for c in report.checkpoints] == [1, 3], report
+    assert report.leftovers == []
+
+
+def test_node_zero_lost(tmp_path):
+    """Node 0 dies whole, rank 0's worker with it (it served the workers' side store): the
+    survivors agree over the shared root's FileStore instead, stand in for ranks 0 and 1 with
+    their replicas, and commit step 3, bit for bit (invariant 16)."""
+    _run(tmp_path, 2, 2, "replicated", {0})
+    root = tmp_path / "r"
+    errs = "\n".join(_err(tmp_path, r) for r in (2, 3))
+    assert L.read_tracker(root) == 3, errs
+    _check_loads(root, 4, 3)
+    assert errs.count("stands in for it") == 2, errs
+    report = verify(root)
+    assert report.ok and [c.step for c in report.checkpoints] == [1, 3], report
+    assert report.leftovers == []  # the recovery's FileStore is removed

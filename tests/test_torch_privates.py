@@ -131,3 +131,39 @@ def test_dcp_file_split_matches_torchs(tmp_path):
     target = {k: torch.zeros_like(v) for k, v in flat.items()}
     dcp.load(target, checkpoint_id=str(tmp_path / "c"), no_dist=True)
     assert_same(target, flat)
+
+
+def multiprocessing_privates(path: Path) -> list[str]:
+    """Private attributes read off ``multiprocessing`` or its process objects in ``path``
+    (e.g. ``multiprocessing.current_process()._config``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+            continue
+        if node.attr.startswith("__"):
+            continue
+        base = node.value
+        while isinstance(base, (ast.Attribute, ast.Call)):
+            base = base.func if isinstance(base, ast.Call) else base.value
+        if isinstance(base, ast.Name) and base.id in ("multiprocessing", "mp", "tmp"):
+            out.append(f"{base.id}...{node.attr}")
+    return out
+
+
+def test_no_private_multiprocessing_flags():
+    """A worker's stand-in is a plain child process (stand_in.py), not a multiprocessing child
+    made possible by clearing the worker's private daemon flag."""
+    found = {
+        path.relative_to(PACKAGE).as_posix(): uses
+        for path in PACKAGE.rglob("*.py")
+        if (uses := multiprocessing_privates(path))
+    }
+    assert found == {}
+
+
+def test_the_multiprocessing_scan_sees_a_private_flag(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import multiprocessing\nmultiprocessing.current_process()._config['daemon'] = False\n"
+    )
+    assert multiprocessing_privates(bad) == ["multiprocessing..._config"]

@@ -14,7 +14,13 @@ until the trial kills it:
   every other point the worker (then as above);
 * ``saved``: the trainer SIGKILLs itself right after its k-th save returned (and was reported);
 * ``memory``: the loop saves to the memory tier every step and to disk every third
-  (``engine.due``); the trainer SIGKILLs itself right after a memory save returned.
+  (``engine.due``); the trainer SIGKILLs itself right after a memory save returned;
+* ``node``: two simulated nodes of one rank (torchrun's environment, gloo, their own root),
+  ``MemoryTier(replicas=1)``, a memory save every step and a disk save every third; once both
+  ranks' memory saves were replicated, after a random delay (a replica may be on the wire),
+  node 0 or node 1 is SIGKILLed whole (trainer and worker), then the other trainer. The root must verify,
+  load one step bit for bit on every rank (never a mix), no newer than a step both ranks
+  staged and no older than one acknowledged committed (``node_trial``).
 
 After ``saved`` and ``memory`` the newest committed step is exactly the newest one whose
 ``save()`` had returned (as the trainer reported it before dying): the worker wrote it, a
@@ -37,6 +43,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,7 +60,7 @@ from asyncckpt import SyncCheckpointEngine, faults, verify
 from asyncckpt import layout as L
 
 sys.path.insert(0, str(Path(__file__).parent))
-from torture_train import make_state, same_state  # noqa: E402
+from torture_train import make_state, rank_state, same_state  # noqa: E402
 
 TRAIN = Path(__file__).with_name("torture_train.py")
 DEFAULT_TRIALS = 20
@@ -86,6 +93,8 @@ class Tally:
     trainer_kills: int = 0  # SIGKILL of the trainer (by the test, a fault point or itself)
     kills_after_save: int = 0  # of them, by itself right after a save returned ("saved")
     kills_after_memory_save: int = 0  # ... right after a memory save returned ("memory")
+    node_kills: int = 0  # whole simulated nodes SIGKILLed ("node")
+    node_memory_resumes: int = 0  # of them, resumed from a memory step the survivor wrote
     worker_kills: int = 0  # SIGKILL of the worker (by the test or by a fault point)
     clean_exits: int = 0
     resumes_checked: int = 0
@@ -99,7 +108,8 @@ class Tally:
             f"trials={self.trials} kills={self.trainer_kills + self.worker_kills} "
             f"(trainer={self.trainer_kills} worker={self.worker_kills}; "
             f"right after save returned={self.kills_after_save} "
-            f"after a memory save={self.kills_after_memory_save}) "
+            f"after a memory save={self.kills_after_memory_save}; "
+            f"nodes={self.node_kills}, resumed from memory={self.node_memory_resumes}) "
             f"clean_exits={self.clean_exits} verified_resumes={self.verified_resumes}"
             f"/{self.resumes_checked} failures={len(self.failures)} "
             f"points_fired={json.dumps(self.points_fired, sort_keys=True)} "
@@ -336,13 +346,95 @@ def _check_root(root: Path, acked: int | None) -> tuple[int | None, list[str]]:
     return (steps[-1] if steps else None), problems
 
 
+def _events_of(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def node_trial(base: Path, logdir: Path, n: int, rng: random.Random) -> tuple[list[str], str]:
+    """A ``node`` trial (module docstring), on a root of its own. Returns the problems found
+    and the resumed checkpoint's tier ("memory", "disk", or "" when nothing committed)."""
+    root = base.parent / f"{base.name}-node-{n}"
+    outs = {r: logdir / f"trial-{n:04d}-node-rank{r}.out" for r in range(2)}
+    procs: dict[int, subprocess.Popen] = {}
+    bad: list[str] = []
+    ours_before = _children()
+    for r in range(2):
+        env = dict(os.environ, GROUP_RANK=str(r), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+        env.pop(faults.ENV_VAR, None)
+        cmd = [sys.executable, str(TRAIN), str(root), "--world", "2", "--rank", str(r)]
+        cmd += ["--store", str(logdir / f"node-{n}.store"), "--disk-every", "3"]
+        cmd += ["--step-sleep", str(STEP_SLEEP)]
+        # Files, not pipes: a worker inherits them and outlives its trainer.
+        with open(outs[r], "w") as out, open(outs[r].with_suffix(".err"), "w") as err:
+            procs[r] = subprocess.Popen(
+                cmd, stdout=out, stderr=err, env=env, start_new_session=True
+            )  # a node = its trainer's process group (its worker included)
+    events: dict[int, list[dict]] = {0: [], 1: []}
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + TRIAL_LIMIT
+        while not all(any(e["event"] == "replicated" for e in events[r]) for r in range(2)):
+            if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
+                bad.append("the ranks did not both replicate a memory save")
+                break
+            time.sleep(0.1)
+            events = {r: _events_of(outs[r]) for r in range(2)}
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere in the saves that follow
+        events = {r: _events_of(outs[r]) for r in range(2)}
+        workers = {e["worker_pid"] for r in range(2) for e in events[r] if e["event"] == "started"}
+        dead = rng.randrange(2)  # node 0 too: its worker served the side store
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[dead].pid, signal.SIGKILL)  # the whole node: trainer and worker
+        procs[dead].wait(ORPHAN_EXIT_LIMIT)
+        procs[1 - dead].send_signal(signal.SIGKILL)  # then the launcher tears down the other
+        procs[1 - dead].wait(ORPHAN_EXIT_LIMIT)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    # The survivor's worker writes (standing in for the dead rank with its replica), then exits.
+    alive = _reap_and_check_gone(workers, ours_before, TRIAL_LIMIT)
+    if alive:
+        bad.append(f"workers still alive: {alive}")
+    events = {r: _events_of(outs[r]) for r in range(2)}
+    staged = [
+        max((e["step"] for e in events[r] if e["event"] == "staged"), default=0) for r in (0, 1)
+    ]
+    acked = max(
+        (e["step"] for r in (0, 1) for e in events[r] if e["event"] == "committed"), default=None
+    )
+    if not root.exists():
+        return bad + ["the root was never made"], ""
+    newest, problems = _check_root(root, acked)
+    bad += problems
+    tier = ""
+    if newest is not None:
+        if newest > min(staged):
+            bad.append(f"step {newest} committed; the ranks staged up to {staged}")
+        target = {k: v for r in (0, 1) for k, v in rank_state(0, r).items()}
+        with SyncCheckpointEngine(root) as engine:
+            resumed = engine.load_latest(target)
+            tier = next(c.tier for c in engine.list_checkpoints() if c.step == resumed)
+        want = {k: v for r in (0, 1) for k, v in rank_state(newest, r).items()}
+        if resumed != newest or not same_state(target, want):
+            bad.append(f"resumed {resumed}, not step {newest} bit for bit on every rank")
+    shutil.rmtree(root, ignore_errors=True)
+    return bad, tier
+
+
 def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path | None) -> Tally:
     rng = random.Random(seed)
     tally = Tally()
     # The first trials visit every fault point once; then a random mix.
     # (The remote tier's points are test_s3.py's: this trainer saves to a local root.)
     named = [f"point:{p}" for p in faults.LOCAL_POINTS]
-    plan = named + ["kill", "worker", "saved", "memory"] * 2
+    plan = named + ["node"] + ["kill", "worker", "saved", "memory"] * 2
     acked: int | None = None  # newest step the trainer was told had committed
     expected: int | None = None  # what the next start must resume from
     for n in range(trials):
@@ -359,9 +451,20 @@ def run_torture(root: Path, logdir: Path, trials: int, seed: int, summary: Path 
                 if r < 0.6
                 else "memory"
                 if r < 0.75
+                else "node"
+                if r < 0.8
                 else rng.choice(named)
             )
         t0 = time.monotonic()
+        if mode == "node":
+            bad, tier = node_trial(root, logdir, n, rng)
+            tally.seconds += time.monotonic() - t0
+            tally.trials += 1
+            tally.node_kills += 1
+            tally.node_memory_resumes += tier == "memory"
+            for b in bad:
+                tally.failures.append(f"trial {n} (node, seed {seed}): {b}")
+            continue
         t = Trial(root, logdir, n, mode, rng)
         t.run()
         tally.seconds += time.monotonic() - t0
@@ -476,6 +579,22 @@ def test_torture_default(tmp_path, subreaper):
     # Every named point was reached and fired in its trial.
     assert set(tally.points_fired) == set(faults.LOCAL_POINTS), tally.points_fired
     assert tally.trainer_kills + tally.worker_kills >= DEFAULT_TRIALS // 2
+
+
+@pytest.mark.integration
+def test_torture_node_trials(tmp_path, subreaper):
+    """The ``node`` kind alone, twice (the default run has it once)."""
+    seed = _seed()
+    rng = random.Random(seed)
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    tiers = []
+    for n in range(2):
+        bad, tier = node_trial(tmp_path / "ckpts", logdir, n, rng)
+        assert bad == [], f"seed {seed}: {bad}"
+        tiers.append(tier)
+    print(f"seed={seed} resumed tiers={tiers}")
+    assert all(t in ("disk", "memory") for t in tiers), tiers  # something always committed
 
 
 @pytest.mark.torture

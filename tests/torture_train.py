@@ -7,6 +7,11 @@ environment (``ASYNCCKPT_FAULTS``), kills from the test.
 
     python tests/torture_train.py ROOT --steps N [--step-sleep SECONDS]
         [--memory-every K --disk-every D] [--die-after-saves N [--die-tier memory]]
+    python tests/torture_train.py ROOT --world W --rank R --store FILE [--disk-every D]
+
+``--world``: one rank of a run on simulated nodes (torchrun's ``GROUP_RANK`` etc. from the
+environment), ``MemoryTier(replicas=1)``, a memory save every step whose replica it waits for
+(``{"event": "replicated", "step"}``), until the test kills it (``node_main``).
 
 ``--memory-every``: ``engine.due(step)`` picks the tier (a disk save every D steps, a memory
 save every K). ``--die-after-saves N``: the trainer SIGKILLs itself right after the N-th save
@@ -51,9 +56,10 @@ def emit(**event: Any) -> None:
         sys.stdout.flush()
 
 
-def make_state(step: int) -> dict[str, Any]:
-    """What the loop holds after step ``step``: a function of the step and nothing else."""
-    g = torch.Generator().manual_seed(10_000 + step)
+def make_state(step: int, rank: int = 0) -> dict[str, Any]:
+    """What the loop holds after step ``step``: a function of the step (and the rank, in a
+    ``--world`` run, so that a mix of two ranks' steps cannot pass for one) and nothing else."""
+    g = torch.Generator().manual_seed(10_000 + step + 1_000_003 * rank)
     return {
         "model": {
             "w": torch.randn(64, 32, generator=g),
@@ -98,6 +104,58 @@ def advance(state: dict[str, Any], step: int) -> None:
     state["extra"] = new["extra"]
 
 
+def rank_state(step: int, rank: int) -> dict[str, Any]:
+    """A ``--world`` run's state of one rank: its tensors under its own name."""
+    s = make_state(step, rank)
+    return {f"rank{rank}": {"model": s["model"], "optim": s["optim"]}}
+
+
+def node_main(args: argparse.Namespace) -> int:
+    """One rank of a ``--world`` run on simulated nodes (torchrun's environment), with
+    ``MemoryTier(replicas=1)``: a memory save every step, a disk save every ``--disk-every``;
+    each memory save's replica is waited for and reported (``replicated``) before the next
+    step. It runs until the test kills it."""
+    import torch.distributed as dist
+
+    from asyncckpt import (
+        Distributed,
+        KeepLast,
+        MemoryTier,
+        NotReplicated,
+        Schedule,
+        SyncCheckpointEngine,
+    )
+
+    rank, world = args.rank, args.world
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(args.store, world), rank=rank, world_size=world
+    )
+    engine = SyncCheckpointEngine(
+        args.root,
+        keep=KeepLast(2),
+        distributed=Distributed(timeout=40),
+        memory=MemoryTier(replicas=1),
+        on_commit=lambda st: emit(event="committed", step=st.step),
+        schedule=Schedule(every_steps=args.disk_every, memory_every_steps=1),
+    )
+    engine.__enter__()  # never left: the test kills this process
+    emit(event="started", pid=os.getpid(), worker_pid=engine.worker_pid, resumed=None)
+    for step in range(1, 1_000_000):
+        state = rank_state(step, rank)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        tier = engine.due(step) or "memory"
+        handle = engine.save(step, state, tier=tier)
+        emit(event="staged", step=step, tier=tier)
+        if tier == "memory":
+            try:
+                handle.replicated_sync(60)
+                emit(event="replicated", step=step)
+            except NotReplicated as e:
+                emit(event="not_replicated", step=step, error=str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from asyncckpt import KeepLast, SaveFailed, Schedule, SyncCheckpointEngine
     from asyncckpt import layout as L
@@ -110,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-every", type=int, default=1)
     p.add_argument("--die-after-saves", type=int, default=None)
     p.add_argument("--die-tier", choices=("disk", "memory"), default=None)
+    p.add_argument("--world", type=int, default=1, help="ranks on simulated nodes")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--store", default=None, help="the ranks' FileStore (--world)")
     args = p.parse_args(argv)
+    if args.world > 1:
+        return node_main(args)
 
     state = make_state(0)
     # Start from something no checkpoint holds, so a load that does nothing is caught.
