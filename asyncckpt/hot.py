@@ -199,11 +199,15 @@ class HotResume:
         try:
             store = self._client(cfg)
             store.set(prefix + str(self.rank), b"1" if ok else b"0")
-            if not ok:
-                return False  # said; no need to hear the others (a rank loading alone waits not)
-            keys = [prefix + str(r) for r in range(self.world_size)]
-            store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-            return all(store.get(k) == b"1" for k in keys)
+            agreed = False
+            if ok:  # (a "no" needs no other word: a rank loading alone never waits here)
+                keys = [prefix + str(r) for r in range(self.world_size)]
+                store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
+                agreed = all(store.get(k) == b"1" for k in keys)
+            store.add(prefix + "heard", 1)
+            if self.rank == 0 and ok:  # its worker serves the store: the others read first
+                _wait_count(store, prefix + "heard", self.world_size, cfg.timeout)
+            return agreed
         except Exception as e:  # noqa: BLE001 - no agreement: the disk, on every rank
             log.warning("rank %d: the ranks could not agree on a hot resume: %s", self.rank, e)
             return False
@@ -215,3 +219,13 @@ class HotResume:
             td = datetime.timedelta(seconds=cfg.timeout)
             self.store = dist.TCPStore(cfg.host, cfg.port, None, False, td)
         return self.store
+
+
+def _wait_count(store: Any, key: str, n: int, timeout: float) -> None:
+    """Until the counter ``key`` reaches ``n`` (every rank has read what it needed), at most
+    ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while store.add(key, 0) < n and time.monotonic() < deadline:
+        time.sleep(0.005)

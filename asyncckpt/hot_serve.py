@@ -74,8 +74,10 @@ class Written:
 
 
 def make_offer(worker: Any) -> tuple[Offer, list[int], memoryview | None] | None:
-    """The offer of the newest step ``worker`` wrote, the arenas' descriptors and the first
-    tensor's bytes (for the ``corrupt`` fault); None when it wrote nothing or its arenas went."""
+    """The offer of the newest step ``worker`` wrote, the arenas' descriptors and the largest
+    tensor's bytes (for the ``corrupt`` fault: several ranks write a tensor they all hold
+    once, a rank's own tensors are its largest); None when it wrote nothing or its arenas
+    went."""
     written: Written | None = worker.last_written
     if written is None:
         return None
@@ -93,13 +95,12 @@ def make_offer(worker: Any) -> tuple[Offer, list[int], memoryview | None] | None
         bases.append(arena.storage_offset())
     specs = worker._specs(job)
     tensors = {s.fqn: (s.arena, bases[s.arena] + s.offset, s.nbytes) for s in specs}
-    first: memoryview | None = None
-    if specs and specs[0].nbytes:
-        s = specs[0]
+    largest: memoryview | None = None
+    if specs and (s := max(specs, key=lambda spec: spec.nbytes)).nbytes:
         arena = worker.arenas[job.arena_ids[s.arena]]
-        first = memoryview(arena.numpy()).cast("B")[s.offset : s.offset + s.nbytes]
+        largest = memoryview(arena.numpy()).cast("B")[s.offset : s.offset + s.nbytes]
     offer = Offer(job.step, worker.config.rank, written.files, tensors, tuple(sizes), os.getpid())
-    return offer, fds, first
+    return offer, fds, largest
 
 
 def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
@@ -110,8 +111,8 @@ def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
     if made is None:
         release_lock()
         return
-    offer, fds, first = made
-    faults.point("before_hot_serve", first)
+    offer, fds, largest = made
+    faults.point("before_hot_serve", largest)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(socket_name(worker.root, worker.config.rank))

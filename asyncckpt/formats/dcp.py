@@ -547,7 +547,9 @@ class CachedMetadataReader(FileSystemReader):
                     todo.append((f, item, info))
             # Where each record's bytes are (a few small reads each: in parallel, cold they
             # are a disk's round trips), then their places in the files, in this thread.
-            places = _in_parallel(lambda job: self._where(job[0], job[1], job[2], with_crc), todo)
+            places = _in_parallel(
+                lambda job: self._where(job[0], job[1], job[2], with_crc, hot), todo
+            )
             for (f, item, info), where in zip(todo, places, strict=True):
                 if where is not None:
                     count(where)
@@ -605,12 +607,22 @@ class CachedMetadataReader(FileSystemReader):
         return tuple(chunk.sizes), md.properties.dtype
 
     def _where(
-        self, f: wholefiles.FileRead, item: Any, info: Any, with_crc: bool
+        self,
+        f: wholefiles.FileRead,
+        item: Any,
+        info: Any,
+        with_crc: bool,
+        hot: hotread.HotRead | None = None,
     ) -> Placement | None:
         if item.type == LoadItemType.BYTE_IO:
             return None
         shape, dtype = self._stored(item)
-        return place_record(f.fd, info.offset, info.length, dtype, shape, with_crc)
+        # A record whose bytes are in memory (hot): located, not read whole, however small.
+        nbytes = math.prod(shape) * dtype.itemsize
+        small = hot is None or hot.view(f.name, item.storage_index.fqn, nbytes) is None
+        return place_record(
+            f.fd, info.offset, info.length, dtype, shape, with_crc, read_small=small
+        )
 
     def _place_item(
         self,
