@@ -92,8 +92,10 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
         offer: Offer = pickle.loads(_exactly(sock, b"", length))
         if len(fds) != len(offer.sizes):
             return None, "the offer came without its memory"
+        # Read-only, shared, its page tables filled at once (not a fault per page later).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         maps = [
-            mmap.mmap(fd, n, access=mmap.ACCESS_COPY)
+            mmap.mmap(fd, n, flags=flags, prot=mmap.PROT_READ)
             for fd, n in zip(fds, offer.sizes, strict=True)
         ]
         sock.sendall(b"T")  # mapped: the worker may exit, the memory lives while mapped here

@@ -137,14 +137,16 @@ root, size, tensors = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 target = R.blank_like(R.make_state(size, tensors))
 t0 = time.perf_counter()
 engine = SyncCheckpointEngine(root, keep=None)
-engine.__enter__()
+engine.__enter__()  # waits for the dead trainer's worker to have written (its lock)
+started = time.perf_counter() - t0
 step = engine.load_latest(target)
 seconds = time.perf_counter() - t0
 report = engine.last_load_report
 engine.__exit__(None, None, None)
 want = R.make_state(size, tensors)["model"]
 same = all(torch.equal(target["model"][k], v) for k, v in want.items())
-print(json.dumps({"seconds": seconds, "step": step, "source": report.source,
+print(json.dumps({"seconds": seconds, "start_seconds": started, "step": step,
+                  "source": report.source,
                   "reason": report.source_reason, "bit_for_bit": same}))
 """
 
@@ -164,6 +166,7 @@ def resume_round(base: Path, size: int, tensors: int, hold: float) -> tuple[dict
     repo = str(Path(asyncckpt.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     out = base / "resume.out"
+    base.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as fh:  # a file: the orphaned worker inherits it
         code = subprocess.call(
             [sys.executable, "-c", TRAINER, here, str(root), str(size), str(tensors), str(hold)],

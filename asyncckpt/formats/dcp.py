@@ -560,6 +560,7 @@ class CachedMetadataReader(FileSystemReader):
                 os.close(f.fd)
         if hot is not None:
             self._settle(hot, problems)  # HotDeclined unless every rank matched: none applied
+            hot.copy_all(wholefiles.read_threads())
         if problems:
             # Damage only against a manifest: without one a short file may be a reader's or
             # the machine's fault (the restorer quarantines damage alone).
@@ -673,7 +674,8 @@ class CachedMetadataReader(FileSystemReader):
                 # Checksummed in its place in the file; copied in once every file matched.
                 f.spans.append(wholefiles.Span(at, src, filled=True))
                 hot.from_memory += 1
-                return lambda: commit(hotread.into(target, src, dtype, shape))
+                tensor = hot.stage(target, src, dtype, shape)  # (copied by hot.copy_all)
+                return lambda: commit(tensor())
             hot.from_disk += 1
             dst = torch.empty(shape, dtype=dtype)
             f.spans.append(wholefiles.Span(at, tensor_bytes(dst)))

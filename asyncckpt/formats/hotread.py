@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +42,35 @@ class HotRead:
     from_memory: int = 0  # tensor records whose bytes came from memory
     from_disk: int = 0  # tensor records read from the disk (not in memory here)
     settled: bool = False
+    copies: list[tuple[torch.Tensor, memoryview]] = field(default_factory=list)
+
+    def stage(
+        self, target: torch.Tensor, src: memoryview, dtype: torch.dtype, shape: tuple
+    ) -> Callable[[], torch.Tensor]:
+        """What goes into ``target``: ``src`` copied into it by ``copy_all`` when it is a
+        contiguous tensor of ``dtype`` and ``shape`` (host or device), else ``src`` as a tensor
+        (the caller copies it in). Returns the tensor, once copied."""
+        if (
+            target.dtype == dtype
+            and tuple(target.shape) == tuple(shape)
+            and target.is_contiguous()
+            and target.device.type != "meta"
+            and not (target.is_conj() or target.is_neg())
+        ):
+            self.copies.append((target, src))
+            return lambda: target
+        return lambda: as_tensor(src, dtype, shape)
+
+    def copy_all(self, threads: int) -> None:
+        """The staged copies, by ``threads`` threads (the copies and their page faults on the
+        mapped memory release the GIL)."""
+        copies, self.copies = self.copies, []
+        if threads < 2 or len(copies) < 2:
+            for dst, src in copies:
+                copy_bytes(dst, src)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-hot") as pool:
+            list(pool.map(lambda c: copy_bytes(*c), copies))
 
     def owns(self, name: str) -> bool:
         return self.files is None or name in self.files
@@ -77,25 +108,16 @@ def active(hot: HotRead) -> Iterator[HotRead]:
 
 
 def as_tensor(src: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes ``src`` as a tensor of ``dtype`` and ``shape`` (no copy)."""
+    """The bytes ``src`` as a tensor of ``dtype`` and ``shape`` (no copy; never written)."""
     if not len(src):
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(src, dtype=torch.uint8).view(dtype).view(shape)
+    return _frombuffer(src).view(dtype).view(shape)
 
 
-def into(target: torch.Tensor, src: memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
-    """``src`` copied into ``target`` when it is a contiguous tensor of ``dtype`` and ``shape``
-    (host or device: returns it), else ``src`` as a tensor (the caller copies it in)."""
-    if (
-        target.dtype == dtype
-        and tuple(target.shape) == tuple(shape)
-        and target.is_contiguous()
-        and target.device.type != "meta"
-        and not (target.is_conj() or target.is_neg())
-    ):
-        copy_bytes(target, src)
-        return target
-    return as_tensor(src, dtype, shape)
+def _frombuffer(src: memoryview) -> torch.Tensor:
+    with warnings.catch_warnings():  # mapped read-only: only ever read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(src, dtype=torch.uint8)
 
 
 #: A device copy goes through two reused pinned buffers of this size, in turn.
@@ -109,7 +131,7 @@ def copy_bytes(dst: torch.Tensor, src: memoryview) -> None:
     if not len(src):
         return
     if flat.device.type == "cpu":
-        flat.copy_(torch.frombuffer(src, dtype=torch.uint8))
+        flat.copy_(_frombuffer(src))
         return
     _to_device(flat, src)
 
@@ -129,7 +151,7 @@ def _to_device(flat: torch.Tensor, src: memoryview) -> None:
         if done[b] is not None:
             done[b].synchronize()  # that buffer's previous copy has left it
         n = min(BOUNCE_BYTES, len(src) - at)
-        bufs[b][:n].copy_(torch.frombuffer(src[at : at + n], dtype=torch.uint8))
+        bufs[b][:n].copy_(_frombuffer(src[at : at + n]))
         with torch.cuda.stream(stream):
             flat[at : at + n].copy_(bufs[b][:n], non_blocking=True)
             event = torch.cuda.Event()
