@@ -256,6 +256,7 @@ class EngineParts:
             spool=self.spooled,
             store_socket=self.rendezvous.listener,
             replication=self.replication,
+            hot_hold_s=float(self.opts.memory.hold_seconds),
         )
 
     def _on_loaded(self, step: int) -> None:
@@ -284,6 +285,7 @@ class EngineParts:
             )
             self.jobs.dist_token = self.dist_cfg.token
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
+            self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)
             if rank != 0:
                 self._open_and_clean()
         else:

@@ -12,7 +12,8 @@ or from the environment of a training script it runs as a subprocess::
     ASYNCCKPT_FAULTS="before_rename=kill;mid_prune=delay:0.5" python train.py
 
 Actions: ``kill`` (SIGKILL), ``hang`` (sleep forever), ``enospc`` / ``eio`` (raise ``OSError``),
-``delay:SECONDS``, ``raise`` (``RuntimeError``). ``after=k`` skips the first k hits. Points set in
+``delay:SECONDS``, ``raise`` (``RuntimeError``), ``corrupt`` (flip a bit of the bytes the point
+holds: only at ``CORRUPT_POINTS``, e.g. the arena a surviving worker offers a new engine). ``after=k`` skips the first k hits. Points set in
 the training process travel to the worker process with every job, so a test can arm a point
 that only the worker reaches. Every action but ``delay`` fires once: when a point fires in the
 worker, the worker tells the trainer, which disarms it, so a restarted worker does not fire it
@@ -54,6 +55,9 @@ POINTS = (
     "mid_export",  # worker: a file of a Hugging Face export written, the export not published
     # With MemoryTier(replicas=1) (replication.py): a memory save's replica being sent.
     "mid_replication",  # worker: the replica's header sent, none of its bytes yet
+    # With MemoryTier(hold_seconds=) (hot_serve.py): the trainer is gone, what its worker
+    # wrote is committed, and the worker is about to offer those bytes to a new engine.
+    "before_hot_serve",  # worker: the arena of the step offered, before the offer
 )
 #: The points only a save with a remote tier reaches (storage/); the others, every save.
 REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
@@ -65,10 +69,16 @@ STAGE_POINTS = ("mid_stage",)
 #: The point only a replicated memory save reaches (fired from the job's own snapshot: the
 #: sender runs beside the main loop, which installs the snapshots of the saves it writes).
 REPLICA_POINTS = ("mid_replication",)
+#: The point only a worker that outlived its trainer with hold_seconds reaches (hot_serve.py).
+HOT_POINTS = ("before_hot_serve",)
 LOCAL_POINTS = tuple(
-    p for p in POINTS if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS
+    p
+    for p in POINTS
+    if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS + HOT_POINTS
 )
-ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise")
+ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise", "corrupt")
+#: The points that hand ``point`` bytes a ``corrupt`` action may flip (one bit of the first).
+CORRUPT_POINTS = HOT_POINTS
 
 
 @dataclass
@@ -93,6 +103,10 @@ def _check(point: str, action: str) -> None:
         raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
     if action not in ACTIONS:
         raise ValueError(f"unknown fault action {action!r}; known: {', '.join(ACTIONS)}")
+    if action == "corrupt" and point not in CORRUPT_POINTS:
+        raise ValueError(
+            f"'corrupt' needs a point that holds bytes ({', '.join(CORRUPT_POINTS)}), not {point!r}"
+        )
 
 
 def inject(point: str, action: str, *, after: int = 0, seconds: float = 0.0) -> None:
@@ -189,8 +203,9 @@ def set_reporter(report: Callable[[str], None] | None) -> None:
     _reporter = report
 
 
-def point(name: str) -> None:
-    """Announce that the pipeline reached ``name``; perform the armed action, if any."""
+def point(name: str, data: memoryview | None = None) -> None:
+    """Announce that the pipeline reached ``name``; perform the armed action, if any
+    (``data``: the bytes a ``corrupt`` action flips a bit of)."""
     if not _faults:  # the common case: one dict truth test
         return
     with _lock:
@@ -209,7 +224,7 @@ def point(name: str) -> None:
             report(fault.id)
         except Exception:  # noqa: BLE001 - a closed pipe must not stop the fault itself
             pass
-    _perform(name, fault)
+    _perform(name, fault, data)
 
 
 def point_of(snap: dict[str, tuple[str, int, float, str]], name: str) -> None:
@@ -224,7 +239,7 @@ def point_of(snap: dict[str, tuple[str, int, float, str]], name: str) -> None:
         _perform(name, Fault(action, 0, seconds, id=fid))
 
 
-def _perform(name: str, fault: Fault) -> None:
+def _perform(name: str, fault: Fault, data: memoryview | None = None) -> None:
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # not reached
@@ -239,6 +254,8 @@ def _perform(name: str, fault: Fault) -> None:
         time.sleep(fault.seconds)
     elif fault.action == "raise":
         raise RuntimeError(f"fault injected at {name}")
+    elif fault.action == "corrupt" and data is not None and len(data):
+        data[len(data) // 2] ^= 0x01  # one bit, mid-way: the checksum must notice
 
 
 load_env()

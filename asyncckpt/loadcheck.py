@@ -47,7 +47,10 @@ class LoadReport:
     ask for (another rank's; not read here, and not a mismatch);
     ``records_fallbacks``: tensor records the fast reader left to ``torch.load`` (correct but
     slower: a torch whose archives it cannot place, or records of views written by another
-    tool; ``asyncckpt.formats.records.fallbacks`` has the reasons).
+    tool; ``asyncckpt.formats.records.fallbacks`` has the reasons);
+    ``source``: ``"disk"``, or ``"memory"`` for a hot resume from the shared memory of a worker
+    that outlived its trainer (``MemoryTier(hold_seconds=)``); ``source_reason``: why a hot
+    resume was not taken, when one was offered or could have been (empty otherwise).
     """
 
     step: int | None = None
@@ -58,6 +61,8 @@ class LoadReport:
     missing_objects: list[str] = field(default_factory=list)
     other_ranks: list[str] = field(default_factory=list)
     records_fallbacks: int = 0
+    source: str = "disk"
+    source_reason: str = ""
 
     @property
     def exact(self) -> bool:

@@ -169,10 +169,16 @@ class MemoryTier:
     newest memory save to disk as well (by default only a trainer's death or SIGTERM does).
     ``replicas``: 0, or 1 to have each memory save sent by the worker to the worker of the same
     local rank on the next node, which holds it (a whole node's loss then keeps the newest
-    memory step: replication.py); several nodes and a shared root needed."""
+    memory step: replication.py); several nodes and a shared root needed.
+    ``hold_seconds``: when the trainer dies, its worker (once it has committed what it was
+    writing) keeps the newest step it wrote in its shared memory this long, so that a new
+    engine on the same root, node and rank loads it from there (a hot resume: checked against
+    the manifest's checksums, else read from disk; ``last_load_report.source`` says which);
+    freed as soon as a new engine took it. 0 (the default): the worker exits at once."""
 
     persist_on_close: bool = False
     replicas: int = 0
+    hold_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas not in (0, 1):
@@ -181,6 +187,9 @@ class MemoryTier:
             raise TypeError(
                 f"persist_on_close must be True or False, got {self.persist_on_close!r}"
             )
+        hold = self.hold_seconds
+        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not hold >= 0:
+            raise ValueError(f"hold_seconds must be a number >= 0, got {hold!r}")
 
 
 @dataclass(frozen=True)

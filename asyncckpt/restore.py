@@ -9,11 +9,12 @@ checkpoint, loudly, when one is unusable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,10 @@ from .errors import (
     NoValidCheckpoint,
     StateMismatch,
 )
+from .formats.base import Verify
 from .formats.components import COMPONENTS, Component, Part, load_parts, saved_spec
+from .formats.hotread import HotDeclined, HotRead, active
+from .hot import HotResume
 from .loadcheck import LoadReport, Vanished
 from .manifest import check_files, read_manifest
 from .retention import CheckpointInfo
@@ -120,12 +124,19 @@ class Restorer:
         # Steps this engine found failing their manifest: they stop counting (the forward
         # check of steps ignores them) also where they could not be moved aside.
         self.known_corrupt: set[int] = set()
+        # A hot resume: load_latest from a surviving worker's memory (hot.py).
+        self.hot = HotResume(root, rank, world_size)
 
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
 
     def load_dir(
-        self, state: Any, directory: Path, strict: bool = True, step: int | None = None
+        self,
+        state: Any,
+        directory: Path,
+        strict: bool = True,
+        step: int | None = None,
+        hot: HotRead | None = None,
     ) -> LoadReport:
         """Restore one checkpoint directory into ``state``: check, verify, then read.
 
@@ -134,7 +145,7 @@ class Restorer:
         directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
         errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
         A checkpoint of components is read as one part per component the target names, all
-        checked before any is read.
+        checked before any is read. ``hot``: tensor bytes from memory (hot.py: ``HotDeclined``).
         """
         from . import loadcheck
         from .formats import records
@@ -178,11 +189,15 @@ class Restorer:
             # reads them (``LoadOptions.verify``), but tensors it reads in place would then
             # hold a damaged checkpoint's bytes when nothing older loads (``load(step=)``):
             # one pass needs checksums per part, checked before the part is applied.
-            self._verify(directory, {r: f for r, f in files.items() if r not in first}, progress)
+            rest = {r: f for r, f in files.items() if r not in first}
+            # Hot: the data is checked as the memory is read, before any of it goes in.
+            verify = _hot_verify(hot, parts, manifest, self.verify_on_load, rest)
+            if verify is None:
+                self._verify(directory, rest, progress)
             progress.reading()
-            with records.count_fallbacks() as fallbacks:
+            with records.count_fallbacks() as fallbacks, _hot_reading(hot):
                 for part, report in zip(parts, reports, strict=True):
-                    self._read_part(part, report, directory)
+                    self._read_part(part, report, directory, verify)
         merged = loadcheck.merge_reports(parts, reports, strict)
         merged.records_fallbacks = fallbacks.total()
         return merged
@@ -211,22 +226,22 @@ class Restorer:
         paths = (manifest or {}).get("paths")
         return [Part(None, fmt, state, directory, paths)]
 
-    def _read_part(self, part: Part, report: LoadReport, directory: Path) -> None:
+    def _read_part(self, part: Part, report: LoadReport, directory: Path, verify: Any) -> None:
         from . import loadcheck
         from .formats import staged
 
         try:
             # strict=False and something to skip, or other ranks' keys: read only the target's
             if report.missing or report.unexpected or report.other_ranks:
-                self._load_partial(part, report)
+                self._load_partial(part, report, verify)
             else:
                 # Any world size: each rank reads what its state asks for (DCP reshards).
                 staged.load_into(
                     part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
-                    weights_only=part.weights_only,
+                    weights_only=part.weights_only, verify=verify,
                 )  # fmt: skip
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
-            if isinstance(e, CheckpointError):
+            if isinstance(e, (CheckpointError, HotDeclined)):
                 raise
             if not directory.is_dir():
                 raise loadcheck.Vanished(f"{directory} went away while it was read") from e
@@ -249,7 +264,7 @@ class Restorer:
             # An I/O error alone may pass (a flaky mount): only a mismatch is damage.
             raise _Damaged(message, damage) if damage else CorruptCheckpoint(message)
 
-    def _load_partial(self, part: Part, report: LoadReport) -> None:
+    def _load_partial(self, part: Part, report: LoadReport, verify: Verify | None = None) -> None:
         """strict=False: read into a copy of the target's containers without the missing keys,
         then hand each part back cut to the target's keys (missing ones keep their value,
         unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
@@ -260,7 +275,7 @@ class Restorer:
         sub = without(like, set(report.missing))
         staged.load_into(
             part.fmt, sub, part.location, part.paths, legacy=self.legacy,
-            weights_only=part.weights_only,
+            weights_only=part.weights_only, verify=verify,
         )  # fmt: skip
         dcp.merge_into(part.state, restrict(sub, like))
 
@@ -324,6 +339,10 @@ class Restorer:
             )
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
+        with self.hot.session():  # a surviving worker's offer, asked for and let go
+            return self._load_latest(state, strict)
+
+    def _load_latest(self, state: Any, strict: bool) -> int | None:
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not self._check_root():
             return None
@@ -346,7 +365,7 @@ class Restorer:
                 try:
                     if c.step not in local:  # newest in the store only: fetch it here first
                         self._fetch(remote[c.step], c.path)
-                    report = self.load_dir(state, c.path, strict, c.step)
+                    report = self.hot.load(self.load_dir, state, c.step, c.path, strict)
                 except StateMismatch:
                     raise  # the caller's mistake: an older checkpoint would not fit either
                 # DCP's CheckpointException derives from BaseException, not Exception.
@@ -516,3 +535,31 @@ class Restorer:
         from .prune import list_checkpoints
 
         return list_checkpoints(self.root, self.layout)
+
+
+def _hot_verify(
+    hot: HotRead | None, parts: list[Part], manifest: Any, verified: bool, files: dict
+) -> Verify | None:
+    """The files a hot read checks as it reads (None: not hot); ``HotDeclined`` unless it
+    covers one DCP part checked against a manifest."""
+    if hot is None:
+        return None
+    why = None
+    if manifest is None or not verified:
+        why = "no manifest to check the memory against (verify_on_load=False or none written)"
+    elif len(parts) != 1 or parts[0].fmt != "dcp":
+        why = f"format {parts[0].fmt if len(parts) == 1 else COMPONENTS!r} is read from disk only"
+    if why is not None:
+        hot.settle({"": why})
+    return Verify(files)
+
+
+@contextlib.contextmanager
+def _hot_reading(hot: HotRead | None) -> Iterator[None]:
+    if hot is None:
+        yield
+        return
+    with active(hot):
+        yield
+    if not hot.settled:  # the format read no file: nothing was checked against the memory
+        hot.settle({"": "the reader did not read from memory"})

@@ -28,6 +28,7 @@ from . import layout as _layout
 from . import messages as M
 from .commit import commit_step
 from .formats.dcp import Serialized
+from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
 from .staging import TensorSpec
 from .storage.local import LocalStore
@@ -57,6 +58,9 @@ class WorkerConfig:
     # MemoryTier(replicas=1): whom this worker replicates its memory saves to and holds the
     # replicas of (replication.ReplicaConfig), or None.
     replication: Any = None
+    # MemoryTier(hold_seconds=): how long to offer the newest step written to a new engine
+    # once the trainer is gone (hot_serve.py); 0: exit at once.
+    hot_hold_s: float = 0.0
 
 
 @dataclass
@@ -165,6 +169,9 @@ class Worker:
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
+        # The newest step committed, offered to a new engine once the trainer is gone.
+        self.last_written: Written | None = None
+        self.trainer_gone = False
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -203,6 +210,7 @@ class Worker:
                 # The trainer is gone without closing the engine: every staged save above is
                 # written; now the memory checkpoint it held, if newer.
                 _persist_held(self)
+                self.trainer_gone = True
                 raise msg
             if isinstance(msg, BaseException):
                 raise msg
@@ -339,6 +347,7 @@ class Worker:
                 self.events.send(M.Failed(job.job_id, failed_export))
                 return
         self.events.send(M.Committed(job.job_id, outcome[1]))
+        self.last_written = Written(job, tuple(crcs))  # its arenas still hold it, checked or not
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune, job.step)
@@ -723,7 +732,7 @@ def worker_main(
         target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
-    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)  # noqa: F841
+    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)
     skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the
@@ -751,3 +760,9 @@ def worker_main(
         worker.run()
     except (EOFError, OSError):
         pass  # the trainer closed the pipe; temporaries are removed at the next start
+    if worker.trainer_gone and config.hot_hold_s > 0:
+        from .hot_serve import serve
+        from .storage.localfs import unlock
+
+        # What it wrote stays in memory a while for a new engine (a hot resume).
+        serve(worker, config.hot_hold_s, lambda: unlock(lock_fd) if lock_fd is not None else None)

@@ -12,7 +12,14 @@ One committed checkpoint (default 1 GiB in 64 tensors) is read back, in rounds, 
 Each round runs every method cold (the checkpoint's files dropped from the page cache with
 ``posix_fadvise(DONTNEED)`` before each) and warm (read once just before); the order of the
 methods turns each round, and ratios are taken within a round, then the median over rounds.
-A hot resume (from a surviving worker's memory) is not built yet: its row says so.
+
+The resume after a death (issue 34 item 1), in rounds of its own: a trainer process makes a
+memory save of the same state and is SIGKILLed right after ``save()`` returned; its worker
+writes it to disk. A new process then times ``SyncCheckpointEngine(root)`` to ``load_latest``
+returned (imports and the target's allocation before the clock starts), and checks the target
+bit for bit, with ``MemoryTier(hold_seconds=60)`` in the dead trainer (``hot``: the worker
+offers the step from its memory) and with ``hold_seconds=0`` (``disk``: the worker exits, the
+step is read back from disk); each against a cold ``dcp.load`` of that step in the same round.
 
 Usage: ``python benchmarks/restore.py [--size-mb 1024] [--tensors 64] [--repeats 5]
 [--device cuda] [--quick]``; prints a table, writes ``results/restore.json`` and
@@ -106,6 +113,108 @@ def raw_read_parallel(files: list[Path], threads: int) -> None:
         t.join()
 
 
+#: The dead trainer of a resume round: a memory save, SIGKILLed once save() returned.
+TRAINER = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import restore as R
+from asyncckpt import MemoryTier, SyncCheckpointEngine
+root, size, tensors, hold = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+state = R.make_state(size, tensors)
+engine = SyncCheckpointEngine(root, keep=None, memory=MemoryTier(hold_seconds=hold))
+engine.__enter__()  # never left
+engine.save(1, state, tier="memory")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+#: The new process of a resume round: engine to load_latest returned, timed; then checked.
+LOADER = """
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import restore as R
+from asyncckpt import SyncCheckpointEngine
+root, size, tensors = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+target = R.blank_like(R.make_state(size, tensors))
+t0 = time.perf_counter()
+engine = SyncCheckpointEngine(root, keep=None)
+engine.__enter__()  # waits for the dead trainer's worker to have written (its lock)
+started = time.perf_counter() - t0
+step = engine.load_latest(target)
+seconds = time.perf_counter() - t0
+report = engine.last_load_report
+engine.__exit__(None, None, None)
+want = R.make_state(size, tensors)["model"]
+same = all(torch.equal(target["model"][k], v) for k, v in want.items())
+print(json.dumps({"seconds": seconds, "start_seconds": started, "step": step,
+                  "source": report.source,
+                  "reason": report.source_reason, "bit_for_bit": same}))
+"""
+
+
+def resume_round(base: Path, size: int, tensors: int, hold: float) -> tuple[dict, Path]:
+    """A trainer killed after a memory save, then a new process's resume; its figures and
+    the step's directory."""
+    import json
+    import subprocess
+
+    root = base / f"resume-{hold:g}"
+    C.rmtree(root)
+    here = str(Path(__file__).resolve().parent)
+    # The asyncckpt this script imports (a checkout's, not only an installed one).
+    import asyncckpt
+
+    repo = str(Path(asyncckpt.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    out = base / "resume.out"
+    base.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as fh:  # a file: the orphaned worker inherits it
+        code = subprocess.call(
+            [sys.executable, "-c", TRAINER, here, str(root), str(size), str(tensors), str(hold)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    if code != -9:
+        raise SystemExit(f"the trainer of a resume round ended with {code}: {out.read_text()}")
+    got = subprocess.run(
+        [sys.executable, "-c", LOADER, here, str(root), str(size), str(tensors)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(got.stdout.strip().splitlines()[-1]), next(root.glob("global_step_*"))
+
+
+def resume_rounds(base: Path, args: Any, target: dict[str, Any], dcp_load: Callable) -> dict:
+    """``args.repeats`` rounds of a hot and a disk resume, each against a cold ``dcp.load`` of
+    the step it resumed (in the same round)."""
+    size = args.size_mb * C.MiB
+    seconds: dict[str, list[float]] = {"hot": [], "disk": [], "dcp.load": []}
+    ratios: dict[str, list[float]] = {"hot": [], "disk": []}
+    runs = []
+    for _ in range(args.repeats):
+        for name, hold in (("hot", 60.0), ("disk", 0.0)):
+            run, directory = resume_round(base, size, args.tensors, hold)
+            files = checkpoint_files(directory)
+            drop_page_cache(files)
+            t0 = time.perf_counter()
+            dcp_load(target, directory)
+            cold = time.perf_counter() - t0
+            seconds[name].append(run["seconds"])
+            seconds["dcp.load"].append(cold)
+            ratios[name].append(run["seconds"] / cold)
+            runs.append({"name": name, **run, "cold_dcp_load_seconds": cold})
+            C.rmtree(directory.parent)
+    return {
+        "seconds": {k: C.summary(v) for k, v in seconds.items()},
+        "hot_vs_cold_dcp_load": C.summary(ratios["hot"]),
+        "disk_vs_cold_dcp_load": C.summary(ratios["disk"]),
+        "bit_for_bit": all(r["bit_for_bit"] for r in runs),
+        "runs": runs,
+    }
+
+
 def fresh_metadata_cache() -> None:
     """A fresh process has not read the checkpoint's ``.metadata`` yet: neither does a load
     here (asyncckpt keeps the last two in memory)."""
@@ -182,6 +291,15 @@ def main() -> None:
                     t0 = time.perf_counter()
                     methods[name]()
                     times[mode][name].append(time.perf_counter() - t0)
+    if device == "cpu":  # (a CUDA trainer's resume is not timed here yet)
+        resume = resume_rounds(
+            base,
+            args,
+            target,
+            lambda t, d: dcp.load(t, checkpoint_id=str(d), no_dist=True),
+        )
+    else:
+        resume = {"not measured": f"the resume rounds run on CPU only, not {device}"}
     C.rmtree(base)
 
     def ratios(mode: str, a: str, b: str) -> list[float]:
@@ -210,7 +328,15 @@ def main() -> None:
                     C.med(ratios(mode, m, "raw read")),
                 ]
             )
-        rows.append([f"hot resume from memory ({mode})", "not built yet", "", "", "", ""])
+    for name, label in (
+        ("hot", "new process, hot resume (memory)"),
+        ("disk", "new process, resume from disk"),
+    ):
+        if name not in resume.get("seconds", {}):
+            continue
+        s = resume["seconds"][name]
+        ratio = resume[f"{name}_vs_cold_dcp_load"]["median"]
+        rows.append([f"{label} after SIGKILL", s["median"], s["min"], s["max"], ratio, ""])
     C.print_table(
         f"restore {nbytes / C.GiB:.2f} GiB, {args.tensors} tensors, {device}, "
         f"median of {args.repeats} (seconds)",
@@ -229,6 +355,13 @@ def main() -> None:
             "met": result["cold"]["asyncckpt_vs_raw_read"]["median"] <= 1.1,
         },
     }
+    if "hot_vs_cold_dcp_load" in resume:
+        hot = resume["hot_vs_cold_dcp_load"]["median"]
+        targets["hot resume (new process) <= 0.35x cold dcp.load, bit for bit"] = {
+            "target": "<= 0.35",
+            "measured": hot,
+            "met": hot <= 0.35 and resume["bit_for_bit"],
+        }
     C.print_targets(targets, args.quick)
     tag = args.tag
     data = {
@@ -239,7 +372,7 @@ def main() -> None:
         "device": device,
         "cold": result["cold"],
         "warm": result["warm"],
-        "hot": "not built yet (issue 34 item 1)",
+        "resume": resume,
         "targets": targets,
     }
     out = C.write_json(args.out, f"restore{tag}", data)
@@ -255,6 +388,20 @@ def main() -> None:
             )
             for mode in ("cold", "warm")
         ]
+        if "seconds" in resume:
+            names = ["hot", "disk", "dcp.load"]
+            panels.append(
+                (
+                    "resume after SIGKILL, seconds (median)",
+                    [
+                        "asyncckpt hot (new process)",
+                        "asyncckpt disk (new process)",
+                        "dcp.load cold",
+                    ],
+                    [resume["seconds"][n]["median"] for n in names],
+                    resume["seconds"]["dcp.load"]["median"],
+                )
+            )
         png = C.plot_bars(
             args.out / f"restore{tag}.png",
             f"restore of {nbytes / C.GiB:.2f} GiB ({device}); dashed: dcp.load",

@@ -233,8 +233,14 @@ def test_goodput_node_loss_rows(tmp_path):
 
 def test_restore_runs_and_reports_every_field(tmp_path):
     rep = run_bench("restore.py", tmp_path)
-    has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "hot", "targets")
-    assert "not built yet" in rep["hot"]  # a placeholder, never a number
+    has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "resume", "targets")
+    resume = rep["resume"]
+    has(resume, "seconds", "hot_vs_cold_dcp_load", "disk_vs_cold_dcp_load", "bit_for_bit", "runs")
+    has(resume["seconds"], "hot", "disk", "dcp.load")
+    assert resume["bit_for_bit"]
+    # Which path each resume took is fixed by hold_seconds, not a timing.
+    sources = {(r["name"], r["source"]) for r in resume["runs"]}
+    assert sources == {("hot", "memory"), ("disk", "disk")}, resume["runs"]
     for mode in ("cold", "warm"):
         has(rep[mode], "seconds", "asyncckpt_vs_dcp_load", "asyncckpt_vs_raw_read", "gb_per_s")
         has(rep[mode]["seconds"], "asyncckpt load_latest", "dcp.load", "raw read")

@@ -62,7 +62,7 @@ from ..manifest import ChecksumMismatch, checksum, entry_problem
 from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
 from ..storage.localfs import fsync_fd
 from ..throttle import write_all
-from . import wholefiles
+from . import hotread, wholefiles
 from .base import (
     Crcs,
     Format,
@@ -512,6 +512,7 @@ class CachedMetadataReader(FileSystemReader):
         self.verify = dict(verify or {})
         self.verified: set[str] = set()
         self.damage: ChecksumMismatch | None = None
+        self.declined: hotread.HotDeclined | None = None  # a hot read not applied
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kw: Any):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kw)
@@ -519,10 +520,15 @@ class CachedMetadataReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         infos = [self.storage_data[item.storage_index] for item in plan.items]
+        hot = hotread.current()  # a hot resume: tensor bytes from a surviving worker's memory
         if any(info.transform_descriptors for info in infos):
+            if hot is not None:
+                self._settle(hot, {"": "compressed records are not read from memory"})
             self._check_first()  # DCP's reader reads them: checked before, apart
             return super().read_data(plan, planner)
-        per_file: dict[str, list[tuple[Any, Any, Any]]] = {name: [] for name in self.verify}
+        # (A hot read checks the files this rank wrote or reads: the other ranks check theirs.)
+        mine = [n for n in self.verify if hot is None or hot.owns(n)]
+        per_file: dict[str, list[tuple[Any, Any, Any]]] = {name: [] for name in mine}
         for item, info in zip(plan.items, infos, strict=True):
             per_file.setdefault(info.relative_path, []).append((info.offset, item, info))
         with_crc = torch_computes_crc()
@@ -541,7 +547,9 @@ class CachedMetadataReader(FileSystemReader):
                     todo.append((f, item, info))
             # Where each record's bytes are (a few small reads each: in parallel, cold they
             # are a disk's round trips), then their places in the files, in this thread.
-            places = _in_parallel(lambda job: self._where(job[0], job[1], job[2], with_crc), todo)
+            places = _in_parallel(
+                lambda job: self._where(job[0], job[1], job[2], with_crc, hot), todo
+            )
             for (f, item, info), where in zip(todo, places, strict=True):
                 if where is not None:
                     count(where)
@@ -550,6 +558,9 @@ class CachedMetadataReader(FileSystemReader):
         finally:
             for f in files:
                 os.close(f.fd)
+        if hot is not None:
+            self._settle(hot, problems)  # HotDeclined unless every rank matched: none applied
+            hot.copy_all(wholefiles.read_threads())
         if problems:
             # Damage only against a manifest: without one a short file may be a reader's or
             # the machine's fault (the restorer quarantines damage alone).
@@ -562,6 +573,13 @@ class CachedMetadataReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _settle(self, hot: hotread.HotRead, problems: Mapping[str, str]) -> None:
+        try:
+            hot.settle(problems)
+        except hotread.HotDeclined as e:
+            self.declined = e  # (DCP wraps what a reader raises: load_flat raises it as is)
+            raise
 
     def _fail(self, problems: Mapping[str, str]) -> None:
         self.damage = ChecksumMismatch(
@@ -590,12 +608,22 @@ class CachedMetadataReader(FileSystemReader):
         return tuple(chunk.sizes), md.properties.dtype
 
     def _where(
-        self, f: wholefiles.FileRead, item: Any, info: Any, with_crc: bool
+        self,
+        f: wholefiles.FileRead,
+        item: Any,
+        info: Any,
+        with_crc: bool,
+        hot: hotread.HotRead | None = None,
     ) -> Placement | None:
         if item.type == LoadItemType.BYTE_IO:
             return None
         shape, dtype = self._stored(item)
-        return place_record(f.fd, info.offset, info.length, dtype, shape, with_crc)
+        # A record whose bytes are in memory (hot): located, not read whole, however small.
+        nbytes = math.prod(shape) * dtype.itemsize
+        small = hot is None or hot.view(f.name, item.storage_index.fqn, nbytes) is None
+        return place_record(
+            f.fd, info.offset, info.length, dtype, shape, with_crc, read_small=small
+        )
 
     def _place_item(
         self,
@@ -613,7 +641,9 @@ class CachedMetadataReader(FileSystemReader):
         shape, dtype = self._stored(item)
         target = planner.resolve_tensor(item).detach()
         whole = not any(item.storage_offsets) and tuple(item.lengths) == shape
-        direct = whole and fits(target, dtype, shape)
+        hot = hotread.current()
+        # A hot read writes no target before every file matched: nothing is read in place.
+        direct = whole and fits(target, dtype, shape) and hot is None
 
         def commit(tensor: torch.Tensor) -> None:
             if tensor is not target:
@@ -637,6 +667,19 @@ class CachedMetadataReader(FileSystemReader):
                 commit(dst)
 
             return from_record
+        if where.at is not None and hot is not None:
+            at = info.offset + where.at
+            src = hot.view(f.name, item.storage_index.fqn, math.prod(shape) * dtype.itemsize)
+            if src is not None and whole:
+                # Checksummed in its place in the file; copied in once every file matched.
+                f.spans.append(wholefiles.Span(at, src, filled=True))
+                hot.from_memory += 1
+                tensor = hot.stage(target, src, dtype, shape)  # (copied by hot.copy_all)
+                return lambda: commit(tensor())
+            hot.from_disk += 1
+            dst = torch.empty(shape, dtype=dtype)
+            f.spans.append(wholefiles.Span(at, tensor_bytes(dst)))
+            return lambda: commit(dst)
         if where.at is not None:
             at = info.offset + where.at
             if direct:
@@ -800,6 +843,8 @@ def _damage_of(reader: CachedMetadataReader) -> Iterator[None]:
     except (Exception, CheckpointException):  # noqa: BLE001 - re-raised, or as the damage
         if reader.damage is not None:
             raise reader.damage from None
+        if reader.declined is not None:
+            raise reader.declined from None
         raise
 
 

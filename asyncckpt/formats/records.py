@@ -568,11 +568,14 @@ def place_record(
     dtype: torch.dtype,
     shape: tuple[int, ...],
     with_crc: bool | None = None,
+    *,
+    read_small: bool = True,
 ) -> Placement:
     """Where the tensor's bytes are in the record at ``offset`` of ``fd`` (``read_record``'s
-    first half; any thread); ``count`` it in the thread of the load."""
+    first half; any thread); ``count`` it in the thread of the load. ``read_small=False``:
+    a small record is located too, not read whole (its bytes come from elsewhere)."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if 0 < nbytes <= MAX_TEMPLATE_BYTES:
+    if 0 < nbytes <= MAX_TEMPLATE_BYTES and read_small:
         if with_crc is None:
             with_crc = torch_computes_crc()
         template = default_writer.template_for_layout(dtype, tuple(shape), with_crc)

@@ -1,0 +1,170 @@
+"""A hot resume (issue 34 item 1): a trainer is SIGKILLed; its worker, with
+``MemoryTier(hold_seconds=)``, commits what it was writing and then offers that step from its
+shared memory; a new engine on the same root and rank loads it from there, checked against the
+manifest, bit for bit. Anything else (no surviving worker, another step, bytes that do not
+match) reads the disk, and ``last_load_report`` says which path was taken and why.
+
+Each trainer is a subprocess (its death is a real SIGKILL; the worker outlives it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from statecmp import assert_same
+from test_flush_on_death import wait_gone
+
+from asyncckpt import MemoryTier, StateMismatch, SyncCheckpointEngine, faults, verify
+from asyncckpt.hot import NO_WORKER
+
+N = 1 << 20  # "w": 4 MiB; "b": a small tensor; "meta": an object
+
+TRAINER = """
+import json, os, signal, sys
+from asyncckpt import MemoryTier, SyncCheckpointEngine
+root, scenario, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+sys.path.insert(0, sys.argv[4])
+from test_hot_resume import state_at
+engine = SyncCheckpointEngine(root, keep=None, memory=MemoryTier(hold_seconds=hold))
+engine.__enter__()  # never left: the trainer dies inside
+state = state_at(1)
+engine.save(1, state).committed_sync()
+print(json.dumps({"worker": engine.worker_pid}), flush=True)
+
+def advance(step):
+    new = state_at(step)
+    for k in ("w", "b"):
+        state[k].copy_(new[k])
+    state["meta"] = new["meta"]
+
+if scenario == "memory":
+    for step in (2, 3):
+        advance(step)
+        engine.save(step, state, tier="memory")  # returned: held by the worker
+elif scenario == "disk":
+    advance(2)
+    engine.save(2, state)  # returned (staged): the worker commits it after the death
+advance(9)  # the loop goes on mutating its state
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def state_at(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(N, generator=g),
+        "b": torch.arange(10) * step,
+        "meta": {"step": step, "lr": 0.1 * step},
+    }
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(N), "b": torch.zeros(10, dtype=torch.int64), "meta": {}}
+
+
+def run_trainer(tmp_path: Path, scenario: str, hold: float, env: dict | None = None) -> int:
+    """Run the trainer until its SIGKILL; returns its worker's pid."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    here = str(Path(__file__).parent)
+    # Files, not pipes: the orphaned worker inherits the trainer's output.
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "r"), scenario, str(hold), here],
+            stdout=out,
+            stderr=err,
+            timeout=300,
+            env={**os.environ, **(env or {})},
+        )
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "err").read_text()
+    return json.loads((tmp_path / "out").read_text().splitlines()[0])["worker"]
+
+
+def load(root: Path, target: dict | None = None) -> tuple[int | None, dict, object]:
+    target = blank() if target is None else target
+    with SyncCheckpointEngine(root, keep=None) as engine:
+        step = engine.load_latest(target)
+        return step, target, engine.last_load_report
+
+
+def test_hot_resume_after_a_memory_save(tmp_path):
+    worker = run_trainer(tmp_path, "memory", hold=120)
+    step, target, report = load(tmp_path / "r")
+    assert step == 3
+    assert report.source == "memory", report.source_reason
+    assert_same(target, state_at(3))
+    # Taken: the worker that held it is gone (its memory freed), long before hold_seconds.
+    wait_gone(worker, 30)
+    assert verify(tmp_path / "r").ok  # and the step it persisted is on disk, whole
+
+
+def test_hot_resume_after_a_disk_save(tmp_path):
+    worker = run_trainer(tmp_path, "disk", hold=120)
+    step, target, report = load(tmp_path / "r")
+    assert (step, report.source) == (2, "memory"), report.source_reason
+    assert_same(target, state_at(2))
+    wait_gone(worker, 30)
+
+
+def test_no_surviving_worker_reads_the_disk(tmp_path):
+    worker = run_trainer(tmp_path, "memory", hold=0)
+    wait_gone(worker, 60)  # hold_seconds=0: it exits once step 3 is written
+    step, target, report = load(tmp_path / "r")
+    assert (step, report.source, report.source_reason) == (3, "disk", NO_WORKER)
+    assert_same(target, state_at(3))
+
+
+def test_a_worker_holding_another_step_is_not_used(tmp_path):
+    run_trainer(tmp_path, "memory", hold=120)
+    root = tmp_path / "r"
+    # Another engine commits step 7 first (it waits for the orphan's writes, not its offer).
+    with SyncCheckpointEngine(root, keep=None) as other:
+        other.save(7, state_at(7)).committed_sync()
+    step, target, report = load(root)
+    assert (step, report.source) == (7, "disk")
+    assert "holds step 3" in report.source_reason and "newest committed is 7" in (
+        report.source_reason
+    )
+    assert_same(target, state_at(7))
+
+
+def test_memory_that_does_not_match_the_manifest_is_not_used(tmp_path):
+    # The worker flips a bit of the first tensor in its arena before it offers the step.
+    run_trainer(tmp_path, "memory", hold=120, env={faults.ENV_VAR: "before_hot_serve=corrupt"})
+    step, target, report = load(tmp_path / "r")
+    assert (step, report.source) == (3, "disk")
+    assert "did not match the manifest" in report.source_reason
+    assert_same(target, state_at(3))  # the disk's bytes, bit for bit
+    # The checkpoint on disk is sound: not set aside as damaged.
+    result = verify(tmp_path / "r")
+    assert result.ok and [c.step for c in result.checkpoints] == [1, 3]
+
+
+def test_a_target_that_does_not_fit_changes_nothing_on_the_hot_path(tmp_path):
+    run_trainer(tmp_path, "memory", hold=120)
+    target = blank()
+    target["w"] = torch.zeros(N + 1)
+    with pytest.raises(StateMismatch):
+        load(tmp_path / "r", target)
+    assert not target["w"].any() and not target["b"].any() and target["meta"] == {}
+
+
+def test_hold_seconds_is_checked():
+    assert MemoryTier(hold_seconds=30).hold_seconds == 30
+    for bad in (-1, "30", True, float("nan")):
+        with pytest.raises(ValueError, match="hold_seconds"):
+            MemoryTier(hold_seconds=bad)
+
+
+def test_corrupt_is_only_for_a_point_that_holds_bytes():
+    with pytest.raises(ValueError, match="corrupt"):
+        faults.inject("before_rename", "corrupt")
+    faults.inject("before_hot_serve", "corrupt")
+    faults.clear()
