@@ -82,6 +82,9 @@ class SaveJob:
     tier: str = "disk"
     persisted_because: str | None = None
     memory_job_id: int | None = None
+    # A disk save staged into a memory slot: the id of the memory job holding that slot, whose
+    # release waits for this write (memory_hold.Holder.written).
+    held_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,7 @@ class Worker:
                     local_error = error_info(e)
                 # The staging arena is free as soon as the bytes are in the files.
                 self.events.send(M.Released(job.job_id))
+                self._written(job)
                 t_written = time.perf_counter()
                 if cfg is None:
                     results = [(local_error, crcs, job.paths)]
@@ -326,6 +330,7 @@ class Worker:
                 with contextlib.suppress(OSError):
                     LocalStore(self.root).discard(tmp)  # (and its writer note)
         assert outcome is not None
+        self._written(job)  # (again, if a broken group cut the write short: idempotent)
         if outcome[0] != "committed":
             if rank == 0 and not outcome[1].get("upload"):
                 self._undo(tmp, final, preexisting, job.step)
@@ -341,6 +346,11 @@ class Worker:
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune, job.step)
+
+    def _written(self, job: SaveJob) -> None:
+        """A disk save written from a memory slot: its holder may release that slot now."""
+        if job.held_as is not None and self.holder is not None:
+            self.holder.written(job.held_as)
 
     def _write_shards(self, job: SaveJob, name: str, token: str, pg: Any, rank: int) -> dict:
         """This rank's files in the temporary of ``name``, durable; returns their checksums
