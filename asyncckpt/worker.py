@@ -156,6 +156,13 @@ def error_info(exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _written(holder: Any, job: SaveJob) -> None:
+    """A disk save written from a memory slot (``held_as``): its holder may release that slot
+    now (memory_hold.Holder.written, idempotent)."""
+    if job.held_as is not None and holder is not None:
+        holder.written(job.held_as)
+
+
 class Worker:
     def __init__(
         self, config: WorkerConfig, jobs: Any, events: Any, pause: Any = None, holder: Any = None
@@ -306,7 +313,7 @@ class Worker:
                     local_error = error_info(e)
                 # The staging arena is free as soon as the bytes are in the files.
                 self.events.send(M.Released(job.job_id))
-                self._written(job)
+                _written(self.holder, job)
                 t_written = time.perf_counter()
                 if cfg is None:
                     results = [(local_error, crcs, job.paths)]
@@ -330,7 +337,7 @@ class Worker:
                 with contextlib.suppress(OSError):
                     LocalStore(self.root).discard(tmp)  # (and its writer note)
         assert outcome is not None
-        self._written(job)  # (again, if a broken group cut the write short: idempotent)
+        _written(self.holder, job)  # (again, if a broken group cut the write short)
         if outcome[0] != "committed":
             if rank == 0 and not outcome[1].get("upload"):
                 self._undo(tmp, final, preexisting, job.step)
@@ -346,11 +353,6 @@ class Worker:
         faults.point("after_commit")
         if job.prune is not None:
             self._prune(job.job_id, job.prune, job.step)
-
-    def _written(self, job: SaveJob) -> None:
-        """A disk save written from a memory slot: its holder may release that slot now."""
-        if job.held_as is not None and self.holder is not None:
-            self.holder.written(job.held_as)
 
     def _write_shards(self, job: SaveJob, name: str, token: str, pg: Any, rank: int) -> dict:
         """This rank's files in the temporary of ``name``, durable; returns their checksums
