@@ -395,9 +395,17 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
         _make_room(saver)
     except OSError as e:  # the worker is gone: the next one holds nothing anyway
         log.warning("memory save of step %d: could not reach the worker: %s", step, e)
+    t_take = time.perf_counter()
     i = _take_slot(saver, pending)
     slot = saver.slots[i]
     stats.wait_seconds = time.perf_counter() - pending.started
+    if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
+        log.info(
+            "save of step %d waited %.3fs for a staging buffer (both of the memory tier's are in "
+            "use: held, or being written)",
+            step,
+            time.perf_counter() - t_take,
+        )
     try:
         pin = any(t.is_cuda for t in flat.tensors.values())
         t0 = time.perf_counter()

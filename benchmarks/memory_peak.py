@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     state = make_state(args.state_mb)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="memory-peak-"))
-    in_flight = []
+    in_flight = []  # (memory step, whether a disk save was still in flight when it returned)
     stalls = []
+    disk = None
     sampler = PssSampler(args.interval)
     engine = SyncCheckpointEngine(
         root, keep=KeepLast(2), schedule=Schedule(every_steps=2, memory_every_steps=1)
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if tier == "disk":
                     disk = handle
                 else:
-                    in_flight.append((step, not disk.done()) if step > 2 else (step, False))
+                    in_flight.append((step, disk is not None and not disk.done()))
             engine.wait()
     ratio = (sampler.peak - base) / nbytes
     import shutil
