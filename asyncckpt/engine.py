@@ -660,7 +660,7 @@ class EngineBase:
         with a dead worker, and the step left unprotected until the next memory save."""
         mem = self._engine.saver.memory
         with self._engine.jobs.cond:
-            return EngineStats(mem.lost, mem.unprotected_step)
+            return EngineStats(mem.lost, mem.unprotected_step, mem.shared, mem.unshared)
 
     @property
     def last_prune(self) -> PruneResult | None:

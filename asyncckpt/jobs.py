@@ -274,15 +274,22 @@ class JobTable:
         return handle
 
     # ------------------------------------------------------------------ the table
-    def add(self, step: int, handle: SaveHandle, slot: int) -> tuple[int, int]:
-        """Enter a save about to be handed over; returns (job id, attempt of this step)."""
+    def add(
+        self, step: int, handle: SaveHandle, slot: int, owns_slot: bool = True
+    ) -> tuple[int, int]:
+        """Enter a save about to be handed over; returns (job id, attempt of this step).
+        ``owns_slot=False``: a disk save written from a memory slot, which the memory job
+        holding it owns (memory_tier.py): its end leaves the slot alone."""
         with self.cond:
             self.next_job += 1
             job_id = self.next_job
             attempt = self.attempts.get(step, 0)
             self.attempts[step] = attempt + 1
-            self.slot_owner[slot] = job_id
-            self.inflight[job_id] = _InFlight(handle, slot, time.monotonic(), attempt=attempt)
+            if owns_slot:
+                self.slot_owner[slot] = job_id
+            self.inflight[job_id] = _InFlight(
+                handle, slot, time.monotonic(), released=not owns_slot, attempt=attempt
+            )
             return job_id, attempt
 
     def in_flight(self, job_id: int) -> bool:

@@ -7,6 +7,12 @@ of the same step, so a worker holds up to two: the newest step every rank handed
 side store which of the two goes when a third arrives (memory_tier.Agreement); when the
 trainers are gone the workers exchange what they hold and write the newest common step
 (``newest_common``), or nothing: never a mix of steps.
+
+A disk save made with the memory tier on is staged into a memory slot as well (memory_tier.py):
+its ``Hold`` says ``writing`` and the main loop writes the same slot (``SaveJob.held_as``).
+The slot is the hold's; the write only pins it: a job the Holder lets go of (a newer ``Hold``,
+a ``LetGo``) while its slot is being written is released (``Released``, the trainer's cue to
+stage into it again) once the main loop says the write is done (``written``), never before.
 """
 
 from __future__ import annotations
@@ -70,6 +76,13 @@ class Holder:
         self.ever = False  # a Hold came: this rank takes part in the ranks' exchange
         self.last_paths: Any = None
         self.closed = threading.Event()
+        # Slots a disk save is being written from (memory_tier.py): held job ids pinned by
+        # their Hold, those let go of meanwhile (released once written), and the writes that
+        # ended before their Hold was read (ids above ``last_hold``: Holds come in id order).
+        self.writing: set[int] = set()
+        self.deferred: dict[int, Any] = {}
+        self.early: set[int] = set()
+        self.last_hold = 0
         self.thread = threading.Thread(target=self._run, name="asyncckpt-holder", daemon=True)
         self.thread.start()
 
@@ -93,6 +106,10 @@ class Holder:
                     job.paths = self.last_paths
                 self.last_paths = job.paths
                 with self.lock:
+                    self.last_hold = max(self.last_hold, job.job_id)
+                    if msg.writing and job.job_id not in self.early:
+                        self.writing.add(job.job_id)
+                    self.early.discard(job.job_id)
                     old, self.held = self.held, {job.job_id: job}
                     if msg.keep in old:
                         self.held[msg.keep] = old.pop(msg.keep)
@@ -107,11 +124,28 @@ class Holder:
         finally:
             self.closed.set()
 
+    def written(self, job_id: int) -> None:
+        """The main loop wrote the disk save staged in held job ``job_id``'s slot (or gave up
+        on it): the slot is released if it was let go of meanwhile. Idempotent."""
+        with self.lock:
+            if job_id > self.last_hold:
+                self.early.add(job_id)  # its Hold is still on the pipe: it pins nothing
+                return
+            self.writing.discard(job_id)
+            job = self.deferred.pop(job_id, None)
+        if job is not None:
+            self._release(job)
+
     def _release(self, job: Any) -> None:
         """Let the trainer reuse ``job``'s slot, once nothing reads it (a replica being sent
-        from it is cut off: its receiver keeps what it held)."""
+        from it is cut off: its receiver keeps what it held); a slot a disk save is still
+        being written from waits for ``written``."""
         from . import messages as M
 
+        with self.lock:
+            if job.job_id in self.writing:
+                self.deferred[job.job_id] = job
+                return
         if self.sender is not None:
             self.sender.release(job.job_id)
         self.events.send(M.Released(job.job_id))

@@ -9,9 +9,20 @@ marked ``"tier": "memory"`` and ``"persisted_because"`` in the manifest), when
 * SIGTERM arrives (the engine's preemption path asks for it before draining),
 * the engine closes, with ``persist_memory_on_close=True``.
 
-Host memory: two staging slots of the state's size (the one the worker holds + the one the
-next memory save stages into), on top of the disk saves' ``max_in_flight`` slots; checked
-before anything is allocated.
+Host memory: two staging slots of the state's size for both tiers (the one the worker holds +
+the one the next save stages into); checked before anything is allocated. A disk save made
+while the memory tier is on (``Schedule(memory_every_steps=)`` set, or after a memory save) is
+staged into a memory slot too (``shares``): the worker holds it as its newest memory
+checkpoint (``Hold(writing=True)``) and writes it from there (``SaveJob.held_as``), so the
+disk save's own ``max_in_flight`` slots are never allocated (2x the state, not 3x). Who owns
+such a slot: the hold (``slot_owner[i]`` is the memory job's id, freed by its ``Released``);
+the disk write in flight owns none (``JobTable.add(owns_slot=False)``): the worker's
+``Holder`` keeps the slot pinned until the write is done, even once a newer ``Hold`` replaced
+it, and only then sends its ``Released``. The cost: a memory save that finds one slot held
+and the other still being written waits for the write (back-pressure, in its
+``wait_seconds``). Not shared, counted in ``unshared`` and logged once per reason: an
+overlapped disk save, a state laid out unlike the memory slots, a step not after the last
+memory save; those stage into a disk slot of their own, as without the memory tier.
 
 Why a torn memory checkpoint is never persisted: the trainer stages into a memory slot only
 once the worker has let go of it. The worker lets go of the slot it held only when a ``Hold``
@@ -186,6 +197,13 @@ class MemoryTier:
     last_due: int | None = None
     lost: int = 0  # memory saves lost with a worker that died holding them (worker_lost)
     unprotected_step: int | None = None  # the last one lost, until a new worker holds one
+    shared: int = 0  # disk saves written from a memory slot (``shares``)
+    unshared: int = 0  # disk saves that could not be, with the memory tier on
+    unshared_why: set[str] = field(default_factory=set)  # the reasons logged already
+
+    def active(self) -> bool:
+        """The memory tier is in use: its slots exist, or its schedule is set."""
+        return bool(self.slots) or self.every_steps is not None
 
     def due(self, step: int) -> bool:
         """Every ``every_steps`` steps (``step > 0``), once per step."""
@@ -267,6 +285,15 @@ def _add_slots(saver: Any, pending: Any) -> None:
             mem.slots.append(i)
 
 
+def free_slots(saver: Any, flat: Any, key: tuple) -> list[int]:
+    """``prepare(state)``: the memory tier's slots (added, checked for room) not in use."""
+    import types
+
+    _add_slots(saver, types.SimpleNamespace(flat=flat, key=key))
+    with saver.jobs.cond:
+        return [i for i in saver.memory.slots if saver.jobs.slot_owner[i] is None]
+
+
 def _make_room(saver: Any) -> None:
     """Several ranks, the worker holding two: let go of the one the ranks agree is not to be
     kept (its slot comes back with ``Released``, which ``_take_slot`` waits for)."""
@@ -313,9 +340,41 @@ def _take_slot(saver: Any, pending: Any) -> int:
             jobs.cond.wait(0.5)
 
 
-def save(saver: Any, pending: Any) -> Any:
+def shares(saver: Any, pending: Any, overlap: bool) -> bool:
+    """Whether disk save ``pending`` is staged into a memory slot and written from there
+    (the module's docstring); when the memory tier is on but it cannot be, says why (once
+    per reason) and counts it."""
+    mem = saver.memory
+    if not mem.active():
+        return False
+    why = None
+    if overlap:
+        why = "an overlapped save (overlap=True) copies in the background"
+    elif mem.last_step is not None and pending.step <= mem.last_step:
+        why = f"its step is not after the last memory save (step {mem.last_step})"
+    elif mem.slots and all(saver.slots[i].key not in (None, pending.key) for i in mem.slots):
+        why = "its state is laid out unlike the memory saves' (other tensors)"
+    if why is None:
+        return True
+    with saver.jobs.cond:
+        mem.unshared += 1
+        first = why not in mem.unshared_why
+        mem.unshared_why.add(why)
+    if first:
+        log.info(
+            "disk save of step %d staged into a slot of its own, not the memory tier's: %s "
+            "(host memory: one more copy of the state; engine.stats counts these)",
+            pending.step,
+            why,
+        )
+    return False
+
+
+def save(saver: Any, pending: Any, write: bool = False) -> Any:
     """Stage ``pending`` into a memory slot and hand it to the worker to hold; the handle
-    completes at once (nothing is written unless the worker must persist it)."""
+    completes at once (nothing is written unless the worker must persist it). ``write``: a
+    disk save (``shares``): the worker also writes it from that slot, and the handle
+    completes at its commit, as any disk save's."""
     import dataclasses
     import time
 
@@ -336,9 +395,17 @@ def save(saver: Any, pending: Any) -> Any:
         _make_room(saver)
     except OSError as e:  # the worker is gone: the next one holds nothing anyway
         log.warning("memory save of step %d: could not reach the worker: %s", step, e)
+    t_take = time.perf_counter()
     i = _take_slot(saver, pending)
     slot = saver.slots[i]
     stats.wait_seconds = time.perf_counter() - pending.started
+    if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
+        log.info(
+            "save of step %d waited %.3fs for a staging buffer (both of the memory tier's are in "
+            "use: held, or being written)",
+            step,
+            time.perf_counter() - t_take,
+        )
     try:
         pin = any(t.is_cuda for t in flat.tensors.values())
         t0 = time.perf_counter()
@@ -354,22 +421,29 @@ def save(saver: Any, pending: Any) -> Any:
             torn = torn_since(flat.tensors, pending.marks)
         if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
             err = SaveFailed(
-                f"memory save of step {step} failed: the state changed while it was staged "
-                f"({torn}); the worker still holds the previous memory checkpoint"
+                f"{'' if write else 'memory '}save of step {step} failed: the state changed "
+                f"while it was staged ({torn}); nothing was written, the worker still holds the "
+                "previous memory checkpoint"
             )
             err.__cause__ = torn
             jobs.unreserve(i)
             jobs.fail_unsent(handle, err)
             return handle
         faults.point("after_stage")
+        disk = None  # write: the disk save's job, in flight, owning no slot (the hold does)
         with jobs.cond:
+            if write:
+                disk_id, attempt = jobs.add(step, handle, i, owns_slot=False)
+                disk = saver.job_for(pending, slot, disk_id, attempt)
+            else:
+                attempt = jobs.attempts.get(step, 0)
+                jobs.attempts[step] = attempt + 1
             jobs.next_job += 1
-            job = saver.job_for(
-                pending, slot, jobs.next_job, jobs.attempts.get(step, 0), tier="memory"
-            )
-            jobs.attempts[step] = job.attempt + 1
+            job = saver.job_for(pending, slot, jobs.next_job, attempt, tier="memory")
             jobs.slot_owner[i] = job.job_id
-            if mem.replicas:  # before the Hold: its Replicated may come at once
+            if disk is not None:
+                disk.held_as = job.job_id
+            elif mem.replicas:  # before the Hold: its Replicated may come at once
                 import threading
 
                 handle._replica = threading.Event()
@@ -378,17 +452,25 @@ def save(saver: Any, pending: Any) -> Any:
         jobs.unreserve(i)
         raise
 
-    def let_go() -> None:
+    def let_go(err: Any = None) -> None:
         with jobs.cond:
             if jobs.slot_owner[i] == job.job_id:
                 jobs.slot_owner[i] = None
             if jobs.replicating.pop(job.job_id, None) is not None:
                 handle._replica_done("it never reached the worker")
             jobs.cond.notify_all()
+        if disk is not None and err is not None:
+            jobs.fail(disk.job_id, err)
+        elif err is not None:
+            jobs.fail_unsent(handle, err)
 
+    sent = False
     try:
         with saver.sigterm.handing_off():
             saver.worker.wait_ready()
+            if disk is not None and not jobs.in_flight(disk.job_id):
+                let_go()  # the worker it waited for died meanwhile: the save failed with it
+                return handle
             job.faults = faults.snapshot()
             link = saver.worker.link
             # Paths only when they changed (a replayed plan hands out the same object).
@@ -401,10 +483,21 @@ def save(saver: Any, pending: Any) -> Any:
                 keep, keep_slot = (
                     (mem.kept, mem.kept_slot) if mem.kept else (mem.held, mem.held_slot)
                 )
-            payload = M.encode(M.Hold(wire, keep.job_id if keep is not None else None))
+            payload = M.encode(
+                M.Hold(wire, keep.job_id if keep is not None else None, writing=disk is not None)
+            )
+            if disk is not None:
+                disk.faults = job.faults
+                if link.paths is flat.paths:
+                    disk.paths = None
+                written = M.encode(M.Save(disk))
+            sent = True
             with saver.worker.sending():
                 saver.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
                 M.send(link.memory, payload)
+                if disk is not None:  # after the Hold: the Holder pins the slot first
+                    M.send(link.conn, written)
+                    link.paths = flat.paths
             link.memory_paths = flat.paths
             with jobs.cond:
                 mem.sent_on[i] = link
@@ -413,11 +506,14 @@ def save(saver: Any, pending: Any) -> Any:
                 mem.last_step = step
                 mem.unprotected_step = None  # the hole a dead worker left is closed
     except OSError as e:
-        let_go()
-        jobs.fail_unsent(handle, WorkerDied(f"could not hand step {step} to the worker: {e}"))
+        let_go(WorkerDied(f"could not hand step {step} to the worker: {e}"))
         return handle
-    except BaseException:
-        let_go()
+    except BaseException as e:
+        # Interrupted (Ctrl-C), or no worker came up: the caller sees this very exception.
+        # (Interrupted mid-send, the worker is being replaced: its death settles the job.)
+        handle._observed = True
+        unsent = disk is not None and not sent  # (in flight: close() would wait for it)
+        let_go(SaveFailed(f"step {step} was not handed to the worker ({e!r})") if unsent else None)
         raise
     finally:
         saver.sigterm.run_deferred()
@@ -425,7 +521,12 @@ def save(saver: Any, pending: Any) -> Any:
     agreement = mem.agree()
     if agreement is not None:  # counted before save() returns: the peers may rely on it
         agreement.handed_off(step)
-    handle._finish()  # held by the worker: done (it is written only if it must be)
+    if disk is not None:
+        with jobs.cond:
+            mem.shared += 1
+        handle._staged.set()  # copied and handed over: invariant 12 holds from here
+    else:
+        handle._finish()  # held by the worker: done (it is written only if it must be)
     return handle
 
 

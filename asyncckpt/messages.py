@@ -56,10 +56,13 @@ class Save:
 class Hold:
     """A memory-tier save, completely staged: the newest memory checkpoint the worker keeps
     (and writes if the trainer dies). Sent on the memory tier's own pipe (memory_tier.py).
-    ``keep``: the id of the one held job not to release (several ranks: their common step)."""
+    ``keep``: the id of the one held job not to release (several ranks: their common step).
+    ``writing``: a disk save is written from this job's slot too (``SaveJob.held_as``): its
+    ``Released`` waits for that write, even once a newer ``Hold`` replaced it."""
 
     job: Any  # worker.SaveJob
     keep: int | None = None
+    writing: bool = False
 
 
 @dataclass(frozen=True)

@@ -163,10 +163,15 @@ class Saver:
         if self.staging_busy():  # one copy at a time: the previous overlapped save's first
             yield self.wait_staged
         pending = self.begin_save(step, state, metrics, metadata)
-        if opts["tier"] == "memory":
-            from . import memory_tier
+        from . import memory_tier
 
+        if opts["tier"] == "memory":
             return memory_tier.save(self, pending)
+        if memory_tier.shares(self, pending, opts["overlap"]):
+            # Two copies serve both tiers: staged into a memory slot, written from it.
+            handle = memory_tier.save(self, pending, write=True)
+            self.schedule.mark_saved(pending.step)
+            return handle
         if not self.take_slot(pending, block=False):
             # Other code runs while it waits (the async facade's other tasks, other threads).
             pending.guard = True
@@ -466,8 +471,17 @@ class Saver:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
         flat = self.prepare_state(state)
         pin = any(t.is_cuda for t in flat.tensors.values())
-        for i in self.jobs.free_slots():
-            self.slots[i].ensure(flat.tensors, pin, budget=self.budget)
+        key = flat.key if flat.key is not None else layout_key(flat.tensors)
+        # Disk saves are staged into the memory tier's slots while it is on (the budget
+        # caps the disk saves' own slots: the memory tier's are outside it).
+        if self.memory.active():
+            from .memory_tier import free_slots
+
+            slots, budget = free_slots(self, flat, key), None
+        else:
+            slots, budget = self.jobs.free_slots(), self.budget
+        for i in slots:
+            self.slots[i].ensure(flat.tensors, pin, key, budget)
             if self.is_started():
                 try:
                     with self.sigterm.handing_off():

@@ -90,6 +90,13 @@ class EngineStats:
     #: the step of the memory save lost last, until the replacement worker holds a newer
     #: memory save (then None): meanwhile a trainer's death resumes from disk, not this step
     memory_unprotected_step: int | None = None
+    #: disk saves staged into a memory-tier slot and written from it (no slot of their own:
+    #: two copies of the state serve both tiers)
+    disk_saves_shared: int = 0
+    #: disk saves, the memory tier on, staged into a slot of their own all the same (overlapped,
+    #: another layout, a step not after the last memory save): one more copy of the state;
+    #: each reason is logged once at INFO
+    disk_saves_unshared: int = 0
 
 
 # ------------------------------------------------------------------ figures read back from disk

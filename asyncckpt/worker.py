@@ -86,6 +86,9 @@ class SaveJob:
     tier: str = "disk"
     persisted_because: str | None = None
     memory_job_id: int | None = None
+    # A disk save staged into a memory slot: the id of the memory job holding that slot, whose
+    # release waits for this write (memory_hold.Holder.written).
+    held_as: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,13 @@ def error_info(exc: BaseException) -> dict[str, Any]:
         "errno": getattr(exc, "errno", None),
         "traceback": "".join(traceback.format_exception(exc)),
     }
+
+
+def _written(holder: Any, job: SaveJob) -> None:
+    """A disk save written from a memory slot (``held_as``): its holder may release that slot
+    now (memory_hold.Holder.written, idempotent)."""
+    if job.held_as is not None and holder is not None:
+        holder.written(job.held_as)
 
 
 class Worker:
@@ -312,6 +322,7 @@ class Worker:
                     local_error = error_info(e)
                 # The staging arena is free as soon as the bytes are in the files.
                 self.events.send(M.Released(job.job_id))
+                _written(self.holder, job)
                 t_written = time.perf_counter()
                 if cfg is None:
                     results = [(local_error, crcs, job.paths)]
@@ -335,6 +346,7 @@ class Worker:
                 with contextlib.suppress(OSError):
                     LocalStore(self.root).discard(tmp)  # (and its writer note)
         assert outcome is not None
+        _written(self.holder, job)  # (again, if a broken group cut the write short)
         if outcome[0] != "committed":
             if rank == 0 and not outcome[1].get("upload"):
                 self._undo(tmp, final, preexisting, job.step)

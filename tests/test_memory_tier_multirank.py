@@ -44,10 +44,11 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_trainer_killed_after_a_memory_save(tmp_path, world):
+def run_ranks(tmp_path: Path, text: str, world: int) -> Path:
+    """Run ``text`` as every rank's trainer (each SIGKILLs itself); wait for their workers to
+    write and exit; the root."""
     script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
+    script.write_text(text)
     here = str(Path(__file__).parent)
     procs, logs = {}, {}
     for r in range(world):
@@ -74,7 +75,12 @@ def test_every_trainer_killed_after_a_memory_save(tmp_path, world):
         workers.append(int(logs[r][0].read_text().split()[0]))
     for pid in workers:  # each writes its part, then exits: none lingers
         wait_gone(pid, 120)
-    root = tmp_path / "r"
+    return tmp_path / "r"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_trainer_killed_after_a_memory_save(tmp_path, world):
+    root = run_ranks(tmp_path, TRAINER, world)
     assert L.read_tracker(root) == 3
     with SyncCheckpointEngine(root, keep=None) as engine:
         target = {
@@ -88,6 +94,47 @@ def test_every_trainer_killed_after_a_memory_save(tmp_path, world):
     report = verify(root)
     assert report.ok and [c.step for c in report.checkpoints] == [1, 3], report
     assert report.leftovers == []
+
+
+# Issue 35 item 1: a disk save made with the memory tier on is staged into a memory slot and
+# written from it; the ranks count it as a memory step too. Killed with it in flight and a
+# memory save behind it, every rank's worker commits the disk save, then the memory save.
+SHARED = """
+import os, signal, sys
+import torch
+import torch.distributed as dist
+from asyncckpt import Schedule, SyncCheckpointEngine, faults
+sys.path.insert(0, sys.argv[5])
+from test_flush_on_death_multirank import state
+rank, world, root, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+schedule = Schedule(every_steps=2, memory_every_steps=1)
+engine = SyncCheckpointEngine(root, keep=None, dist_timeout=60, schedule=schedule)
+engine.__enter__()  # never left: the trainer dies inside
+engine.save(1, state(rank, 1), tier="memory")
+faults.inject("mid_shard_write", "delay", seconds=0.3)
+engine.save(2, state(rank, 2))  # returned: staged, being written from a memory slot
+faults.clear()
+engine.save(3, state(rank, 3), tier="memory")  # returned: held beside it
+print(engine.worker_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_every_trainer_killed_with_a_shared_disk_save_in_flight(tmp_path):
+    world = 2
+    root = run_ranks(tmp_path, SHARED, world)
+    assert L.read_tracker(root) == 3
+    report = verify(root)
+    assert report.ok and [c.step for c in report.checkpoints] == [2, 3], report
+    assert report.leftovers == []
+    for step in (2, 3):
+        with SyncCheckpointEngine(root, keep=None) as engine:
+            target = {
+                "model": {k: torch.zeros_like(v) for k, v in all_ranks(world, 0)["model"].items()}
+            }
+            assert engine.load(target, step=step) == step
+        assert_same(target, all_ranks(world, step))
 
 
 # Issue 32 item 4: rank 0's trainer dies right after memory save K returned on every rank; the
