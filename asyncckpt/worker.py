@@ -213,7 +213,7 @@ class Worker:
         ).start()
         report = self._apply_throttle()
         self.events.send(M.Ready(os.getpid(), report))
-        self._redo_exports()  # (jobs sent meanwhile wait in the inbox)
+        _redo_exports(self.config, self.root)  # (jobs sent meanwhile wait in the inbox)
         while True:
             msg = inbox.get()
             if isinstance(msg, EOFError):
@@ -548,7 +548,7 @@ class Worker:
                     if job.tier == "memory"
                     else {}
                 ),
-                **self._export_wanted(job.step),
+                **_export_wanted(self.config, job.step),
                 **extra,
             },
             figures={
@@ -568,33 +568,6 @@ class Worker:
             "committed_at": manifest["committed_at"],
             "path": str(final),
         }
-
-    def _export_wanted(self, step: int) -> dict[str, Any]:
-        """The manifest's record of the export due at ``step``: a worker killed before the
-        export was published leaves a checkpoint that says so (``_redo_exports``)."""
-        export = self.config.export
-        if export is None or not export.due(step):
-            return {}
-        from .export import wanted_record
-
-        return {"hf_export": wanted_record(export)}
-
-    def _redo_exports(self) -> None:
-        """At start (rank 0): the exports that committed checkpoints record as wanted and that
-        are not there (the worker before this one died, or its trainer was killed, mid-export),
-        written now, before any job; then crashed exports' leftovers removed."""
-        export = self.config.export
-        if export is None or (self.config.dist is not None and self.config.dist.rank != 0):
-            return
-        from .export import export_step, missing_exports, prune_exports
-
-        try:
-            for step, path in missing_exports(export, self.root, self.config.layout):
-                log.warning("asyncckpt: step %d's export was not completed; exporting it", step)
-                export_step(export, path, step)
-            prune_exports(export)
-        except Exception as e:  # noqa: BLE001 - the next start tries again; saves go on
-            log.warning("asyncckpt: redoing an interrupted export failed: %s", e)
 
     def _undo(self, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
         """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
@@ -724,6 +697,35 @@ class _ToTrainer:
                 self.conn.send(msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             self.gone = True
+
+
+def _export_wanted(config: WorkerConfig, step: int) -> dict[str, Any]:
+    """The manifest's record of the export due at ``step``: a worker killed before the
+    export was published leaves a checkpoint that says so (``_redo_exports``)."""
+    export = config.export
+    if export is None or not export.due(step):
+        return {}
+    from .export import wanted_record
+
+    return {"hf_export": wanted_record(export)}
+
+
+def _redo_exports(config: WorkerConfig, root: Path) -> None:
+    """At start (rank 0): the exports that committed checkpoints record as wanted and that
+    are not there (the worker before this one died, or its trainer was killed, mid-export),
+    written now, before any job; then crashed exports' leftovers removed."""
+    export = config.export
+    if export is None or (config.dist is not None and config.dist.rank != 0):
+        return
+    from .export import export_step, missing_exports, prune_exports
+
+    try:
+        for step, path in missing_exports(export, root, config.layout):
+            log.warning("asyncckpt: step %d's export was not completed; exporting it", step)
+            export_step(export, path, step)
+        prune_exports(export)
+    except Exception as e:  # noqa: BLE001 - the next start tries again; saves go on
+        log.warning("asyncckpt: redoing an interrupted export failed: %s", e)
 
 
 def skip_torch_save_crc() -> None:
