@@ -27,7 +27,15 @@ from .errors import (
 )
 from .formats.components import Component
 from .manifest import VerifyReport, verify
-from .options import Distributed, MemoryTier, ObjectStore, Preemption, Retention, Schedule
+from .options import (
+    Distributed,
+    MemoryTier,
+    ObjectStore,
+    Preemption,
+    Retention,
+    Schedule,
+    Writing,
+)
 from .retention import (
     CheckpointInfo,
     KeepAll,
@@ -126,4 +134,5 @@ __all__ = [
     "Preemption",
     "ObjectStore",
     "MemoryTier",
+    "Writing",
 ]

@@ -42,6 +42,7 @@ from .options import (
     Preemption,
     Retention,
     Schedule,
+    Writing,
     resolve_options,
 )
 from .preemption import SigtermHandler
@@ -257,6 +258,7 @@ class EngineParts:
             spool=self.spooled,
             store_socket=self.rendezvous.listener,
             replication=self.replication,
+            differential=self.opts.writing.differential,
         )
 
     def _on_loaded(self, step: int) -> None:
@@ -568,6 +570,7 @@ class EngineBase:
         object_store: ObjectStore | None = None,
         export: HFExport | None = None,
         memory: MemoryTier | None = None,
+        writing: Writing | None = None,
         **deprecated: Any,
     ) -> None:
         opts = resolve_options(
@@ -590,6 +593,7 @@ class EngineBase:
                 "object_store": object_store,
                 "export": export,
                 "memory": memory,
+                "writing": writing,
             },
             deprecated,
         )

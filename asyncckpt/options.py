@@ -3,7 +3,7 @@
 ``CheckpointEngine(root, keep=KeepLast(3))`` stays a one-liner; a behaviour with more than one
 knob is one object: ``schedule=Schedule(every_steps=100)``, ``retention=Retention(...)``,
 ``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``,
-``memory=MemoryTier(...)`` and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
+``memory=MemoryTier(...)``, ``writing=Writing(...)`` and ``throttle=ThrottleConfig...`` (throttle.py). The flat keywords these replaced still work for
 one release, with a ``DeprecationWarning`` naming the replacement (``resolve_options``).
 
 Each object checks its own fields when made (a wrong type is refused there, not at the first
@@ -175,6 +175,21 @@ class MemoryTier:
 
 
 @dataclass(frozen=True)
+class Writing:
+    """How the worker writes a checkpoint. ``differential``: a shard file whose bytes would be
+    the previous checkpoint's (fingerprinted with xxh3-128 from the staged bytes, never from
+    version counters) is a hard link to that file instead of written again; every checkpoint
+    stays whole (pruning the older one unlinks a name, not the bytes). Plain DCP only: the
+    megatron ``torch_dist`` format writes every file (a log line says so)."""
+
+    differential: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.differential, bool):
+            raise TypeError(f"differential must be True or False, got {self.differential!r}")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     """Everything an engine was configured with, checked and grouped (``resolve_options``)."""
 
@@ -196,6 +211,7 @@ class EngineOptions:
     object_store: ObjectStore = ObjectStore()
     export: Any = None  # export.HFExport
     memory: MemoryTier = MemoryTier()
+    writing: Writing = Writing()
 
 
 #: Flat keywords of before the grouping -> (the group's keyword, its field, how to say it).
@@ -235,6 +251,7 @@ _GROUPS = {
     "preemption": Preemption,
     "object_store": ObjectStore,
     "memory": MemoryTier,
+    "writing": Writing,
 }
 
 

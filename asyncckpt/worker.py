@@ -27,6 +27,7 @@ from . import faults
 from . import layout as _layout
 from . import messages as M
 from .commit import commit_step
+from .differential import LinkSource, save_figures
 from .formats.dcp import Serialized
 from .manifest import build_manifest, fsync_file
 from .staging import TensorSpec
@@ -57,6 +58,8 @@ class WorkerConfig:
     # MemoryTier(replicas=1): whom this worker replicates its memory saves to and holds the
     # replicas of (replication.ReplicaConfig), or None.
     replication: Any = None
+    # Writing(differential=): link files unchanged since the last checkpoint (differential.py)
+    differential: bool = False
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Worker:
         self.pause = pause  # throttle.WritePause shared with the trainer, or None
         self.root = Path(config.root)
         self.records_fallbacks = 0  # of the last write (records.RecordWriter.fallbacks)
+        self.links = LinkSource(self.root, config.layout, config.differential)
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -337,6 +341,7 @@ class Worker:
             if failed_export is not None:
                 self.events.send(M.Failed(job.job_id, failed_export))
                 return
+        self.links.committed(final)  # what the next save links unchanged files from
         self.events.send(M.Committed(job.job_id, outcome[1]))
         faults.point("after_commit")
         if job.prune is not None:
@@ -400,6 +405,7 @@ class Worker:
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
             paths=job.paths,
+            differential=self.links.previous(tmp, self.config.fmt, job.extra),
         )
 
     def _commit_all(
@@ -504,6 +510,7 @@ class Worker:
     ) -> dict[str, Any]:
         """Manifest (checksums of every file), atomic rename, tracker: the commit proper."""
         faults.point("before_metadata")
+        diff = save_figures(tmp)  # every rank's sidecars: bytes linked and written
         manifest = build_manifest(
             tmp,
             step=job.step,
@@ -533,10 +540,12 @@ class Worker:
                 **job.figures,
                 "write_seconds": t_written - t0,
                 "paused_seconds": self._paused_seconds(),
+                **diff,
             },
         )
         commit_step(self.root, self.config.layout, job.step, tmp, final, manifest)
         return {
+            **diff,
             **self._pacer_figures(),
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,
