@@ -120,6 +120,7 @@ class Linker:
     fallbacks: list[str] = field(default_factory=list)
     _old: dict[str, Any] | None = None
     _old_manifest: dict[str, Any] | None = None
+    _index: dict[str, tuple[str, dict[str, Any]]] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -166,15 +167,17 @@ class Linker:
     def try_link(
         self, name: str, digest: str, count: int
     ) -> tuple[list[tuple[int, int]], tuple[int, int] | None] | None:
-        """Link ``name`` from the previous checkpoint if its fingerprint is ``digest``: returns
-        each item's (offset, length) and the manifest's (crc32c, size) of it, or None (write)."""
+        """Link ``name`` from the previous checkpoint's file of fingerprint ``digest`` (by
+        content, not name: a layout change renumbers files): returns each item's (offset,
+        length) and the manifest's (crc32c, size) of it, or None (write it)."""
         if self._old is None or self.previous is None:
             return None
-        old = self._old.get("files", {}).get(name)
-        if old is None or old.get("fingerprint") != digest or len(old.get("items", ())) != count:
+        found = self._by_fingerprint().get(digest)
+        if found is None or len(found[1].get("items", ())) != count:
             return None
-        source = self.previous / name
-        entry = (self._old_manifest or {}).get(name, {})
+        old_name, old = found
+        source = self.previous / old_name
+        entry = (self._old_manifest or {}).get(old_name, {})
         try:
             size = os.stat(source, follow_symlinks=False).st_size
             if size != old.get("size") or size != entry.get("size"):
@@ -188,6 +191,13 @@ class Linker:
         crc = entry.get("crc32c")
         self.note(name, digest, size, items, linked=True)
         return items, (int(crc), size) if crc is not None else None
+
+    def _by_fingerprint(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        with self._lock:
+            if self._index is None:
+                files = (self._old or {}).get("files", {})
+                self._index = {e.get("fingerprint"): (n, e) for n, e in sorted(files.items())}
+            return self._index
 
     def note(
         self, name: str, digest: str, size: int, items: list[tuple[int, int]], *, linked: bool
