@@ -14,6 +14,10 @@ import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 
 from asyncckpt import KeepLast, SyncCheckpointEngine, Writing, layout, verify
+from asyncckpt.storage import RemoteTier
+from asyncckpt.storage.fsspec_store import FsspecStore
+
+pytest_plugins = ("s3server",)  # the s3 fixture (test_s3.py): moto's S3 server on loopback
 
 BIG = (256, 1024)  # 1 MiB of float32: a file of its own (differential.OWN_FILE_BYTES)
 
@@ -179,3 +183,26 @@ def test_differential_false_writes_every_file(tmp_path):
 def test_writing_refuses_a_non_bool():
     with pytest.raises(TypeError, match="differential"):
         Writing(differential=1)  # type: ignore[arg-type]
+
+
+def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_alone(s3, tmp_path):
+    """A linked file is copied by the store (server-side), not uploaded again; the store's
+    step 2 loads with a plain ``dcp.load`` after its step 1 is deleted."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    tier = RemoteTier(s3.url, storage_options=s3.options)
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+        first = engine.save(1, state).committed_sync()
+        state["model"]["a"].add_(1)
+        second = engine.save(2, state).committed_sync()
+    assert first.uploaded_bytes >= 4 << 20
+    assert second.files_linked == 4
+    # a's file, the sidecar, .metadata and the manifest go up; b, c, d are copied there.
+    assert (1 << 20) <= second.uploaded_bytes < 2 << 20, second
+    store = FsspecStore(s3.url, s3.options)
+    store.delete(layout.dir_name("global_step", 1))
+    target = fresh_like(state)
+    reader = FsspecReader(f"{s3.url}/global_step_2", **s3.options)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_same(target, state)
