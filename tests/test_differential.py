@@ -111,6 +111,17 @@ def test_an_unchanged_state_is_linked_not_written(tmp_path):
         assert os.path.samefile(step_dir(tmp_path, 1) / name, step_dir(tmp_path, 2) / name)
 
 
+def test_disk_usage_counts_a_linked_file_once(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        one = engine.disk_usage()["committed_bytes"]
+        engine.save(2, state).committed_sync()
+        two = engine.disk_usage()["committed_bytes"]
+    # Step 2 adds its manifest, .metadata and sidecar: well under 10% of step 1.
+    assert one >= 4 << 20 and two - one < one // 10, (one, two)
+
+
 def test_pruning_the_older_checkpoint_leaves_the_newer_whole(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
