@@ -155,6 +155,39 @@ def test_a_corrupt_shared_file_is_reported_by_every_checkpoint_that_holds_it(tmp
     assert all(any(shared.name in p for p in problems) for problems in bad.values())
 
 
+def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(tmp_path):
+    """Step 3 links a's file from step 2; damaged, it fails both: the load quarantines both
+    and restores step 1, whose a differs."""
+    import warnings
+
+    from asyncckpt.prune import list_quarantined
+
+    state = state_of()
+    want = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 1}
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        state["model"]["a"].add_(1)
+        engine.save(2, state).committed_sync()
+        assert engine.save(3, state).committed_sync().files_linked == 5
+    olds = list(step_dir(tmp_path, 1).glob("*.distcp"))
+    (victim,) = [  # a's file: step 2's, linked by step 3, not step 1's
+        p
+        for p in step_dir(tmp_path, 3).glob("*.distcp")
+        if not any(os.path.samefile(p, q) for q in olds)
+    ]
+    assert os.path.samefile(victim, step_dir(tmp_path, 2) / victim.name)
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    target = fresh_like(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with SyncCheckpointEngine(tmp_path) as engine:
+            assert engine.load_latest(target) == 1
+    assert_same(target, want)
+    assert sorted(q.step for q in list_quarantined(tmp_path, "global_step")) == [2, 3]
+
+
 def test_a_new_worker_links_from_the_checkpoint_the_tracker_names(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path) as engine:
