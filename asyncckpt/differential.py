@@ -217,6 +217,7 @@ class Linker:
             "version": SIDECAR_VERSION,
             "fingerprint_seconds": self.fingerprint_seconds,
             "files": self.files,
+            "fallbacks": self.fallbacks,
         }
         write_synced(path, json.dumps(body, sort_keys=True).encode())
         for why in self.fallbacks:
@@ -253,22 +254,24 @@ class Figures:
     bytes_written: int = 0
     files_linked: int = 0
     fingerprint_seconds: float = 0.0
+    link_fallbacks: int = 0  # links tried and not made (each also an INFO line)
 
 
 def figures(directory: Path) -> Figures:
     """Sum every sidecar under a checkpoint's directory (rank 0 at the commit)."""
-    skipped = written = linked = 0
+    skipped = written = linked = fallbacks = 0
     seconds = 0.0
     for path in sorted(Path(directory).rglob("*" + SIDECAR)):
         body = _read_json(path) or {}
         seconds = max(seconds, float(body.get("fingerprint_seconds", 0.0)))
+        fallbacks += len(body.get("fallbacks", ()))
         for entry in body.get("files", {}).values():
             if entry.get("linked"):
                 skipped += int(entry.get("size", 0))
                 linked += 1
             else:
                 written += int(entry.get("size", 0))
-    return Figures(skipped, written, linked, seconds)
+    return Figures(skipped, written, linked, seconds, fallbacks)
 
 
 def _links(fmt: str, extra: Any) -> bool:
@@ -292,6 +295,7 @@ def as_stats(f: Figures) -> Mapping[str, Any]:
         "bytes_written": f.bytes_written,
         "files_linked": f.files_linked,
         "fingerprint_seconds": f.fingerprint_seconds,
+        "link_fallbacks": f.link_fallbacks,
     }
 
 

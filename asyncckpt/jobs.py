@@ -542,6 +542,7 @@ class JobTable:
         s.bytes_written = st.get("bytes_written", 0)
         s.files_linked = st.get("files_linked", 0)
         s.fingerprint_seconds = st.get("fingerprint_seconds", 0.0)
+        s.link_fallbacks = st.get("link_fallbacks", 0)
         s.throttled_seconds = st.get("throttled_seconds", 0.0)
         s.escalated_after_seconds = st.get("escalated_after_seconds")
         s.escalations = list(st.get("escalations", ()))

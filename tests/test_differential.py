@@ -209,7 +209,7 @@ def test_a_tampered_sidecar_is_not_trusted(tmp_path):
         sidecar.write_text(sidecar.read_text().replace('"linked": false', '"linked": true '))
         state["model"]["a"].add_(1)
         stats = engine.save(2, state).committed_sync()
-    assert stats.files_linked == 0
+    assert stats.files_linked == 0 and stats.link_fallbacks == 1
     assert_same(plain_load(step_dir(tmp_path, 2), state), state)
 
 
@@ -250,3 +250,16 @@ def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_a
     reader = FsspecReader(f"{s3.url}/global_step_2", **s3.options)
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert_same(target, state)
+
+
+def test_megatron_torch_dist_writes_every_file(tmp_path):
+    """torch_dist keeps megatron's file layout: differential is off for it (a log line says so
+    in the worker), every file written, no sidecar."""
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, "megatron") as engine:
+        engine.save(1, state).committed_sync()
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 0 and stats.bytes_skipped == 0
+    step2 = tmp_path / layout.dir_name("megatron", 2)
+    assert not list(step2.glob("*fingerprints.json"))
+    assert all(p.stat().st_nlink == 1 for p in step2.iterdir() if p.is_file())
