@@ -257,6 +257,7 @@ class EngineParts:
             store_socket=self.rendezvous.listener,
             replication=self.replication,
             hot_hold_s=float(self.opts.memory.hold_seconds),
+            differential=self.opts.staging.differential,
         )
 
     def _on_loaded(self, step: int) -> None:

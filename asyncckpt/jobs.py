@@ -208,6 +208,29 @@ class CommitContext:
     keep_resumed: str  # options.Retention.keep_resumed
 
 
+#: What the worker reports of a committed save beside bytes/committed_at/path, copied into its
+#: SaveStats, with the value when a worker did not report it (another format, no remote).
+_WORKER_FIGURES: dict[str, Any] = {
+    "write_seconds": 0.0,
+    "commit_seconds": 0.0,
+    "paused_seconds": 0.0,
+    "upload_seconds": 0.0,
+    "uploaded_bytes": 0,
+    "remote_path": None,
+    "export_seconds": 0.0,
+    "export_path": None,
+    "records_fallbacks": 0,
+    "bytes_skipped": 0,
+    "bytes_written": 0,
+    "files_linked": 0,
+    "fingerprint_seconds": 0.0,
+    "link_fallbacks": 0,
+    "throttled_seconds": 0.0,
+    "escalated_after_seconds": None,
+    "escalations": (),
+}
+
+
 class JobTable:
     """Saves handed to the worker (job id -> ``_InFlight``) and the slots they hold.
 
@@ -535,19 +558,10 @@ class JobTable:
     # ------------------------------------------------------------------ committing
     def _committed_locked(self, job_id: int, job: _InFlight, st: Mapping[str, Any]) -> None:
         s = job.handle.stats
-        s.write_seconds = st.get("write_seconds", 0.0)
-        s.commit_seconds = st.get("commit_seconds", 0.0)
-        s.paused_seconds = st.get("paused_seconds", 0.0)
         s.bytes, s.committed_at, s.path = st["bytes"], st["committed_at"], st["path"]
-        s.upload_seconds = st.get("upload_seconds", 0.0)
-        s.uploaded_bytes = st.get("uploaded_bytes", 0)
-        s.remote_path = st.get("remote_path")
-        s.export_seconds = st.get("export_seconds", 0.0)
-        s.export_path = st.get("export_path")
-        s.records_fallbacks = st.get("records_fallbacks", 0)
-        s.throttled_seconds = st.get("throttled_seconds", 0.0)
-        s.escalated_after_seconds = st.get("escalated_after_seconds")
-        s.escalations = list(st.get("escalations", ()))
+        for name, default in _WORKER_FIGURES.items():
+            value = st.get(name, default)
+            setattr(s, name, list(value) if isinstance(default, tuple) else value)
         if s.committed_at is not None and s.saved_at is not None:
             s.durable_seconds = max(0.0, s.committed_at - s.saved_at)
         self._release_locked(job)

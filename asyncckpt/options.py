@@ -204,13 +204,21 @@ class Staging:
     whose staging would exceed it is refused with ``StagingMemoryError`` before anything is
     written (at ``prepare`` or the first save), never left to the OOM killer. The memory
     tier's own copies (``MemoryTier``) are not counted here.
+    ``differential``: a shard file whose bytes would be the previous checkpoint's
+    (fingerprinted with xxh3-128 from the staged bytes, never from version counters) is a hard
+    link to that file instead of written again; every checkpoint stays whole (pruning the older
+    one unlinks a name, not the bytes). Plain DCP only: the megatron ``torch_dist`` format
+    writes every file (a log line says so). Every tensor is still staged.
     """
 
     max_host_bytes: int | None = None
     max_in_flight: int = 1
+    differential: bool = True
 
     def __post_init__(self) -> None:
         _optional_int("max_host_bytes", self.max_host_bytes, 1)
+        if not isinstance(self.differential, bool):
+            raise TypeError(f"differential must be True or False, got {self.differential!r}")
         if type(self.max_in_flight) is not int or self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
 

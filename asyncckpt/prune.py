@@ -391,13 +391,14 @@ def disk_usage(root: str | os.PathLike, layout: str | None = None) -> dict[str, 
     root = Path(root)
     layout = layout or detect_layout(root)
     dirs = L.scan(root, layout)
-    committed = sum(tree_size(c.path) for c in dirs)
+    seen: set[tuple[int, int]] = set()  # differential saves' hard links count once
+    committed = sum(tree_size(c.path, seen) for c in dirs)
     leftovers = 0
     for entry in os.scandir(root):
         if L.is_leftover(entry.name):
             p = Path(entry.path)
             leftovers += tree_size(p) if entry.is_dir(follow_symlinks=False) else 0
-    quarantined = sum(tree_size(q.path) for q in list_quarantined(root, layout))
+    quarantined = sum(tree_size(q.path, seen) for q in list_quarantined(root, layout))
     du = shutil.disk_usage(root)
     return {
         "committed_bytes": committed,

@@ -27,6 +27,7 @@ from . import faults
 from . import layout as _layout
 from . import messages as M
 from .commit import commit_step
+from .differential import LinkSource, save_figures
 from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
@@ -61,6 +62,8 @@ class WorkerConfig:
     # MemoryTier(hold_seconds=): how long to offer the newest step written to a new engine
     # once the trainer is gone (hot_serve.py); 0: exit at once.
     hot_hold_s: float = 0.0
+    # Staging(differential=): link files unchanged since the last checkpoint (differential.py)
+    differential: bool = False
 
 
 @dataclass
@@ -182,6 +185,7 @@ class Worker:
         # The newest step committed, offered to a new engine once the trainer is gone.
         self.last_written: Written | None = None
         self.trainer_gone = False
+        self.links = LinkSource(self.root, config.layout, config.differential)
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -358,6 +362,7 @@ class Worker:
             if failed_export is not None:
                 self.events.send(M.Failed(job.job_id, failed_export))
                 return
+        self.links.committed(final)  # what the next save links unchanged files from
         self.events.send(M.Committed(job.job_id, outcome[1]))
         self.last_written = Written(job, tuple(crcs))  # its arenas still hold it, checked or not
         faults.point("after_commit")
@@ -422,6 +427,7 @@ class Worker:
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
             paths=job.paths,
+            differential=self.links.previous(tmp, self.config.fmt, job.extra),
         )
 
     def _commit_all(
@@ -526,6 +532,7 @@ class Worker:
     ) -> dict[str, Any]:
         """Manifest (checksums of every file), atomic rename, tracker: the commit proper."""
         faults.point("before_metadata")
+        diff = save_figures(tmp)  # every rank's sidecars: bytes linked and written
         manifest = build_manifest(
             tmp,
             step=job.step,
@@ -555,10 +562,12 @@ class Worker:
                 **job.figures,
                 "write_seconds": t_written - t0,
                 "paused_seconds": self._paused_seconds(),
+                **diff,
             },
         )
         commit_step(self.root, self.config.layout, job.step, tmp, final, manifest)
         return {
+            **diff,
             **self._pacer_figures(),
             "paused_seconds": self._paused_seconds(),
             "write_seconds": t_written - t0,

@@ -246,3 +246,17 @@ def test_restore_runs_and_reports_every_field(tmp_path):
         has(rep[mode]["seconds"], "asyncckpt load_latest", "dcp.load", "raw read")
         has(rep[mode]["seconds"], "raw read x2", "raw read x4")
         assert rep[mode]["seconds"]["asyncckpt load_latest"]["n"] == rep["repeats"]
+
+
+def test_differential_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("differential.py", tmp_path)
+    has(rep, "environment", "states", "target")
+    for name in ("rl", "lora"):
+        out = rep["states"][name]
+        has(out, "state_bytes", "methods", "durable_vs_full", "durable_vs_dcp_async_save")
+        has(out["methods"], "asyncckpt", "asyncckpt full", "dcp.async_save")
+        diff, full = out["methods"]["asyncckpt"], out["methods"]["asyncckpt full"]
+        has(diff, "added_bytes", "bytes_written", "bytes_skipped", "fingerprint_s", "durable_s")
+        # Bytes, not timings: the frozen part is linked, the full save writes it all.
+        assert diff["added_bytes"] < full["added_bytes"] / 2 and diff["files_linked"] > 0
+    assert rep["target"]["met"], rep["target"]

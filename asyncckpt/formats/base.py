@@ -79,6 +79,8 @@ class WriteOptions:
     pace: Callable[[int], None] | None = None  # the throttle, per piece of bytes written
     direct_io: bool = False
     plan_cache: str | None = None  # names what is written again and again (dcp's plan cache)
+    #: differential.Previous: link unchanged files from the previous checkpoint; None: off
+    differential: Any = None
 
 
 class Verify:
@@ -119,6 +121,8 @@ class Format(ABC):
     #: True: every rank's part lands in one checkpoint all ranks share (DCP's), so a rank's
     #: load target may lack keys another rank saved; False: a rank reads its own file.
     shared_by_ranks: ClassVar[bool] = False
+    #: True: ``write`` honours ``WriteOptions.differential`` (links unchanged files).
+    differential: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, state: Any, options: SaveOptions) -> Prepared:

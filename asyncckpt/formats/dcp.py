@@ -55,6 +55,7 @@ from .._torch import (
     stateful_entries_as_is,
 )
 from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, signature_digest
+from ..differential import Linker, Previous, group_items
 from ..directio import DirectFile, open_for_write
 from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
 from ..entries import Entries, has_sharded_base
@@ -308,6 +309,7 @@ class ChecksumWriter(FileSystemWriter):
         direct_io: bool = False,
         sync_files: bool = False,
         records: RecordWriter | None = None,
+        differential: Previous | None = None,
     ) -> None:
         super().__init__(
             path,
@@ -319,6 +321,8 @@ class ChecksumWriter(FileSystemWriter):
         self.crcs: dict[str, tuple[int, int]] = {}
         self.fs = _ChecksummingFileSystem(self.crcs, pace, direct_io)
         self.records = records or default_writer
+        self.differential = differential
+        self.linker: Linker | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's file layout and records, with small tensors' records written from templates.
@@ -334,42 +338,103 @@ class ChecksumWriter(FileSystemWriter):
         ):
             return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
-        buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
-        jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", items) for n, items in enumerate(buckets)]
-        if len(jobs) == 1:
-            results = [self._write_file(*jobs[0], planner)]
+        if self.differential is not None:
+            # Files grouped so that an unchanged group is a whole file (differential.py).
+            self.linker = Linker(
+                Path(self.path),
+                prefix,
+                self.differential.part(Path(self.path)),
+                f"asyncckpt-dcp-1|torch {torch.__version__}|crc {torch_computes_crc()}",
+            )
+            buckets = group_items(
+                plan.items, _item_bytes, lambda i: i.type != WriteItemType.BYTE_IO
+            )
         else:
-            with ThreadPoolExecutor(len(jobs)) as pool:
+            buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
+        jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", items) for n, items in enumerate(buckets)]
+        threads = min(self.thread_count, len(jobs))
+        if threads <= 1:
+            results = [self._write_file(name, items, planner) for name, items in jobs]
+        else:
+            with ThreadPoolExecutor(threads) as pool:
                 results = list(
                     pool.map(lambda job: self._write_file(job[0], job[1], planner), jobs)
                 )
+        if self.linker is not None:
+            self.linker.finish()
         done: Future[list[WriteResult]] = Future()
         done.set_result([r for rs in results for r in rs])
         return done
 
     def _write_file(self, name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
+        byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+        ordered = byte_items + tensor_items
+        data = [self._data(item, planner) for item in ordered]
+        digest = None
+        if self.linker is not None:
+            digest = self.linker.timed_fingerprint(
+                [(_describe(item, d), _bytes_of(d)) for item, d in zip(ordered, data, strict=True)]
+            )
+            linked = self.linker.try_link(name, digest, len(ordered))
+            if linked is not None:
+                places, crc = linked
+                if crc is not None:
+                    self.crcs[name] = crc
+                return [
+                    _result(item, name, offset, length)
+                    for item, (offset, length) in zip(ordered, places, strict=True)
+                ]
         out: list[WriteResult] = []
+        places = []
         with_crc = torch_computes_crc()
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
-            byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
-            tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
-            for item in byte_items + tensor_items:
-                data: Any = planner.resolve_data(item)  # BytesIO for BYTE_IO, else a tensor
+            for item, d in zip(ordered, data, strict=True):
                 offset = stream.tell()
                 if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
+                    stream.write(d.getbuffer())
                 else:
-                    tensor = data.detach().cpu()
-                    if tensor.untyped_storage().size() != tensor.nbytes:
-                        tensor = tensor.clone()  # as DCP: torch.save writes whole storages
-                    self.records.write(tensor, cast(BinaryIO, stream), with_crc)
+                    self.records.write(d, cast(BinaryIO, stream), with_crc)
                 length = stream.tell() - offset
-                info = StorageInfo(relative_path=name, offset=offset, length=length)
-                out.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+                places.append((offset, length))
+                out.append(_result(item, name, offset, length))
             stream.flush()
             if self.sync_files:
                 fsync_fd(stream.fileno())
+        if self.linker is not None and digest is not None:
+            self.linker.note(name, digest, self.crcs[name][1], places, linked=False)
         return out
+
+    @staticmethod
+    def _data(item: Any, planner: SavePlanner) -> Any:
+        """A byte item's BytesIO, or the tensor as its record is written."""
+        data: Any = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            return data
+        tensor = data.detach().cpu()
+        if tensor.untyped_storage().size() != tensor.nbytes:
+            tensor = tensor.clone()  # as DCP: torch.save writes whole storages
+        return tensor
+
+
+def _result(item: Any, name: str, offset: int, length: int) -> WriteResult:
+    info = StorageInfo(relative_path=name, offset=offset, length=length)
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+
+
+def _describe(item: Any, data: Any) -> str:
+    """What an item is, beside its bytes, in a file's fingerprint."""
+    index = item.index
+    if isinstance(data, torch.Tensor):
+        return f"{index.fqn}|{tuple(index.offset or ())}|t|{data.dtype}|{tuple(data.shape)}"
+    return f"{index.fqn}|{tuple(index.offset or ())}|b"
+
+
+def _bytes_of(data: Any) -> Any:
+    """The bytes a record holds (a tensor's, as written; a byte item's buffer)."""
+    if isinstance(data, torch.Tensor):
+        return tensor_bytes(data if data.is_contiguous() else data.contiguous())
+    return data.getbuffer()
 
 
 #: This process, as other ranks' workers know it (a pid can be reused; this cannot).
@@ -398,6 +463,7 @@ def write_flat(
     planner: Any = None,
     plan_cache: str | None = None,
     object_paths: Mapping[str, tuple] | None = None,
+    differential: Previous | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write a flat state dict as DCP shards into ``directory``; returns crcs per file.
 
@@ -408,8 +474,16 @@ def write_flat(
     while the layout holds (``DefaultSavePlanner``'s plan caching; across ranks, while no
     rank's process changed). ``object_paths`` (``dcp_object_paths``): each key's path in the
     nested state, recorded in ``.metadata`` as DCP's default planner records it.
+    ``differential`` (``differential.Previous``): files whose bytes would be the previous
+    checkpoint's are hard links to them (a sidecar records the fingerprints).
     """
-    writer = ChecksumWriter(directory, thread_count=thread_count, pace=pace, direct_io=direct_io)
+    writer = ChecksumWriter(
+        directory,
+        thread_count=thread_count,
+        pace=pace,
+        direct_io=direct_io,
+        differential=differential,
+    )
     no_dist = process_group is None
     planner = planner or _PassThroughPlanner()
     if isinstance(planner, _PassThroughPlanner):
@@ -965,6 +1039,7 @@ class DCPFormat(Format):
     name = "dcp"
     shared_by_ranks = True
     verifies_while_reading = True
+    differential = True
     #: The files describing the checkpoint, read by the pre-load check.
     metadata_files = frozenset({L.DCP_METADATA})
     #: The DCP save planner's class (None: ``write_flat``'s default).
@@ -996,6 +1071,7 @@ class DCPFormat(Format):
             planner=None if self.planner is None else self.planner(),  # None: the default
             plan_cache=options.plan_cache,
             object_paths=dcp_object_paths(part.paths),
+            differential=options.differential if self.differential else None,
         )
 
     def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:

@@ -207,6 +207,7 @@ def write(
     world_size: int = 1,
     plan_cache: str | None = None,
     paths: Mapping[str, list] | None = None,
+    differential: Any = None,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written
     (by path relative to ``directory``).
@@ -215,10 +216,13 @@ def write(
     metadata and the format's global files come from its rank 0. ``step`` and ``world_size``
     place the parts of a checkpoint of components (``formats.components``). ``paths``: the
     prepared ``Prepared.paths`` (dcp records them in ``.metadata`` as DCP's object paths).
+    ``differential``: a ``differential.Previous`` for formats that link unchanged files, or None.
     """
     extra = extra or {}
     paths = paths or {}
-    options = WriteOptions(rank, process_group, thread_count, pace, direct_io, plan_cache)
+    options = WriteOptions(
+        rank, process_group, thread_count, pace, direct_io, plan_cache, differential
+    )
     if fmt == components.COMPONENTS:
         return components.write(
             extra,

@@ -356,6 +356,8 @@ class TorchDistFormat(DCPFormat):
     ``metadata.json`` from rank 0, as ``megatron.core.dist_checkpointing.save`` writes them."""
 
     name = "torch_dist"
+    #: Not linked (yet): its files stay as megatron's writer lays them out, one per thread.
+    differential = False
     metadata_files = frozenset({L.DCP_METADATA, L.TORCH_DIST_CONFIG, L.TORCH_DIST_COMMON})
     planner = _TorchDistPlanner
 

@@ -192,6 +192,15 @@ class FsspecStore:
         # The manifest goes up last of the files: a reader that found the marker finds it too.
         files.sort(key=lambda p: p.name == _layout.MANIFEST)
         rest, manifest = files[:-1], files[-1:]
+        # A differential save's hard link to a file of a step the store already holds is copied
+        # there by the store (server-side), not uploaded again.
+        copies = self._linked_in_store(staged, rest)
+        if copies:
+            self._copy_all(
+                [(src, self.path(name, *p.relative_to(staged).parts)) for p, src in copies]
+            )
+            copied = {p for p, _ in copies}
+            rest = [p for p in rest if p not in copied]
         total = 0
         for group in (rest, manifest):
             total += self._put_all(
@@ -214,6 +223,39 @@ class FsspecStore:
         marker_path = self.path(name, _layout.COMMIT_MARKER)
         self._with_retries(marker_path, self.fs.pipe_file, marker_path, marker)
         return total
+
+    def _linked_in_store(self, staged: Path, files: list[Path]) -> list[tuple[Path, str]]:
+        """Files of ``staged`` that are hard links to a file of a sibling step the store has
+        committed (the same inode, whatever its name there), with that file's remote path."""
+        linked = [p for p in files if p.stat().st_nlink > 1]
+        if not linked:
+            return []
+        inodes: dict[tuple[int, int], tuple[str, Path]] = {}
+        for d in staged.parent.iterdir():
+            if d == staged or d.is_symlink() or not d.is_dir() or not self.is_committed(d.name):
+                continue
+            for q in d.rglob("*"):
+                if q.is_file() and not q.is_symlink():
+                    st = q.stat()
+                    inodes.setdefault((st.st_dev, st.st_ino), (d.name, q.relative_to(d)))
+        out: list[tuple[Path, str]] = []
+        for p in linked:
+            st = p.stat()
+            found = inodes.get((st.st_dev, st.st_ino))
+            if found is None:
+                continue
+            src = self.path(found[0], *found[1].parts)
+            if self.fs.exists(src) and self.fs.size(src) == st.st_size:
+                out.append((p, src))
+        return out
+
+    def _copy_all(self, pairs: list[tuple[str, str]]) -> None:
+        with cf.ThreadPoolExecutor(min(self.threads, len(pairs))) as pool:
+            futures = [
+                pool.submit(self._with_retries, dst, self.fs.copy, src, dst) for src, dst in pairs
+            ]
+            for fut in futures:
+                fut.result()
 
     def _put_all(self, files: list[tuple[Path, str]], on_file: Callable[[int], None] | None) -> int:
         if not files:

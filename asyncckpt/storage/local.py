@@ -31,8 +31,11 @@ log = logging.getLogger("asyncckpt.prune")
 POINTS = FaultPoints(publish="before_rename", tracker="before_tracker", retire="mid_prune")
 
 
-def tree_size(path: Path) -> int:
-    """Apparent size of the regular files under ``path``, never following symlinks."""
+def tree_size(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Apparent size of the regular files under ``path``, never following symlinks.
+
+    ``seen``: the (device, inode) of files already counted, updated here: a file hard-linked
+    into several checkpoints (a differential save's) counts once across the calls sharing it."""
     total = 0
     for dirpath, _dirnames, filenames in os.walk(path, followlinks=False):
         for name in filenames:
@@ -40,8 +43,13 @@ def tree_size(path: Path) -> int:
                 st = os.lstat(os.path.join(dirpath, name))
             except FileNotFoundError:
                 continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if seen is not None and st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
     return total
 
 

@@ -167,6 +167,12 @@ def direct_child(root: Path, path: Path) -> Path:
     return root / name
 
 
+def link_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Hard-link ``src`` as ``dst`` (a new name): a differential save's unchanged file. A
+    symlink is never followed (invariant 9); ``dst`` must not exist."""
+    os.link(src, dst, follow_symlinks=False)
+
+
 def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy the directory ``src`` to the new ``dst``; symlinks are copied as links."""
     shutil.copytree(src, dst, symlinks=True)

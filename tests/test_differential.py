@@ -1,0 +1,265 @@
+"""Differential saves (issue 37, worker side; invariant 15): a shard file whose bytes would be the
+previous checkpoint's is a hard link to it. A wrong "unchanged" is silent corruption, so every
+mutation path the torn-state tests know is made between two saves, step 1 is pruned, and step 2
+is read back with a plain ``dcp.load`` (no asyncckpt) bit for bit."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from statecmp import assert_same
+
+from asyncckpt import KeepLast, Staging, SyncCheckpointEngine, layout, verify
+from asyncckpt.storage import RemoteTier
+from asyncckpt.storage.fsspec_store import FsspecStore
+
+pytest_plugins = ("s3server",)  # the s3 fixture (test_s3.py): moto's S3 server on loopback
+
+BIG = (256, 1024)  # 1 MiB of float32: a file of its own (differential.OWN_FILE_BYTES)
+
+
+def state_of() -> dict:
+    g = torch.Generator().manual_seed(0)
+    model = {k: torch.randn(BIG, generator=g) for k in ("a", "b", "c", "d")}
+    model["small"] = torch.arange(16.0)
+    return {"model": model, "step": 1}
+
+
+def fresh_like(state: dict) -> dict:
+    return {
+        "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+        "step": 0,
+    }
+
+
+def flip_one_bit(t: torch.Tensor) -> None:
+    t.view(torch.int32)[5, 5] ^= 1  # the smallest change there is
+
+
+#: Every way the torn-state tests know to change a tensor's bytes (tests/test_torn_storage.py),
+#: and the ones version counters miss (``.data``, NumPy views, weight syncs by ``.data.copy_``).
+MUTATIONS = {
+    "in_place_op": lambda t: t.mul_(2),
+    "one_bit": flip_one_bit,
+    "data_write": lambda t: t.data.__setitem__((0, 0), 42.0),
+    "data_copy_": lambda t: t.data.copy_(torch.full(BIG, 3.0)),
+    "numpy_view": lambda t: t.numpy().__setitem__((7, 7), -1.0),
+    "set_": lambda t: t.set_(torch.full(BIG, 5.0)),
+    # (Staging viewed the storage through NumPy, which makes it not resizable: shrunk.)
+    "resize_": lambda t: t.resize_(BIG[0] // 2, BIG[1]).fill_(0.5),
+}
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / layout.dir_name("global_step", step)
+
+
+def plain_load(directory: Path, want: dict) -> dict:
+    target = fresh_like(want)
+    dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    return target
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_every_mutation_between_saves_is_written_and_loads_after_step_1_is_pruned(
+    tmp_path, mutation
+):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
+        engine.save(1, state).committed_sync()
+        MUTATIONS[mutation](state["model"]["a"])
+        stats = engine.save(2, state).committed_sync()
+    assert not step_dir(tmp_path, 1).exists()  # pruned: step 2 stands alone
+    # b, c, d and the file of small tensors and objects linked; a (changed) written (shrunk
+    # under 1 MiB by resize_, it joins the small tensors' file).
+    assert stats.files_linked == (3 if mutation == "resize_" else 4), stats
+    assert stats.bytes_skipped >= 3 << 20 and stats.bytes_written >= 512 << 10
+    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+    assert verify(tmp_path).ok
+
+
+def test_a_small_tensor_or_an_object_changed_rewrites_their_file_only(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
+        engine.save(1, state).committed_sync()
+        state["model"]["small"][3] = -7.0
+        state["step"] = 2
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 4  # every big tensor's file
+    assert stats.bytes_written < 1 << 20  # the file of small tensors and objects
+    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+    assert verify(tmp_path).ok
+
+
+def test_an_unchanged_state_is_linked_not_written(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(2)) as engine:
+        first = engine.save(1, state).committed_sync()
+        second = engine.save(2, state).committed_sync()
+    assert first.files_linked == 0 and first.bytes_skipped == 0
+    assert first.bytes_written >= 4 << 20
+    # Nothing changed: every shard file is linked (same inode), none written.
+    assert second.files_linked == 5 and second.bytes_written == 0, second
+    assert second.bytes_skipped == first.bytes_written
+    assert second.fingerprint_seconds > 0
+    shards = sorted(p.name for p in step_dir(tmp_path, 2).glob("*.distcp"))
+    for name in shards:
+        assert os.path.samefile(step_dir(tmp_path, 1) / name, step_dir(tmp_path, 2) / name)
+
+
+def test_disk_usage_counts_a_linked_file_once(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        one = engine.disk_usage()["committed_bytes"]
+        engine.save(2, state).committed_sync()
+        two = engine.disk_usage()["committed_bytes"]
+    # Step 2 adds its manifest, .metadata and sidecar: well under 10% of step 1.
+    assert one >= 4 << 20 and two - one < one // 10, (one, two)
+
+
+def test_pruning_the_older_checkpoint_leaves_the_newer_whole(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
+        engine.save(1, state).committed_sync()
+        engine.save(2, state).committed_sync()
+        engine.save(3, state).committed_sync()
+    assert [c.step for c in verify(tmp_path).checkpoints] == [3]
+    assert verify(tmp_path).ok
+    assert_same(plain_load(step_dir(tmp_path, 3), state), state)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        target = fresh_like(state)
+        assert engine.load_latest(target) == 3
+    assert_same(target, state)
+
+
+def test_a_corrupt_shared_file_is_reported_by_every_checkpoint_that_holds_it(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        engine.save(2, state).committed_sync()
+    shared = max(step_dir(tmp_path, 2).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert os.path.samefile(shared, step_dir(tmp_path, 1) / shared.name)
+    with open(shared, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    report = verify(tmp_path)
+    bad = {c.step: c.problems for c in report.checkpoints if not c.ok}
+    assert set(bad) == {1, 2}, report
+    assert all(any(shared.name in p for p in problems) for problems in bad.values())
+
+
+def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(tmp_path):
+    """Step 3 links a's file from step 2; damaged, it fails both: the load quarantines both
+    and restores step 1, whose a differs."""
+    import warnings
+
+    from asyncckpt.prune import list_quarantined
+
+    state = state_of()
+    want = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 1}
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        state["model"]["a"].add_(1)
+        engine.save(2, state).committed_sync()
+        assert engine.save(3, state).committed_sync().files_linked == 5
+    olds = list(step_dir(tmp_path, 1).glob("*.distcp"))
+    (victim,) = [  # a's file: step 2's, linked by step 3, not step 1's
+        p
+        for p in step_dir(tmp_path, 3).glob("*.distcp")
+        if not any(os.path.samefile(p, q) for q in olds)
+    ]
+    assert os.path.samefile(victim, step_dir(tmp_path, 2) / victim.name)
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    target = fresh_like(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with SyncCheckpointEngine(tmp_path) as engine:
+            assert engine.load_latest(target) == 1
+    assert_same(target, want)
+    assert sorted(q.step for q in list_quarantined(tmp_path, "global_step")) == [2, 3]
+
+
+def test_a_new_worker_links_from_the_checkpoint_the_tracker_names(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync()
+    state["model"]["b"].add_(1)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 4
+    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+
+
+def test_a_tampered_sidecar_is_not_trusted(tmp_path):
+    """The fingerprints decide what is linked: a sidecar that fails its manifest entry makes
+    the next save write every file."""
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
+        engine.save(1, state).committed_sync()
+        sidecar = step_dir(tmp_path, 1) / "__0_fingerprints.json"
+        sidecar.write_text(sidecar.read_text().replace('"linked": false', '"linked": true '))
+        state["model"]["a"].add_(1)
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 0 and stats.link_fallbacks == 1
+    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+
+
+def test_differential_false_writes_every_file(tmp_path):
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, staging=Staging(differential=False)) as engine:
+        engine.save(1, state).committed_sync()
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 0 and stats.bytes_skipped == 0
+    assert not list(step_dir(tmp_path, 2).glob("*fingerprints.json"))
+    names = [p.name for p in step_dir(tmp_path, 2).glob("*.distcp")]
+    assert all(os.stat(step_dir(tmp_path, 2) / n).st_nlink == 1 for n in names)
+
+
+def test_writing_refuses_a_non_bool():
+    with pytest.raises(TypeError, match="differential"):
+        Staging(differential=1)  # type: ignore[arg-type]
+
+
+def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_alone(s3, tmp_path):
+    """A linked file is copied by the store (server-side), not uploaded again; the store's
+    step 2 loads with a plain ``dcp.load`` after its step 1 is deleted."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    tier = RemoteTier(s3.url, storage_options=s3.options)
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+        first = engine.save(1, state).committed_sync()
+        state["model"]["a"].add_(1)
+        second = engine.save(2, state).committed_sync()
+    assert first.uploaded_bytes >= 4 << 20
+    assert second.files_linked == 4
+    # a's file, the sidecar, .metadata and the manifest go up; b, c, d are copied there.
+    assert (1 << 20) <= second.uploaded_bytes < 2 << 20, second
+    store = FsspecStore(s3.url, s3.options)
+    store.delete(layout.dir_name("global_step", 1))
+    target = fresh_like(state)
+    reader = FsspecReader(f"{s3.url}/global_step_2", **s3.options)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert_same(target, state)
+
+
+def test_megatron_torch_dist_writes_every_file(tmp_path):
+    """torch_dist keeps megatron's file layout: differential is off for it (a log line says so
+    in the worker), every file written, no sidecar."""
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, "megatron") as engine:
+        engine.save(1, state).committed_sync()
+        stats = engine.save(2, state).committed_sync()
+    assert stats.files_linked == 0 and stats.bytes_skipped == 0
+    step2 = tmp_path / layout.dir_name("megatron", 2)
+    assert not list(step2.glob("*fingerprints.json"))
+    assert all(p.stat().st_nlink == 1 for p in step2.iterdir() if p.is_file())
