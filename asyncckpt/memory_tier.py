@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cachekeys import same_key
 from .memory_hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
 from .staging import check_memory, plan_arenas
 
@@ -213,7 +214,7 @@ class MemoryTier:
         ]
         if not free:
             return None
-        same = [i for i in free if keys.get(i) == key]
+        same = [i for i in free if same_key(keys.get(i), key)]
         return (same or free)[0]
 
     def agree(self) -> Agreement | None:
@@ -322,7 +323,7 @@ def save(saver: Any, pending: Any) -> Any:
     from . import faults
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, WorkerDied
-    from .staging import copy_checked, torn_since
+    from .staging import any_cuda, copy_checked, torn_since
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -340,7 +341,7 @@ def save(saver: Any, pending: Any) -> Any:
     slot = saver.slots[i]
     stats.wait_seconds = time.perf_counter() - pending.started
     try:
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
         if slot.ensure(flat.tensors, pin, pending.key):
             stats.alloc_seconds = time.perf_counter() - t0

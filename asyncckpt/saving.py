@@ -28,6 +28,7 @@ from typing_extensions import Unpack
 from . import faults
 from . import layout as _layout
 from . import messages as M
+from .cachekeys import same_key
 from .errors import CheckpointError, SaveFailed, WorkerDied
 from .flatplan import FlattenCache
 from .jobs import JobTable, SaveHandle
@@ -35,7 +36,15 @@ from .preemption import SigtermHandler
 from .restore import Restorer
 from .restore import check_step as _check_step
 from .retention import RetentionPolicy, SaveSchedule
-from .staging import Marks, StagingSlot, copy_checked, layout_key, ready_events, torn_since
+from .staging import (
+    Marks,
+    StagingSlot,
+    any_cuda,
+    copy_checked,
+    layout_key,
+    ready_events,
+    torn_since,
+)
 from .stats import SaveStats
 from .supervisor import WorkerLink
 from .worker import PruneRequest, SaveJob
@@ -241,7 +250,9 @@ class Saver:
     def take_slot(self, pending: PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none
         is free."""
-        slot = self.jobs.acquire_slot(lambda i: self.slots[i].key == pending.key, block=block)
+        slot = self.jobs.acquire_slot(
+            lambda i: same_key(self.slots[i].key, pending.key), block=block
+        )
         if slot is None:
             if not block:
                 return False
@@ -264,7 +275,7 @@ class Saver:
         """
         assert pending.slot is not None
         if overlap:
-            if any(t.is_cuda for t in pending.flat.tensors.values()):
+            if any_cuda(pending.flat.tensors.values()):
                 pending.ready = ready_events(pending.flat.tensors)
             pending.stats.overlapped = True
             pending.guard = True  # the loop goes on (and may free a storage) as it copies
@@ -319,7 +330,7 @@ class Saver:
         step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
         assert slot_idx is not None
         slot = self.slots[slot_idx]
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
         allocated = slot.ensure(flat.tensors, pin, pending.key)
         t1 = time.perf_counter()
@@ -451,7 +462,7 @@ class Saver:
     def prepare(self, state: Any) -> None:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
         flat = self.prepare_state(state)
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         for i in self.jobs.free_slots():
             self.slots[i].ensure(flat.tensors, pin)
             if self.is_started():
