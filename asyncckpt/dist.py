@@ -22,8 +22,8 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
 - **Per save.** Every rank's worker joins a fresh gloo group for the job over that store (a
   ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
   broken group behind). DCP plans and writes each rank's own shards over that group; the workers
-  then all-gather a success flag with their file checksums (gloo detects a dead peer, and the
-  group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
+  then gather a success flag with their file checksums on rank 0 (gloo detects a dead peer, and
+  the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
   manifest, rename the directory into place and write the tracker, then broadcast the outcome.
   Any failure anywhere fails every rank's handle with the cause and commits nothing.
 
@@ -304,6 +304,16 @@ def all_gather(pg: Any, obj: Any, world_size: int) -> list[Any]:
 
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def gather(pg: Any, obj: Any, world_size: int, rank: int) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (None on the others): what only rank 0 needs. An
+    all-gather would hand all N ranks' objects to each of the N ranks (N^2 over the group)."""
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=pg)
     return out
 
 

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cachekeys import same_key
 from .memory_hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
 from .staging import check_memory, plan_arenas
 
@@ -231,7 +232,7 @@ class MemoryTier:
         ]
         if not free:
             return None
-        same = [i for i in free if keys.get(i) == key]
+        same = [i for i in free if same_key(keys.get(i), key)]
         return (same or free)[0]
 
     def agree(self) -> Agreement | None:
@@ -381,7 +382,7 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
     from . import faults
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, WorkerDied
-    from .staging import copy_checked, torn_since
+    from .staging import any_cuda, copy_checked, torn_since
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -407,7 +408,7 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
             time.perf_counter() - t_take,
         )
     try:
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
         if slot.ensure(flat.tensors, pin, pending.key):
             stats.alloc_seconds = time.perf_counter() - t0

@@ -28,6 +28,7 @@ from typing_extensions import Unpack
 from . import faults
 from . import layout as _layout
 from . import messages as M
+from .cachekeys import same_key
 from .errors import CheckpointError, SaveFailed, WorkerDied
 from .flatplan import FlattenCache
 from .jobs import JobTable, SaveHandle
@@ -39,6 +40,7 @@ from .staging import (
     HostBudget,
     Marks,
     StagingSlot,
+    any_cuda,
     copy_checked,
     layout_key,
     ready_events,
@@ -260,7 +262,9 @@ class Saver:
     def take_slot(self, pending: PendingSave, block: bool = True) -> bool:
         """Reserve a staging slot (back-pressure); False only if ``block`` is False and none
         is free."""
-        slot = self.jobs.acquire_slot(lambda i: self.slots[i].key == pending.key, block=block)
+        slot = self.jobs.acquire_slot(
+            lambda i: same_key(self.slots[i].key, pending.key), block=block
+        )
         if slot is None:
             if not block:
                 return False
@@ -283,7 +287,7 @@ class Saver:
         """
         assert pending.slot is not None
         if overlap:
-            if any(t.is_cuda for t in pending.flat.tensors.values()):
+            if any_cuda(pending.flat.tensors.values()):
                 pending.ready = ready_events(pending.flat.tensors)
             pending.stats.overlapped = True
             pending.guard = True  # the loop goes on (and may free a storage) as it copies
@@ -338,7 +342,7 @@ class Saver:
         step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
         assert slot_idx is not None
         slot = self.slots[slot_idx]
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
         allocated = slot.ensure(flat.tensors, pin, pending.key, self.budget)
         t1 = time.perf_counter()
@@ -470,7 +474,7 @@ class Saver:
     def prepare(self, state: Any) -> None:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
         flat = self.prepare_state(state)
-        pin = any(t.is_cuda for t in flat.tensors.values())
+        pin = any_cuda(flat.tensors.values())
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
         # Disk saves are staged into the memory tier's slots while it is on (the budget
         # caps the disk saves' own slots: the memory tier's are outside it).

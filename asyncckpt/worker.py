@@ -328,18 +328,20 @@ class Worker:
                 self.events.send(M.Released(job.job_id))
                 _written(self.holder, job)
                 t_written = time.perf_counter()
-                if cfg is None:
-                    results = [(local_error, crcs, job.paths)]
-                else:  # the agreement: every rank's shards are durable, or nobody commits
-                    results = _dist.all_gather(pg, (local_error, crcs, job.paths), cfg.world_size)
-                failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
-                if failed:
-                    outcome = ("failed", local_error if cfg is None else _ranks_error(failed))
-                else:
-                    if rank == 0:
+                mine = (local_error, crcs, job.paths)
+                # The agreement: every rank's shards are durable, or nobody commits. Rank 0
+                # alone decides (and commits): it gathers every rank's checksums, the others
+                # learn the outcome from its broadcast (one gather, not an all-gather: each
+                # rank's lists reach rank 0 only, not all N ranks).
+                results = [mine] if cfg is None else _dist.gather(pg, mine, cfg.world_size, rank)
+                if results is not None:  # rank 0
+                    failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
+                    if failed:
+                        outcome = ("failed", local_error if cfg is None else _ranks_error(failed))
+                    else:
                         outcome = self._commit_all(job, tmp, final, results, t0, t_written)
-                    if cfg is not None:
-                        outcome = _dist.broadcast(pg, outcome)
+                if cfg is not None:
+                    outcome = _dist.broadcast(pg, outcome)
         except BaseException as e:  # noqa: BLE001 - a broken group: a peer died or timed out
             info = error_info(e)
             info["message"] = f"rank {rank}: coordination with the other ranks failed: " + str(

@@ -292,6 +292,8 @@ def measure_count(n: int, args: Any, rank: C.Rank, base: Path) -> dict[str, Any]
     C.barrier(rank)
     if rank.rank == 0:
         C.rmtree(base / f"a{n}")
+    if args.stall_only:
+        return row
     row["dcp.async_save:thread"] = run_dcp_async(state, base / f"d{n}", args.saves, "thread")
     if not rank.distributed and n <= args.process_max:
         row["dcp.async_save:process+shm"] = run_isolated(
@@ -335,7 +337,7 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
     med = C.med
     rows = []
     for n, r in counts.items():
-        a, d = r["asyncckpt"], r["dcp.async_save:thread"]
+        a, d = r["asyncckpt"], r.get("dcp.async_save:thread", {})
         p = r.get("dcp.async_save:process+shm", {})
         rows.append(
             {
@@ -349,13 +351,20 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
                     [C.ratio(s, f) for s, f in zip(a["stalls"], a["paired_foreach"], strict=True)]
                 ),
                 "stall_vs_foreach_unpaired": C.ratio(med(a["stalls"]), med(r["foreach_copy"])),
-                "dcp_thread_stall_s": med(d["stalls"]),
+                # The fastest save against the fastest copy of the same run: on a shared,
+                # noisy machine the minimum is what the code costs, the rest is neighbours.
+                "stall_min_s": min(a["stalls"]),
+                "foreach_min_s": min(a["paired_foreach"] + r["foreach_copy"]),
+                "stall_vs_foreach_min": C.ratio(
+                    min(a["stalls"]), min(a["paired_foreach"] + r["foreach_copy"])
+                ),
+                "dcp_thread_stall_s": med(d.get("stalls", [])),
                 "asyncckpt_durable_s": med(a["durable"]),
-                "dcp_thread_durable_s": med(d["durable"]),
-                "durable_vs_dcp_thread": C.ratio(med(a["durable"]), med(d["durable"])),
+                "dcp_thread_durable_s": med(d.get("durable", [])),
+                "durable_vs_dcp_thread": C.ratio(med(a["durable"]), med(d.get("durable", []))),
                 "dcp_process_durable_s": med(p.get("durable", [])),
                 "dcp_process_error": p.get("error") or d.get("error"),
-                **load_figures(r["loads"]),
+                **(load_figures(r["loads"]) if "loads" in r else {}),
             }
         )
     out: dict[str, Any] = {
@@ -368,6 +377,7 @@ def report(args: Any, rank: C.Rank, counts: dict[int, Any], big: dict[str, Any] 
         "rows": rows,
         "targets": {
             "stall_vs_foreach": "<= 2.0 (20k and 100k tensors; per save, paired)",
+            "stall_vs_foreach_min": "<= 2.0 (20k tensors; fastest save / fastest copy)",
             "durable_vs_dcp_thread": "<= 0.5 (20k tensors)",
             "load_vs_dcp_load_warm": "<= 1.2",
             "load_vs_dcp_load_cold": "<= 1.2",
@@ -395,6 +405,7 @@ def print_report(rep: dict) -> None:
         "paired_foreach_s": "foreach s",
         "asyncckpt_stall_s": "stall s",
         "stall_vs_foreach": "stall/foreach",
+        "stall_vs_foreach_min": "min stall/min foreach",
         "dcp_thread_stall_s": "dcp stall s",
         "asyncckpt_durable_s": "durable s",
         "dcp_thread_durable_s": "dcp durable s",
@@ -407,12 +418,12 @@ def print_report(rep: dict) -> None:
         f"scale — {rep['tensor_kib']} KiB tensors, rank {rep['rank']} of {rep['world_size']}, "
         f"{rep['saves']} saves, load average at start {rep['environment']['load_avg'][0]:.1f}"
     )
-    C.print_table(title, list(columns.values()), [[r[k] for k in columns] for r in rep["rows"]])
+    C.print_table(title, list(columns.values()), [[r.get(k) for k in columns] for r in rep["rows"]])
     loads = ["load_latest_warm_s", "dcp_load_warm_s", "load_latest_cold_s", "dcp_load_cold_s"]
     C.print_table(
         "resume: load_latest (verified) and dcp.load, page cache warm / cold",
         ["tensors", *loads],
-        [[r["tensors"], *[r[k] for k in loads]] for r in rep["rows"]],
+        [[r["tensors"], *[r.get(k) for k in loads]] for r in rep["rows"]],
     )
     for r in rep["rows"]:
         if r["dcp_process_error"]:
@@ -485,6 +496,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--load-repeats", type=int, default=3)
     p.add_argument("--big-gb", type=float, default=1.0, help="0: skip the large-tensor case")
     p.add_argument(
+        "--stall-only",
+        action="store_true",
+        help="only asyncckpt's stall against the foreach copy (no DCP, no loads, no large case)",
+    )
+    p.add_argument(
         "--process-max",
         type=int,
         default=20000,
@@ -509,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"[rank {rank.rank}] {n} tensors measured in {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
-    big = measure_big(args, rank, base) if args.big_gb > 0 else None
+    big = measure_big(args, rank, base) if args.big_gb > 0 and not args.stall_only else None
     rep = report(args, rank, results, big)
     name = f"scale{args.tag}{rank.suffix}"
     path = C.write_json(args.out, name, rep)

@@ -92,3 +92,53 @@ def test_copier_waits_for_its_tasks_when_the_walk_fails(monkeypatch) -> None:
             raise RuntimeError("walk failed")
     assert len(copier.futures) == 4 and all(f.done() for f in copier.futures)
     assert np.array_equal(dst, src)
+
+
+class _Device:
+    """A stand-in that says whether it is on a GPU and counts how often it was asked."""
+
+    asked = 0
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+
+    @property
+    def is_cuda(self) -> bool:
+        _Device.asked += 1
+        return self._cuda
+
+
+def test_any_cuda_asks_no_tensor_where_cuda_was_never_initialised(monkeypatch) -> None:
+    # The per-save device pass (2 ms at 20,000 tensors) is skipped only where no tensor can be
+    # on a GPU; where CUDA is initialised every tensor is asked until one is.
+    _Device.asked = 0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert staging.any_cuda([_Device(False), _Device(False)]) is False
+    assert _Device.asked == 0
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert staging.any_cuda([_Device(False), _Device(True), _Device(False)]) is True
+    assert _Device.asked == 2
+    assert staging.any_cuda([_Device(False), _Device(False)]) is False
+
+
+def test_a_cpu_state_is_staged_into_unpinned_arenas_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only process")
+    t = {"a": torch.arange(4.0), "b": torch.ones(3, dtype=torch.int64)}
+    assert not torch.cuda.is_initialized() and staging.any_cuda(t.values()) is False
+    slot = staging.StagingSlot(0)
+    slot.ensure(t, staging.any_cuda(t.values()))
+    slot.copy_in(t)
+    assert not slot.pinned
+    assert all(torch.equal(v, t[k]) for k, v in zip(t, slot.views, strict=True))
+    slot.release()
+
+
+def test_same_key_compares_equal_keys_and_knows_one_key_at_once() -> None:
+    from asyncckpt.cachekeys import arena_key, same_key
+
+    a = arena_key({"x": torch.zeros(2), "y": torch.zeros(3, dtype=torch.int8)})
+    b = arena_key({"x": torch.zeros(2), "y": torch.zeros(3, dtype=torch.int8)})
+    c = arena_key({"x": torch.zeros(2), "y": torch.zeros(3, dtype=torch.int16)})
+    assert same_key(a, a) and same_key(a, b) and not same_key(a, c)
+    assert not same_key(None, a) and same_key(None, None)
