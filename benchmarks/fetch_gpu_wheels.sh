@@ -5,7 +5,7 @@
 #
 # Missing there: crc32c (an asyncckpt dependency), trio (+ outcome, sniffio) and pytest-asyncio
 # (test dependencies). anyio, psutil, numpy, rich, pytest, hypothesis, attrs, sortedcontainers,
-# idna and typing-extensions are in the image. Python 3.12, manylinux x86_64. One version of
+# idna, typing-extensions and xxhash are in the image. Python 3.12, manylinux x86_64. One version of
 # each: two versions of one package stop the install there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
