@@ -399,7 +399,9 @@ def test_two_ranks_commit_one_step_of_components(tmp_path):
         "data.pt",
         "policy/.metadata",
         "policy/__0_0.distcp",
+        "policy/__0_fingerprints.json",  # each rank's differential-save sidecar
         "policy/__1_0.distcp",
+        "policy/__1_fingerprints.json",
         "shards/rank_0_of_2.pt",
         "shards/rank_1_of_2.pt",
     ]

@@ -20,7 +20,7 @@ until the trial kills it:
   ranks' memory saves were replicated, after a random delay (a replica may be on the wire),
   node 0 or node 1 is SIGKILLed whole (trainer and worker), then the other trainer. The root must verify,
   load one step bit for bit on every rank (never a mix), no newer than a step both ranks
-  staged and no older than one acknowledged committed (``node_trial``).
+  began saving (and bit for bit) and no older than one acknowledged committed (``node_trial``).
 
 After ``saved`` and ``memory`` the newest committed step is exactly the newest one whose
 ``save()`` had returned (as the trainer reported it before dying): the worker wrote it, a
@@ -403,8 +403,10 @@ def node_trial(base: Path, logdir: Path, n: int, rng: random.Random) -> tuple[li
     if alive:
         bad.append(f"workers still alive: {alive}")
     events = {r: _events_of(outs[r]) for r in range(2)}
+    # What each rank had begun to save: a save handed to its worker may commit although the
+    # kill came before the trainer reported its return ("staged"); its bytes are checked below.
     staged = [
-        max((e["step"] for e in events[r] if e["event"] == "staged"), default=0) for r in (0, 1)
+        max((e["step"] for e in events[r] if e["event"] == "saving"), default=0) for r in (0, 1)
     ]
     acked = max(
         (e["step"] for r in (0, 1) for e in events[r] if e["event"] == "committed"), default=None
@@ -416,7 +418,7 @@ def node_trial(base: Path, logdir: Path, n: int, rng: random.Random) -> tuple[li
     tier = ""
     if newest is not None:
         if newest > min(staged):
-            bad.append(f"step {newest} committed; the ranks staged up to {staged}")
+            bad.append(f"step {newest} committed; the ranks began saving up to {staged}")
         target = {k: v for r in (0, 1) for k, v in rank_state(0, r).items()}
         with SyncCheckpointEngine(root) as engine:
             resumed = engine.load_latest(target)

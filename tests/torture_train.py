@@ -24,7 +24,8 @@ It prints one JSON object per line on stdout:
   engine has started (which removes leftovers) and ``load_latest`` has run; ``state_ok`` is
   whether the loaded state equals ``make_state(resumed)`` bit for bit; ``leftovers`` lists
   temporaries or trash still in the root.
-* ``{"event": "staged", "step", "tier"}`` when ``save`` returned; ``{"event": "committed", "step"}``
+* ``{"event": "saving", "step"}`` before ``save`` (``node_main`` only);
+  ``{"event": "staged", "step", "tier"}`` when ``save`` returned; ``{"event": "committed", "step"}``
   when a checkpoint committed (from the engine's ``on_commit``).
 * ``{"event": "save_failed", "type", "error"}`` when a save failed (the worker died, a fault
   raised), then it exits with code 3.
@@ -145,6 +146,7 @@ def node_main(args: argparse.Namespace) -> int:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         tier = engine.due(step) or "memory"
+        emit(event="saving", step=step)  # before: a kill may land between return and "staged"
         handle = engine.save(step, state, tier=tier)
         emit(event="staged", step=step, tier=tier)
         if tier == "memory":
