@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import ranks_running
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
@@ -93,49 +92,22 @@ def run(tmp_path: Path, world: int, victims: set[int], first: set[int]) -> tuple
     """Run ``world`` trainers; ``victims`` are SIGKILLed right after save(2) returned; the
     ``first`` stage step 2 (and die, if victims) before the others stage it. Returns the
     survivors' outcomes by rank and every rank's worker pid."""
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
     go = tmp_path / "go"
-    store = tmp_path / "store"
     here = str(Path(__file__).parent)
-    # Files, not pipes: a worker inherits them and outlives its trainer.
-    logs = {r: (tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(world)}
-    procs = {}
-    for r in range(world):
-        with open(logs[r][0], "w") as out, open(logs[r][1], "w") as err:
-            procs[r] = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(script),
-                    str(r),
-                    str(world),
-                    str(tmp_path / "r"),
-                    str(store),
-                    str(go),
-                    str(int(r in victims)),
-                    str(int(r not in first)),
-                    here,
-                ],  # fmt: skip
-                stdout=out,
-                stderr=err,
-            )
-    try:
-        for r in first:
-            if r in victims:  # dead before the others stage step 2
-                procs[r].wait(timeout=240)
+    root, store = str(tmp_path / "r"), str(tmp_path / "store")
+
+    def args(r: int) -> list[str]:
+        flags = [str(int(r in victims)), str(int(r not in first))]
+        return [str(r), str(world), root, store, str(go), *flags, here]
+
+    with ranks_running(tmp_path, TRAINER, "trainer", world, args) as ranks:
+        ranks.wait(r for r in first if r in victims)  # dead before the others stage step 2
         go.touch()
-        for p in procs.values():
-            p.wait(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        ranks.wait()
+    ranks.assert_exited(lambda r: -signal.SIGKILL if r in victims else 0)
     outcomes, workers = {}, []
     for r in range(world):
-        out, err = (f.read_text() for f in logs[r])
-        want = -signal.SIGKILL if r in victims else 0
-        assert procs[r].returncode == want, f"rank {r}: {procs[r].returncode}\n{err}"
+        out = ranks.out(r)
         workers.append(int(out.split()[0]))
         if r not in victims:
             outcomes[r] = json.loads(out.splitlines()[-1])

@@ -9,13 +9,11 @@ Each rank is a subprocess (gloo over a FileStore), as in test_memory_tier_multir
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from rank_procs import ranks_running
 from test_flush_on_death import wait_gone
 
 from asyncckpt import faults
@@ -66,33 +64,12 @@ print(json.dumps({"step": step, "source": report.source, "reason": report.source
 
 def run_ranks(tmp_path: Path, script: str, name: str, envs: dict[int, dict]) -> list[str]:
     """Run ``script`` on every rank; returns each rank's stdout."""
-    path = tmp_path / f"{name}.py"
-    path.write_text(script)
     here = str(Path(__file__).parent)
-    procs, logs = {}, {}
-    for r in range(WORLD):
-        logs[r] = (tmp_path / f"{name}{r}.out", tmp_path / f"{name}{r}.err")
-        # Files, not pipes: a worker inherits them and outlives its trainer.
-        with open(logs[r][0], "w") as out, open(logs[r][1], "w") as err:
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(path), str(r), str(WORLD), str(tmp_path / "r")]
-                + [str(tmp_path / f"{name}.store"), here],
-                stdout=out,
-                stderr=err,
-                env={**os.environ, **envs.get(r, {})},
-            )
-    try:
-        for p in procs.values():
-            p.wait(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    want = -signal.SIGKILL if name == "trainer" else 0
-    for r, p in procs.items():
-        assert p.returncode == want, logs[r][1].read_text()
-    return [logs[r][0].read_text() for r in range(WORLD)]
+    args = [str(WORLD), str(tmp_path / "r"), str(tmp_path / f"{name}.store"), here]
+    with ranks_running(tmp_path, script, name, WORLD, lambda r: [str(r), *args], envs) as ranks:
+        ranks.wait()
+    ranks.assert_exited(lambda r: -signal.SIGKILL if name == "trainer" else 0)
+    return [ranks.out(r) for r in range(WORLD)]
 
 
 def resume(tmp_path: Path, trainer_envs: dict[int, dict]) -> tuple[list[dict], list[int]]:

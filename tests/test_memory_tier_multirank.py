@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import ranks_running
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 from test_flush_on_death_multirank import all_ranks
@@ -47,32 +48,12 @@ os.kill(os.getpid(), signal.SIGKILL)
 def run_ranks(tmp_path: Path, text: str, world: int) -> Path:
     """Run ``text`` as every rank's trainer (each SIGKILLs itself); wait for their workers to
     write and exit; the root."""
-    script = tmp_path / "trainer.py"
-    script.write_text(text)
     here = str(Path(__file__).parent)
-    procs, logs = {}, {}
-    for r in range(world):
-        logs[r] = (tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err")
-        # Files, not pipes: a worker inherits them and outlives its trainer.
-        with open(logs[r][0], "w") as out, open(logs[r][1], "w") as err:
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(script), str(r), str(world), str(tmp_path / "r")]
-                + [str(tmp_path / "store"), here],
-                stdout=out,
-                stderr=err,
-            )
-    try:
-        for p in procs.values():
-            p.wait(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    workers = []
-    for r, p in procs.items():
-        assert p.returncode == -signal.SIGKILL, logs[r][1].read_text()
-        workers.append(int(logs[r][0].read_text().split()[0]))
+    args = [str(world), str(tmp_path / "r"), str(tmp_path / "store"), here]
+    with ranks_running(tmp_path, text, "trainer", world, lambda r: [str(r), *args]) as ranks:
+        ranks.wait()
+    ranks.assert_exited(lambda r: -signal.SIGKILL)
+    workers = [int(ranks.out(r).split()[0]) for r in range(world)]
     for pid in workers:  # each writes its part, then exits: none lingers
         wait_gone(pid, 120)
     return tmp_path / "r"
