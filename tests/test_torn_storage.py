@@ -11,7 +11,10 @@ copied through a NumPy view, and torch marks a storage viewed by NumPy not resiz
 
 from __future__ import annotations
 
+import functools
 import threading
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -103,23 +106,35 @@ def assert_only_step_1(root, want) -> None:
 
 
 # ------------------------------------------------------------------ overlapped saves
+def overlapped_save_2_changed_while_held(
+    tmp_path: Path, make_gate: Any, change: str, key: str, staged_first: bool = False
+) -> SaveFailed:
+    """Step 1 committed; step 2 saved with ``overlap=True`` and held at ``make_gate()`` while
+    ``change`` is done to ``model.<key>`` (the loop did not wait for the copy); step 2's
+    failure (``staged_first``: its ``staged`` returned before)."""
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state_of()).committed_sync()
+        gate = make_gate()
+        handle = engine.save(2, state, overlap=True)
+        assert gate.reached.wait(30)
+        CHANGES[change](state["model"][key])
+        gate.open()
+        if staged_first:
+            handle.staged_sync()
+        with pytest.raises(SaveFailed) as info:
+            handle.committed_sync()
+    return info.value
+
+
 @pytest.mark.parametrize("key", ["w", "big"])
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_overlapped_save_whose_storage_changes_before_staged_fails_sync(
     tmp_path, monkeypatch, change, key
 ):
-    state = state_of()
-    with SyncCheckpointEngine(tmp_path) as engine:
-        engine.save(1, state_of()).committed_sync()
-        gate = CopyGate(monkeypatch)
-        handle = engine.save(2, state, overlap=True)
-        assert gate.reached.wait(30)
-        CHANGES[change](state["model"][key])  # the loop did not wait for the copy
-        gate.open()
-        handle.staged_sync()
-        with pytest.raises(SaveFailed) as info:
-            handle.committed_sync()
-        assert_torn(info.value, f"model.{key}")
+    gate = functools.partial(CopyGate, monkeypatch)
+    failed = overlapped_save_2_changed_while_held(tmp_path, gate, change, key, staged_first=True)
+    assert_torn(failed, f"model.{key}")
     assert_only_step_1(tmp_path, state_of())
 
 
@@ -146,17 +161,8 @@ async def test_overlapped_save_whose_storage_changes_fails_through_wait_async(
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_storage_changed_mid_copy_fails_the_overlapped_save(tmp_path, monkeypatch, change):
     # Held at mid_stage: the large tensor is being copied, the small ones not read yet.
-    state = state_of()
-    with SyncCheckpointEngine(tmp_path) as engine:
-        engine.save(1, state_of()).committed_sync()
-        gate = Gate(monkeypatch)
-        handle = engine.save(2, state, overlap=True)
-        assert gate.reached.wait(30)
-        CHANGES[change](state["model"]["w"])
-        gate.open()
-        with pytest.raises(SaveFailed) as info:
-            handle.committed_sync()
-        assert_torn(info.value, "model.w")
+    failed = overlapped_save_2_changed_while_held(tmp_path, lambda: Gate(monkeypatch), change, "w")
+    assert_torn(failed, "model.w")
     assert_only_step_1(tmp_path, state_of())
 
 
