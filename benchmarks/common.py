@@ -333,37 +333,24 @@ def tree_rss(proc: psutil.Process) -> tuple[int, int]:
     return own, kids
 
 
-class MemorySampler:
-    """Samples RSS (trainer, children) and system used memory in a thread; keeps the peaks.
+class Sampler:
+    """Calls ``sample()`` every ``interval`` seconds in a thread while in its ``with`` block,
+    and once more on leaving it (the subclasses keep the peaks)."""
 
-    ``extra`` is the rise of system used memory (total - available) over the baseline taken at
-    start: it counts shared-memory staging once and includes the workers' private memory.
-    """
-
-    def __init__(self, interval: float = 0.02) -> None:
+    def __init__(self, interval: float) -> None:
         self.interval = interval
-        self.proc = psutil.Process()
-        self.base_used = system_used()
-        self.base_rss = self.proc.memory_info().rss
-        self.peak_rss = self.base_rss
-        self.peak_children_rss = 0
-        self.peak_used = self.base_used
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> Any:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.sample()
             self._stop.wait(self.interval)
 
-    def sample(self) -> None:
-        with contextlib.suppress(psutil.Error):
-            own, kids = tree_rss(self.proc)
-            self.peak_rss = max(self.peak_rss, own)
-            self.peak_children_rss = max(self.peak_children_rss, kids)
-            self.peak_used = max(self.peak_used, system_used())
-
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> Any:
         self._t.start()
         return self
 
@@ -371,6 +358,30 @@ class MemorySampler:
         self._stop.set()
         self._t.join()
         self.sample()
+
+
+class MemorySampler(Sampler):
+    """Samples RSS (trainer, children) and system used memory in a thread; keeps the peaks.
+
+    ``extra`` is the rise of system used memory (total - available) over the baseline taken at
+    start: it counts shared-memory staging once and includes the workers' private memory.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        super().__init__(interval)
+        self.proc = psutil.Process()
+        self.base_used = system_used()
+        self.base_rss = self.proc.memory_info().rss
+        self.peak_rss = self.base_rss
+        self.peak_children_rss = 0
+        self.peak_used = self.base_used
+
+    def sample(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            own, kids = tree_rss(self.proc)
+            self.peak_rss = max(self.peak_rss, own)
+            self.peak_children_rss = max(self.peak_children_rss, kids)
+            self.peak_used = max(self.peak_used, system_used())
 
     def report(self) -> dict[str, int]:
         return {

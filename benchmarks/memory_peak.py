@@ -18,14 +18,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
 
 MiB = 1 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,20 +44,15 @@ def tree_pss(proc: psutil.Process) -> list[int]:
     return out
 
 
-class PssSampler:
+class PssSampler(C.Sampler):
+    """The PSS sum of the trainer and its children, sampled in a thread; keeps the peak."""
+
     def __init__(self, interval: float) -> None:
+        super().__init__(interval)
         self.proc = psutil.Process()
-        self.interval = interval
         self.peak = 0
         self.peak_parts: list[int] = []  # trainer, then each child, at the peak
         self.samples = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
 
     def sample(self) -> int:
         parts = tree_pss(self.proc)
@@ -63,15 +61,6 @@ class PssSampler:
             self.peak, self.peak_parts = now, parts
         self.samples += 1
         return now
-
-    def __enter__(self) -> PssSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._t.join()
-        self.sample()
 
 
 def settled(sampler: PssSampler, within: int = 2 * MiB, timeout: float = 120.0) -> int:

@@ -283,3 +283,18 @@ def test_differential_runs_and_reports_every_field(tmp_path):
         # Bytes, not timings: the frozen part is linked, the full save writes it all.
         assert diff["added_bytes"] < full["added_bytes"] / 2 and diff["files_linked"] > 0
     assert rep["target"]["met"], rep["target"]
+
+
+def test_memory_peak_samples_trainer_and_worker(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "memory_peak.py"), "--quick", "--dir", str(tmp_path)]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=480, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "memory_peak.json").read_text())
+    has(rep, "state_bytes", "peak_ratio", "peak_parts_bytes", "disk_in_flight", "stalls_s")
+    # the worker was sampled beside the trainer, and a staged state was seen in host memory
+    assert len(rep["peak_parts_bytes"]) >= 2 and rep["samples"] > 10
+    assert rep["peak_ratio"] >= 1.0
+    assert any(in_flight for _, in_flight in rep["disk_in_flight"])
