@@ -61,9 +61,9 @@ class SaveStats:
     #: records of small tensors written by ``torch.save`` because no template could be proven
     #: for their layout on this torch (correct, slower; logged once); rank 0's own
     records_fallbacks: int = 0
-    #: differential saves (``Staging(differential=True)``): shard bytes not written because
-    #: their file is a hard link to the previous checkpoint's, shard bytes written, files
-    #: linked, seconds fingerprinting the staged bytes (the slowest rank's), and links tried
+    #: differential saves (``Staging(differential=True)``), over every rank of the step: shard
+    #: bytes not written because their file is a hard link to the previous checkpoint's, shard
+    #: bytes written, files linked, seconds fingerprinting the staged bytes (the slowest rank's), and links tried
     #: and not made (the previous checkpoint gone, its fingerprints failing their checksum,
     #: another filesystem: written instead, each with an INFO line from the worker)
     bytes_skipped: int = 0
