@@ -56,6 +56,9 @@ def test_overhead_runs_and_reports_every_field(tmp_path):
     has(rep, "environment", "state_bytes", "state_tensors", "references", "methods")
     has(rep, "comparisons", "targets", "rank", "world_size")
     has(rep["references"], "parallel_copy", "single_thread_copy", "sequential_write_fsync")
+    has(rep["references"]["parallel_write_fsync"], "best_writers", "seconds_by_writers")
+    assert set(rep["references"]["parallel_write_fsync"]["seconds_by_writers"]) == {"1", "2", "4"}
+    assert rep["methods"]["asyncckpt"]["ratio_throughput_vs_best_parallel_write"] > 0
     assert set(rep["methods"]) == {
         "asyncckpt",
         "torch.save",
