@@ -124,7 +124,7 @@ def which_step_to_load(
     )
     if newest is not None and newest > step:
         missing = [r for r in range(world_size) if newest not in gettable[r]]
-        why = f"step {newest} is not on rank(s) {missing}' disks nor replicated on a peer"
+        why = f"step {newest} is neither on the disks of rank(s) {missing} nor replicated"
         return LoadChoice(step, fetch, True, f"{why}: every rank loads step {step} ({where})")
     return LoadChoice(step, fetch, False, f"every rank loads step {step} ({where})")
 

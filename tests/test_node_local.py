@@ -100,7 +100,7 @@ def test_no_replica_falls_back_to_the_newest_disk_step_every_rank_has_and_says_s
     # Both nodes lost their workers (or replicas=0): node 0 wrote step 3, node 1 only has 1.
     choice = which_step_to_load({0: [1, 3], 1: [1, 3], 2: [1], 3: [1]}, {}, 4)
     assert (choice.step, choice.fetch, choice.fell_back) == (1, {}, True)
-    assert "step 3 is not on rank(s) [2, 3]" in choice.reason
+    assert "step 3 is neither on the disks of rank(s) [2, 3] nor replicated" in choice.reason
     assert "every rank loads step 1" in choice.reason
 
 
