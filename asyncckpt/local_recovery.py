@@ -167,8 +167,13 @@ class ReplicaServer:
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
                     _send_obj(sock, ("missing", f"{where}: {e}"))
                     return
+                files = manifest.get("files", {})
+                short = check_files(where, {"files": files}, quick=True)  # sizes only
+                if short:  # said at once: the asking rank would wait for bytes never sent
+                    _send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
+                    return
                 _send_obj(sock, ("manifest", manifest))
-                for rel in manifest.get("files", {}):
+                for rel in files:
                     with open(where / rel, "rb") as f:
                         sock.sendfile(f)
                 self.served += 1
@@ -188,6 +193,10 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
     with socket.create_connection(address, timeout=60.0) as sock:
         _send_obj(sock, ("get", rank, step))
         answer = _recv_obj(sock)
+        if answer[0] == "damaged":
+            raise OSError(
+                f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
+            )
         if answer[0] != "manifest":
             raise FileNotFoundError(f"no replica of rank {rank}'s step {step}: {answer[1]}")
         manifest: dict[str, Any] = answer[1]

@@ -180,7 +180,11 @@ def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
             _fetch_into(node1, server, 2, 3)
         with pytest.raises(FileNotFoundError, match="no replica of rank 3's step 3"):
             _fetch_into(node1, server, 3, 3)
+        shard.write_bytes(bytes(data[: len(data) // 2]))  # shorter than its manifest says
+        with pytest.raises(OSError, match="is damaged: .*distcp"):
+            _fetch_into(node1, server, 2, 3)
     finally:
         server.close()
+    assert server.served == 1  # the changed byte went out: the fetching rank caught it
     assert L.read_tracker(node1) is None
     assert sorted(p.name for p in node1.iterdir() if not p.name.startswith(".asyncckpt")) == []
