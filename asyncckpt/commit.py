@@ -28,6 +28,7 @@ log = logging.getLogger("asyncckpt.commit")
 
 __all__ = [
     "commit_step",
+    "every_rank_wrote",
     "finish_commit",
     "new_token",
     "publish",
@@ -105,6 +106,30 @@ def commit_step(
     write_manifest(tmp_dir, manifest)
     publish(store, tmp_dir, final_dir.name)
     write_tracker(store, layout, step)
+
+
+def every_rank_wrote(tmp_dir: Path, written: list[dict]) -> None:
+    """Rank 0, before it commits: the files the other ranks say they wrote (``written``: each
+    rank's names, relative to the temporary) reached ``tmp_dir``. A root on each node's own
+    disk (``Distributed(storage="local")``) holds none of the other nodes' files: a commit
+    there would name a checkpoint nobody can load, so it fails the save on every rank.
+    (None of a rank's files, not any: a name can be a temporary the format renamed since.)"""
+    absent = [
+        (r, sorted(names))
+        for r, names in enumerate(written)
+        if r != 0 and names and not any((tmp_dir / n).is_file() for n in names)
+    ]
+    if not absent:
+        return
+    few = "; ".join(
+        f"rank {r}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}" for r, n in absent
+    )
+    raise FileNotFoundError(
+        f"rank 0's root {tmp_dir.parent} has none of the files other ranks wrote ({few}): "
+        "their root is another disk (node-local storage). Committing one checkpoint across "
+        "node-local roots is not supported yet: save to one root every rank writes "
+        '(Distributed(storage="shared"))'
+    )
 
 
 def rename_into_place(tmp_dir: Path, final_dir: Path) -> None:

@@ -107,7 +107,8 @@ def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
     if opts.distributed.storage != "shared":
         raise ValueError(
             "memory=MemoryTier(replicas=1) recovers onto one root every node writes: "
-            'Distributed(storage="local") with replicas is not supported yet'
+            'Distributed(storage="local") with replicas is not supported yet (one checkpoint '
+            "across node-local roots is not committed yet; docs/how-to/node-loss.md)"
         )
     node, per = ranks.node.node_rank, ranks.node.ranks_per_node
     return ReplicaConfig(

@@ -26,7 +26,7 @@ import torch
 from . import faults
 from . import layout as _layout
 from . import messages as M
-from .commit import commit_step
+from .commit import commit_step, every_rank_wrote
 from .differential import LinkSource, save_figures
 from .formats.dcp import Serialized
 from .hot_serve import Written
@@ -448,6 +448,7 @@ class Worker:
         extra = {} if cfg is None else {"world_size": cfg.world_size, "dist_token": cfg.token}
         where = "" if cfg is None else "rank 0 ({}): "
         try:
+            every_rank_wrote(tmp, [crcs for _, crcs, _ in results])  # node-local roots: not yet
             stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
         except BaseException as e:  # noqa: BLE001 - reported on every rank
             info = error_info(e)

@@ -1,0 +1,245 @@
+"""Recovery on node-local storage (``Distributed(storage="local")`` with
+``MemoryTier(replicas=1)``): which step every rank loads, and how the ranks of a replacement
+node fetch their files from the peer that holds their replica. The design is in
+docs/how-to/node-loss.md; this module holds its two pieces that stand alone.
+
+What a checkpoint is on node-local storage: every node's root is its own disk and holds, for
+step ``s``, a committed step directory with the files *its* ranks wrote and a manifest over
+them. Step ``s`` is a checkpoint of the run when every rank can get its files of ``s``: from
+its own node's root, or from the replica of them a peer holds. (Committing one step across
+node-local roots is not built yet: until it is, rank 0 refuses to commit a step whose files it
+does not hold, ``commit.every_rank_wrote``.)
+
+Where a replica lives after the trainers died: the holder's worker persists it into *its own
+node's* root, under ``.asyncckpt-replicas/rank<r>/<step dir>/`` (files and a manifest, renamed
+into place whole; never a checkpoint of that node: no scan lists it, no pruning touches it).
+Not served from the holder's memory: a worker lives as long as its trainer (and
+``hold_seconds`` after it at most); the replacement node may take minutes to come, the
+holder's own trainer restarts meanwhile, and its new worker starts with empty memory. The
+node's disk survives that restart, the bytes are written once at the trainers' death (never
+in steady state), and a node holds them only while its peer may need them.
+
+Which step every rank loads (``which_step_to_load``): the newest step every rank can get, each
+rank from its own disk if it has it there, else from its replica; never a mix of steps. If no
+such step is newer than what every rank has on its own disk, that disk step, and the choice
+says so (``LoadChoice.reason``). If no step can be had by every rank, none (the engine must
+refuse to start some ranks fresh while others resume).
+
+The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder's worker
+serves its node's replica directories over TCP (the side channel replication.py uses: its
+address in the side store); a replacement rank asks for (rank, step), receives the manifest
+and then every file it lists into a temporary of its own root, and checks every checksum
+before anything is kept. Its node's files are committed with the usual commit (manifest,
+rename, tracker) once every rank of the node fetched: a cut connection or a wrong byte leaves
+nothing committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import layout as _layout
+from .commit import commit_step
+from .manifest import check_files, read_manifest
+from .replication import _listen, _recv_into, _recv_obj, _send_obj
+from .storage.localfs import fsync_dir, fsync_file, makedirs
+
+log = logging.getLogger("asyncckpt")
+
+#: Under a node's root: the replicas its workers hold for peers of other nodes.
+REPLICAS_DIR = ".asyncckpt-replicas"
+#: Bytes read and sent per piece.
+CHUNK = 8 << 20
+
+
+def replica_dir(root: str | os.PathLike, layout: str, rank: int, step: int) -> Path:
+    """Where a node's root keeps its replica of ``rank``'s files of ``step``."""
+    return Path(root) / REPLICAS_DIR / f"rank{rank}" / _layout.dir_name(layout, step)
+
+
+def held_replicas(root: str | os.PathLike, layout: str) -> dict[int, list[int]]:
+    """The replicas a node's root holds whole (a manifest in place): rank -> steps."""
+    out: dict[int, list[int]] = {}
+    base = Path(root) / REPLICAS_DIR
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(os.scandir(base), key=lambda e: e.name):
+            if not (entry.name.startswith("rank") and entry.name[4:].isdigit()):
+                continue
+            steps = [c.step for c in _layout.scan(entry.path, layout)]
+            if steps:
+                out[int(entry.name[4:])] = steps
+    return out
+
+
+# ------------------------------------------------------------------ which step to load
+
+
+@dataclass(frozen=True)
+class LoadChoice:
+    """The step every rank loads (None: no step every rank can get), which ranks fetch it
+    from a replica (rank -> the rank whose node holds it), and why, in one line for the log
+    and the load report. ``fell_back``: a newer step exists somewhere but not for every rank."""
+
+    step: int | None
+    fetch: dict[int, int] = field(default_factory=dict)
+    fell_back: bool = False
+    reason: str = ""
+
+
+def which_step_to_load(
+    on_disk: Mapping[int, Iterable[int]],
+    replicas: Mapping[int, tuple[int, Iterable[int]]],
+    world_size: int,
+) -> LoadChoice:
+    """``on_disk``: each rank's committed steps on its own node's root; ``replicas``: rank ->
+    (the rank holding its replica, the steps held). A rank's own disk wins over its replica."""
+    own = {r: set(on_disk.get(r, ())) for r in range(world_size)}
+    rep = {r: set(replicas[r][1]) if r in replicas else set() for r in range(world_size)}
+    gettable = [own[r] | rep[r] for r in range(world_size)]
+    common = set.intersection(*gettable) if gettable else set()
+    seen = set().union(*gettable) if gettable else set()
+    newest = max(seen, default=None)
+    if not common:
+        lacking = [r for r in range(world_size) if not gettable[r]]
+        why = (
+            f"rank(s) {lacking} have no step on their node's disk and no replica on a peer"
+            if lacking
+            else "no step is on every rank's disk or replica"
+        )
+        return LoadChoice(None, {}, newest is not None, f"no step every rank can load: {why}")
+    step = max(common)
+    fetch = {r: replicas[r][0] for r in range(world_size) if step not in own[r]}
+    where = (
+        f"ranks {sorted(fetch)} from their replicas on a peer, the others from their own disk"
+        if fetch
+        else "every rank from its own disk"
+    )
+    if newest is not None and newest > step:
+        missing = [r for r in range(world_size) if newest not in gettable[r]]
+        why = f"step {newest} is neither on the disks of rank(s) {missing} nor replicated"
+        return LoadChoice(step, fetch, True, f"{why}: every rank loads step {step} ({where})")
+    return LoadChoice(step, fetch, False, f"every rank loads step {step} ({where})")
+
+
+# ------------------------------------------------------------------ the fetch
+
+
+class ReplicaServer:
+    """A worker's listener serving its node's replica directories (``replica_dir``) to the
+    ranks of a replacement node: the manifest, then every file it lists, in its order."""
+
+    def __init__(self, root: str | os.PathLike, layout: str) -> None:
+        self.root = Path(root)
+        self.layout = layout
+        self.listener = _listen()
+        self.served = 0  # replicas sent whole (tests, the log)
+        threading.Thread(target=self._serve, name="asyncckpt-replica-serve", daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.getsockname()[1])
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                kind, rank, step = _recv_obj(sock)
+                if kind != "get" or not isinstance(rank, int) or not isinstance(step, int):
+                    return  # (never a path from the wire)
+                where = replica_dir(self.root, self.layout, rank, step)
+                try:
+                    manifest = read_manifest(where)
+                except Exception as e:  # noqa: BLE001 - told to the asking rank
+                    _send_obj(sock, ("missing", f"{where}: {e}"))
+                    return
+                files = manifest.get("files", {})
+                short = check_files(where, {"files": files}, quick=True)  # sizes only
+                if short:  # said at once: the asking rank would wait for bytes never sent
+                    _send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
+                    return
+                _send_obj(sock, ("manifest", manifest))
+                for rel in files:
+                    with open(where / rel, "rb") as f:
+                        sock.sendfile(f)
+                self.served += 1
+            except (EOFError, OSError, ValueError) as e:
+                log.warning("serving a replica failed: %s", e)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.close()
+
+
+def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) -> dict[str, Any]:
+    """Rank ``rank``'s files of ``step`` from the peer serving them at ``address``, written
+    into the temporary ``into`` and made durable; returns their manifest, every file checked
+    against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
+    them, the connection is cut, or a byte differs."""
+    with socket.create_connection(address, timeout=60.0) as sock:
+        _send_obj(sock, ("get", rank, step))
+        answer = _recv_obj(sock)
+        if answer[0] == "damaged":
+            raise OSError(
+                f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
+            )
+        if answer[0] != "manifest":
+            raise FileNotFoundError(f"no replica of rank {rank}'s step {step}: {answer[1]}")
+        manifest: dict[str, Any] = answer[1]
+        for rel, entry in manifest.get("files", {}).items():
+            path = into / rel
+            makedirs(path.parent)  # inside the temporary: its seal makes the names durable
+            with open(path, "wb") as f:
+                left = int(entry["size"])
+                buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
+                while left:
+                    n = min(left, len(buf))
+                    _recv_into(sock, buf[:n])
+                    f.write(buf[:n])
+                    left -= n
+            fsync_file(path)
+    problems = check_files(into, manifest)
+    if problems:
+        raise OSError(f"rank {rank}'s step {step} fetched with errors: {'; '.join(problems)}")
+    fsync_dir(into)
+    return manifest
+
+
+def commit_fetched(
+    root: Path, layout: str, step: int, tmp: Path, manifests: Iterable[dict[str, Any]]
+) -> Path:
+    """Commit a node's fetched files of ``step`` in ``tmp`` (each of its ranks' replicas,
+    ``manifests``, already checked): one manifest over all of them (the first one's other
+    fields), rename, tracker (forward only): the usual commit."""
+    import time
+
+    manifests = list(manifests)
+    if not manifests or any(m.get("step") != step for m in manifests):
+        raise ValueError(f"replicas of other steps than {step} cannot be committed as it")
+    files: dict[str, Any] = {}
+    for m in manifests:
+        files.update(m.get("files", {}))
+    manifest = {
+        **manifests[0],
+        "committed_at": time.time(),
+        "bytes": sum(int(f["size"]) for f in files.values()),
+        "files": files,
+        "fetched_from_replica": True,
+    }
+    final = root / _layout.dir_name(layout, step)
+    commit_step(root, layout, step, tmp, final, manifest)
+    return final

@@ -1,0 +1,190 @@
+"""Node-local storage (``Distributed(storage="local")``): each node's root is its own disk.
+
+On main a save across two node-local roots "committed" on rank 0's root with only node 0's
+files in it (node 1's stayed in a temporary its next start deletes): a checkpoint nobody could
+load. Until one checkpoint spans node-local roots (docs/how-to/node-loss.md), rank 0 refuses
+to commit a step whose files it does not hold, and the save fails on every rank, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from statecmp import assert_same
+
+from asyncckpt import SyncCheckpointEngine, verify
+from asyncckpt import layout as L
+from asyncckpt.commit import every_rank_wrote
+from asyncckpt.local_recovery import (
+    ReplicaServer,
+    commit_fetched,
+    fetch_replica,
+    held_replicas,
+    replica_dir,
+    which_step_to_load,
+)
+from asyncckpt.storage.local import LocalStore
+
+TRAINER = """
+import sys
+import torch, torch.distributed as dist
+from asyncckpt import Distributed, SyncCheckpointEngine
+rank, base = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(base + "/store", 2), rank=rank, world_size=2)
+state = {"model": {f"r{rank}.w": torch.full((1000,), float(rank))}}
+with SyncCheckpointEngine(
+    f"{base}/node{rank}", keep=None, distributed=Distributed(timeout=60, storage="local")
+) as engine:
+    try:
+        engine.save(1, state).committed_sync(120)
+        print("committed", flush=True)
+    except Exception as e:
+        print("failed:", e, flush=True)
+"""
+
+
+def test_every_rank_wrote_names_the_missing_files(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "__1_0.distcp").write_bytes(b"x")
+    # Rank 0's own names, and one renamed since (a format's temporary): no error.
+    every_rank_wrote(tmp_path, [{".metadata.tmp": (1, 1)}, {"__1_0.distcp": (1, 1), "x.tmp": 0}])
+    with pytest.raises(FileNotFoundError, match=r"rank 2: __2_0\.distcp.*node-local"):
+        every_rank_wrote(tmp_path, [{}, {"__1_0.distcp": (1, 1)}, {"__2_0.distcp": (2, 1)}])
+
+
+@pytest.mark.integration
+def test_a_save_across_node_local_roots_fails_instead_of_committing_a_part(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    procs = []
+    for r in (0, 1):  # two "nodes" of one rank each, each with its own root
+        env = dict(os.environ, GROUP_RANK=str(r), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(r), str(tmp_path)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    outs = [p.communicate(timeout=240) for p in procs]
+    said = [o for o, _ in outs]
+    assert all("failed:" in s and "node-local" in s for s in said), outs
+    assert L.read_tracker(tmp_path / "node0") is None  # nothing half-committed on node 0
+    assert not (tmp_path / "node0" / "global_step_1").exists()
+
+
+# ------------------------------------------------------------------ which step every rank loads
+
+
+def test_the_replacement_node_loads_the_newest_step_from_its_replicas():
+    # Node 1 (ranks 2, 3) replaced with empty disks; node 0 wrote its step 3 and holds the
+    # replicas of ranks 2 and 3 (ranks 0 and 1 hold them).
+    choice = which_step_to_load({0: [1, 3], 1: [1, 3]}, {2: (0, [3]), 3: (1, [3])}, 4)
+    assert (choice.step, choice.fetch, choice.fell_back) == (3, {2: 0, 3: 1}, False)
+    assert "ranks [2, 3] from their replicas" in choice.reason
+
+
+def test_own_disk_wins_over_a_replica():
+    choice = which_step_to_load({0: [3], 1: [3]}, {1: (0, [3])}, 2)
+    assert (choice.step, choice.fetch) == (3, {})
+
+
+def test_no_replica_falls_back_to_the_newest_disk_step_every_rank_has_and_says_so():
+    # Both nodes lost their workers (or replicas=0): node 0 wrote step 3, node 1 only has 1.
+    choice = which_step_to_load({0: [1, 3], 1: [1, 3], 2: [1], 3: [1]}, {}, 4)
+    assert (choice.step, choice.fetch, choice.fell_back) == (1, {}, True)
+    assert "step 3 is neither on the disks of rank(s) [2, 3] nor replicated" in choice.reason
+    assert "every rank loads step 1" in choice.reason
+
+
+def test_never_a_mix_of_steps():
+    # Rank 0 has 2 on disk, rank 1 only a replica of 3: step 1 is the newest both can get.
+    choice = which_step_to_load({0: [1, 2], 1: [1]}, {1: (0, [3])}, 2)
+    assert (choice.step, choice.fetch, choice.fell_back) == (1, {}, True)
+
+
+def test_a_replacement_with_no_replica_anywhere_gets_no_step():
+    choice = which_step_to_load({0: [1, 3], 1: [1, 3]}, {}, 4)
+    assert choice.step is None and choice.fell_back
+    assert "rank(s) [2, 3] have no step" in choice.reason
+
+
+# ------------------------------------------------------------------ the fetch from the peer
+
+
+def _replica_of_rank(tmp_path: Path, rank: int, step: int) -> tuple[Path, dict]:
+    """A node root holding rank ``rank``'s files of ``step`` as a replica (a one-rank save of
+    that rank's state, moved under the replica directory)."""
+    from test_flush_on_death_multirank import state
+
+    made = tmp_path / "made"
+    with SyncCheckpointEngine(made, keep=None) as engine:
+        engine.save(step, state(rank, step)).committed_sync(60)
+    node0 = tmp_path / "node0"
+    where = replica_dir(node0, "global_step", rank, step)
+    where.parent.mkdir(parents=True)
+    (made / L.dir_name("global_step", step)).rename(where)
+    return node0, state(rank, step)
+
+
+def _fetch_into(root: Path, server: ReplicaServer, rank: int, step: int) -> Path:
+    tmp = LocalStore(root).stage(L.dir_name("global_step", step), "fetch")
+    try:
+        manifest = fetch_replica(("127.0.0.1", server.port), rank, step, tmp)
+    except BaseException:
+        LocalStore(root).discard(tmp)
+        raise
+    return commit_fetched(root, "global_step", step, tmp, [manifest])
+
+
+def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
+    node0, want = _replica_of_rank(tmp_path, 2, 3)
+    assert held_replicas(node0, "global_step") == {2: [3]}
+    node1 = tmp_path / "node1"  # the replacement: an empty disk
+    node1.mkdir()
+    server = ReplicaServer(node0, "global_step")
+    try:
+        final = _fetch_into(node1, server, 2, 3)
+    finally:
+        server.close()
+    assert server.served == 1
+    assert L.read_tracker(node1) == 3 and final == node1 / "global_step_3"
+    with SyncCheckpointEngine(node1, keep=None) as engine:
+        target = {
+            "model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+            "step": 0,
+        }
+        assert engine.load_latest(target) == 3
+    assert_same(target, want)
+    assert verify(node1).ok
+
+
+def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
+    node0, _ = _replica_of_rank(tmp_path, 2, 3)
+    shard = next(replica_dir(node0, "global_step", 2, 3).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    server = ReplicaServer(node0, "global_step")
+    try:
+        with pytest.raises(OSError, match="fetched with errors"):
+            _fetch_into(node1, server, 2, 3)
+        with pytest.raises(FileNotFoundError, match="no replica of rank 3's step 3"):
+            _fetch_into(node1, server, 3, 3)
+        shard.write_bytes(bytes(data[: len(data) // 2]))  # shorter than its manifest says
+        with pytest.raises(OSError, match="is damaged: .*distcp"):
+            _fetch_into(node1, server, 2, 3)
+    finally:
+        server.close()
+    assert server.served == 1  # the changed byte went out: the fetching rank caught it
+    assert L.read_tracker(node1) is None
+    assert sorted(p.name for p in node1.iterdir() if not p.name.startswith(".asyncckpt")) == []
