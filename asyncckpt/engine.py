@@ -310,6 +310,7 @@ class EngineParts:
             # first upload after steps have committed locally.
             self.remote.open().probe()
         self.lock_fd = lock_root(self.root, rank, self.opts.write_timeout)
+        self.restorer.root_locked = True  # lock_root waited for an orphaned worker
         if rank != 0:
             return
         removed = clean_leftovers(self.root)

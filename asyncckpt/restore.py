@@ -37,6 +37,7 @@ from .loadcheck import LoadReport, Vanished
 from .manifest import check_files, read_manifest
 from .retention import CheckpointInfo
 from .storage import RemoteTier
+from .supervisor import wait_for_orphaned_workers
 
 _deferred = threading.local()
 
@@ -126,6 +127,7 @@ class Restorer:
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot.py).
         self.hot = HotResume(root, rank, world_size)
+        self.root_locked = False  # the engine started: lock_root waited for an orphan
 
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
@@ -279,34 +281,6 @@ class Restorer:
         )  # fmt: skip
         dcp.merge_into(part.state, restrict(sub, like))
 
-    def _check_root(self) -> bool:
-        """False when the root does not exist (a fresh run: said at INFO, no warning); raise
-        when it is not a root at all."""
-        root = self.root
-        if not root.exists():
-            log.info(
-                "checkpoint root %s does not exist: nothing to load, starting from scratch "
-                "(check the path if a checkpoint was expected)",
-                root.absolute(),
-            )
-            return False
-        if not root.is_dir():
-            raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
-        looks_like_one = any(
-            _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
-        )
-        if (
-            (root / _layout.DCP_METADATA).exists()
-            or (root / _layout.MANIFEST).exists()
-            # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
-            or (looks_like_one and any(root.iterdir()) and not self.committed())
-        ):
-            raise NotACheckpointRoot(
-                f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
-                f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
-            )
-        return True
-
     def _check_other_layout(self) -> None:
         """No checkpoint of our layout: refuse a root that holds the other layout's."""
         for other in _layout.LAYOUTS:
@@ -339,12 +313,13 @@ class Restorer:
             )
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
+        _settle_orphans(self.root, self.root_locked)
         with self.hot.session():  # a surviving worker's offer, asked for and let go
             return self._load_latest(state, strict)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
         remote = self._remote_only() if self.remote is not None else {}
-        if not remote and not self._check_root():
+        if not remote and not _check_root(self.root, self.layout):
             return None
         errors: list[str] = []
         tried: set[Path] = set()
@@ -496,6 +471,7 @@ class Restorer:
     ) -> int:
         if (step is None) == (path is None):
             raise ValueError("pass exactly one of step= or path=")
+        _settle_orphans(self.root, self.root_locked)
         if path is not None:
             directory = Path(path)
             if not directory.is_dir():
@@ -535,6 +511,43 @@ class Restorer:
         from .prune import list_checkpoints
 
         return list_checkpoints(self.root, self.layout)
+
+
+def _settle_orphans(root: Path, started: bool) -> None:
+    """A read before the engine started (the README's order: ``load_latest``, then enter the
+    engine) waits, as the start would (``supervisor.lock_root``), for a worker a killed
+    trainer left committing the saves it staged; else it resumes an older step than the one
+    that commits."""
+    if not started and root.is_dir():
+        wait_for_orphaned_workers(root)
+
+
+def _check_root(root: Path, layout: str) -> bool:
+    """False when the root does not exist (a fresh run: said at INFO, no warning); raise
+    when it is not a root at all."""
+    if not root.exists():
+        log.info(
+            "checkpoint root %s does not exist: nothing to load, starting from scratch "
+            "(check the path if a checkpoint was expected)",
+            root.absolute(),
+        )
+        return False
+    if not root.is_dir():
+        raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")
+    looks_like_one = any(
+        _layout.parse_dir_name(lay, root.name) is not None for lay in _layout.LAYOUTS
+    )
+    if (
+        (root / _layout.DCP_METADATA).exists()
+        or (root / _layout.MANIFEST).exists()
+        # named like one, holding files but no checkpoint (a Megatron legacy dir, say)
+        or (looks_like_one and any(root.iterdir()) and not _layout.scan(root, layout))
+    ):
+        raise NotACheckpointRoot(
+            f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
+            f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
+        )
+    return True
 
 
 def _hot_verify(

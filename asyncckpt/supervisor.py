@@ -33,6 +33,9 @@ log = logging.getLogger("asyncckpt")
 #: A worker killed by a signal while it starts is replaced, this many times in a row at most.
 MAX_START_KILLS = 3
 
+#: How long ``start`` retries a rank lock held by someone else before it says the root is in
+#: use: a reader probing whether a live engine holds it lets go at once (_trainer_holds).
+LOCK_RETRY_S = 1.0
 #: How long ``start`` waits for a spawned worker to import torch and report ready.
 WORKER_START_TIMEOUT = 180.0
 
@@ -297,6 +300,10 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     except OSError as e:
         raise CheckpointError(f"checkpoint root {root} is not writable: {e}") from e
     fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
+    deadline = time.monotonic() + LOCK_RETRY_S
+    while fd is None and time.monotonic() < deadline:  # a reader's probe (_trainer_holds)
+        time.sleep(0.02)
+        fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
     if fd is None:
         raise RootLocked(
             f"another CheckpointEngine (rank {rank}) is using {root}; "
@@ -343,10 +350,24 @@ def wait_for_orphaned_workers(root: str | Path) -> None:
     store = LocalStore(Path(root))
     prefix = lock_path(root, "").name  # a holder's lock file is <prefix><holder>
     for path in sorted(Path(root).glob(prefix + "worker*")):
+        holder = path.name[len(prefix) :]
         try:
-            _wait_for_orphan(store, path.name[len(prefix) :], Path(root), None)
+            if _trainer_holds(store, "rank" + holder.removeprefix("worker")):
+                continue  # a live engine's worker, not an orphan: it may run for days
+            _wait_for_orphan(store, holder, Path(root), None)
         except PermissionError:  # a read-only root: no writer of ours can be finishing there
             log.debug("cannot check %s for a running worker (read-only)", path)
+
+
+def _trainer_holds(store: Any, holder: str) -> bool:
+    """Whether a live engine holds the rank lock ``holder``. Tried by taking it and letting
+    go at once (flock has no test; a pid would not say it across nodes); an engine starting
+    in that instant retries (``lock_root``)."""
+    fd = store.lock(holder, wait=False)
+    if fd is None:
+        return True
+    unlock(fd)
+    return False
 
 
 @contextlib.contextmanager

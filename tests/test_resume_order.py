@@ -1,0 +1,43 @@
+"""A resume that reads before it starts the engine (the README's order: ``load_latest`` and then
+``async with engine``) resumes the step an orphaned worker is still committing, as a resume
+after the start does: the read waits for that worker first (invariant 12: a returned save is
+committed even if the trainer died; a read that does not wait resumes an older step)."""
+
+from __future__ import annotations
+
+import anyio
+import torch
+from statecmp import assert_same
+from test_flush_on_death import expected, gone, run_trainer
+
+from asyncckpt import CheckpointEngine, SyncCheckpointEngine
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(1 << 22), "b": torch.zeros(10, dtype=torch.int64)}
+
+
+def test_load_latest_before_start_waits_for_the_orphaned_worker(tmp_path):
+    worker = run_trainer(tmp_path, "kill", "delay:4.0")  # step 2 committed after the death
+    assert not gone(worker)
+    engine = SyncCheckpointEngine(tmp_path / "r", keep=None)
+    target = blank()
+    assert engine.load_latest(target) == 2  # not 1: the orphan's commit was waited for
+    assert_same(target, expected(2))
+    with engine:  # and the run goes on from there
+        engine.save(3, target).committed_sync()
+    assert engine.latest_step() == 3
+
+
+def test_async_load_latest_before_start_waits_too(tmp_path):
+    worker = run_trainer(tmp_path, "kill", "delay:4.0")
+    assert not gone(worker)
+
+    async def main() -> int | None:
+        engine = CheckpointEngine(tmp_path / "r", keep=None)
+        target = blank()
+        step = await engine.load_latest(target)
+        assert_same(target, expected(2))
+        return step
+
+    assert anyio.run(main) == 2
