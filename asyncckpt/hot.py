@@ -186,6 +186,7 @@ class HotResume:
         """Around one ``load_latest``: ask for the offer, and let it go after."""
         self.loads += 1
         self.voted = self.tried = False
+        self.pending = None  # (what start() checks is what the last load took)
         self.source, self.reason = ask(self.root, self.rank)
         try:
             yield self
