@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from . import layout as _layout
 from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
@@ -264,7 +266,8 @@ class HotResume:
             )
         except StateMismatch:
             raise  # the caller's mistake: the disk's copy of the step would not fit either
-        except (HotDeclined, CheckpointError, OSError) as e:
+        # DCP's CheckpointException is a BaseException; nothing went into the target yet.
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the disk, after it
             self.reason = f"step {step}, taken while its commit ran, was not applied: {e}"
             log.warning("%s; reading from disk once the commit is over", self.reason)
             src.close()
@@ -359,7 +362,6 @@ class HotResume:
 def _wait_count(store: Any, key: str, n: int, timeout: float) -> None:
     """Until the counter ``key`` reaches ``n`` (every rank has read what it needed), at most
     ``timeout`` seconds."""
-
     deadline = time.monotonic() + timeout
     while store.add(key, 0) < n and time.monotonic() < deadline:
         time.sleep(0.005)

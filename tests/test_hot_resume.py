@@ -173,6 +173,25 @@ def test_a_commit_that_fails_after_the_memory_was_taken_reaches_the_new_engine(t
     assert_same(target, state_at(1))
 
 
+def test_memory_offered_before_the_commit_that_does_not_match_waits_for_the_disk(tmp_path):
+    # A bit flipped in the arena before the early offer: the checksums the commit records
+    # catch it; the load then waits for the commit and reads step 3 from the disk, never
+    # step 1 meanwhile.
+    later = {"before_metadata": f"delay:{SLOW_COMMIT_S}", "before_hot_serve": "corrupt"}
+    run_trainer(tmp_path, "memory", hold=120, later=later)
+    root = tmp_path / "r"
+    engine = SyncCheckpointEngine(root, keep=None)
+    target = blank()
+    assert engine.load_latest(target) == 3
+    report = engine.last_load_report
+    assert report.source == "disk"
+    assert "taken while its commit ran" in report.source_reason
+    assert "did not match the manifest" in report.source_reason
+    assert_same(target, state_at(3))
+    with engine:  # nothing pending: the step came from the disk
+        pass
+
+
 def test_hot_resume_after_a_disk_save(tmp_path):
     worker = run_trainer(tmp_path, "disk", hold=120)
     step, target, report = load(tmp_path / "r")
