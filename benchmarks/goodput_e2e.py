@@ -15,12 +15,15 @@ Per strategy and kill step ``K`` (``--kills``), one run:
 2. Once it reports step ``K`` the launcher (this process) SIGKILLs it (no exit handler runs).
    Steps done = the last step it reported; the kill can land a step or two after ``K``.
 3. At once a new trainer process on the same root starts (a launcher's restart, without the
-   scheduler's delay), in the README's order: imports, its state (zeros of the same shapes),
-   the engine built, ``load_latest`` (or ``dcp.load`` of the newest directory with its
-   ``.metadata``), the engine entered (no ``prepare``: it would wait for the new worker's
-   start; the first save allocates), one training step. It reports each stage's end (wall
-   clock), and afterwards checks the state it resumed bit for bit against the step it says
-   it resumed (the initial state plus that many steps' changes).
+   scheduler's delay): imports, its state (zeros of the same shapes), the engine built and
+   entered (which waits for the old worker to finish what it had staged), ``load_latest``
+   (or ``dcp.load`` of the newest directory with its ``.metadata``), one training step (no
+   ``prepare``: it would wait for the new worker's start; the first save allocates). It
+   reports each stage's end (wall clock), and afterwards checks the state it resumed bit for
+   bit against the step it says it resumed (the initial state plus that many steps' changes).
+   ``--load-before-start``: ``load_latest`` before entering the engine (the README's order);
+   it does not wait for the old worker, so it can resume an older step than the one the old
+   worker is still persisting (measured: see benchmarks/README.md).
 
 Strategies: ``disk`` (asyncckpt, ``save_every_steps=--disk-every``); ``memory`` (the memory
 tier: ``memory_every_steps=--memory-every`` + disk every ``--disk-every``; a new engine waits
@@ -32,8 +35,8 @@ the previous; the restart loads with ``dcp.load``: the baseline).
 
 Measured per run: ``restart_s`` = kill -> first step after resume done, split into
 ``start_s`` (process start + engine start: kill -> interpreter up, torch imported, state
-built, engine built; plus entering it after the load; ``process_s``: its part up to the state
-built), ``load_s`` (``load_latest`` / ``dcp.load``, any wait for the old worker included) and
+built, engine built and entered, the wait for the old worker included; ``process_s``: its
+part up to the state built), ``load_s`` (``load_latest`` / ``dcp.load``) and
 ``first_step_s``; ``steps_lost`` = steps done - step resumed; ``step_s``: the first run's
 mean step time (compute + saving overhead); ``source``: where the load read from.
 
@@ -168,9 +171,10 @@ def newest_dcp(root: Path) -> tuple[int, Path] | None:
 
 
 def resume(args: argparse.Namespace) -> None:
-    """The restarted trainer, in the README's order: the engine built, ``load_latest``, the
-    engine entered, one step; then the check (outside the timings). No ``prepare``: it would
-    wait for the new worker's start before the first step (the first save allocates)."""
+    """The restarted trainer: the engine built and entered, ``load_latest``, one step; then
+    the check (outside the timings). No ``prepare``: it would wait for the new worker's start
+    before the first step (the first save allocates). ``--load-before-start``: the README's
+    order instead (``load_latest`` before entering), which does not wait for the old worker."""
     torch.set_num_threads(1)
     state = blank_state(args.state_mb)
     say("up")
@@ -179,6 +183,8 @@ def resume(args: argparse.Namespace) -> None:
         import torch.distributed.checkpoint as dcp
     else:
         engine = make_engine(args)
+        if not args.load_before_start:
+            engine.__enter__()  # waits for the old worker to finish what it had staged
     say("engine")
     source = "disk"
     if engine is None:
@@ -191,7 +197,7 @@ def resume(args: argparse.Namespace) -> None:
         step = engine.load_latest(state)
         source = engine.last_load_report.source if step is not None else "none"
     say("loaded", step=step, source=source)
-    if engine is not None:
+    if engine is not None and args.load_before_start:
         engine.__enter__()
     say("started")
     resumed = step or 0
@@ -229,6 +235,8 @@ def child_cmd(args: argparse.Namespace, strategy: str, root: Path, phase: str) -
     cmd = [sys.executable, __file__, f"--{phase}", strategy, "--root", str(root)]
     for k in ("state_mb", "step_ms", "disk_every", "memory_every", "hold"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.load_before_start:
+        cmd.append("--load-before-start")
     return cmd
 
 
@@ -279,7 +287,8 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
         "source": ev["loaded"]["source"],
         "bit_for_bit": ev["checked"]["bit_for_bit"],
         "step_s": statistics.fmean(s["wall"] for s in steps),
-        # kill -> trainer up (imports, state), engine built; + the engine entered after load
+        # kill -> trainer up (imports, state), engine built and entered (entered after the
+        # load with --load-before-start)
         "start_s": ev["engine"]["t"] - killed_at + ev["started"]["t"] - ev["loaded"]["t"],
         "process_s": ev["up"]["t"] - killed_at,  # of start_s: up to the state built
         "load_s": ev["loaded"]["t"] - ev["engine"]["t"],
@@ -357,6 +366,7 @@ def main(args: argparse.Namespace) -> None:
         "memory_every": args.memory_every,
         "hold_s": args.hold,
         "fail_every_min": args.minutes,
+        "load_before_start": args.load_before_start,
         "load_average": os.getloadavg(),
         "rows": rows,
         "runs": runs,
@@ -401,6 +411,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--fail-every-min", default="5,30,120", help="e2e: M, minutes per failure")
     ap.add_argument("--plot", action="store_true", help="e2e: goodput_e2e.png")
+    ap.add_argument(
+        "--load-before-start",
+        action="store_true",
+        help="e2e: the restart calls load_latest before entering the engine",
+    )
 
 
 def child_main() -> None:
