@@ -195,7 +195,11 @@ def resume(args: argparse.Namespace) -> None:
             dcp.load(state, checkpoint_id=str(newest[1]))
     else:
         step = engine.load_latest(state)
-        source = engine.last_load_report.source if step is not None else "none"
+        source = engine.last_load_report.source if step is not None else "disk"
+    if step is None:  # nothing to resume: the run starts again from its initial state
+        for k, v in initial_state(args.state_mb)["model"].items():
+            state["model"][k].copy_(v)
+        source = "none"
     say("loaded", step=step, source=source)
     if engine is not None and args.load_before_start:
         engine.__enter__()
