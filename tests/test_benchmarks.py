@@ -273,7 +273,7 @@ def test_goodput_e2e_kills_a_real_trainer_and_restarts_it(tmp_path):
         assert all(0 <= g <= 1 for g in row["goodput"].values()), row
         (run,) = rep["runs"][name]
         done, resumed = run["steps_done"], run["resumed_step"]
-        assert done >= 37 and run["steps_lost"] == done - resumed
+        assert done >= 37 and run["steps_lost"] == done - (resumed or 0)
         assert run["bit_for_bit"], run
         # The split adds up to the whole way back.
         parts = run["start_s"] + run["load_s"] + run["first_step_s"]
@@ -282,8 +282,8 @@ def test_goodput_e2e_kills_a_real_trainer_and_restarts_it(tmp_path):
     assert runs["disk"]["resumed_step"] == runs["disk"]["steps_done"] // 20 * 20
     for name in ("memory", "memory+hot"):
         assert runs[name]["resumed_step"] == runs[name]["steps_done"] // 5 * 5
-    dcp = runs["dcp.async_save"]  # its last save may not have finished at the kill
-    assert dcp["resumed_step"] % 20 == 0 and dcp["resumed_step"] <= dcp["steps_done"]
+    dcp = runs["dcp.async_save"]  # its last saves may not have finished at the kill
+    assert (dcp["resumed_step"] or 0) % 20 == 0 and (dcp["resumed_step"] or 0) <= dcp["steps_done"]
     assert [runs[n]["source"] for n in ("disk", "memory", "memory+hot")] == [
         "disk",
         "disk",
