@@ -27,6 +27,13 @@ from another run). Whether the last memory save's replica was held at the kill i
 (``replicated_at_kill``): the kill does not wait for it (``--settle`` seconds after the last
 step, 0 unless ``--quick``, whose steps take a millisecond).
 
+End to end (``--e2e``, ``goodput_e2e.py``, its docstring has the model): a real trainer process
+is SIGKILLed and a new process restarts on the same root; per strategy (disk; memory tier;
+memory tier + hot resume; ``dcp.async_save`` + ``dcp.load``) the time from the kill to the
+first step after resume (process + engine start, the load, the first step), the steps lost,
+and the goodput of a run with a failure every ``M`` minutes (``--fail-every-min``; ``--plot``).
+Its defaults: ``--state-mb 256 --step-ms 100 --kills 62,87 --disk-every 50 --memory-every 5``.
+
 ``python benchmarks/goodput.py [--state-mb 64 --matmul 1024 --kills 155,283 --disk-every 100
 --memory-every 10 --node-kill 155]``; ``--quick`` for the tests (without the node-loss rows
 unless ``--node-kill`` is given; ``--node-kill 0`` leaves them out). Writes
