@@ -311,6 +311,12 @@ class EngineParts:
             self.remote.open().probe()
         self.lock_fd = lock_root(self.root, rank, self.opts.write_timeout)
         self.restorer.root_locked = True  # lock_root waited for an orphaned worker
+        try:  # a step loaded while the earlier worker committed it: committed? (hot.py)
+            self.restorer.hot.check_committed(self.layout)
+        except BaseException:
+            os.close(self.lock_fd)  # not started: the root is not ours
+            self.lock_fd = None
+            raise
         if rank != 0:
             return
         removed = clean_leftovers(self.root)

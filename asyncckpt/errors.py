@@ -101,3 +101,8 @@ class StateMismatch(CheckpointError, ValueError):
 class NotACheckpointRoot(CheckpointError, ValueError):
     """The path given as a checkpoint root is not one (a checkpoint directory, a file, or a root
     of the other layout)."""
+
+
+class UncommittedResume(CheckpointError):
+    """A step loaded from a surviving worker's memory while that worker committed it did not
+    commit (or committed other bytes): raised by the engine's ``start()``."""

@@ -21,6 +21,7 @@ plan). The leaves come out in the recorded order, which is also the staging aren
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,9 @@ import torch
 
 from .staging import FlatState, _is_terminal, flatten_state, is_stateful
 
+#: Containers whose ``values()`` (iteration, for a list) are what indexing them by their keys
+#: in order gives: a replay takes a whole one's tensors in one pass.
+_PLAIN = (dict, OrderedDict, list)
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
 
@@ -54,6 +58,7 @@ class FlattenPlan:
     object_fqns: list[str]
     paths: dict[str, list]
     _key: tuple | None = None
+    _groups: list[tuple[int, bool, list]] | None = None
 
     @classmethod
     def record(cls, state: Any) -> tuple[FlatState, FlattenPlan | None]:
@@ -104,7 +109,11 @@ class FlattenPlan:
             object_fqns=list(flat.objects),
             paths=flat.paths,
         )
-        plan.key  # noqa: B018 - computed now (in prepare, say), not in the first save's stall
+        # Computed now (in prepare, say), not in the first save's stall, and handed out with
+        # this flattening too: the slot laid out for it keeps this very key object, so every
+        # replay's key is found by identity (``same_key``), not by walking 20,000 entries.
+        flat.key = plan.key
+        plan.groups  # noqa: B018 - made now too, not in the first replay
         return flat, plan
 
     def replay(self, state: Any) -> FlatState | None:
@@ -126,7 +135,15 @@ class FlattenPlan:
                 conts.append(child)
             if [len(c) for c in conts] != self.lengths:
                 return None
-            tensors = [conts[c][k] for c, k in self.tensor_refs]
+            tensors: list[Any] = []
+            for c, whole, keys in self.groups:
+                cont = conts[c]
+                # A plain dict (list) holding only these tensors, in this order: its values
+                # in one C-level pass, not a lookup per key. Keys reordered: one by one.
+                if whole and (types[c] is list or list(cont) == keys):
+                    tensors.extend(cont if types[c] is list else cont.values())
+                else:
+                    tensors.extend([cont[k] for k in keys])
             objects = [conts[c][k] for c, k in self.object_refs]
         except (KeyError, IndexError, TypeError):
             return None
@@ -151,6 +168,23 @@ class FlattenPlan:
             self.paths,
             key=self.key,
         )
+
+    @property
+    def groups(self) -> list[tuple[int, bool, list]]:
+        """``tensor_refs`` as runs of one container: (container index, whether the run is the
+        whole of a plain dict or list, the keys in order)."""
+        if self._groups is None:
+            groups: list[tuple[int, bool, list]] = []
+            for c, k in self.tensor_refs:
+                if groups and groups[-1][0] == c:
+                    groups[-1][2].append(k)
+                else:
+                    groups.append((c, False, [k]))
+            self._groups = [
+                (c, self.container_types[c] in _PLAIN and len(keys) == self.lengths[c], keys)
+                for c, _, keys in groups
+            ]
+        return self._groups
 
     @property
     def key(self) -> tuple:

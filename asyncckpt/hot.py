@@ -15,6 +15,15 @@ taken (``source``) and why not the other (``source_reason``):
 * a format or a part the memory does not cover (components, another format than DCP);
 * its bytes do not match the manifest (on any rank: then every rank reads the disk).
 
+A step the worker offers while it is still committing it (hot_serve.offer_early: one rank, a
+step persisted after the trainer's death) is taken before that commit ends, when it is newer
+than every committed step (the one ``load_latest`` picks once the commit is done): its files
+are read under the worker's second names for them, every byte checked against the checksums
+the commit records; then the engine's ``start()``, which waits for that worker, checks that
+the step did commit with those checksums (``check_committed``), else raises
+``UncommittedResume``: the state loaded is on no disk. A step that could not be taken so is
+read from disk once the worker is done (``wait_for_worker``), never an older one meanwhile.
+
 Several ranks: each rank checks the files it wrote against the memory its own worker offers,
 then every rank says over the side store whether its own matched; only if all did does any
 rank apply what it read, else all read the step from the disk: never a mix of sources that
@@ -30,18 +39,26 @@ import mmap
 import os
 import pickle
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import layout as _layout
+from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
-from .hot_serve import HEADER, Offer, peer_uid, socket_name
+from .hot_serve import DONE, HEADER, TAKEN, Offer, peer_uid, socket_name
 from .loadcheck import LoadReport
 
 log = logging.getLogger("asyncckpt")
 
 #: How long a client waits for a surviving worker's answer.
 ASK_TIMEOUT_S = 5.0
+#: How long a load waits for a worker of an earlier trainer to offer its step or end (its
+#: deadline for what it was writing: ``WorkerConfig.orphan_deadline_s``, and some).
+ORPHAN_WAIT_S = 630.0
 #: The most arenas an offer maps (descriptors received at once).
 MAX_ARENAS = 253
 
@@ -51,9 +68,10 @@ NO_WORKER = "no worker of an earlier trainer offers this rank's memory on this n
 class HotSource:
     """An offer received and mapped here: the tensors' bytes by DCP key (read-only use)."""
 
-    def __init__(self, offer: Offer, maps: list[mmap.mmap]) -> None:
+    def __init__(self, offer: Offer, maps: list[mmap.mmap], conn: socket.socket) -> None:
         self.offer = offer
         self.maps = maps
+        self.conn = conn  # open while read: the worker keeps the linked files until DONE
         views = [memoryview(m) for m in maps]
         self.tensors = {
             fqn: views[arena][at : at + n] for fqn, (arena, at, n) in offer.tensors.items()
@@ -66,6 +84,9 @@ class HotSource:
 
     def close(self) -> None:
         """Unmap: the worker's memory is freed once nobody maps it."""
+        with contextlib.suppress(OSError):
+            self.conn.sendall(DONE)
+        self.conn.close()
         self.tensors = {}
         for v in self._views:
             v.release()
@@ -77,13 +98,12 @@ class HotSource:
 
 def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
     """The offer of a surviving worker of ``rank`` on ``root`` (this node), or None and why."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    assert sock is not None
     fds: list[int] = []
     try:
         sock.settimeout(ASK_TIMEOUT_S)
-        try:
-            sock.connect(socket_name(root, rank))
-        except (ConnectionRefusedError, FileNotFoundError):
+        if not _connect(sock, root, rank):
             return None, NO_WORKER
         if peer_uid(sock) != os.getuid():
             return None, "the process offering memory is another user's: not used"
@@ -98,14 +118,40 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
             mmap.mmap(fd, n, flags=flags, prot=mmap.PROT_READ)
             for fd, n in zip(fds, offer.sizes, strict=True)
         ]
-        sock.sendall(b"T")  # mapped: the worker may exit, the memory lives while mapped here
-        return HotSource(offer, maps), ""
+        sock.sendall(TAKEN)  # mapped: the worker may exit, the memory lives while mapped here
+        source, sock = HotSource(offer, maps, sock), None
+        return source, ""
     except (OSError, EOFError, pickle.UnpicklingError, ValueError) as e:
         return None, f"asking the surviving worker failed: {e}"
     finally:
         for fd in fds:
             os.close(fd)
-        sock.close()
+        if sock is not None:
+            sock.close()
+
+
+def _connect(sock: socket.socket, root: Path, rank: int) -> bool:
+    """Connect to the surviving worker's offer; while a worker of an earlier trainer is still
+    at work (its lock held, no engine holding the rank's), wait for it to offer or to end: it
+    may be about to offer a step newer than any committed (hot_serve.offer_early), and a load
+    meanwhile would restore an older one."""
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while True:
+        try:
+            sock.connect(socket_name(root, rank))
+            return True
+        except (ConnectionRefusedError, FileNotFoundError):
+            if not _orphan_at_work(root, rank) or time.monotonic() > deadline:
+                return False
+        time.sleep(0.01)
+
+
+def _orphan_at_work(root: Path, rank: int) -> bool:
+    from .storage.localfs import lock_held, lock_path
+
+    return not lock_held(lock_path(root, f"rank{rank}")) and lock_held(
+        lock_path(root, f"worker{rank}")
+    )
 
 
 def _exactly(sock: socket.socket, have: bytes, n: int) -> bytes:
@@ -133,12 +179,16 @@ class HotResume:
         self.voted = False
         self.tried = False
         self.store: Any = None
+        # A step taken while its worker committed it: (step, manifest entries), checked at
+        # start() (check_committed).
+        self.pending: tuple[int, dict[str, Any]] | None = None
 
     @contextlib.contextmanager
     def session(self) -> Iterator[HotResume]:
         """Around one ``load_latest``: ask for the offer, and let it go after."""
         self.loads += 1
         self.voted = self.tried = False
+        self.pending = None  # (what start() checks is what the last load took)
         self.source, self.reason = ask(self.root, self.rank)
         try:
             yield self
@@ -171,6 +221,92 @@ class HotResume:
         report = load_dir(state, path, strict, step)
         report.source_reason = self.reason if first else f"{self.reason} (step {step} older)"
         return report
+
+    def before_commit(
+        self, load_dir: Callable[..., LoadReport], state: Any, strict: bool, committed: list
+    ) -> tuple[int, LoadReport] | None:
+        """A step the surviving worker offers while it commits it, newer than every one
+        ``committed``: the step a load picks once that commit is done. Loaded from memory
+        (``load_committing``), or None once that worker is done (the disk then has it, or
+        not: never an older step while it may still commit)."""
+        newest = max((c.step for c in committed), default=None)
+        if self.committing(newest) is None:
+            return None
+        taken = self.load_committing(load_dir, state, strict)
+        if taken is None:
+            from .supervisor import wait_for_worker
+
+            wait_for_worker(self.root, self.rank)
+        return taken
+
+    def committing(self, newest: int | None) -> Offer | None:
+        """The offer of a step being committed, newer than ``newest`` (the newest committed):
+        the step ``load_latest`` picks once that commit is done."""
+        src = self.source
+        if src is None or src.offer.directory is None or src.offer.manifest is None:
+            return None
+        if self.world_size > 1:
+            return None  # (offered early by one rank's worker only: hot_serve.offer_early)
+        if newest is not None and src.step <= newest:
+            return None  # committed by now (or older): the usual path
+        return src.offer
+
+    def load_committing(
+        self, load_dir: Callable[..., LoadReport], state: Any, strict: bool
+    ) -> tuple[int, LoadReport] | None:
+        """The step offered while committed, read from its linked files and the memory,
+        checked against the offered checksums; None (the reason kept, the offer let go) when
+        it was not applied: the caller reads the disk once the worker is done."""
+        src = self.source
+        assert src is not None and src.offer.directory is not None
+        step = src.step
+        try:
+            report = load_dir(
+                state, Path(src.offer.directory), strict, step, self._read(), src.offer.manifest
+            )
+        except StateMismatch:
+            raise  # the caller's mistake: the disk's copy of the step would not fit either
+        # DCP's CheckpointException is a BaseException; nothing went into the target yet.
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the disk, after it
+            self.reason = f"step {step}, taken while its commit ran, was not applied: {e}"
+            log.warning("%s; reading from disk once the commit is over", self.reason)
+            src.close()
+            self.source = None
+            self.voted = False  # (one rank: its word was its own)
+            return None
+        self.pending = (step, dict((src.offer.manifest or {}).get("files", {})))
+        report.source = "memory"
+        report.source_reason = "taken before its commit ended (checked at start())"
+        return step, report
+
+    def check_committed(self, layout: str) -> None:
+        """At ``start()``, once the worker of a step taken while committed is done: that step
+        is committed, with the checksums it was checked against; else ``UncommittedResume``."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        from .manifest import read_manifest
+
+        step, files = pending
+        found = {c.step: c.path for c in _layout.scan(self.root, layout)}.get(step)
+        why = None
+        if found is None:
+            why = "its commit failed (the worker's log says why)"
+        else:
+            try:
+                written = read_manifest(found).get("files", {})
+            except CheckpointError as e:
+                written, why = {}, f"its manifest cannot be read: {e}"
+            changed = sorted(n for n, entry in files.items() if written.get(n) != entry)
+            if why is None and changed:
+                why = f"it committed other bytes than those loaded: {changed[:3]}"
+        if why is not None:
+            raise UncommittedResume(
+                f"step {step} was loaded from the memory of the worker of an earlier trainer "
+                f"while that worker committed it, and {why}: the state loaded is on no disk. "
+                "Load again (load_latest) before training on."
+            )
+        log.info("step %d, loaded before its commit ended, is committed", step)
 
     def _refusal(self, step: int) -> str | None:
         src = self.source
@@ -226,8 +362,6 @@ class HotResume:
 def _wait_count(store: Any, key: str, n: int, timeout: float) -> None:
     """Until the counter ``key`` reaches ``n`` (every rank has read what it needed), at most
     ``timeout`` seconds."""
-    import time
-
     deadline = time.monotonic() + timeout
     while store.add(key, 0) < n and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -1,18 +1,29 @@
 """The worker's side of a hot resume (``MemoryTier(hold_seconds=)``; hot.py is the trainer's).
 
 When its trainer dies, a worker finishes what it was writing (staged saves, the memory
-checkpoint it held: worker.py, memory_hold.py). Every byte of the newest step it wrote is then
-committed and still lies in the shared staging arenas, which nobody writes any more. Instead of
-exiting, the worker offers that step for ``hold_seconds`` over a local socket named after the
-root and the rank (an abstract Unix socket: this node only, this user only), so that a new
-engine of the same rank reads it from memory instead of the disk. It releases the worker lock
-first (it writes nothing more): the new engine starts as it would after a plain exit.
+checkpoint it held: worker.py, memory_hold.py). The step it persists after the death (the
+memory checkpoint) is offered *while it is committed*, as soon as its files are written
+(``offer_early``, before their fsync, the manifest, the rename and the tracker): a new engine
+need not wait for the commit. What it may read then: the step's files under a second name
+(hard links in a temporary of their own: the commit renames the step's temporary meanwhile)
+and the checksums the commit will record for them (those it computed while writing, the rest
+computed here). The new engine takes such a step only if it is newer than every committed one
+(the step ``load_latest`` picks once the commit is done), checks every byte against those
+checksums, and at its ``start()`` (which waits for this worker's lock, held until the commit
+ends) checks that the step committed with the very same checksums: a failed commit reaches
+it as an error (hot.py ``check_committed``). A failed commit withdraws the offer here.
+
+Otherwise (a staged disk save, written before the worker learnt of the death; several ranks)
+the newest step it wrote is offered once committed, as before. Either way the offer is served
+for ``hold_seconds`` over a local socket named after the root and the rank (an abstract Unix
+socket: this node only, this user only); the worker lock is released once the commit is over.
 
 What travels: the step, the files this rank wrote for it, where each tensor's bytes lie in the
 arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``). The new engine maps
-them and checks every byte it copies against the committed manifest; nothing offered here is
-trusted beyond being a place to copy from. The offer goes once: the memory is freed when the
-new engine unmaps it (or when this process exits, at ``hold_seconds``, if nobody came).
+them and checks every byte it copies against the manifest (or the offered checksums); nothing
+offered here is trusted beyond being a place to copy from. The offer goes once: the memory is
+freed when the new engine unmaps it (or when this process exits, at ``hold_seconds``, if
+nobody came); the linked files once it said it is done reading (``DONE``).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from . import faults
+from . import layout as _layout
+from .manifest import CHECKSUM, checksum_file
+from .storage import localfs
 
 log = logging.getLogger("asyncckpt")
 
@@ -39,6 +54,10 @@ HEADER = struct.Struct("<Q")
 UCRED = struct.Struct("3i")
 #: How long one client may take to read the offer before the next one is served.
 CLIENT_TIMEOUT_S = 10.0
+#: How long a client that took an offer may read the linked files before they are removed.
+LOAD_TIMEOUT_S = 600.0
+#: The client's last byte: mapped (``TAKEN``), then done reading (``DONE``).
+TAKEN, DONE = b"T", b"D"
 
 
 def socket_name(root: str | os.PathLike, rank: int) -> str:
@@ -63,6 +82,10 @@ class Offer:
     tensors: dict[str, tuple[int, int, int]]  # DCP key -> (arena index, byte offset, nbytes)
     sizes: tuple[int, ...]  # each arena's bytes (one descriptor each, in this order)
     pid: int
+    # While the step is being committed (``offer_early``): where its files are linked, and
+    # the manifest entries the commit records for them ("format", "files"). None: committed.
+    directory: str | None = None
+    manifest: dict[str, Any] | None = None
 
 
 @dataclass
@@ -73,12 +96,14 @@ class Written:
     files: tuple[str, ...]
 
 
-def make_offer(worker: Any) -> tuple[Offer, list[int], memoryview | None] | None:
-    """The offer of the newest step ``worker`` wrote, the arenas' descriptors and the largest
-    tensor's bytes (for the ``corrupt`` fault: several ranks write a tensor they all hold
-    once, a rank's own tensors are its largest); None when it wrote nothing or its arenas
-    went."""
-    written: Written | None = worker.last_written
+def make_offer(
+    worker: Any, written: Written | None = None
+) -> tuple[Offer, list[int], memoryview | None] | None:
+    """The offer of ``written`` (default: the newest step ``worker`` committed), the arenas'
+    descriptors and the largest tensor's bytes (for the ``corrupt`` fault: several ranks write
+    a tensor they all hold once, a rank's own tensors are its largest); None when it wrote
+    nothing or its arenas went."""
+    written = written if written is not None else worker.last_written
     if written is None:
         return None
     job = written.job
@@ -106,7 +131,13 @@ def make_offer(worker: Any) -> tuple[Offer, list[int], memoryview | None] | None
 def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
     """Offer the newest step ``worker`` wrote for ``hold_s`` seconds, to one new engine;
     ``release_lock`` lets the new engine start (called once the socket listens, or at once
-    when there is nothing to offer)."""
+    when there is nothing to offer). An offer made while committing (``offer_early``) that
+    was not withdrawn is the one served."""
+    early: EarlyOffer | None = getattr(worker, "early_offer", None)
+    if early is not None and early.live():
+        release_lock()  # committed: a new engine may start (and check what it took)
+        early.hold(hold_s)
+        return
     made = make_offer(worker)
     if made is None:
         release_lock()
@@ -156,7 +187,133 @@ def _hand_over(conn: socket.socket, offer: Offer, fds: list[int]) -> bool:
         payload = pickle.dumps(offer, protocol=pickle.HIGHEST_PROTOCOL)
         socket.send_fds(conn, [HEADER.pack(len(payload))], fds)
         conn.sendall(payload)
-        return conn.recv(1) == b"T"
+        return conn.recv(1) == TAKEN
     except OSError as e:
         log.warning("handing step %d over to a new engine failed: %s", offer.step, e)
         return False
+
+
+def offer_early(worker: Any, job: Any, tmp: Path, crcs: dict) -> EarlyOffer | None:
+    """Offer ``job``'s step while it is committed: its files in ``tmp`` are written (not yet
+    synced), ``crcs`` the checksums computed while writing them. None (logged) when it cannot
+    be offered: the offer after the commit is then the only one."""
+    files: dict[str, dict[str, int]] = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_symlink() or not p.is_file():
+            continue
+        rel = p.relative_to(tmp).as_posix()
+        size = p.stat().st_size
+        known = crcs.get(rel)
+        # The entry build_manifest will record: the crc computed while writing, else the file's.
+        crc = known[0] if known is not None and known[1] == size else checksum_file(p)[0]
+        files[rel] = {"size": size, CHECKSUM: crc}
+    made = make_offer(worker, Written(job, tuple(crcs)))
+    if made is None:
+        return None
+    offer, fds, largest = made
+    faults.point("before_hot_serve", largest)
+    root = Path(worker.root)
+    # A temporary's name: a worker killed while offering leaves a leftover the next start cleans.
+    linked = root / _layout.tmp_name(worker.config.layout, job.step, f"hot-{os.getpid()}")
+    try:
+        localfs.link_tree(tmp, linked)
+    except OSError as e:
+        log.warning("cannot offer step %d before its commit: %s", job.step, e)
+        _remove(root, linked)
+        return None
+    offer.directory = str(linked)
+    offer.manifest = {"format": worker.config.fmt, "step": job.step, "files": files}
+    early = EarlyOffer(offer, fds, root, linked)
+    if not early.listen(socket_name(root, offer.rank)):
+        return None
+    log.warning(
+        "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
+        "node while it is committed",
+        offer.step,
+        offer.rank,
+    )
+    return early
+
+
+class EarlyOffer:
+    """An offer served on a thread of its own while the main thread commits its step."""
+
+    def __init__(self, offer: Offer, fds: list[int], root: Path, linked: Path) -> None:
+        self.offer, self.fds, self.root, self.linked = offer, fds, root, linked
+        self.sock: socket.socket | None = None
+        self.stop = threading.Event()
+        self.taken = threading.Event()
+        self.done = threading.Event()  # the thread ended: the linked files are gone
+        self.withdrawn = False
+        self.thread = threading.Thread(target=self._run, name="asyncckpt-hot", daemon=True)
+
+    def listen(self, name: str) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+        except OSError as e:  # another process offers this rank's memory: not this one's turn
+            log.warning("cannot offer step %d to a new engine: %s", self.offer.step, e)
+            sock.close()
+            _remove(self.root, self.linked)
+            return False
+        sock.listen(4)
+        sock.settimeout(0.1)  # (to see ``stop``)
+        self.sock = sock
+        self.thread.start()
+        return True
+
+    def live(self) -> bool:
+        """Not withdrawn (taken already, or still offered)."""
+        return not self.withdrawn and (self.taken.is_set() or self.thread.is_alive())
+
+    def withdraw(self) -> None:
+        """The commit failed: nobody else takes the step (one who did finds out at start)."""
+        self.withdrawn = True
+        self.stop.set()
+        log.warning("step %d did not commit: no longer offered from memory", self.offer.step)
+
+    def hold(self, hold_s: float) -> None:
+        """Until taken (and read) or ``hold_s`` seconds passed, then close."""
+        if not self.taken.is_set() and not self.taken.wait(hold_s):
+            log.warning("nobody took step %d from memory in %.0fs: freed", self.offer.step, hold_s)
+        else:
+            log.info("step %d was taken from memory by a new engine", self.offer.step)
+        self.stop.set()
+        self.done.wait(LOAD_TIMEOUT_S)
+
+    def _run(self) -> None:
+        assert self.sock is not None
+        try:
+            while not self.stop.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    if not _hand_over(conn, self.offer, self.fds):
+                        continue
+                    self.taken.set()
+                    _until_done(conn)
+                    return
+        finally:
+            self.sock.close()
+            _remove(self.root, self.linked)
+            self.done.set()
+
+
+def _until_done(conn: socket.socket) -> None:
+    """Until the client said it read what it needed of the linked files (or hung up)."""
+    try:
+        conn.settimeout(LOAD_TIMEOUT_S)
+        conn.recv(1)
+    except OSError:
+        pass
+
+
+def _remove(root: Path, path: Path) -> None:
+    try:
+        localfs.remove_tree(localfs.direct_child(root, path))
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a leftover the next start removes
+        log.warning("cannot remove %s: %s", path, e)

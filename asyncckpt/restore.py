@@ -139,6 +139,7 @@ class Restorer:
         strict: bool = True,
         step: int | None = None,
         hot: HotRead | None = None,
+        given_manifest: dict[str, Any] | None = None,
     ) -> LoadReport:
         """Restore one checkpoint directory into ``state``: check, verify, then read.
 
@@ -147,14 +148,19 @@ class Restorer:
         directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
         errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
         A checkpoint of components is read as one part per component the target names, all
-        checked before any is read. ``hot``: tensor bytes from memory (hot.py: ``HotDeclined``).
+        checked before any is read. ``hot``: tensor bytes from memory (hot.py: ``HotDeclined``);
+        ``given_manifest``: the checksums to check against, for a step not committed yet
+        (hot.py ``load_committing``: the worker committing it offered them).
         """
         from . import loadcheck
         from .formats import records
 
         manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
-        if (directory / _layout.MANIFEST).exists():
+        if given_manifest is not None:
+            manifest = given_manifest
+            files = dict(manifest.get("files", {}))
+        elif (directory / _layout.MANIFEST).exists():
             try:
                 manifest = read_manifest(directory)
             except CorruptCheckpoint as e:
@@ -297,23 +303,11 @@ class Restorer:
         self.last_load_report = report
         if step is not None:
             self.on_loaded(step)
-        if report.missing or report.unexpected:
-            log.warning(
-                "loaded %s with strict=False: kept the target's own %s (not in the checkpoint); "
-                "did not load %s (not in the target)",
-                directory,
-                report.missing or "-",
-                report.unexpected or "-",
-            )
-        if report.missing_objects:
-            log.warning(
-                "loaded %s: the checkpoint has no %s; the target keeps its own value(s)",
-                directory,
-                report.missing_objects,
-            )
+        _log_skipped(report, directory)
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
-        _settle_orphans(self.root, self.root_locked)
+        # (Before the start, the hot session waits for a worker of an earlier trainer to offer
+        # or end: hot._connect; by step or path, _settle_orphans waits for it.)
         with self.hot.session():  # a surviving worker's offer, asked for and let go
             return self._load_latest(state, strict)
 
@@ -321,6 +315,11 @@ class Restorer:
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout):
             return None
+        # A step a surviving worker offers while committing it: from memory now (hot.py).
+        taken = self.hot.before_commit(self.load_dir, state, strict, self.committed())
+        if taken is not None:
+            self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
+            return taken[0]
         errors: list[str] = []
         tried: set[Path] = set()
         # A checkpoint pruned under our feet (another process's engine) is skipped quietly;
@@ -548,6 +547,24 @@ def _check_root(root: Path, layout: str) -> bool:
             f"({root.parent}) as the root, or use load(state, path={str(root)!r})"
         )
     return True
+
+
+def _log_skipped(report: LoadReport, directory: Path) -> None:
+    """What a load left as it was (strict=False, objects the checkpoint does not have)."""
+    if report.missing or report.unexpected:
+        log.warning(
+            "loaded %s with strict=False: kept the target's own %s (not in the checkpoint); "
+            "did not load %s (not in the target)",
+            directory,
+            report.missing or "-",
+            report.unexpected or "-",
+        )
+    if report.missing_objects:
+        log.warning(
+            "loaded %s: the checkpoint has no %s; the target keeps its own value(s)",
+            directory,
+            report.missing_objects,
+        )
 
 
 def _hot_verify(

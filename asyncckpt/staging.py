@@ -24,6 +24,7 @@ import torch
 from . import faults
 from ._torch import foreach_copy_, host_register, host_unregister, version_counters
 from .cachekeys import arena_key, same_key
+from .copyruns import SmallCopyPlan, empty_plan
 from .errors import StateModifiedWhileStaging
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
@@ -261,6 +262,7 @@ class StagingSlot:
         self.views: list[torch.Tensor] = []
         self.small: list[int] = []  # indices of tensors under SMALL_TENSOR_BYTES
         self.small_views: list[torch.Tensor] = []
+        self.small_plan = empty_plan()  # how the small ones are copied (copyruns.py)
         self.large: list[int] = []  # the others (empty tensors are in neither)
         self.dst_bytes: dict[int, Any] = {}  # a large view's bytes as a numpy array
         self.pinned = False
@@ -299,6 +301,9 @@ class StagingSlot:
         # per-tensor work done in C++, not here), large ones in memcpy chunks on the pool.
         self.small = [i for i, s in enumerate(specs) if 0 < s.nbytes < SMALL_TENSOR_BYTES]
         self.small_views = [self.views[i] for i in self.small]
+        self.small_plan = SmallCopyPlan.build(
+            [specs[i] for i in self.small], self.small_views, self.arenas
+        )
         self.large = [i for i, s in enumerate(specs) if s.nbytes >= SMALL_TENSOR_BYTES]
         self.dst_bytes = {i: _bytes_of_view(self.views[i]) for i in self.large}
         self.key = key
@@ -311,6 +316,7 @@ class StagingSlot:
                 unpin_arena(a)
         self.arenas, self.views, self.specs, self.arena_ids = [], [], [], []
         self.small, self.small_views, self.large, self.dst_bytes = [], [], [], {}
+        self.small_plan = empty_plan()
         self.key, self.pinned, self.nbytes = None, False, 0
 
     def take_retired(self) -> list[int]:
@@ -369,11 +375,11 @@ class StagingSlot:
                     else:
                         cpu_dst.append(view)
                         cpu_src.append(t)
-            else:
-                cpu_dst, cpu_src = self.small_views, small
-            if cpu_src:
-                with torch.no_grad():
-                    foreach_copy_(cpu_dst, cpu_src)
+                if cpu_src:
+                    with torch.no_grad():
+                        foreach_copy_(cpu_dst, cpu_src)
+            elif small:  # all on the CPU: runs of one shape by stack, the rest by foreach
+                self.small_plan.copy(small)
         if cuda_pairs:
             _copy_from_cuda(cuda_pairs, ready)
 

@@ -340,6 +340,14 @@ def _wait_for_orphan(store: Any, holder: str, root: Path, write_timeout: float |
     unlock(wfd)
 
 
+def wait_for_worker(root: Path, rank: int) -> None:
+    """Wait until the worker of an earlier trainer of ``rank`` on ``root`` is done (its lock
+    is free): what it was committing is committed, or not, for good."""
+    from .storage.local import LocalStore
+
+    _wait_for_orphan(LocalStore(root), f"worker{rank}", root, None)
+
+
 def wait_for_orphaned_workers(root: str | Path) -> None:
     """Wait until no worker process holds a lock on ``root``: a reader about to pick the
     newest checkpoint of a root it does not write. A worker orphaned by a killed trainer

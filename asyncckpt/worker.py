@@ -185,6 +185,7 @@ class Worker:
         # The newest step committed, offered to a new engine once the trainer is gone.
         self.last_written: Written | None = None
         self.trainer_gone = False
+        self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered while committed
         self.links = LinkSource(self.root, config.layout, config.differential)
         self.jobs = jobs
         self.events = events
@@ -222,9 +223,10 @@ class Worker:
             msg = inbox.get()
             if isinstance(msg, EOFError):
                 # The trainer is gone without closing the engine: every staged save above is
-                # written; now the memory checkpoint it held, if newer.
-                _persist_held(self)
+                # written; now the memory checkpoint it held, if newer (offered while it is
+                # committed: _offer_early).
                 self.trainer_gone = True
+                _persist_held(self)
                 raise msg
             if isinstance(msg, BaseException):
                 raise msg
@@ -354,6 +356,8 @@ class Worker:
         assert outcome is not None
         _written(self.holder, job)  # (again, if a broken group cut the write short)
         if outcome[0] != "committed":
+            if self.early_offer is not None and self.early_offer.offer.step == job.step:
+                self.early_offer.withdraw()  # a new engine that took it fails its start
             if rank == 0 and not outcome[1].get("upload"):
                 self._undo(tmp, final, preexisting, job.step)
             self.events.send(M.Released(job.job_id))  # (again: the engine ignores a repeat)
@@ -393,6 +397,7 @@ class Worker:
         if self.thread_errors:
             raise self.thread_errors[0]
         faults.point("after_shard_write")
+        self._offer_early(job, tmp, crcs)
         if self.config.dist is None:
             mine = list(tmp.rglob("*"))
         else:  # only this rank's files (the others fsync theirs); DCP's metadata is rank 0's
@@ -403,6 +408,17 @@ class Worker:
             if p.is_file() and not p.is_symlink():
                 fsync_file(p)
         return crcs
+
+    def _offer_early(self, job: SaveJob, tmp: Path, crcs: dict) -> None:
+        """A step persisted after the trainer's death is offered to a new engine before its
+        fsync and commit (hot_serve.offer_early); one rank only: several ranks agree on a hot
+        resume over the side store, which a new engine has once started, after the commit."""
+        if not self.trainer_gone or self.config.hot_hold_s <= 0 or self.config.dist is not None:
+            return
+        from .hot_serve import offer_early
+
+        if self.early_offer is None:
+            self.early_offer = offer_early(self, job, tmp, crcs)
 
     def _specs(self, job: SaveJob) -> list[TensorSpec]:
         return job.specs if job.specs is not None else self.specs[tuple(job.arena_ids)]

@@ -27,6 +27,13 @@ from another run). Whether the last memory save's replica was held at the kill i
 (``replicated_at_kill``): the kill does not wait for it (``--settle`` seconds after the last
 step, 0 unless ``--quick``, whose steps take a millisecond).
 
+End to end (``--e2e``, ``goodput_e2e.py``, its docstring has the model): a real trainer process
+is SIGKILLed and a new process restarts on the same root; per strategy (disk; memory tier;
+memory tier + hot resume; ``dcp.async_save`` + ``dcp.load``) the time from the kill to the
+first step after resume (process + engine start, the load, the first step), the steps lost,
+and the goodput of a run with a failure every ``M`` minutes (``--fail-every-min``; ``--plot``).
+Its defaults: ``--state-mb 256 --step-ms 100 --kills 62,87 --disk-every 50 --memory-every 5``.
+
 ``python benchmarks/goodput.py [--state-mb 64 --matmul 1024 --kills 155,283 --disk-every 100
 --memory-every 10 --node-kill 155]``; ``--quick`` for the tests (without the node-loss rows
 unless ``--node-kill`` is given; ``--node-kill 0`` leaves them out). Writes
@@ -47,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import goodput_e2e
 import torch
 
 CONFIGS = ("none", "disk", "memory+disk", "dcp.async_save")
@@ -60,6 +68,17 @@ def make_state(mb: int) -> dict:
         "model": {f"w{i}": torch.randn(n, generator=g) for i in range(4)},
         "step": torch.zeros((), dtype=torch.int64),
     }
+
+
+def train_step(a: torch.Tensor, w: torch.Tensor, step_t: torch.Tensor, step: int) -> None:
+    """One step of the loop: 4 chained matmuls, then the state changes (the head of ``w``, the
+    step counter), so that every save has new bytes to write."""
+    b = a
+    for _ in range(4):
+        b = (b @ a).tanh_()
+    with torch.no_grad():
+        w[: a.shape[0]].add_(b[0])
+        step_t.fill_(step)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -86,12 +105,7 @@ def child(args: argparse.Namespace) -> None:
         import torch.distributed.checkpoint as dcp
     for step in range(1, args.kill + 1):
         t0 = time.perf_counter()
-        b = a
-        for _ in range(4):
-            b = (b @ a).tanh_()
-        with torch.no_grad():
-            state["model"]["w0"][: args.matmul].add_(b[0])  # the step changes the state
-            state["step"].fill_(step)
+        train_step(a, state["model"]["w0"], state["step"], step)
         if engine is not None:
             tier = engine.due(step)
             if tier:
@@ -145,12 +159,7 @@ def node_child(args: argparse.Namespace) -> None:
     w = state["model"][f"r{rank}.w0"]
     for step in range(1, args.kill + 1):
         t0 = time.perf_counter()
-        b = a
-        for _ in range(4):
-            b = (b @ a).tanh_()
-        with torch.no_grad():
-            w[: args.matmul].add_(b[0])
-            state[f"step{rank}"].fill_(step)
+        train_step(a, w, state[f"step{rank}"], step)
         tier = engine.due(step)
         if tier:
             s0 = time.perf_counter()
@@ -169,20 +178,6 @@ def node_child(args: argparse.Namespace) -> None:
     }
     print(json.dumps(report), flush=True)
     time.sleep(3600)
-
-
-def _gone(pid: int, limit: float) -> None:
-    import psutil
-
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"process {pid} still alive after {limit:.0f}s")
 
 
 def run_node_loss(config: str, args: argparse.Namespace, scratch: Path) -> dict:
@@ -215,10 +210,10 @@ def run_node_loss(config: str, args: argparse.Namespace, scratch: Path) -> dict:
         reports = [json.loads(outs[r].read_text().splitlines()[-1]) for r in range(2)]
         os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: its trainer and its worker
         procs[1].wait(60)
-        _gone(reports[1]["worker_pid"], 60)
+        goodput_e2e.wait_gone(reports[1]["worker_pid"], 60)
         procs[0].send_signal(signal.SIGKILL)  # then the launcher tears down node 0
         procs[0].wait(60)
-        _gone(reports[0]["worker_pid"], 300)  # it writes what it can, then exits
+        goodput_e2e.wait_gone(reports[0]["worker_pid"], 300)  # it writes what it can, then exits
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -334,11 +329,13 @@ def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--state-mb", type=int, default=64)
+    ap.add_argument("--state-mb", type=int, default=None, help="64 (--e2e: 256)")
     ap.add_argument("--matmul", type=int, default=1024, help="the step's square matmul size")
-    ap.add_argument("--kills", default="155,283", help="steps after which the trainer dies")
-    ap.add_argument("--disk-every", type=int, default=100)
-    ap.add_argument("--memory-every", type=int, default=10)
+    ap.add_argument("--kills", default=None, help="steps after which the trainer dies")
+    ap.add_argument("--disk-every", type=int, default=None, help="100 (--e2e: 50)")
+    ap.add_argument("--memory-every", type=int, default=None, help="10 (--e2e: 5)")
+    ap.add_argument("--e2e", action="store_true", help="the end-to-end rows: goodput_e2e.py")
+    goodput_e2e.add_arguments(ap)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--dir", type=Path, default=Path(__file__).parent / ".scratch")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -362,10 +359,17 @@ def main() -> None:
         return child(args)
     if args.node_child:
         return node_child(args)
+    # The defaults of each mode (--e2e: a bigger state, saves and kills at the steps of a
+    # 100 ms loop), unless given.
+    defaults = (256, "62,87", 50, 5) if args.e2e else (64, "155,283", 100, 10)
     if args.quick:
-        args.state_mb, args.matmul, args.kills = 4, 128, "37"
-        args.disk_every, args.memory_every = 20, 5
-        args.settle = 3.0
+        defaults = (8, "37", 20, 5) if args.e2e else (4, "37", 20, 5)
+        args.matmul, args.settle, args.step_ms = 128, 3.0, 20.0
+    for k, v in zip(("state_mb", "kills", "disk_every", "memory_every"), defaults, strict=True):
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.e2e:
+        return goodput_e2e.main(args)
     if args.node_kill is None:
         args.node_kill = 0 if args.quick else 155  # the tests ask for it on its own
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -257,6 +257,45 @@ def test_goodput_node_loss_rows(tmp_path):
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
 
 
+@pytest.mark.integration
+def test_goodput_e2e_kills_a_real_trainer_and_restarts_it(tmp_path):
+    """--e2e: each strategy's trainer is SIGKILLed after step 37 (disk every 20, memory every
+    5) and a new process resumes; what it resumes from is fixed by the schedule and the steps
+    done at the kill (a save whose call returned is committed), not by timings."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH / "goodput.py"), "--e2e", "--quick", "--plot"]
+    cmd += ["--dir", str(tmp_path / "s"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rep = json.loads((out / "goodput_e2e.json").read_text())
+    has(rep, "state_mb", "step_ms", "kills", "disk_every", "memory_every", "fail_every_min")
+    assert set(rep["rows"]) == {"disk", "memory", "memory+hot", "dcp.async_save"}
+    for name, row in rep["rows"].items():
+        has(row, "step_s", "start_s", "load_s", "first_step_s", "restart_s", "steps_lost")
+        assert set(row["goodput"]) == {str(m) for m in rep["fail_every_min"]}
+        assert all(0 <= g <= 1 for g in row["goodput"].values()), row
+        (run,) = rep["runs"][name]
+        done, resumed = run["steps_done"], run["resumed_step"]
+        assert done >= 37 and run["steps_lost"] == done - (resumed or 0)
+        assert run["bit_for_bit"], run
+        # The split adds up to the whole way back.
+        parts = run["start_s"] + run["load_s"] + run["first_step_s"]
+        assert run["restart_s"] == pytest.approx(parts) and run["restart_s"] > 0
+    runs = {name: r[0] for name, r in rep["runs"].items()}
+    assert runs["disk"]["resumed_step"] == runs["disk"]["steps_done"] // 20 * 20
+    for name in ("memory", "memory+hot"):
+        assert runs[name]["resumed_step"] == runs[name]["steps_done"] // 5 * 5
+    dcp = runs["dcp.async_save"]  # its last saves may not have finished at the kill
+    assert (dcp["resumed_step"] or 0) % 20 == 0 and (dcp["resumed_step"] or 0) <= dcp["steps_done"]
+    assert [runs[n]["source"] for n in ("disk", "memory", "memory+hot")] == [
+        "disk",
+        "disk",
+        "memory",
+    ]
+    assert (out / "goodput_e2e.png").stat().st_size > 0
+    assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
+
+
 def test_restore_runs_and_reports_every_field(tmp_path):
     rep = run_bench("restore.py", tmp_path)
     has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "resume", "targets")

@@ -21,14 +21,21 @@ import torch
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
-from asyncckpt import MemoryTier, StateMismatch, SyncCheckpointEngine, faults, verify
+from asyncckpt import (
+    MemoryTier,
+    StateMismatch,
+    SyncCheckpointEngine,
+    UncommittedResume,
+    faults,
+    verify,
+)
 from asyncckpt.hot import NO_WORKER
 
 N = 1 << 20  # "w": 4 MiB; "b": a small tensor; "meta": an object
 
 TRAINER = """
 import json, os, signal, sys
-from asyncckpt import MemoryTier, SyncCheckpointEngine
+from asyncckpt import MemoryTier, SyncCheckpointEngine, faults
 root, scenario, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
 sys.path.insert(0, sys.argv[4])
 from test_hot_resume import state_at
@@ -36,6 +43,8 @@ engine = SyncCheckpointEngine(root, keep=None, memory=MemoryTier(hold_seconds=ho
 engine.__enter__()  # never left: the trainer dies inside
 state = state_at(1)
 engine.save(1, state).committed_sync()
+for point, action in json.loads(sys.argv[5]).items():  # for the saves after step 1
+    faults.inject(point, action)
 print(json.dumps({"worker": engine.worker_pid}), flush=True)
 
 def advance(step):
@@ -69,15 +78,26 @@ def blank() -> dict:
     return {"w": torch.zeros(N), "b": torch.zeros(10, dtype=torch.int64), "meta": {}}
 
 
-def run_trainer(tmp_path: Path, scenario: str, hold: float, env: dict | None = None) -> int:
-    """Run the trainer until its SIGKILL; returns its worker's pid."""
+def run_trainer(
+    tmp_path: Path, scenario: str, hold: float, env: dict | None = None, later: dict | None = None
+) -> int:
+    """Run the trainer until its SIGKILL; returns its worker's pid. ``later``: fault points
+    armed after step 1 committed (point -> action)."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     here = str(Path(__file__).parent)
     # Files, not pipes: the orphaned worker inherits the trainer's output.
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         proc = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "r"), scenario, str(hold), here],
+            [
+                sys.executable,
+                str(script),
+                str(tmp_path / "r"),
+                scenario,
+                str(hold),
+                here,
+                json.dumps(later or {}),
+            ],
             stdout=out,
             stderr=err,
             timeout=300,
@@ -103,6 +123,73 @@ def test_hot_resume_after_a_memory_save(tmp_path):
     # Taken: the worker that held it is gone (its memory freed), long before hold_seconds.
     wait_gone(worker, 30)
     assert verify(tmp_path / "r").ok  # and the step it persisted is on disk, whole
+
+
+#: The worker's commit of the step it persists after the death waits this long (a fault).
+SLOW_COMMIT_S = 20
+
+
+def steps(root: Path) -> list[int]:
+    return [c.step for c in verify(root).checkpoints]
+
+
+def test_hot_resume_does_not_wait_for_the_commit(tmp_path):
+    # The worker offers step 3 as soon as its files are written, and then takes
+    # SLOW_COMMIT_S to commit it: a new engine loads it meanwhile, checked against the
+    # checksums the commit records, and its start() finds it committed.
+    worker = run_trainer(
+        tmp_path, "memory", hold=120, later={"before_metadata": f"delay:{SLOW_COMMIT_S}"}
+    )
+    root = tmp_path / "r"
+    engine = SyncCheckpointEngine(root, keep=None)
+    target = blank()
+    step = engine.load_latest(target)  # before start(): nothing waits for the worker
+    report = engine.last_load_report
+    assert (step, report.source) == (3, "memory"), report.source_reason
+    assert steps(root) == [1]  # returned while step 3's commit still ran
+    assert_same(target, state_at(3))
+    with engine:  # waits for the worker, then checks that step 3 committed as it was read
+        assert engine.latest_step() == 3
+    assert verify(root).ok and steps(root) == [1, 3]
+    wait_gone(worker, 30)
+    assert not [p.name for p in root.iterdir() if "hot-" in p.name]  # the linked files went
+
+
+def test_a_commit_that_fails_after_the_memory_was_taken_reaches_the_new_engine(tmp_path):
+    later = {"before_metadata": f"delay:{SLOW_COMMIT_S}", "before_rename": "eio"}
+    run_trainer(tmp_path, "memory", hold=120, later=later)
+    root = tmp_path / "r"
+    engine = SyncCheckpointEngine(root, keep=None)
+    target = blank()
+    assert engine.load_latest(target) == 3
+    assert engine.last_load_report.source == "memory"
+    with pytest.raises(UncommittedResume, match="step 3 .* its commit failed"):
+        engine.__enter__()
+    assert not engine.worker_ready  # not started
+    # Loaded again: the newest committed step, 1, bit for bit (from the disk, or from the
+    # memory the worker still holds of it: checked against its manifest either way).
+    step, target, _ = load(root)
+    assert step == 1 and steps(root) == [1]
+    assert_same(target, state_at(1))
+
+
+def test_memory_offered_before_the_commit_that_does_not_match_waits_for_the_disk(tmp_path):
+    # A bit flipped in the arena before the early offer: the checksums the commit records
+    # catch it; the load then waits for the commit and reads step 3 from the disk, never
+    # step 1 meanwhile.
+    later = {"before_metadata": f"delay:{SLOW_COMMIT_S}", "before_hot_serve": "corrupt"}
+    run_trainer(tmp_path, "memory", hold=120, later=later)
+    root = tmp_path / "r"
+    engine = SyncCheckpointEngine(root, keep=None)
+    target = blank()
+    assert engine.load_latest(target) == 3
+    report = engine.last_load_report
+    assert report.source == "disk"
+    assert "taken while its commit ran" in report.source_reason
+    assert "did not match the manifest" in report.source_reason
+    assert_same(target, state_at(3))
+    with engine:  # nothing pending: the step came from the disk
+        pass
 
 
 def test_hot_resume_after_a_disk_save(tmp_path):

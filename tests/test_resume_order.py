@@ -41,3 +41,27 @@ def test_async_load_latest_before_start_waits_too(tmp_path):
         return step
 
     assert anyio.run(main) == 2
+
+
+def test_load_by_step_before_start_waits_for_the_orphaned_worker(tmp_path):
+    worker = run_trainer(tmp_path, "kill", "delay:4.0")
+    assert not gone(worker)
+    engine = SyncCheckpointEngine(tmp_path / "r", keep=None)
+    target = blank()
+    assert engine.load(target, step=2) == 2  # committing when asked: waited for, not missing
+    assert_same(target, expected(2))
+
+
+def test_a_reader_does_not_wait_for_a_live_engines_worker(tmp_path):
+    """wait_for_orphaned_workers (a reader of a root it does not write, e.g. Lightning's
+    ckpt_path="last") waits for orphans only: a live engine's worker runs for days."""
+    import threading
+
+    from asyncckpt.supervisor import wait_for_orphaned_workers
+
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(1, blank()).committed_sync()
+        reader = threading.Thread(target=wait_for_orphaned_workers, args=(tmp_path,))
+        reader.start()
+        reader.join(60)  # before: waited out the orphan deadline, then raised RootLocked
+        assert not reader.is_alive()

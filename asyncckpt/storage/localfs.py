@@ -173,6 +173,19 @@ def link_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     os.link(src, dst, follow_symlinks=False)
 
 
+def link_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Hard-link every file under ``src`` into the new directory ``dst`` (same relative
+    names; symlinks skipped): a second name for files another process renames meanwhile."""
+    src, dst = Path(src), Path(dst)
+    os.mkdir(dst)
+    for p in sorted(src.rglob("*")):
+        if p.is_symlink() or not p.is_file():
+            continue
+        to = dst / p.relative_to(src)
+        os.makedirs(to.parent, exist_ok=True)
+        os.link(p, to, follow_symlinks=False)
+
+
 def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Copy the directory ``src`` to the new ``dst``; symlinks are copied as links."""
     shutil.copytree(src, dst, symlinks=True)
@@ -231,6 +244,22 @@ def locked_elsewhere(path: str | os.PathLike) -> bool:
     return False
 
 
+def lock_held(path: str | os.PathLike) -> bool:
+    """Whether a process (this one included, through another descriptor) holds the lock
+    file ``path`` (``lock_file``); False when there is no such file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 __all__ = [
     "copy_tree",
     "direct_child",
@@ -239,6 +268,8 @@ __all__ = [
     "fsync_file",
     "lock_dir",
     "lock_file",
+    "link_tree",
+    "lock_held",
     "lock_path",
     "locked_elsewhere",
     "makedirs",

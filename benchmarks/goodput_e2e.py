@@ -1,0 +1,440 @@
+"""Goodput end to end (issue 34, item 4): SIGKILL a real trainer, restart it, time the way back.
+
+``python benchmarks/goodput.py --e2e`` runs this (``goodput.py``'s other rows simulate the
+restart inside one process; here every trainer is a process of its own, as under a launcher).
+
+Per strategy and kill step ``K`` (``--kills``), one run:
+
+1. A trainer process (``--state-mb`` of float32 state in 4 tensors, one torch thread) trains
+   steps 1, 2, ... Each step has a fixed compute time (``--step-ms``: it changes the head of
+   every tensor, then sleeps out the rest of the step, the way a host waits on a GPU step), then
+   saves per the strategy. What a save blocks (staging, back-pressure) adds to the step's
+   time, so the step time is the fixed compute plus the saving overhead; the background write
+   does not slow the sleep (no CPU contention is modelled: on a GPU machine the step runs on
+   the device).
+2. Once it reports step ``K`` the launcher (this process) SIGKILLs it (no exit handler runs).
+   Steps done = the last step it reported; the kill can land a step or two after ``K``.
+3. At once a new trainer process on the same root starts (a launcher's restart, without the
+   scheduler's delay): imports, its state (zeros of the same shapes), the engine built and
+   entered (which waits for the old worker to finish what it had staged), ``load_latest``
+   (or ``dcp.load`` of the newest directory with its ``.metadata``), one training step (no
+   ``prepare``: it would wait for the new worker's start; the first save allocates). It
+   reports each stage's end (wall clock), and afterwards checks the state it resumed bit for
+   bit against the step it says it resumed (the initial state plus that many steps' changes).
+   ``--load-before-start``: ``load_latest`` before entering the engine (the README's order);
+   it does not wait for the old worker, so it can resume an older step than the one the old
+   worker is still persisting (measured: see benchmarks/README.md).
+
+Strategies: ``disk`` (asyncckpt, ``save_every_steps=--disk-every``); ``memory`` (the memory
+tier: ``memory_every_steps=--memory-every`` + disk every ``--disk-every``; a new engine waits
+for the orphaned worker to persist the newest memory save, then reads it from disk);
+``memory+hot`` (the same with ``MemoryTier(hold_seconds=--hold)``: the new engine takes that
+step from the surviving worker's shared memory, ``last_load_report.source == "memory"``);
+``dcp.async_save`` (torch's, every ``--disk-every`` steps, thread executor, the next waits for
+the previous; the restart loads with ``dcp.load``: the baseline).
+
+Measured per run: ``restart_s`` = kill -> first step after resume done, split into
+``start_s`` (process start + engine start: kill -> interpreter up, torch imported, state
+built, engine built and entered, the wait for the old worker included; ``process_s``: its
+part up to the state built), ``load_s`` (``load_latest`` / ``dcp.load``) and
+``first_step_s``; ``steps_lost`` = steps done - step resumed; ``step_s``: the first run's
+mean step time (compute + saving overhead); ``source``: where the load read from.
+
+The goodput model (Gemini, SOSP'23; Check-N-Run, NSDI'22): with a failure every ``M`` minutes
+(``--fail-every-min``, a list), each interval of ``W = 60 M`` seconds of wall time spends
+``restart_s`` getting back to training, then runs ``(W - restart_s) / step_s`` steps, of which
+the last ``steps_lost`` are redone after the next failure. Goodput = the useful compute in it
+over ``W``: ``max(0, (W - restart_s) / step_s - steps_lost) * step_compute / W`` (1.0: no
+failure and no saving overhead). ``restart_s`` and ``steps_lost`` are the means over
+``--kills``; spread the kills over the save interval for a mean that stands for a failure at
+a random moment (the defaults: 12 and 37 steps after a disk save, 2 after a memory save).
+
+Writes ``results/goodput_e2e.json`` (and ``goodput_e2e.png``, goodput against ``M`` per
+strategy, with ``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STRATEGIES = ("disk", "memory", "memory+hot", "dcp.async_save")
+#: Elements at the head of every tensor a step changes (every shard file changes: a
+#: differential save writes each one whole, as after a real step).
+HEAD = 1024
+
+
+def initial_state(mb: int) -> dict:
+    n = mb * (1 << 20) // 4 // 4
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {f"w{i}": torch.randn(n, generator=g) for i in range(4)},
+        "step": torch.zeros((), dtype=torch.int64),
+    }
+
+
+def blank_state(mb: int) -> dict:
+    """The restarted trainer's state before it loads: the shapes, no values."""
+    n = mb * (1 << 20) // 4 // 4
+    return {
+        "model": {f"w{i}": torch.zeros(n) for i in range(4)},
+        "step": torch.zeros((), dtype=torch.int64),
+    }
+
+
+def compute(state: dict, step: int, step_s: float) -> None:
+    """One step of fixed compute time: the state changes, then the rest of the step waits."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for w in state["model"].values():
+            w[:HEAD].add_(1.0)
+        state["step"].fill_(step)
+    time.sleep(max(0.0, step_s - (time.perf_counter() - t0)))
+
+
+def expected_state(mb: int, step: int) -> dict:
+    """The state after ``step`` steps, computed again (the check of a resume, bit for bit)."""
+    state = initial_state(mb)
+    for w in state["model"].values():
+        head = w[:HEAD].clone()
+        for _ in range(step):
+            head.add_(1.0)
+        w[:HEAD] = head
+    state["step"].fill_(step)
+    return state
+
+
+def make_engine(args: argparse.Namespace) -> Any:
+    from asyncckpt import KeepLast, MemoryTier, Schedule, SyncCheckpointEngine
+
+    memory = args.strategy in ("memory", "memory+hot")
+    hold = args.hold if args.strategy == "memory+hot" else 0.0
+    return SyncCheckpointEngine(
+        Path(args.root),
+        keep=KeepLast(2),
+        memory=MemoryTier(hold_seconds=hold),
+        schedule=Schedule(
+            every_steps=args.disk_every, memory_every_steps=args.memory_every if memory else None
+        ),
+    )
+
+
+def say(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, "t": time.time(), **fields}), flush=True)
+
+
+def train(args: argparse.Namespace) -> None:
+    """The first trainer: steps until the launcher kills it."""
+    torch.set_num_threads(1)
+    state = initial_state(args.state_mb)
+    root = Path(args.root)
+    engine = fut = None
+    if args.strategy == "dcp.async_save":
+        import torch.distributed.checkpoint as dcp
+    else:
+        engine = make_engine(args)
+        engine.__enter__()  # never left: the trainer dies inside
+        engine.prepare(state)
+    say("ready", worker=engine.worker_pid if engine is not None else None)
+    for step in range(1, 1_000_000):
+        t0 = time.perf_counter()
+        compute(state, step, args.step_ms / 1e3)
+        if engine is not None:
+            tier = engine.due(step)
+            if tier:
+                engine.save(step, state, tier=tier)
+        elif step % args.disk_every == 0:
+            if fut is not None:
+                fut.result()
+            fut = dcp.async_save(state, checkpoint_id=str(root / f"step_{step}"))
+        say("step", step=step, wall=time.perf_counter() - t0)
+
+
+def newest_dcp(root: Path) -> tuple[int, Path] | None:
+    """The newest complete ``dcp.async_save`` checkpoint (its ``.metadata`` is written last)."""
+    done = sorted(
+        (int(p.name.split("_")[1]), p) for p in root.glob("step_*") if (p / ".metadata").exists()
+    )
+    return done[-1] if done else None
+
+
+def resume(args: argparse.Namespace) -> None:
+    """The restarted trainer: the engine built and entered, ``load_latest``, one step; then
+    the check (outside the timings). No ``prepare``: it would wait for the new worker's start
+    before the first step (the first save allocates). ``--load-before-start``: the README's
+    order instead (``load_latest`` before entering), which does not wait for the old worker."""
+    torch.set_num_threads(1)
+    state = blank_state(args.state_mb)
+    say("up")
+    engine = None
+    if args.strategy == "dcp.async_save":
+        import torch.distributed.checkpoint as dcp
+    else:
+        engine = make_engine(args)
+        if not args.load_before_start:
+            engine.__enter__()  # waits for the old worker to finish what it had staged
+    say("engine")
+    source = "disk"
+    if engine is None:
+        newest = newest_dcp(Path(args.root))
+        step = None
+        if newest is not None:
+            step = newest[0]
+            dcp.load(state, checkpoint_id=str(newest[1]))
+    else:
+        step = engine.load_latest(state)
+        source = engine.last_load_report.source if step is not None else "disk"
+    if step is None:  # nothing to resume: the run starts again from its initial state
+        for k, v in initial_state(args.state_mb)["model"].items():
+            state["model"][k].copy_(v)
+        source = "none"
+    say("loaded", step=step, source=source)
+    if engine is not None and args.load_before_start:
+        engine.__enter__()
+    say("started")
+    resumed = step or 0
+    compute(state, resumed + 1, args.step_ms / 1e3)
+    say("first_step")
+    want = expected_state(args.state_mb, resumed + 1)
+    same = all(
+        torch.equal(state["model"][k], want["model"][k]) for k in want["model"]
+    ) and torch.equal(state["step"], want["step"])
+    say("checked", bit_for_bit=same)
+    if engine is not None:
+        engine.__exit__(None, None, None)
+
+
+def wait_gone(pid: int, limit: float) -> None:
+    """Until ``pid`` has exited (a worker that outlived its trainer: not our child)."""
+    import psutil
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"process {pid} still alive after {limit:.0f}s")
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.startswith("{")]
+
+
+def child_cmd(args: argparse.Namespace, strategy: str, root: Path, phase: str) -> list[str]:
+    cmd = [sys.executable, __file__, f"--{phase}", strategy, "--root", str(root)]
+    for k in ("state_mb", "step_ms", "disk_every", "memory_every", "hold"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if args.load_before_start:
+        cmd.append("--load-before-start")
+    return cmd
+
+
+def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -> dict:
+    root = scratch / f"{strategy.replace('+', '_').replace('.', '_')}_{kill}"
+    out, err = scratch / "train.out", scratch / "train.err"
+    # Files, not pipes: the orphaned worker inherits them and outlives the trainer.
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(child_cmd(args, strategy, root, "train"), stdout=o, stderr=e)
+    deadline = time.monotonic() + 600
+    seen, buf = 0, b""
+    with open(out, "rb") as f:
+        while seen < kill:  # its steps as they come; the kill right after step ``kill``
+            chunk = f.read()
+            if not chunk:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{strategy}: the trainer stopped\n{err.read_text()}")
+                time.sleep(0.002)
+                continue
+            *lines, buf = (buf + chunk).split(b"\n")
+            for ln in lines:
+                if ln.startswith(b"{"):
+                    seen = max(seen, json.loads(ln).get("step", 0))
+    killed_at = time.time()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    trained = events(out)
+    worker = trained[0]["worker"]
+    steps = [ev for ev in trained if ev["event"] == "step"]
+    done = steps[-1]["step"]
+    rout, rerr = scratch / "resume.out", scratch / "resume.err"
+    with open(rout, "w") as o, open(rerr, "w") as e:
+        code = subprocess.run(
+            child_cmd(args, strategy, root, "resume"), stdout=o, stderr=e, timeout=600
+        ).returncode
+    if code != 0:
+        raise RuntimeError(f"{strategy}: the restart failed ({code})\n{rerr.read_text()}")
+    if worker is not None:
+        wait_gone(worker, 300)  # the old worker: taken, or persisted and gone
+    ev = {e["event"]: e for e in events(rout)}
+    shutil.rmtree(root, ignore_errors=True)
+    resumed = ev["loaded"]["step"]
+    return {
+        "kill_step": kill,
+        "steps_done": done,
+        "resumed_step": resumed,
+        "steps_lost": done - (resumed or 0),
+        "source": ev["loaded"]["source"],
+        "bit_for_bit": ev["checked"]["bit_for_bit"],
+        "step_s": statistics.fmean(s["wall"] for s in steps),
+        # kill -> trainer up (imports, state), engine built and entered (entered after the
+        # load with --load-before-start)
+        "start_s": ev["engine"]["t"] - killed_at + ev["started"]["t"] - ev["loaded"]["t"],
+        "process_s": ev["up"]["t"] - killed_at,  # of start_s: up to the state built
+        "load_s": ev["loaded"]["t"] - ev["engine"]["t"],
+        "first_step_s": ev["first_step"]["t"] - ev["started"]["t"],
+        "restart_s": ev["first_step"]["t"] - killed_at,
+    }
+
+
+def goodput(step_compute_s: float, step_s: float, restart_s: float, lost: float, w: float) -> float:
+    """The fraction of ``w`` seconds between two failures spent on steps that count."""
+    return max(0.0, (w - restart_s) / step_s - lost) * step_compute_s / w
+
+
+def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
+    def mean(k: str) -> float:
+        return statistics.fmean(r[k] for r in runs)
+
+    row = {k: mean(k) for k in ("step_s", "start_s", "load_s", "first_step_s", "restart_s")}
+    row["steps_lost"] = mean("steps_lost")
+    row["overhead_pct"] = (row["step_s"] / (args.step_ms / 1e3) - 1) * 100
+    row["goodput"] = {
+        str(m): goodput(
+            args.step_ms / 1e3, row["step_s"], row["restart_s"], row["steps_lost"], m * 60
+        )
+        for m in args.minutes
+    }
+    return row
+
+
+def plot(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    step = rep["step_ms"] / 1e3
+    ms = [2**i / 4 for i in range(11)]  # 15 s .. 4 h between failures
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for name, row in rep["rows"].items():
+        ys = [goodput(step, row["step_s"], row["restart_s"], row["steps_lost"], m * 60) for m in ms]
+        ax.plot(ms, ys, "o-" if name.startswith("memory") else "s--", label=name, markersize=3)
+    for m in rep["fail_every_min"]:
+        ax.axvline(m, color="tab:gray", linewidth=0.6, linestyle=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("minutes between failures (M)")
+    ax.set_ylabel("goodput (useful compute / wall time)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.suptitle(f"goodput, SIGKILL + restart: {rep['state_mb']} MiB, steps of {rep['step_ms']} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> None:
+    """The end-to-end rows (``goodput.py --e2e``): every strategy at each kill, interleaved."""
+    args.minutes = [float(m) for m in str(args.fail_every_min).split(",")]
+    args.dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="goodput-e2e-", dir=args.dir))
+    kills = [int(k) for k in args.kills.split(",")]
+    runs: dict[str, list[dict]] = {s: [] for s in args.strategies.split(",")}
+    try:
+        for k in kills:  # interleaved: the machine's load drifts between runs
+            for s in runs:
+                runs[s].append(run_one(s, k, args, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    rows = {s: summarize(r, args) for s, r in runs.items()}
+    rep = {
+        "bench": "goodput_e2e",
+        "state_mb": args.state_mb,
+        "step_ms": args.step_ms,
+        "kills": kills,
+        "disk_every": args.disk_every,
+        "memory_every": args.memory_every,
+        "hold_s": args.hold,
+        "fail_every_min": args.minutes,
+        "load_before_start": args.load_before_start,
+        "load_average": os.getloadavg(),
+        "rows": rows,
+        "runs": runs,
+    }
+    print_table(rep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput_e2e.json").write_text(json.dumps(rep, indent=2) + "\n")
+    if args.plot:
+        plot(rep, args.out / "goodput_e2e.png")
+
+
+def print_table(rep: dict) -> None:
+    ms = rep["fail_every_min"]
+    head = "| strategy | step ms (overhead) | start s | load s | first step s | kill -> training s "
+    head += "| steps lost | " + " | ".join(f"goodput, M={m:g} min" for m in ms) + " |"
+    print(head)
+    print("|---" * (7 + len(ms)) + "|")
+    for name, r in rep["rows"].items():
+        cells = [
+            name,
+            f"{r['step_s'] * 1e3:.1f} ({r['overhead_pct']:+.1f}%)",
+            f"{r['start_s']:.2f}",
+            f"{r['load_s']:.2f}",
+            f"{r['first_step_s']:.3f}",
+            f"{r['restart_s']:.2f}",
+            f"{r['steps_lost']:g}",
+            *(f"{r['goodput'][str(m)]:.4f}" for m in ms),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    for name, runs in rep["runs"].items():
+        for r in runs:
+            print(
+                f"{name}: kill at {r['kill_step']} (done {r['steps_done']}), resumed "
+                f"{r['resumed_step']} from {r['source']}, bit for bit {r['bit_for_bit']}"
+            )
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The end-to-end options (``goodput.py`` takes them too)."""
+    ap.add_argument("--step-ms", type=float, default=100.0, help="e2e: a step's compute time")
+    ap.add_argument("--hold", type=float, default=60.0, help="e2e: memory+hot's hold_seconds")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--fail-every-min", default="5,30,120", help="e2e: M, minutes per failure")
+    ap.add_argument("--plot", action="store_true", help="e2e: goodput_e2e.png")
+    ap.add_argument(
+        "--load-before-start",
+        action="store_true",
+        help="e2e: the restart calls load_latest before entering the engine",
+    )
+
+
+def child_main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train", choices=STRATEGIES)
+    ap.add_argument("--resume", choices=STRATEGIES)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--state-mb", type=int, required=True)
+    ap.add_argument("--disk-every", type=int, required=True)
+    ap.add_argument("--memory-every", type=int, required=True)
+    add_arguments(ap)
+    args = ap.parse_args()
+    args.strategy = args.train or args.resume
+    (train if args.train else resume)(args)
+
+
+if __name__ == "__main__":
+    child_main()
