@@ -92,6 +92,9 @@ class SaveJob:
     # A disk save staged into a memory slot: the id of the memory job holding that slot, whose
     # release waits for this write (memory_hold.Holder.written).
     held_as: int | None = None
+    # A state over Staging(max_host_bytes=): its chunk plan (chunked.ChunkedPlan); the bytes
+    # arrive chunk by chunk in the one arena of arena_ids while the worker writes them.
+    chunks: Any = None
 
 
 @dataclass(frozen=True)
@@ -412,6 +415,10 @@ class Worker:
     ) -> dict:
         from .formats import staged
 
+        if job.chunks is not None:  # written chunk by chunk as the trainer copies them
+            from .chunked_write import write_chunked
+
+            return write_chunked(self, job, flat, tmp, process_group)
         objects = {k: v for k, v in flat.items() if isinstance(v, Serialized)}
         views = {k: v for k, v in flat.items() if not isinstance(v, Serialized)}
         return staged.write(
