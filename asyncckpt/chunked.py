@@ -357,9 +357,10 @@ def stage(saver: Any, pending: Any, plan: ChunkedPlan) -> Any:
             raise  # (sent: the worker fails it, told by the header)
         finally:
             saver.sigterm.run_deferred()
-    stats.stage_seconds = time.perf_counter() - t1
+    stats.stage_seconds = time.perf_counter() - t1 - staging.waited  # (blocked: stage + wait)
     stats.wait_seconds += staging.waited
     stats.staged_bytes = job.figures["staged_bytes"]
+    stats.chunks = len(plan.chunks)
     if complete:
         log.info(
             "save of step %d staged in %d chunks of %.1f MiB (over Staging(max_host_bytes=)): "
