@@ -252,8 +252,8 @@ class ChunkedStaging:
 
 
 # ------------------------------------------------------------------ the save path's side
-#: The last state layout asked about (``over_budget``): its plan, or None if it fits.
-_last: tuple[Any, ChunkedPlan | None] = (None, None)
+#: The last (layout, budget) asked about (``over_budget``): its staged bytes and chunk plan.
+_last: tuple[Any, int, ChunkedPlan | None] = (None, 0, None)
 
 
 def over_budget(saver: Any, flat: Any, key: tuple) -> ChunkedPlan | None:
@@ -264,31 +264,32 @@ def over_budget(saver: Any, flat: Any, key: tuple) -> ChunkedPlan | None:
     budget = saver.budget
     if budget is None:
         return None
-    if _last[0] is not None and _last[0] == (key, budget):
-        return _last[1]
-    from .staging import plan_arenas
+    if _last[0] is None or _last[0] != (key, budget):  # the plan of a layout, made once
+        from .staging import plan_arenas
 
-    _, sizes = plan_arenas(flat.tensors)
-    plan = None
-    if sum(sizes) * budget.copies > budget.max_bytes:
-        why = None
-        if budget.copies > 1:
-            why = f"max_in_flight={budget.copies} (chunks need max_in_flight=1)"
-        elif saver.rules.components is not None or saver.rules.fmt != "dcp":
-            why = f"format {saver.rules.fmt!r} (chunks are written for plain DCP only)"
-        elif flat.extra and flat.extra.get("shards"):
-            why = "DTensor pieces (chunks take plain tensors only)"
-        elif saver.memory.active():
-            why = "a memory tier (its slots hold whole states)"
-        if why is not None:
-            raise StagingMemoryError(
-                f"staging this state takes {sum(sizes) / 2**20:.1f} MiB of host memory per "
-                f"save, over Staging(max_host_bytes={budget.max_bytes}) with "
-                f"{budget.copies} in flight, and it cannot be staged in chunks with {why}; "
-                "raise max_host_bytes; nothing was written"
-            )
-        plan = plan_for(flat.tensors, budget.max_bytes)
-    _last = ((key, budget), plan)
+        staged = sum(plan_arenas(flat.tensors)[1])
+        over = staged * budget.copies > budget.max_bytes
+        plan = plan_for(flat.tensors, budget.max_bytes) if over and budget.copies == 1 else None
+        _last = ((key, budget), staged, plan)
+    staged, plan = _last[1], _last[2]
+    if staged * budget.copies <= budget.max_bytes:
+        return None
+    why = None
+    if budget.copies > 1:
+        why = f"max_in_flight={budget.copies} (chunks need max_in_flight=1)"
+    elif saver.rules.components is not None or saver.rules.fmt != "dcp":
+        why = f"format {saver.rules.fmt!r} (chunks are written for plain DCP only)"
+    elif flat.extra and flat.extra.get("shards"):
+        why = "DTensor pieces (chunks take plain tensors only)"
+    elif saver.memory.active():
+        why = "a memory tier (its slots hold whole states)"
+    if why is not None or plan is None:
+        raise StagingMemoryError(
+            f"staging this state takes {staged / 2**20:.1f} MiB of host memory per save, over "
+            f"Staging(max_host_bytes={budget.max_bytes}) with {budget.copies} in flight, and "
+            f"it cannot be staged in chunks with {why}; raise max_host_bytes; nothing was "
+            "written"
+        )
     return plan
 
 
