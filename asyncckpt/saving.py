@@ -382,7 +382,8 @@ class Saver:
             return handle
         faults.point("after_stage")
         job_id, attempt = self.jobs.add(step, handle, slot_idx)
-        if self.send_job(pending, slot, job_id, self.job_for(pending, slot, job_id, attempt)):
+        job = self.job_for(pending, slot, job_id, attempt)
+        if self.send_job(pending, slot, job_id, job) is not None:
             handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
 
