@@ -38,14 +38,22 @@ class Chunk:
     nbytes: int  # the buffer bytes this chunk uses (its last piece's end)
 
 
-def plan_chunks(sizes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
+def plan_chunks(
+    sizes: Sequence[int], chunk_bytes: int, quanta: Sequence[int] | None = None
+) -> list[Chunk]:
     """The chunks of tensors of ``sizes`` bytes (staging order), each at most ``chunk_bytes``.
 
     Every byte of every tensor is in exactly one piece, in order; a tensor of at most
     ``chunk_bytes`` is one piece; ``chunk_bytes`` must be a positive multiple of ``ALIGN``.
+    ``quanta``: a tensor that is cut is cut only at multiples of its quantum (the bytes of one
+    row along its first dimension: each slice is then a block of whole rows, which DCP
+    records as a chunk of the tensor); a quantum larger than ``chunk_bytes`` cannot be cut
+    (``ValueError``). None: cut anywhere.
     """
     if chunk_bytes <= 0 or chunk_bytes % ALIGN:
         raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+    if quanta is not None and len(quanta) != len(sizes):
+        raise ValueError(f"{len(quanta)} quanta for {len(sizes)} tensors")
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
     used = 0
@@ -74,9 +82,16 @@ def plan_chunks(sizes: Sequence[int], chunk_bytes: int) -> list[Chunk]:
             if pieces:  # a tensor cut anyway starts on a fresh chunk: fewer, larger pieces
                 close()
                 continue
-            pieces.append(Piece(index, start, start + chunk_bytes, 0))
-            used = chunk_bytes
-            start += chunk_bytes
+            quantum = max(1, quanta[index]) if quanta is not None else 1
+            take = chunk_bytes - chunk_bytes % quantum
+            if take == 0:
+                raise ValueError(
+                    f"tensor {index}: one row ({quantum} bytes) is larger than a chunk "
+                    f"({chunk_bytes} bytes), so it cannot be cut into slices of whole rows"
+                )
+            pieces.append(Piece(index, start, start + take, 0))
+            used = take
+            start += take
             close()
     close()
     return chunks

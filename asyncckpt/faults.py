@@ -58,6 +58,9 @@ POINTS = (
     # With MemoryTier(hold_seconds=) (hot_serve.py): the trainer is gone, what its worker
     # wrote is committed, and the worker is about to offer those bytes to a new engine.
     "before_hot_serve",  # worker: the arena of the step offered, before the offer
+    # A state over Staging(max_host_bytes=), staged in chunks (chunked.py):
+    "between_chunks",  # trainer: a chunk copied and handed over, the next not yet copied
+    "mid_chunk_write",  # worker: a chunk written, the next not yet (its buffer given back)
 )
 #: The points only a save with a remote tier reaches (storage/); the others, every save.
 REMOTE_POINTS = ("mid_upload", "before_marker", "before_remote_tracker", "mid_remote_prune")
@@ -71,10 +74,13 @@ STAGE_POINTS = ("mid_stage",)
 REPLICA_POINTS = ("mid_replication",)
 #: The point only a worker that outlived its trainer with hold_seconds reaches (hot_serve.py).
 HOT_POINTS = ("before_hot_serve",)
+#: The points only a save staged in chunks reaches (a state over its staging budget).
+CHUNK_POINTS = ("between_chunks", "mid_chunk_write")
 LOCAL_POINTS = tuple(
     p
     for p in POINTS
-    if p not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS + HOT_POINTS
+    if p
+    not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS + HOT_POINTS + CHUNK_POINTS
 )
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise", "corrupt")
 #: The points that hand ``point`` bytes a ``corrupt`` action may flip (one bit of the first).

@@ -201,9 +201,14 @@ class Staging:
     them waits for the oldest to be written (back-pressure, reported as ``wait_seconds``).
     ``max_host_bytes``: the most host memory the disk saves' staging buffers may take,
     together (all ``max_in_flight`` copies); None: no cap beyond what the machine has. A state
-    whose staging would exceed it is refused with ``StagingMemoryError`` before anything is
-    written (at ``prepare`` or the first save), never left to the OOM killer. The memory
-    tier's own copies (``MemoryTier``) are not counted here.
+    whose staging would exceed it is staged in chunks through the budget (chunked.py): two
+    buffers of about half of it, the worker writing one chunk while ``save`` copies the next;
+    ``save`` returns once the last chunk is copied (one snapshot: its stall grows with state /
+    budget), and nothing is committed unless every chunk was written. Where chunks cannot be
+    used (``overlap=True``, ``max_in_flight`` > 1, the memory tier, the megatron format,
+    DTensors, a row of a tensor larger than a chunk) such a state is refused with
+    ``StagingMemoryError`` before anything is written, never left to the OOM killer. The
+    memory tier's own copies (``MemoryTier``) are not counted here.
     ``differential``: a shard file whose bytes would be the previous checkpoint's
     (fingerprinted with xxh3-128 from the staged bytes, never from version counters) is a hard
     link to that file instead of written again; every checkpoint stays whole (pruning the older

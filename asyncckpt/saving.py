@@ -174,11 +174,25 @@ class Saver:
             handle = memory_tier.save(self, pending, write=True)
             self.schedule.mark_saved(pending.step)
             return handle
+        from . import chunked
+
+        plan = chunked.over_budget(self, pending.flat, pending.key)  # a refusal raises here
+        if plan is not None and opts["overlap"]:
+            chunked.refuse_overlap(plan)
         if not self.take_slot(pending, block=False):
             # Other code runs while it waits (the async facade's other tasks, other threads).
             pending.guard = True
             yield lambda: self.take_slot(pending)
-        return self.finish_save(pending, overlap=opts["overlap"])
+        if plan is None:
+            return self.finish_save(pending, overlap=opts["overlap"])
+        try:  # over the staging budget: copied in chunks as the worker writes them
+            handle = chunked.stage(self, pending, plan)
+        except BaseException:
+            assert pending.slot is not None
+            self.jobs.unreserve(pending.slot)
+            raise
+        self.schedule.mark_saved(pending.step)
+        return handle
 
     def check_can_save(self, step: Any) -> int:
         step = _check_step(step)
@@ -369,6 +383,17 @@ class Saver:
         faults.point("after_stage")
         job_id, attempt = self.jobs.add(step, handle, slot_idx)
         job = self.job_for(pending, slot, job_id, attempt)
+        if self.send_job(pending, slot, job_id, job) is not None:
+            handle._staged.set()  # copied and handed over: invariant 12 holds from here
+        return handle
+
+    def send_job(
+        self, pending: PendingSave, slot: StagingSlot, job_id: int, job: SaveJob
+    ) -> WorkerLink | None:
+        """Hand ``job``, staged (or, chunked.py, its first chunk) in ``slot``, to the worker;
+        the link it went down once the worker mapped the arenas, or None if the job ended
+        first (its handle says why)."""
+        step, flat = pending.step, pending.flat
         sending = False
         try:
             with self.sigterm.handing_off():
@@ -376,7 +401,7 @@ class Saver:
                 if not self.jobs.in_flight(job_id):
                     # The worker it waited for died meanwhile and its handle failed ("nothing
                     # was committed"): the replacement must not commit it after all.
-                    return handle
+                    return None
                 # After the wait: a fault that fired in a worker that died is disarmed by now.
                 job.faults = faults.snapshot()
                 # One worker's link throughout: if a new worker replaces it meanwhile, this
@@ -394,11 +419,12 @@ class Saver:
                     link.paths = flat.paths
         except OSError as e:
             self.jobs.fail(job_id, WorkerDied(f"could not hand step {step} to the worker: {e}"))
+            return None
         except BaseException as e:
             # Interrupted (Ctrl-C), or no worker came up. Unsent, the job must not stay in
             # flight: close() and a SIGTERM's drain would wait for it forever. (Interrupted
             # mid-send, the worker is being replaced and its death settles the job.)
-            handle._observed = True  # the caller sees this very exception instead
+            pending.handle._observed = True  # the caller sees this very exception instead
             if not sending:
                 self.jobs.fail(
                     job_id,
@@ -411,8 +437,7 @@ class Saver:
             # Only now (the job sent, or failed): a SIGTERM's drain would wait for it.
             self.sigterm.run_deferred()
         self.wait_mapped(slot, link)
-        handle._staged.set()  # copied and handed over: invariant 12 holds from here
-        return handle
+        return link
 
     def wait_mapped(self, slot: StagingSlot, link: WorkerLink) -> None:
         """Until the worker has received (mapped) the slot's arenas: it fetches their shared
@@ -484,8 +509,14 @@ class Saver:
             slots, budget = free_slots(self, flat, key), None
         else:
             slots, budget = self.jobs.free_slots(), self.budget
-        for i in slots:
-            self.slots[i].ensure(flat.tensors, pin, key, budget)
+        from . import chunked
+
+        plan = chunked.over_budget(self, flat, key) if budget is not None else None
+        for i in slots[:1] if plan is not None else slots:
+            if plan is not None:  # staged in chunks: the chunk buffers, within the budget
+                chunked.hold_arena(self.slots[i], plan.arena_bytes, pin)
+            else:
+                self.slots[i].ensure(flat.tensors, pin, key, budget)
             if self.is_started():
                 try:
                     with self.sigterm.handing_off():

@@ -222,8 +222,7 @@ class HostBudget:
                 f"staging this state takes {nbytes / 2**20:.1f} MiB of host memory per save in "
                 f"flight ({self.copies} in flight: {nbytes * self.copies / 2**20:.1f} MiB), over "
                 f"Staging(max_host_bytes={self.max_bytes}) ({self.max_bytes / 2**20:.1f} MiB); "
-                "raise max_host_bytes or lower max_in_flight (a state larger than the budget "
-                "is not staged in chunks yet); nothing was written"
+                "raise max_host_bytes or lower max_in_flight; nothing was written"
             )
 
 

@@ -20,8 +20,11 @@ class SaveStats:
     step: int
     #: seconds ``save`` blocked copying the state into the staging arenas
     stage_seconds: float = 0.0
-    #: seconds ``save`` waited for a free staging buffer (back-pressure)
+    #: seconds ``save`` waited for a free staging buffer (back-pressure; for a state staged in
+    #: chunks, also for the worker to write a chunk and free its buffer)
     wait_seconds: float = 0.0
+    #: chunks the state was staged in: 0 where it fit ``Staging(max_host_bytes=)`` whole
+    chunks: int = 0
     #: an overlapped save (``overlap=True``): ``stage_seconds`` ran behind the training loop
     overlapped: bool = False
     #: overlapped: seconds the loop waited in ``handle.staged()`` / the optimizer hook

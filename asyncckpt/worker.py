@@ -92,6 +92,9 @@ class SaveJob:
     # A disk save staged into a memory slot: the id of the memory job holding that slot, whose
     # release waits for this write (memory_hold.Holder.written).
     held_as: int | None = None
+    # A state over Staging(max_host_bytes=): its chunk plan (chunked.ChunkedPlan); the bytes
+    # arrive chunk by chunk in the one arena of arena_ids while the worker writes them.
+    chunks: Any = None
 
 
 @dataclass(frozen=True)
@@ -364,7 +367,7 @@ class Worker:
             self.events.send(M.Failed(job.job_id, outcome[1]))
             return
         if rank == 0:  # every rank's shards are in the committed directory: rank 0 exports
-            failed_export = self._export(job, final, outcome[1])
+            failed_export = _export(self.config, job, final, outcome[1])
             if failed_export is not None:
                 self.events.send(M.Failed(job.job_id, failed_export))
                 return
@@ -428,6 +431,10 @@ class Worker:
     ) -> dict:
         from .formats import staged
 
+        if job.chunks is not None:  # written chunk by chunk as the trainer copies them
+            from .chunked_write import write_chunked
+
+            return write_chunked(self, job, flat, tmp, process_group)
         objects = {k: v for k, v in flat.items() if isinstance(v, Serialized)}
         views = {k: v for k, v in flat.items() if not isinstance(v, Serialized)}
         return staged.write(
@@ -475,28 +482,6 @@ class Worker:
             failed["message"] = where.format("upload") + failed["message"]
             return ("failed", failed)
         return ("committed", stats)
-
-    def _export(self, job: SaveJob, final: Path, stats: dict[str, Any]) -> dict[str, Any] | None:
-        """Every ``export.every_steps``: the component as Hugging Face safetensors, from the
-        committed directory (shards of every rank consolidated here, never in the trainer),
-        then the export's own retention. Returns None or the failure's info, marked as an
-        export failure (the step stays committed)."""
-        export = self.config.export
-        if export is None or not export.due(job.step):
-            return None
-        from .export import export_step, prune_exports
-
-        t0 = time.perf_counter()
-        try:
-            path = export_step(export, final, job.step)
-            prune_exports(export, job.step)  # (just written and checksummed: trusted)
-        except BaseException as e:  # noqa: BLE001 - reported on the save's handle
-            info = error_info(e)
-            info["export"] = True
-            return info
-        stats["export_seconds"] = time.perf_counter() - t0
-        stats["export_path"] = str(path)
-        return None
 
     def _publish(self, job: SaveJob, stats: dict[str, Any]) -> dict[str, Any] | None:
         """With a remote tier: publish the step just committed here, then prune the store.
@@ -620,6 +605,31 @@ class Worker:
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+def _export(
+    config: WorkerConfig, job: SaveJob, final: Path, stats: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Every ``export.every_steps``: the component as Hugging Face safetensors, from the
+    committed directory (shards of every rank consolidated here, never in the trainer),
+    then the export's own retention. Returns None or the failure's info, marked as an
+    export failure (the step stays committed)."""
+    export = config.export
+    if export is None or not export.due(job.step):
+        return None
+    from .export import export_step, prune_exports
+
+    t0 = time.perf_counter()
+    try:
+        path = export_step(export, final, job.step)
+        prune_exports(export, job.step)  # (just written and checksummed: trusted)
+    except BaseException as e:  # noqa: BLE001 - reported on the save's handle
+        info = error_info(e)
+        info["export"] = True
+        return info
+    stats["export_seconds"] = time.perf_counter() - t0
+    stats["export_path"] = str(path)
+    return None
 
 
 def _persist_held(worker: Worker) -> None:

@@ -340,3 +340,15 @@ def test_memory_peak_samples_trainer_and_worker(tmp_path):
     assert len(rep["peak_parts_bytes"]) >= 2 and rep["samples"] > 10
     assert rep["peak_ratio"] >= 1.0
     assert any(in_flight for _, in_flight in rep["disk_in_flight"])
+
+
+def test_chunked_staging_runs_and_reports_every_field(tmp_path):
+    rep = run_bench("chunked_staging.py", tmp_path)
+    has(rep, "environment", "state_bytes", "budgets", "peak")
+    budgets = rep["budgets"]
+    assert list(budgets) == ["1.0x", "0.5x", "0.25x"]
+    for row in budgets.values():
+        has(row, "budget_bytes", "chunks", "stall_s", "durable_s", "stall_vs_1x", "durable_vs_1x")
+    assert budgets["1.0x"]["chunks"] == 0 < budgets["0.5x"]["chunks"] < budgets["0.25x"]["chunks"]
+    has(rep["peak"], "peak_ratio", "peak_pss_bytes", "base_pss_bytes", "loads_bit_for_bit", "met")
+    assert rep["peak"]["loads_bit_for_bit"] and rep["peak"]["chunks"] > 0

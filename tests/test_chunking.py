@@ -70,3 +70,30 @@ def test_small_tensors_share_a_chunk_aligned():
 def test_a_chunk_size_that_is_no_positive_multiple_of_the_alignment_is_refused(chunk):
     with pytest.raises(ValueError, match="multiple"):
         plan_chunks([1], chunk)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 60), st.integers(1, 96)), max_size=30),
+    st.integers(2, 40).map(lambda n: n * ALIGN),
+)
+def test_with_quanta_a_tensor_is_cut_at_whole_rows_only(shapes, chunk):
+    """``quanta`` (a row's bytes): the same plan properties, and every piece of a cut tensor
+    starts and ends on a row, so each slice is a block of whole rows."""
+    shapes = [(rows, row) for rows, row in shapes if row <= chunk]
+    sizes = [rows * row for rows, row in shapes]
+    quanta = [row for _, row in shapes]
+    chunks = plan_chunks(sizes, chunk, quanta)
+    seen: dict[int, int] = {}
+    for c in chunks:
+        assert c.nbytes <= chunk
+        for p in c.pieces:
+            assert p.start == seen.get(p.index, 0)
+            seen[p.index] = p.stop
+            assert p.start % quanta[p.index] == 0 and p.stop % quanta[p.index] == 0
+    assert [seen.get(i, 0) for i in range(len(sizes))] == sizes
+
+
+def test_a_row_larger_than_a_chunk_cannot_be_cut():
+    with pytest.raises(ValueError, match="row"):
+        plan_chunks([4 * 300], 256, [300])

@@ -464,6 +464,7 @@ def write_flat(
     plan_cache: str | None = None,
     object_paths: Mapping[str, tuple] | None = None,
     differential: Previous | None = None,
+    writer: ChecksumWriter | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write a flat state dict as DCP shards into ``directory``; returns crcs per file.
 
@@ -476,8 +477,9 @@ def write_flat(
     nested state, recorded in ``.metadata`` as DCP's default planner records it.
     ``differential`` (``differential.Previous``): files whose bytes would be the previous
     checkpoint's are hard links to them (a sidecar records the fingerprints).
+    ``writer``: the storage writer to use instead (its own options; chunked_write.py).
     """
-    writer = ChecksumWriter(
+    writer = writer or ChecksumWriter(
         directory,
         thread_count=thread_count,
         pace=pace,
