@@ -223,13 +223,21 @@ class HotResume:
         return report
 
     def before_commit(
-        self, load_dir: Callable[..., LoadReport], state: Any, strict: bool, committed: list
+        self,
+        load_dir: Callable[..., LoadReport],
+        state: Any,
+        strict: bool,
+        committed: Callable[[], list],
     ) -> tuple[int, LoadReport] | None:
         """A step the surviving worker offers while it commits it, newer than every one
-        ``committed``: the step a load picks once that commit is done. Loaded from memory
+        ``committed()``: the step a load picks once that commit is done. Loaded from memory
         (``load_committing``), or None once that worker is done (the disk then has it, or
-        not: never an older step while it may still commit)."""
-        newest = max((c.step for c in committed), default=None)
+        not: never an older step while it may still commit). The root is scanned only when
+        such an offer came (a load's own scans stay as they were)."""
+        src = self.source
+        if src is None or src.offer.directory is None:
+            return None
+        newest = max((c.step for c in committed()), default=None)
         if self.committing(newest) is None:
             return None
         taken = self.load_committing(load_dir, state, strict)

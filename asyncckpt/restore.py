@@ -316,7 +316,7 @@ class Restorer:
         if not remote and not _check_root(self.root, self.layout):
             return None
         # A step a surviving worker offers while committing it: from memory now (hot.py).
-        taken = self.hot.before_commit(self.load_dir, state, strict, self.committed())
+        taken = self.hot.before_commit(self.load_dir, state, strict, self.committed)
         if taken is not None:
             self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
             return taken[0]
