@@ -271,6 +271,10 @@ def main(argv: list[str] | None = None) -> dict:
     base = args.dir / f"overhead{rank.suffix or '_rank0'}"
     C.rmtree(base)
     base.mkdir(parents=True)
+    # The methods' roots are shared by the ranks; the barrier that starts each method orders
+    # this removal before any rank writes there.
+    if rank.rank == 0:
+        C.rmtree(args.dir / "overhead_shared")
     want = int(args.size_gb * C.GiB)
     if C.disk_free(base) < 2.5 * want:
         raise SystemExit(f"not enough free disk in {base} for a {args.size_gb} GiB state")
@@ -298,13 +302,17 @@ def main(argv: list[str] | None = None) -> dict:
         C.barrier(rank)
         raw = C.raw_write(raw_buf, base)
         raw_all.append(raw)
-        root = base / m.replace(":", "_").replace("+", "_")
+        # One root every rank writes (a save of several ranks is one checkpoint; a root per
+        # rank is refused at the commit): under the scratch dir, not a rank's own.
+        root = args.dir / "overhead_shared" / m.replace(":", "_").replace("+", "_")
         gc.collect()
         with C.MemorySampler() as mem:
             t0 = time.perf_counter()
             r = run_method(m, state, root, args.saves, ref, args)
             r["method_seconds"] = time.perf_counter() - t0
-        C.rmtree(root)
+        C.barrier(rank)  # every rank's part committed before the root goes
+        if rank.rank == 0:
+            C.rmtree(root)
         r["memory"] = mem.report()
         r["raw_write_seconds_before"] = raw
         results[m] = r
