@@ -37,14 +37,15 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import faults
-from . import layout as _layout
-from .manifest import CHECKSUM, checksum_file
-from .storage import localfs
+from .manifest import checksum
 
 log = logging.getLogger("asyncckpt")
 
@@ -82,10 +83,12 @@ class Offer:
     tensors: dict[str, tuple[int, int, int]]  # DCP key -> (arena index, byte offset, nbytes)
     sizes: tuple[int, ...]  # each arena's bytes (one descriptor each, in this order)
     pid: int
-    # While the step is being committed (``offer_early``): where its files are linked, and
-    # the manifest entries the commit records for them ("format", "files"). None: committed.
-    directory: str | None = None
-    manifest: dict[str, Any] | None = None
+    # Offered before it is written (``offer_staged``): each tensor's (dtype, shape, CRC-32C)
+    # from the staged memory, the objects (torch.save bytes) and the paths to unflatten the
+    # flat keys: a load needs no file. None: a committed step (its files say the rest).
+    staged: dict[str, tuple[torch.dtype, tuple[int, ...], int]] | None = None
+    objects: dict[str, bytes] | None = None
+    paths: dict[str, list] | None = None
 
 
 @dataclass
@@ -193,57 +196,56 @@ def _hand_over(conn: socket.socket, offer: Offer, fds: list[int]) -> bool:
         return False
 
 
-def offer_early(worker: Any, job: Any, tmp: Path, crcs: dict) -> EarlyOffer | None:
-    """Offer ``job``'s step while it is committed: its files in ``tmp`` are written (not yet
-    synced), ``crcs`` the checksums computed while writing them. None (logged) when it cannot
-    be offered: the offer after the commit is then the only one."""
-    files: dict[str, dict[str, int]] = {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_symlink() or not p.is_file():
-            continue
-        rel = p.relative_to(tmp).as_posix()
-        size = p.stat().st_size
-        known = crcs.get(rel)
-        # The entry build_manifest will record: the crc computed while writing, else the file's.
-        crc = known[0] if known is not None and known[1] == size else checksum_file(p)[0]
-        files[rel] = {"size": size, CHECKSUM: crc}
-    made = make_offer(worker, Written(job, tuple(crcs)))
+def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
+    """Offer ``job``'s step before a byte of it is written: each tensor's dtype, shape and
+    CRC-32C computed here from the staged memory, and the objects and paths a load needs, so
+    a new engine reads no file. None (logged) when it cannot be offered: the offer after the
+    commit is then the only one."""
+    made = make_offer(worker, Written(job, ()))
     if made is None:
         return None
     offer, fds, largest = made
-    faults.point("before_hot_serve", largest)
-    root = Path(worker.root)
-    # A temporary's name: a worker killed while offering leaves a leftover the next start cleans.
-    linked = root / _layout.tmp_name(worker.config.layout, job.step, f"hot-{os.getpid()}")
-    try:
-        localfs.link_tree(tmp, linked)
-    except OSError as e:
-        log.warning("cannot offer step %d before its commit: %s", job.step, e)
-        _remove(root, linked)
-        return None
-    offer.directory = str(linked)
-    offer.manifest = {"format": worker.config.fmt, "step": job.step, "files": files}
-    early = EarlyOffer(offer, fds, root, linked)
-    if not early.listen(socket_name(root, offer.rank)):
+    specs = worker._specs(job)
+    views = {s.fqn: _arena_bytes(worker, job, s) for s in specs}
+    crcs = tensor_crcs(views)
+    offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
+    offer.objects, offer.paths = dict(job.objects), job.paths
+    faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
+    early = EarlyOffer(offer, fds, views)
+    if not early.listen(socket_name(worker.root, offer.rank)):
         return None
     log.warning(
         "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
-        "node while it is committed",
+        "node before it is written",
         offer.step,
         offer.rank,
     )
     return early
 
 
-class EarlyOffer:
-    """An offer served on a thread of its own while the main thread commits its step."""
+def _arena_bytes(worker: Any, job: Any, spec: Any) -> memoryview:
+    arena = worker.arenas[job.arena_ids[spec.arena]]
+    return memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]
 
-    def __init__(self, offer: Offer, fds: list[int], root: Path, linked: Path) -> None:
-        self.offer, self.fds, self.root, self.linked = offer, fds, root, linked
+
+def tensor_crcs(views: dict[str, memoryview], threads: int = 4) -> dict[str, int]:
+    """The CRC-32C of each tensor's bytes, by a few threads (the checksum releases the GIL)."""
+    if threads < 2 or len(views) < 2:
+        return {k: checksum(v) for k, v in views.items()}
+    with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-crc") as pool:
+        return dict(zip(views, pool.map(checksum, views.values()), strict=True))
+
+
+class EarlyOffer:
+    """An offer served on a thread of its own while the main thread writes and commits its
+    step. ``views``: the offered tensors' bytes, checked again once written (``unchanged``)."""
+
+    def __init__(self, offer: Offer, fds: list[int], views: dict[str, memoryview]) -> None:
+        self.offer, self.fds, self.views = offer, fds, views
         self.sock: socket.socket | None = None
         self.stop = threading.Event()
         self.taken = threading.Event()
-        self.done = threading.Event()  # the thread ended: the linked files are gone
+        self.done = threading.Event()  # the thread ended
         self.withdrawn = False
         self.thread = threading.Thread(target=self._run, name="asyncckpt-hot", daemon=True)
 
@@ -254,7 +256,6 @@ class EarlyOffer:
         except OSError as e:  # another process offers this rank's memory: not this one's turn
             log.warning("cannot offer step %d to a new engine: %s", self.offer.step, e)
             sock.close()
-            _remove(self.root, self.linked)
             return False
         sock.listen(4)
         sock.settimeout(0.1)  # (to see ``stop``)
@@ -262,15 +263,35 @@ class EarlyOffer:
         self.thread.start()
         return True
 
+    def checksums(self) -> dict[str, int]:
+        """What the commit records (the manifest's ``offered``): each tensor's CRC-32C."""
+        assert self.offer.staged is not None
+        return {fqn: crc for fqn, (_, _, crc) in self.offer.staged.items()}
+
+    def unchanged(self) -> None:
+        """Once the files are written from the staged memory: it still holds the bytes
+        offered (so the files do), else ``StagedMemoryChanged`` fails the save (nothing that
+        differs from what a new engine may have loaded is committed)."""
+        now = tensor_crcs(self.views)
+        changed = sorted(k for k, crc in self.checksums().items() if now.get(k) != crc)
+        if changed:
+            raise StagedMemoryChanged(
+                f"step {self.offer.step}: the staged memory changed after it was offered to a "
+                f"new engine ({changed[:3]}): not committed"
+            )
+
     def live(self) -> bool:
         """Not withdrawn (taken already, or still offered)."""
         return not self.withdrawn and (self.taken.is_set() or self.thread.is_alive())
 
-    def withdraw(self) -> None:
-        """The commit failed: nobody else takes the step (one who did finds out at start)."""
+    def withdraw(self, why: str) -> None:
+        """The commit failed (``why``): nobody else takes the step (one who did finds out at
+        its start)."""
         self.withdrawn = True
         self.stop.set()
-        log.warning("step %d did not commit: no longer offered from memory", self.offer.step)
+        log.warning(
+            "step %d did not commit (%s): no longer offered from memory", self.offer.step, why
+        )
 
     def hold(self, hold_s: float) -> None:
         """Until taken (and read) or ``hold_s`` seconds passed, then close."""
@@ -297,23 +318,17 @@ class EarlyOffer:
                     return
         finally:
             self.sock.close()
-            _remove(self.root, self.linked)
             self.done.set()
 
 
+class StagedMemoryChanged(RuntimeError):
+    """The memory of a step offered before it was written changed before it was written."""
+
+
 def _until_done(conn: socket.socket) -> None:
-    """Until the client said it read what it needed of the linked files (or hung up)."""
+    """Until the client said it is done reading the memory (or hung up)."""
     try:
         conn.settimeout(LOAD_TIMEOUT_S)
         conn.recv(1)
     except OSError:
         pass
-
-
-def _remove(root: Path, path: Path) -> None:
-    try:
-        localfs.remove_tree(localfs.direct_child(root, path))
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a leftover the next start removes
-        log.warning("cannot remove %s: %s", path, e)
