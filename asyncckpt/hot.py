@@ -42,6 +42,7 @@ import mmap
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +51,7 @@ from typing import Any
 from . import layout as _layout
 from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
+from .hot_load import HotSpoiled, load_offered
 from .hot_serve import DONE, HEADER, TAKEN, Offer, peer_uid, socket_name
 from .loadcheck import LoadReport
 
@@ -62,6 +64,9 @@ ASK_TIMEOUT_S = 5.0
 ORPHAN_WAIT_S = 630.0
 #: The most arenas an offer maps (descriptors received at once).
 MAX_ARENAS = 253
+
+#: Read-only, shared, its page tables filled at once (not a fault per page later).
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 NO_WORKER = "no worker of an earlier trainer offers this rank's memory on this node"
 
@@ -84,17 +89,22 @@ class HotSource:
         return self.offer.step
 
     def close(self) -> None:
-        """Unmap: the worker's memory is freed once nobody maps it."""
+        """Let go: the worker's memory is freed once nobody maps it. Unmapped on a thread of
+        its own (a GiB's page tables take a tenth of a second to tear down: not the load's)."""
         with contextlib.suppress(OSError):
             self.conn.sendall(DONE)
         self.conn.close()
         self.tensors = {}
-        for v in self._views:
-            v.release()
-        for m in self.maps:
-            with contextlib.suppress(BufferError):  # a view still held: freed with it
-                m.close()
-        self.maps = []
+        views, maps, self._views, self.maps = self._views, self.maps, [], []
+        threading.Thread(target=_unmap, args=(views, maps), name="asyncckpt-unmap").start()
+
+
+def _unmap(views: list[memoryview], maps: list[mmap.mmap]) -> None:
+    for v in views:
+        v.release()
+    for m in maps:
+        with contextlib.suppress(BufferError):  # a view still held: freed with it
+            m.close()
 
 
 def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
@@ -113,10 +123,8 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
         offer: Offer = pickle.loads(_exactly(sock, b"", length))
         if len(fds) != len(offer.sizes):
             return None, "the offer came without its memory"
-        # Read-only, shared, its page tables filled at once (not a fault per page later).
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         maps = [
-            mmap.mmap(fd, n, flags=flags, prot=mmap.PROT_READ)
+            mmap.mmap(fd, n, flags=MAP_FLAGS, prot=mmap.PROT_READ)
             for fd, n in zip(fds, offer.sizes, strict=True)
         ]
         sock.sendall(TAKEN)  # mapped: the worker may exit, the memory lives while mapped here
@@ -183,12 +191,15 @@ class HotResume:
         # A step taken before its worker wrote it: (step, its tensors' checksums), checked at
         # start() (check_committed).
         self.pending: tuple[int, dict[str, int]] | None = None
+        # A memory that failed its checksums as it was copied into the target (hot_load
+        # ``HotSpoiled``): the load must restore the whole target from disk, or fail.
+        self.spoiled = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[HotResume]:
         """Around one ``load_latest``: ask for the offer, and let it go after."""
         self.loads += 1
-        self.voted = self.tried = False
+        self.voted = self.tried = self.spoiled = False
         self.pending = None  # (what start() checks is what the last load took)
         self.source, self.reason = ask(self.root, self.rank)
         try:
@@ -211,8 +222,8 @@ class HotResume:
             if not self.reason and self._offered_as_committed(path):
                 try:  # its memory alone, no file
                     return self._load_offered_committed(state, strict)
-                except HotDeclined as e:
-                    self.reason = str(e)
+                except HotDeclined as e:  # the same step's files restore the whole target
+                    self.spoiled, self.reason = isinstance(e, HotSpoiled), str(e)
             if not self.reason:
                 try:
                     report = load_dir(state, path, strict, step, hot=self._read())
@@ -269,8 +280,6 @@ class HotResume:
         """The step offered before it was written, from the memory alone, checked against the
         offered checksums; None (the reason kept, the offer let go) when it was not applied:
         the caller reads the disk once the worker is done."""
-        from .hot_load import load_offered
-
         src = self.source
         assert src is not None and src.offer.staged is not None
         step = src.step
@@ -278,7 +287,8 @@ class HotResume:
             report = load_offered(state, src.offer, src.tensors, strict)
         except StateMismatch:
             raise  # the caller's mistake: the disk's copy of the step would not fit either
-        except Exception as e:  # noqa: BLE001 - the disk, after it; nothing went in yet
+        except Exception as e:  # noqa: BLE001 - the disk, after it
+            self.spoiled = isinstance(e, HotSpoiled)  # host targets partly written
             self.reason = f"step {step}, taken before it was written, was not applied: {e}"
             log.warning("%s; reading from disk once the commit is over", self.reason)
             src.close()
@@ -333,8 +343,6 @@ class HotResume:
             return False  # the disk path says what is wrong with it
 
     def _load_offered_committed(self, state: Any, strict: bool) -> LoadReport:
-        from .hot_load import load_offered
-
         assert self.source is not None
         report = load_offered(state, self.source.offer, self.source.tensors, strict)
         report.source = "memory"

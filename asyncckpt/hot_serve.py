@@ -2,16 +2,17 @@
 
 When its trainer dies, a worker finishes what it was writing (staged saves, the memory
 checkpoint it held: worker.py, memory_hold.py). The step it persists after the death (the
-memory checkpoint) is offered *while it is committed*, as soon as its files are written
-(``offer_early``, before their fsync, the manifest, the rename and the tracker): a new engine
-need not wait for the commit. What it may read then: the step's files under a second name
-(hard links in a temporary of their own: the commit renames the step's temporary meanwhile)
-and the checksums the commit will record for them (those it computed while writing, the rest
-computed here). The new engine takes such a step only if it is newer than every committed one
-(the step ``load_latest`` picks once the commit is done), checks every byte against those
-checksums, and at its ``start()`` (which waits for this worker's lock, held until the commit
-ends) checks that the step committed with the very same checksums: a failed commit reaches
-it as an error (hot.py ``check_committed``). A failed commit withdraws the offer here.
+memory checkpoint) is offered *before a byte of it is written* (``offer_staged``): with each
+tensor's dtype, shape and CRC-32C, computed here from the staged memory, and the objects and
+paths a load needs, so a new engine reads no file (hot_load.py) and waits for no write. It
+takes such a step only if it is newer than every committed one (the step ``load_latest`` picks
+once the commit is done) and checks every tensor against those checksums. Here, once the files
+are written, the memory is checksummed again (``EarlyOffer.unchanged``): if it changed since
+the offer the save fails (the files hold what the memory held when written); else the commit
+records the offered checksums in the manifest (``offered``). The new engine's ``start()``
+(which waits for this worker's lock, held until the commit ends) checks that the step
+committed recording the very same checksums: a failed commit reaches it as an error (hot.py
+``check_committed``). A failed commit withdraws the offer here.
 
 Otherwise (a staged disk save, written before the worker learnt of the death; several ranks)
 the newest step it wrote is offered once committed, as before. Either way the offer is served
@@ -23,7 +24,7 @@ arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``). The new
 them and checks every byte it copies against the manifest (or the offered checksums); nothing
 offered here is trusted beyond being a place to copy from. The offer goes once: the memory is
 freed when the new engine unmaps it (or when this process exits, at ``hold_seconds``, if
-nobody came); the linked files once it said it is done reading (``DONE``).
+nobody came).
 """
 
 from __future__ import annotations

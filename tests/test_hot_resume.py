@@ -278,3 +278,50 @@ def test_corrupt_is_only_for_a_point_that_holds_bytes():
         faults.inject("before_rename", "corrupt")
     faults.inject("before_hot_serve", "corrupt")
     faults.clear()
+
+
+def offered(state: dict) -> tuple[object, dict]:
+    """An offer made before writing, as a worker makes it (hot_serve.offer_staged), of
+    ``state``, and its memory: the tensors' bytes by DCP key (a copy, writable here)."""
+    from asyncckpt.hot_serve import Offer, tensor_crcs
+    from asyncckpt.staging import flatten_state, serialize_objects
+
+    flat = flatten_state(state)
+    memory = {k: memoryview(bytearray(t.numpy().tobytes())) for k, t in flat.tensors.items()}
+    crcs = tensor_crcs(memory)
+    offer = Offer(3, 0, (), {}, (), os.getpid())
+    offer.staged = {k: (t.dtype, tuple(t.shape), crcs[k]) for k, t in flat.tensors.items()}
+    offer.objects, offer.paths = serialize_objects(flat.objects), flat.paths
+    return offer, memory
+
+
+def test_a_load_from_the_offer_alone_is_bit_for_bit():
+    from asyncckpt.hot_load import load_offered
+
+    offer, memory = offered(state_at(3))
+    target = blank()
+    load_offered(target, offer, memory, strict=True)
+    assert_same(target, state_at(3))
+
+
+def test_memory_that_fails_its_checksum_while_copied_leaves_no_half_load_behind(tmp_path):
+    from asyncckpt.hot_load import HotSpoiled, load_offered
+
+    offer, memory = offered(state_at(3))
+    memory["w"][12345] ^= 0x10  # after the checksums were offered
+    target = blank()
+    with pytest.raises(HotSpoiled, match=r"did not match the checksums offered: \['w'\]"):
+        load_offered(target, offer, memory, strict=True)
+    assert target["meta"] == {}  # the objects go in only once every tensor matched
+    # load_latest with nothing on disk to restore the whole target from: an error, never a
+    # target left half-written by a load that returns.
+    from asyncckpt import NoValidCheckpoint
+    from asyncckpt.restore import Restorer
+
+    restorer = Restorer(
+        tmp_path, "global_step", "dcp", None, verify_on_load=True, legacy=None, rank=0,
+        world_size=1, remote=None, on_loaded=lambda step: None,
+    )  # fmt: skip
+    restorer.hot.spoiled, restorer.hot.reason = True, "a bit flipped"  # (as load_committing)
+    with pytest.raises(NoValidCheckpoint, match="the memory offered: a bit flipped"):
+        restorer._load_latest(target, strict=True)
