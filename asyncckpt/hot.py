@@ -77,7 +77,7 @@ class HotSource:
     def __init__(self, offer: Offer, maps: list[mmap.mmap], conn: socket.socket) -> None:
         self.offer = offer
         self.maps = maps
-        self.conn = conn  # open while read: the worker keeps the linked files until DONE
+        self.conn = conn  # open while read: the worker waits for DONE before it ends
         views = [memoryview(m) for m in maps]
         self.tensors = {
             fqn: views[arena][at : at + n] for fqn, (arena, at, n) in offer.tensors.items()

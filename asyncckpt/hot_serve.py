@@ -56,7 +56,7 @@ HEADER = struct.Struct("<Q")
 UCRED = struct.Struct("3i")
 #: How long one client may take to read the offer before the next one is served.
 CLIENT_TIMEOUT_S = 10.0
-#: How long a client that took an offer may read the linked files before they are removed.
+#: How long a client that took an offer may take to say it is done reading (DONE).
 LOAD_TIMEOUT_S = 600.0
 #: The client's last byte: mapped (``TAKEN``), then done reading (``DONE``).
 TAKEN, DONE = b"T", b"D"

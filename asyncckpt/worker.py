@@ -417,12 +417,14 @@ class Worker:
 
     def _offer_early(self, job: SaveJob) -> None:
         """A step persisted after the trainer's death is offered to a new engine before it is
-        written (hot_serve.offer_staged); one rank, DCP, staged whole only: several ranks agree
-        on a hot resume over the side store, which a new engine has once started."""
+        written (hot_serve.offer_staged); one rank (several ranks agree on a hot resume over
+        the side store, which a new engine has once started), plain DCP tensors staged whole
+        (a DTensor's piece: the disk's plan reshards it)."""
         cfg = self.config
         if not self.trainer_gone or cfg.hot_hold_s <= 0 or cfg.dist is not None:
             return
-        if self.early_offer is None and cfg.fmt == "dcp" and job.chunks is None:
+        plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
+        if self.early_offer is None and plain:
             from .hot_serve import offer_staged
 
             self.early_offer = offer_staged(self, job)
