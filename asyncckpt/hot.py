@@ -15,14 +15,17 @@ taken (``source``) and why not the other (``source_reason``):
 * a format or a part the memory does not cover (components, another format than DCP);
 * its bytes do not match the manifest (on any rank: then every rank reads the disk).
 
-A step the worker offers while it is still committing it (hot_serve.offer_early: one rank, a
-step persisted after the trainer's death) is taken before that commit ends, when it is newer
-than every committed step (the one ``load_latest`` picks once the commit is done): its files
-are read under the worker's second names for them, every byte checked against the checksums
-the commit records; then the engine's ``start()``, which waits for that worker, checks that
-the step did commit with those checksums (``check_committed``), else raises
-``UncommittedResume``: the state loaded is on no disk. A step that could not be taken so is
-read from disk once the worker is done (``wait_for_worker``), never an older one meanwhile.
+A step the worker offers before it writes it (hot_serve.offer_staged: one rank, DCP, the
+memory checkpoint persisted after the trainer's death) is taken before it is even on disk,
+when it is newer than every committed step (the one ``load_latest`` picks once the commit is
+done): from the memory alone (``hot_load``), every tensor checked against the checksum the
+worker computed from its staged memory, objects and paths from the offer, no file read. Then
+the engine's ``start()``, which waits for that worker, checks that the step committed
+recording those very checksums (the manifest's ``offered``; the worker checks after writing
+that its memory still held them), else raises ``UncommittedResume``: the state loaded is on no
+disk. A step that could not be taken so is read from disk once the worker is done
+(``wait_for_worker``), never an older one meanwhile; once committed, such a step is read from
+the memory alone too when its manifest records the checksums offered.
 
 Several ranks: each rank checks the files it wrote against the memory its own worker offers,
 then every rank says over the side store whether its own matched; only if all did does any
@@ -39,16 +42,16 @@ import mmap
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from . import layout as _layout
 from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
+from .hot_load import HotSpoiled, load_offered
 from .hot_serve import DONE, HEADER, TAKEN, Offer, peer_uid, socket_name
 from .loadcheck import LoadReport
 
@@ -62,6 +65,9 @@ ORPHAN_WAIT_S = 630.0
 #: The most arenas an offer maps (descriptors received at once).
 MAX_ARENAS = 253
 
+#: Read-only, shared, its page tables filled at once (not a fault per page later).
+MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
 NO_WORKER = "no worker of an earlier trainer offers this rank's memory on this node"
 
 
@@ -71,7 +77,7 @@ class HotSource:
     def __init__(self, offer: Offer, maps: list[mmap.mmap], conn: socket.socket) -> None:
         self.offer = offer
         self.maps = maps
-        self.conn = conn  # open while read: the worker keeps the linked files until DONE
+        self.conn = conn  # open while read: the worker waits for DONE before it ends
         views = [memoryview(m) for m in maps]
         self.tensors = {
             fqn: views[arena][at : at + n] for fqn, (arena, at, n) in offer.tensors.items()
@@ -83,17 +89,22 @@ class HotSource:
         return self.offer.step
 
     def close(self) -> None:
-        """Unmap: the worker's memory is freed once nobody maps it."""
+        """Let go: the worker's memory is freed once nobody maps it. Unmapped on a thread of
+        its own (a GiB's page tables take a tenth of a second to tear down: not the load's)."""
         with contextlib.suppress(OSError):
             self.conn.sendall(DONE)
         self.conn.close()
         self.tensors = {}
-        for v in self._views:
-            v.release()
-        for m in self.maps:
-            with contextlib.suppress(BufferError):  # a view still held: freed with it
-                m.close()
-        self.maps = []
+        views, maps, self._views, self.maps = self._views, self.maps, [], []
+        threading.Thread(target=_unmap, args=(views, maps), name="asyncckpt-unmap").start()
+
+
+def _unmap(views: list[memoryview], maps: list[mmap.mmap]) -> None:
+    for v in views:
+        v.release()
+    for m in maps:
+        with contextlib.suppress(BufferError):  # a view still held: freed with it
+            m.close()
 
 
 def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
@@ -112,10 +123,8 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
         offer: Offer = pickle.loads(_exactly(sock, b"", length))
         if len(fds) != len(offer.sizes):
             return None, "the offer came without its memory"
-        # Read-only, shared, its page tables filled at once (not a fault per page later).
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         maps = [
-            mmap.mmap(fd, n, flags=flags, prot=mmap.PROT_READ)
+            mmap.mmap(fd, n, flags=MAP_FLAGS, prot=mmap.PROT_READ)
             for fd, n in zip(fds, offer.sizes, strict=True)
         ]
         sock.sendall(TAKEN)  # mapped: the worker may exit, the memory lives while mapped here
@@ -179,15 +188,18 @@ class HotResume:
         self.voted = False
         self.tried = False
         self.store: Any = None
-        # A step taken while its worker committed it: (step, manifest entries), checked at
+        # A step taken before its worker wrote it: (step, its tensors' checksums), checked at
         # start() (check_committed).
-        self.pending: tuple[int, dict[str, Any]] | None = None
+        self.pending: tuple[int, dict[str, int]] | None = None
+        # A memory that failed its checksums as it was copied into the target (hot_load
+        # ``HotSpoiled``): the load must restore the whole target from disk, or fail.
+        self.spoiled = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[HotResume]:
         """Around one ``load_latest``: ask for the offer, and let it go after."""
         self.loads += 1
-        self.voted = self.tried = False
+        self.voted = self.tried = self.spoiled = False
         self.pending = None  # (what start() checks is what the last load took)
         self.source, self.reason = ask(self.root, self.rank)
         try:
@@ -207,6 +219,11 @@ class HotResume:
         first, self.tried = not self.tried, True
         if first:
             self.reason = self._refusal(step) or ""
+            if not self.reason and self._offered_as_committed(path):
+                try:  # its memory alone, no file
+                    return self._load_offered_committed(state, strict)
+                except HotDeclined as e:  # the same step's files restore the whole target
+                    self.spoiled, self.reason = isinstance(e, HotSpoiled), str(e)
             if not self.reason:
                 try:
                     report = load_dir(state, path, strict, step, hot=self._read())
@@ -229,18 +246,18 @@ class HotResume:
         strict: bool,
         committed: Callable[[], list],
     ) -> tuple[int, LoadReport] | None:
-        """A step the surviving worker offers while it commits it, newer than every one
+        """A step the surviving worker offered before writing it, newer than every one
         ``committed()``: the step a load picks once that commit is done. Loaded from memory
         (``load_committing``), or None once that worker is done (the disk then has it, or
         not: never an older step while it may still commit). The root is scanned only when
         such an offer came (a load's own scans stay as they were)."""
         src = self.source
-        if src is None or src.offer.directory is None:
+        if src is None or src.offer.staged is None:
             return None
         newest = max((c.step for c in committed()), default=None)
         if self.committing(newest) is None:
             return None
-        taken = self.load_committing(load_dir, state, strict)
+        taken = self.load_committing(state, strict)
         if taken is None:
             from .supervisor import wait_for_worker
 
@@ -248,73 +265,88 @@ class HotResume:
         return taken
 
     def committing(self, newest: int | None) -> Offer | None:
-        """The offer of a step being committed, newer than ``newest`` (the newest committed):
-        the step ``load_latest`` picks once that commit is done."""
+        """The offer of a step being written and committed, newer than ``newest`` (the newest
+        committed): the step ``load_latest`` picks once that commit is done."""
         src = self.source
-        if src is None or src.offer.directory is None or src.offer.manifest is None:
+        if src is None or src.offer.staged is None:
             return None
         if self.world_size > 1:
-            return None  # (offered early by one rank's worker only: hot_serve.offer_early)
+            return None  # (offered early by one rank's worker only: hot_serve.offer_staged)
         if newest is not None and src.step <= newest:
             return None  # committed by now (or older): the usual path
         return src.offer
 
-    def load_committing(
-        self, load_dir: Callable[..., LoadReport], state: Any, strict: bool
-    ) -> tuple[int, LoadReport] | None:
-        """The step offered while committed, read from its linked files and the memory,
-        checked against the offered checksums; None (the reason kept, the offer let go) when
-        it was not applied: the caller reads the disk once the worker is done."""
+    def load_committing(self, state: Any, strict: bool) -> tuple[int, LoadReport] | None:
+        """The step offered before it was written, from the memory alone, checked against the
+        offered checksums; None (the reason kept, the offer let go) when it was not applied:
+        the caller reads the disk once the worker is done."""
         src = self.source
-        assert src is not None and src.offer.directory is not None
+        assert src is not None and src.offer.staged is not None
         step = src.step
         try:
-            report = load_dir(
-                state, Path(src.offer.directory), strict, step, self._read(), src.offer.manifest
-            )
+            report = load_offered(state, src.offer, src.tensors, strict)
         except StateMismatch:
             raise  # the caller's mistake: the disk's copy of the step would not fit either
-        # DCP's CheckpointException is a BaseException; nothing went into the target yet.
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the disk, after it
-            self.reason = f"step {step}, taken while its commit ran, was not applied: {e}"
+        except Exception as e:  # noqa: BLE001 - the disk, after it
+            self.spoiled = isinstance(e, HotSpoiled)  # host targets partly written
+            self.reason = f"step {step}, taken before it was written, was not applied: {e}"
             log.warning("%s; reading from disk once the commit is over", self.reason)
             src.close()
             self.source = None
             self.voted = False  # (one rank: its word was its own)
             return None
-        self.pending = (step, dict((src.offer.manifest or {}).get("files", {})))
+        self.pending = (step, _offered(src.offer))
         report.source = "memory"
-        report.source_reason = "taken before its commit ended (checked at start())"
+        report.source_reason = "taken before it was written (its commit checked at start())"
         return step, report
 
     def check_committed(self, layout: str) -> None:
-        """At ``start()``, once the worker of a step taken while committed is done: that step
-        is committed, with the checksums it was checked against; else ``UncommittedResume``."""
+        """At ``start()``, once the worker of a step taken before it was written is done: that
+        step is committed, recording the checksums it was checked against (the manifest's
+        ``offered``: the worker checks its files were written from those bytes); else
+        ``UncommittedResume``."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
         from .manifest import read_manifest
 
-        step, files = pending
+        step, crcs = pending
         found = {c.step: c.path for c in _layout.scan(self.root, layout)}.get(step)
         why = None
         if found is None:
             why = "its commit failed (the worker's log says why)"
         else:
             try:
-                written = read_manifest(found).get("files", {})
+                if read_manifest(found).get("offered") != crcs:
+                    why = "it committed other bytes than those loaded"
             except CheckpointError as e:
-                written, why = {}, f"its manifest cannot be read: {e}"
-            changed = sorted(n for n, entry in files.items() if written.get(n) != entry)
-            if why is None and changed:
-                why = f"it committed other bytes than those loaded: {changed[:3]}"
+                why = f"its manifest cannot be read: {e}"
         if why is not None:
             raise UncommittedResume(
                 f"step {step} was loaded from the memory of the worker of an earlier trainer "
-                f"while that worker committed it, and {why}: the state loaded is on no disk. "
+                f"before that worker wrote it, and {why}: the state loaded is on no disk. "
                 "Load again (load_latest) before training on."
             )
-        log.info("step %d, loaded before its commit ended, is committed", step)
+        log.info("step %d, loaded before it was written, is committed", step)
+
+    def _offered_as_committed(self, path: Path) -> bool:
+        """The committed step at ``path`` is the one offered before it was written, with the
+        very checksums offered: its memory alone is read (no file)."""
+        from .manifest import read_manifest
+
+        src = self.source
+        if src is None or src.offer.staged is None or self.world_size > 1:
+            return False
+        try:
+            return bool(read_manifest(path).get("offered") == _offered(src.offer))
+        except CheckpointError:
+            return False  # the disk path says what is wrong with it
+
+    def _load_offered_committed(self, state: Any, strict: bool) -> LoadReport:
+        assert self.source is not None
+        report = load_offered(state, self.source.offer, self.source.tensors, strict)
+        report.source = "memory"
+        return report
 
     def _refusal(self, step: int) -> str | None:
         src = self.source
@@ -373,3 +405,8 @@ def _wait_count(store: Any, key: str, n: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while store.add(key, 0) < n and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+def _offered(offer: Offer) -> dict[str, int]:
+    """The checksums an offer made before writing carries (the manifest's ``offered``)."""
+    return {fqn: crc for fqn, (_, _, crc) in (offer.staged or {}).items()}

@@ -2,16 +2,17 @@
 
 When its trainer dies, a worker finishes what it was writing (staged saves, the memory
 checkpoint it held: worker.py, memory_hold.py). The step it persists after the death (the
-memory checkpoint) is offered *while it is committed*, as soon as its files are written
-(``offer_early``, before their fsync, the manifest, the rename and the tracker): a new engine
-need not wait for the commit. What it may read then: the step's files under a second name
-(hard links in a temporary of their own: the commit renames the step's temporary meanwhile)
-and the checksums the commit will record for them (those it computed while writing, the rest
-computed here). The new engine takes such a step only if it is newer than every committed one
-(the step ``load_latest`` picks once the commit is done), checks every byte against those
-checksums, and at its ``start()`` (which waits for this worker's lock, held until the commit
-ends) checks that the step committed with the very same checksums: a failed commit reaches
-it as an error (hot.py ``check_committed``). A failed commit withdraws the offer here.
+memory checkpoint) is offered *before a byte of it is written* (``offer_staged``): with each
+tensor's dtype, shape and CRC-32C, computed here from the staged memory, and the objects and
+paths a load needs, so a new engine reads no file (hot_load.py) and waits for no write. It
+takes such a step only if it is newer than every committed one (the step ``load_latest`` picks
+once the commit is done) and checks every tensor against those checksums. Here, once the files
+are written, the memory is checksummed again (``EarlyOffer.unchanged``): if it changed since
+the offer the save fails (the files hold what the memory held when written); else the commit
+records the offered checksums in the manifest (``offered``). The new engine's ``start()``
+(which waits for this worker's lock, held until the commit ends) checks that the step
+committed recording the very same checksums: a failed commit reaches it as an error (hot.py
+``check_committed``). A failed commit withdraws the offer here.
 
 Otherwise (a staged disk save, written before the worker learnt of the death; several ranks)
 the newest step it wrote is offered once committed, as before. Either way the offer is served
@@ -23,7 +24,7 @@ arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``). The new
 them and checks every byte it copies against the manifest (or the offered checksums); nothing
 offered here is trusted beyond being a place to copy from. The offer goes once: the memory is
 freed when the new engine unmaps it (or when this process exits, at ``hold_seconds``, if
-nobody came); the linked files once it said it is done reading (``DONE``).
+nobody came).
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from . import faults
-from . import layout as _layout
-from .manifest import CHECKSUM, checksum_file
-from .storage import localfs
+from .manifest import checksum
 
 log = logging.getLogger("asyncckpt")
 
@@ -54,7 +56,7 @@ HEADER = struct.Struct("<Q")
 UCRED = struct.Struct("3i")
 #: How long one client may take to read the offer before the next one is served.
 CLIENT_TIMEOUT_S = 10.0
-#: How long a client that took an offer may read the linked files before they are removed.
+#: How long a client that took an offer may take to say it is done reading (DONE).
 LOAD_TIMEOUT_S = 600.0
 #: The client's last byte: mapped (``TAKEN``), then done reading (``DONE``).
 TAKEN, DONE = b"T", b"D"
@@ -82,10 +84,12 @@ class Offer:
     tensors: dict[str, tuple[int, int, int]]  # DCP key -> (arena index, byte offset, nbytes)
     sizes: tuple[int, ...]  # each arena's bytes (one descriptor each, in this order)
     pid: int
-    # While the step is being committed (``offer_early``): where its files are linked, and
-    # the manifest entries the commit records for them ("format", "files"). None: committed.
-    directory: str | None = None
-    manifest: dict[str, Any] | None = None
+    # Offered before it is written (``offer_staged``): each tensor's (dtype, shape, CRC-32C)
+    # from the staged memory, the objects (torch.save bytes) and the paths to unflatten the
+    # flat keys: a load needs no file. None: a committed step (its files say the rest).
+    staged: dict[str, tuple[torch.dtype, tuple[int, ...], int]] | None = None
+    objects: dict[str, bytes] | None = None
+    paths: dict[str, list] | None = None
 
 
 @dataclass
@@ -193,57 +197,56 @@ def _hand_over(conn: socket.socket, offer: Offer, fds: list[int]) -> bool:
         return False
 
 
-def offer_early(worker: Any, job: Any, tmp: Path, crcs: dict) -> EarlyOffer | None:
-    """Offer ``job``'s step while it is committed: its files in ``tmp`` are written (not yet
-    synced), ``crcs`` the checksums computed while writing them. None (logged) when it cannot
-    be offered: the offer after the commit is then the only one."""
-    files: dict[str, dict[str, int]] = {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_symlink() or not p.is_file():
-            continue
-        rel = p.relative_to(tmp).as_posix()
-        size = p.stat().st_size
-        known = crcs.get(rel)
-        # The entry build_manifest will record: the crc computed while writing, else the file's.
-        crc = known[0] if known is not None and known[1] == size else checksum_file(p)[0]
-        files[rel] = {"size": size, CHECKSUM: crc}
-    made = make_offer(worker, Written(job, tuple(crcs)))
+def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
+    """Offer ``job``'s step before a byte of it is written: each tensor's dtype, shape and
+    CRC-32C computed here from the staged memory, and the objects and paths a load needs, so
+    a new engine reads no file. None (logged) when it cannot be offered: the offer after the
+    commit is then the only one."""
+    made = make_offer(worker, Written(job, ()))
     if made is None:
         return None
     offer, fds, largest = made
-    faults.point("before_hot_serve", largest)
-    root = Path(worker.root)
-    # A temporary's name: a worker killed while offering leaves a leftover the next start cleans.
-    linked = root / _layout.tmp_name(worker.config.layout, job.step, f"hot-{os.getpid()}")
-    try:
-        localfs.link_tree(tmp, linked)
-    except OSError as e:
-        log.warning("cannot offer step %d before its commit: %s", job.step, e)
-        _remove(root, linked)
-        return None
-    offer.directory = str(linked)
-    offer.manifest = {"format": worker.config.fmt, "step": job.step, "files": files}
-    early = EarlyOffer(offer, fds, root, linked)
-    if not early.listen(socket_name(root, offer.rank)):
+    specs = worker._specs(job)
+    views = {s.fqn: _arena_bytes(worker, job, s) for s in specs}
+    crcs = tensor_crcs(views)
+    offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
+    offer.objects, offer.paths = dict(job.objects), job.paths
+    faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
+    early = EarlyOffer(offer, fds, views)
+    if not early.listen(socket_name(worker.root, offer.rank)):
         return None
     log.warning(
         "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
-        "node while it is committed",
+        "node before it is written",
         offer.step,
         offer.rank,
     )
     return early
 
 
-class EarlyOffer:
-    """An offer served on a thread of its own while the main thread commits its step."""
+def _arena_bytes(worker: Any, job: Any, spec: Any) -> memoryview:
+    arena = worker.arenas[job.arena_ids[spec.arena]]
+    return memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]
 
-    def __init__(self, offer: Offer, fds: list[int], root: Path, linked: Path) -> None:
-        self.offer, self.fds, self.root, self.linked = offer, fds, root, linked
+
+def tensor_crcs(views: dict[str, memoryview], threads: int = 4) -> dict[str, int]:
+    """The CRC-32C of each tensor's bytes, by a few threads (the checksum releases the GIL)."""
+    if threads < 2 or len(views) < 2:
+        return {k: checksum(v) for k, v in views.items()}
+    with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-crc") as pool:
+        return dict(zip(views, pool.map(checksum, views.values()), strict=True))
+
+
+class EarlyOffer:
+    """An offer served on a thread of its own while the main thread writes and commits its
+    step. ``views``: the offered tensors' bytes, checked again once written (``unchanged``)."""
+
+    def __init__(self, offer: Offer, fds: list[int], views: dict[str, memoryview]) -> None:
+        self.offer, self.fds, self.views = offer, fds, views
         self.sock: socket.socket | None = None
         self.stop = threading.Event()
         self.taken = threading.Event()
-        self.done = threading.Event()  # the thread ended: the linked files are gone
+        self.done = threading.Event()  # the thread ended
         self.withdrawn = False
         self.thread = threading.Thread(target=self._run, name="asyncckpt-hot", daemon=True)
 
@@ -254,7 +257,6 @@ class EarlyOffer:
         except OSError as e:  # another process offers this rank's memory: not this one's turn
             log.warning("cannot offer step %d to a new engine: %s", self.offer.step, e)
             sock.close()
-            _remove(self.root, self.linked)
             return False
         sock.listen(4)
         sock.settimeout(0.1)  # (to see ``stop``)
@@ -262,15 +264,35 @@ class EarlyOffer:
         self.thread.start()
         return True
 
+    def checksums(self) -> dict[str, int]:
+        """What the commit records (the manifest's ``offered``): each tensor's CRC-32C."""
+        assert self.offer.staged is not None
+        return {fqn: crc for fqn, (_, _, crc) in self.offer.staged.items()}
+
+    def unchanged(self) -> None:
+        """Once the files are written from the staged memory: it still holds the bytes
+        offered (so the files do), else ``StagedMemoryChanged`` fails the save (nothing that
+        differs from what a new engine may have loaded is committed)."""
+        now = tensor_crcs(self.views)
+        changed = sorted(k for k, crc in self.checksums().items() if now.get(k) != crc)
+        if changed:
+            raise StagedMemoryChanged(
+                f"step {self.offer.step}: the staged memory changed after it was offered to a "
+                f"new engine ({changed[:3]}): not committed"
+            )
+
     def live(self) -> bool:
         """Not withdrawn (taken already, or still offered)."""
         return not self.withdrawn and (self.taken.is_set() or self.thread.is_alive())
 
-    def withdraw(self) -> None:
-        """The commit failed: nobody else takes the step (one who did finds out at start)."""
+    def withdraw(self, why: str) -> None:
+        """The commit failed (``why``): nobody else takes the step (one who did finds out at
+        its start)."""
         self.withdrawn = True
         self.stop.set()
-        log.warning("step %d did not commit: no longer offered from memory", self.offer.step)
+        log.warning(
+            "step %d did not commit (%s): no longer offered from memory", self.offer.step, why
+        )
 
     def hold(self, hold_s: float) -> None:
         """Until taken (and read) or ``hold_s`` seconds passed, then close."""
@@ -297,23 +319,17 @@ class EarlyOffer:
                     return
         finally:
             self.sock.close()
-            _remove(self.root, self.linked)
             self.done.set()
 
 
+class StagedMemoryChanged(RuntimeError):
+    """The memory of a step offered before it was written changed before it was written."""
+
+
 def _until_done(conn: socket.socket) -> None:
-    """Until the client said it read what it needed of the linked files (or hung up)."""
+    """Until the client said it is done reading the memory (or hung up)."""
     try:
         conn.settimeout(LOAD_TIMEOUT_S)
         conn.recv(1)
     except OSError:
         pass
-
-
-def _remove(root: Path, path: Path) -> None:
-    try:
-        localfs.remove_tree(localfs.direct_child(root, path))
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a leftover the next start removes
-        log.warning("cannot remove %s: %s", path, e)

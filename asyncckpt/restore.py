@@ -360,6 +360,8 @@ class Restorer:
                 return c.step
             if not vanished or errors:
                 break
+        if self.hot.spoiled:  # part of a memory that failed its checks went into the target
+            errors.append(f"the memory offered: {self.hot.reason}")
         if not errors:
             return None
         raise NoValidCheckpoint(

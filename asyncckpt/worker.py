@@ -188,7 +188,7 @@ class Worker:
         # The newest step committed, offered to a new engine once the trainer is gone.
         self.last_written: Written | None = None
         self.trainer_gone = False
-        self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered while committed
+        self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered before written
         self.links = LinkSource(self.root, config.layout, config.differential)
         self.jobs = jobs
         self.events = events
@@ -226,8 +226,8 @@ class Worker:
             msg = inbox.get()
             if isinstance(msg, EOFError):
                 # The trainer is gone without closing the engine: every staged save above is
-                # written; now the memory checkpoint it held, if newer (offered while it is
-                # committed: _offer_early).
+                # written; now the memory checkpoint it held, if newer (offered before it is
+                # written: _offer_early).
                 self.trainer_gone = True
                 _persist_held(self)
                 raise msg
@@ -359,8 +359,9 @@ class Worker:
         assert outcome is not None
         _written(self.holder, job)  # (again, if a broken group cut the write short)
         if outcome[0] != "committed":
-            if self.early_offer is not None and self.early_offer.offer.step == job.step:
-                self.early_offer.withdraw()  # a new engine that took it fails its start
+            if self._offered(job) is not None:
+                # (a new engine that took it fails its start)
+                self.early_offer.withdraw(str(outcome[1].get("message")))
             if rank == 0 and not outcome[1].get("upload"):
                 self._undo(tmp, final, preexisting, job.step)
             self.events.send(M.Released(job.job_id))  # (again: the engine ignores a repeat)
@@ -385,6 +386,7 @@ class Worker:
         tmp = LocalStore(self.root).stage(
             name, token, exist_ok=self.config.dist is not None, writer=_writer(job, rank)
         )
+        self._offer_early(job)  # before a byte is written: a new engine needs no file
         faults.point("before_shard_write")
         flat: dict[str, Any] = {k: Serialized(v) for k, v in job.objects.items()}
         for spec in self._specs(job):
@@ -400,7 +402,8 @@ class Worker:
         if self.thread_errors:
             raise self.thread_errors[0]
         faults.point("after_shard_write")
-        self._offer_early(job, tmp, crcs)
+        if self._offered(job) is not None:
+            self.early_offer.unchanged()  # the files hold the bytes offered, or no commit
         if self.config.dist is None:
             mine = list(tmp.rglob("*"))
         else:  # only this rank's files (the others fsync theirs); DCP's metadata is rank 0's
@@ -412,16 +415,24 @@ class Worker:
                 fsync_file(p)
         return crcs
 
-    def _offer_early(self, job: SaveJob, tmp: Path, crcs: dict) -> None:
-        """A step persisted after the trainer's death is offered to a new engine before its
-        fsync and commit (hot_serve.offer_early); one rank only: several ranks agree on a hot
-        resume over the side store, which a new engine has once started, after the commit."""
-        if not self.trainer_gone or self.config.hot_hold_s <= 0 or self.config.dist is not None:
+    def _offer_early(self, job: SaveJob) -> None:
+        """A step persisted after the trainer's death is offered to a new engine before it is
+        written (hot_serve.offer_staged); one rank (several ranks agree on a hot resume over
+        the side store, which a new engine has once started), plain DCP tensors staged whole
+        (a DTensor's piece: the disk's plan reshards it)."""
+        cfg = self.config
+        if not self.trainer_gone or cfg.hot_hold_s <= 0 or cfg.dist is not None:
             return
-        from .hot_serve import offer_early
+        plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
+        if self.early_offer is None and plain:
+            from .hot_serve import offer_staged
 
-        if self.early_offer is None:
-            self.early_offer = offer_early(self, job, tmp, crcs)
+            self.early_offer = offer_staged(self, job)
+
+    def _offered(self, job: SaveJob) -> Any:
+        """The early offer of ``job``'s step, or None."""
+        early = self.early_offer
+        return early if early is not None and early.offer.step == job.step else None
 
     def _specs(self, job: SaveJob) -> list[TensorSpec]:
         return job.specs if job.specs is not None else self.specs[tuple(job.arena_ids)]
@@ -560,6 +571,8 @@ class Worker:
                     else {}
                 ),
                 **_export_wanted(self.config, job.step),
+                # Offered before written: the checksums a new engine checked (hot.py).
+                **({"offered": early.checksums()} if (early := self._offered(job)) else {}),
                 **extra,
             },
             figures={

@@ -133,34 +133,57 @@ def steps(root: Path) -> list[int]:
     return [c.step for c in verify(root).checkpoints]
 
 
-def test_hot_resume_does_not_wait_for_the_commit(tmp_path):
-    # The worker offers step 3 as soon as its files are written, and then takes
-    # SLOW_COMMIT_S to commit it: a new engine loads it meanwhile, checked against the
-    # checksums the commit records, and its start() finds it committed.
-    worker = run_trainer(
-        tmp_path, "memory", hold=120, later={"before_metadata": f"delay:{SLOW_COMMIT_S}"}
+def slow_commit(tmp_path: Path, **later: str) -> tuple[Path, SyncCheckpointEngine, dict]:
+    """The trainer, whose worker takes SLOW_COMMIT_S to commit step 3 (before its metadata)
+    with the faults ``later`` armed too; the root, a new engine (not started) and a blank
+    target."""
+    run_trainer(
+        tmp_path, "memory", hold=120, later={"before_metadata": f"delay:{SLOW_COMMIT_S}", **later}
     )
     root = tmp_path / "r"
-    engine = SyncCheckpointEngine(root, keep=None)
-    target = blank()
+    return root, SyncCheckpointEngine(root, keep=None), blank()
+
+
+def shards_of_step_3(root: Path) -> list[str]:
+    """The shard files under ``root`` but those of step 1 (committed first)."""
+    (first,) = [c.path for c in verify(root).checkpoints if c.step == 1]
+    return [str(p) for p in root.rglob("*.distcp") if first not in p.parents]
+
+
+def test_hot_resume_does_not_wait_for_the_commit(tmp_path):
+    # The worker offers step 3 before writing it, and then takes SLOW_COMMIT_S to commit it:
+    # a new engine loads it meanwhile, checked against the checksums offered, and its start()
+    # finds it committed with those checksums.
+    root, engine, target = slow_commit(tmp_path)
     step = engine.load_latest(target)  # before start(): nothing waits for the worker
     report = engine.last_load_report
     assert (step, report.source) == (3, "memory"), report.source_reason
+    assert "before it was written" in report.source_reason
     assert steps(root) == [1]  # returned while step 3's commit still ran
     assert_same(target, state_at(3))
     with engine:  # waits for the worker, then checks that step 3 committed as it was read
         assert engine.latest_step() == 3
     assert verify(root).ok and steps(root) == [1, 3]
-    wait_gone(worker, 30)
-    assert not [p.name for p in root.iterdir() if "hot-" in p.name]  # the linked files went
+
+
+def test_hot_resume_reads_no_file(tmp_path):
+    # The worker offers step 3 before it writes a byte of it (here: and then waits
+    # SLOW_COMMIT_S before writing): the new engine needs no file of it.
+    root, engine, target = slow_commit(tmp_path, before_shard_write=f"delay:{SLOW_COMMIT_S}")
+    assert engine.load_latest(target) == 3
+    assert engine.last_load_report.source == "memory", engine.last_load_report.source_reason
+    assert shards_of_step_3(root) == []  # loaded before any was written
+    assert_same(target, state_at(3))
+    with engine:
+        assert engine.latest_step() == 3
+    assert verify(root).ok and steps(root) == [1, 3]
+    (third,) = [c.path for c in verify(root).checkpoints if c.step == 3]
+    manifest = json.loads((third / "asyncckpt_manifest.json").read_text())
+    assert set(manifest["offered"]) == {"w", "b"}  # the checksums the new engine checked
 
 
 def test_a_commit_that_fails_after_the_memory_was_taken_reaches_the_new_engine(tmp_path):
-    later = {"before_metadata": f"delay:{SLOW_COMMIT_S}", "before_rename": "eio"}
-    run_trainer(tmp_path, "memory", hold=120, later=later)
-    root = tmp_path / "r"
-    engine = SyncCheckpointEngine(root, keep=None)
-    target = blank()
+    root, engine, target = slow_commit(tmp_path, before_rename="eio")
     assert engine.load_latest(target) == 3
     assert engine.last_load_report.source == "memory"
     with pytest.raises(UncommittedResume, match="step 3 .* its commit failed"):
@@ -173,23 +196,22 @@ def test_a_commit_that_fails_after_the_memory_was_taken_reaches_the_new_engine(t
     assert_same(target, state_at(1))
 
 
-def test_memory_offered_before_the_commit_that_does_not_match_waits_for_the_disk(tmp_path):
-    # A bit flipped in the arena before the early offer: the checksums the commit records
-    # catch it; the load then waits for the commit and reads step 3 from the disk, never
-    # step 1 meanwhile.
-    later = {"before_metadata": f"delay:{SLOW_COMMIT_S}", "before_hot_serve": "corrupt"}
-    run_trainer(tmp_path, "memory", hold=120, later=later)
-    root = tmp_path / "r"
-    engine = SyncCheckpointEngine(root, keep=None)
-    target = blank()
-    assert engine.load_latest(target) == 3
+def test_memory_that_changed_after_it_was_offered_is_neither_loaded_nor_committed(tmp_path):
+    # A bit flipped in the arena after the worker checksummed it for the offer: the new
+    # engine's check catches it and waits for the commit, which the worker refuses (its
+    # memory, and so the files written from it, no longer hold the bytes offered); the load
+    # then reads step 1 from the disk, never a step 3 that differs from what was staged.
+    root, engine, target = slow_commit(tmp_path, before_hot_serve="corrupt")
+    assert engine.load_latest(target) == 1
     report = engine.last_load_report
     assert report.source == "disk"
-    assert "taken while its commit ran" in report.source_reason
-    assert "did not match the manifest" in report.source_reason
-    assert_same(target, state_at(3))
+    assert "taken before it was written" in report.source_reason
+    assert "did not match the checksums offered" in report.source_reason
+    assert_same(target, state_at(1))
     with engine:  # nothing pending: the step came from the disk
         pass
+    assert verify(root).ok and steps(root) == [1]
+    assert "the staged memory changed after it was offered" in (tmp_path / "err").read_text()
 
 
 def test_hot_resume_after_a_disk_save(tmp_path):
@@ -223,15 +245,16 @@ def test_a_worker_holding_another_step_is_not_used(tmp_path):
 
 
 def test_memory_that_does_not_match_the_manifest_is_not_used(tmp_path):
-    # The worker flips a bit of the first tensor in its arena before it offers the step.
-    run_trainer(tmp_path, "memory", hold=120, env={faults.ENV_VAR: "before_hot_serve=corrupt"})
+    # A staged disk save (committed before it is offered): the worker flips a bit of the
+    # largest tensor in its arena before it offers the step.
+    run_trainer(tmp_path, "disk", hold=120, env={faults.ENV_VAR: "before_hot_serve=corrupt"})
     step, target, report = load(tmp_path / "r")
-    assert (step, report.source) == (3, "disk")
+    assert (step, report.source) == (2, "disk")
     assert "did not match the manifest" in report.source_reason
-    assert_same(target, state_at(3))  # the disk's bytes, bit for bit
+    assert_same(target, state_at(2))  # the disk's bytes, bit for bit
     # The checkpoint on disk is sound: not set aside as damaged.
     result = verify(tmp_path / "r")
-    assert result.ok and [c.step for c in result.checkpoints] == [1, 3]
+    assert result.ok and [c.step for c in result.checkpoints] == [1, 2]
 
 
 def test_a_target_that_does_not_fit_changes_nothing_on_the_hot_path(tmp_path):
@@ -255,3 +278,50 @@ def test_corrupt_is_only_for_a_point_that_holds_bytes():
         faults.inject("before_rename", "corrupt")
     faults.inject("before_hot_serve", "corrupt")
     faults.clear()
+
+
+def offered(state: dict) -> tuple[object, dict]:
+    """An offer made before writing, as a worker makes it (hot_serve.offer_staged), of
+    ``state``, and its memory: the tensors' bytes by DCP key (a copy, writable here)."""
+    from asyncckpt.hot_serve import Offer, tensor_crcs
+    from asyncckpt.staging import flatten_state, serialize_objects
+
+    flat = flatten_state(state)
+    memory = {k: memoryview(bytearray(t.numpy().tobytes())) for k, t in flat.tensors.items()}
+    crcs = tensor_crcs(memory)
+    offer = Offer(3, 0, (), {}, (), os.getpid())
+    offer.staged = {k: (t.dtype, tuple(t.shape), crcs[k]) for k, t in flat.tensors.items()}
+    offer.objects, offer.paths = serialize_objects(flat.objects), flat.paths
+    return offer, memory
+
+
+def test_a_load_from_the_offer_alone_is_bit_for_bit():
+    from asyncckpt.hot_load import load_offered
+
+    offer, memory = offered(state_at(3))
+    target = blank()
+    load_offered(target, offer, memory, strict=True)
+    assert_same(target, state_at(3))
+
+
+def test_memory_that_fails_its_checksum_while_copied_leaves_no_half_load_behind(tmp_path):
+    from asyncckpt.hot_load import HotSpoiled, load_offered
+
+    offer, memory = offered(state_at(3))
+    memory["w"][12345] ^= 0x10  # after the checksums were offered
+    target = blank()
+    with pytest.raises(HotSpoiled, match=r"did not match the checksums offered: \['w'\]"):
+        load_offered(target, offer, memory, strict=True)
+    assert target["meta"] == {}  # the objects go in only once every tensor matched
+    # load_latest with nothing on disk to restore the whole target from: an error, never a
+    # target left half-written by a load that returns.
+    from asyncckpt import NoValidCheckpoint
+    from asyncckpt.restore import Restorer
+
+    restorer = Restorer(
+        tmp_path, "global_step", "dcp", None, verify_on_load=True, legacy=None, rank=0,
+        world_size=1, remote=None, on_loaded=lambda step: None,
+    )  # fmt: skip
+    restorer.hot.spoiled, restorer.hot.reason = True, "a bit flipped"  # (as load_committing)
+    with pytest.raises(NoValidCheckpoint, match="the memory offered: a bit flipped"):
+        restorer._load_latest(target, strict=True)
