@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from .framing import listen
+
 log = logging.getLogger("asyncckpt")
 
 #: Default time a worker waits for the other ranks' workers (rendezvous, agreement, commit).
@@ -154,13 +156,6 @@ def _store_host() -> str:
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
-def _listen() -> socket.socket:
-    """A listening socket on a free port of every interface (as a ``TCPStore`` server binds)."""
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", 0))
-
-
 class Rendezvous:
     """The engine side: rank 0 binds the side store's socket; every rank learns where it is.
 
@@ -199,7 +194,7 @@ class Rendezvous:
                 )
             store = (addr, int(master_port) + 1)
         if rank == 0:
-            self.listener = _listen()
+            self.listener = listen()
             port = self.listener.getsockname()[1]
             if store is None:
                 host = _store_host()

@@ -48,8 +48,8 @@ from typing import Any
 
 from . import layout as _layout
 from .commit import commit_step
+from .framing import listen, recv_into, recv_obj, send_obj
 from .manifest import check_files, read_manifest
-from .replication import _listen, _recv_into, _recv_obj, _send_obj
 from .storage.localfs import fsync_dir, fsync_file, makedirs
 
 log = logging.getLogger("asyncckpt")
@@ -139,7 +139,7 @@ class ReplicaServer:
     def __init__(self, root: str | os.PathLike, layout: str) -> None:
         self.root = Path(root)
         self.layout = layout
-        self.listener = _listen()
+        self.listener = listen()
         self.served = 0  # replicas sent whole (tests, the log)
         threading.Thread(target=self._serve, name="asyncckpt-replica-serve", daemon=True).start()
 
@@ -158,21 +158,21 @@ class ReplicaServer:
     def _one(self, sock: socket.socket) -> None:
         with sock:
             try:
-                kind, rank, step = _recv_obj(sock)
+                kind, rank, step = recv_obj(sock)
                 if kind != "get" or not isinstance(rank, int) or not isinstance(step, int):
                     return  # (never a path from the wire)
                 where = replica_dir(self.root, self.layout, rank, step)
                 try:
                     manifest = read_manifest(where)
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
-                    _send_obj(sock, ("missing", f"{where}: {e}"))
+                    send_obj(sock, ("missing", f"{where}: {e}"))
                     return
                 files = manifest.get("files", {})
                 short = check_files(where, {"files": files}, quick=True)  # sizes only
                 if short:  # said at once: the asking rank would wait for bytes never sent
-                    _send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
+                    send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
                     return
-                _send_obj(sock, ("manifest", manifest))
+                send_obj(sock, ("manifest", manifest))
                 for rel in files:
                     with open(where / rel, "rb") as f:
                         sock.sendfile(f)
@@ -191,8 +191,8 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
     against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
     them, the connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
-        _send_obj(sock, ("get", rank, step))
-        answer = _recv_obj(sock)
+        send_obj(sock, ("get", rank, step))
+        answer = recv_obj(sock)
         if answer[0] == "damaged":
             raise OSError(
                 f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
@@ -208,7 +208,7 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
                 buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
                 while left:
                     n = min(left, len(buf))
-                    _recv_into(sock, buf[:n])
+                    recv_into(sock, buf[:n])
                     f.write(buf[:n])
                     left -= n
             fsync_file(path)
