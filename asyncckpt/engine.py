@@ -19,7 +19,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -285,6 +285,11 @@ class EngineParts:
                 timeout=self.opts.distributed.timeout,
                 before_publish=self._open_and_clean if rank == 0 else None,
             )
+            nodes = self.ranks.nodes
+            if self.opts.distributed.storage == "local" and nodes is not None and nodes > 1:
+                # Every node's local rank 0 commits its node's directory (node_commit.py).
+                per = self.ranks.world_size // nodes
+                self.dist_cfg = replace(self.dist_cfg, ranks_per_node=per)
             self.jobs.dist_token = self.dist_cfg.token
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)

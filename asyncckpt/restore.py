@@ -283,7 +283,7 @@ class Restorer:
         sub = without(like, set(report.missing))
         staged.load_into(
             part.fmt, sub, part.location, part.paths, legacy=self.legacy,
-            weights_only=part.weights_only, verify=verify,
+            weights_only=part.weights_only, verify=verify, target_only=True,
         )  # fmt: skip
         dcp.merge_into(part.state, restrict(sub, like))
 
