@@ -6,9 +6,9 @@ docs/how-to/node-loss.md; this module holds its two pieces that stand alone.
 What a checkpoint is on node-local storage: every node's root is its own disk and holds, for
 step ``s``, a committed step directory with the files *its* ranks wrote and a manifest over
 them. Step ``s`` is a checkpoint of the run when every rank can get its files of ``s``: from
-its own node's root, or from the replica of them a peer holds. (Committing one step across
-node-local roots is not built yet: until it is, rank 0 refuses to commit a step whose files it
-does not hold, ``commit.every_rank_wrote``.)
+its own node's root, or from the replica of them a peer holds. (Each node's local rank 0
+commits its node's directory of a step, node_commit.py; the engine does not use this module's
+recovery pieces yet.)
 
 Where a replica lives after the trainers died: the holder's worker persists it into *its own
 node's* root, under ``.asyncckpt-replicas/rank<r>/<step dir>/`` (files and a manifest, renamed

@@ -137,6 +137,23 @@ def test_a_node_leader_checks_its_own_nodes_ranks(tmp_path):
     )
 
 
+def test_what_needs_every_ranks_files_in_one_root_is_refused_on_node_local_roots(
+    tmp_path, monkeypatch
+):
+    from asyncckpt import CheckpointEngine, Distributed, HFExport
+
+    for var in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    where = dict(rank=2, world_size=4, local_rank=0, node_rank=1, ranks_per_node=2)
+    export = HFExport(every_steps=5, path=tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"export= is not supported with .*several nodes"):
+        CheckpointEngine(tmp_path, distributed=Distributed(**where, storage="local"), export=export)
+    # One root every node writes, or node-local roots on one node: the export is made.
+    CheckpointEngine(tmp_path, distributed=Distributed(**where), export=export)
+    one_node = dict(where, rank=0, node_rank=0, ranks_per_node=4, world_size=4)
+    CheckpointEngine(tmp_path, distributed=Distributed(**one_node, storage="local"), export=export)
+
+
 @pytest.mark.integration
 def test_one_step_across_node_local_roots_commits_on_every_node_and_loads(tmp_path):
     """2 nodes x 2 ranks, one root per node: every node's local rank 0 commits its node's
