@@ -313,11 +313,14 @@ class EngineParts:
                 assert self.ranks.node is not None
                 per = self.ranks.node.ranks_per_node
                 self.dist_cfg = replace(self.dist_cfg, ranks_per_node=per)
+                from .local_recovery import StepAgreement
+
+                self.restorer.agreement = StepAgreement(self.dist_cfg)  # which step loads
             self.jobs.dist_token = self.dist_cfg.token
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)
             if rank != 0:
-                self._open_and_clean()
+                self._after_node_leader(self._open_and_clean)
         else:
             self._open_and_clean()
         self.supervisor.start()
@@ -328,6 +331,34 @@ class EngineParts:
         # Ours runs before multiprocessing's own exit hook, which would join the worker (it
         # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
         atexit.register(self._at_exit)
+
+    def _after_node_leader(self, open_and_clean: Callable[[], None]) -> None:
+        """Node-local roots of several nodes: the local rank 0 of node n > 0 cleans its root
+        first, and says so in the side store; its node's other ranks open the root only then
+        (a cleanup racing their start removed their write probe). Node 0's rank 0 cleaned
+        before it published the side store's address, which the others waited for."""
+        node = self.ranks.node
+        if not _node_local(self.ranks, self.opts) or node is None or node.node_rank == 0:
+            open_and_clean()
+            return
+        from .dist import side_store
+
+        assert self.dist_cfg is not None
+        store = side_store(self.dist_cfg)
+        key = f"asyncckpt/{self.dist_cfg.token}/cleaned/{node.node_rank}"
+        if self.ranks.local_rank == 0:
+            try:
+                open_and_clean()
+            except BaseException as e:
+                store.set(key, f"error:{type(e).__name__}: {e}")  # its node fails with it
+                raise
+            store.set(key, "ok")
+            return
+        store.wait([key])
+        said = store.get(key).decode()
+        if said != "ok":
+            raise RuntimeError(f"node {node.node_rank}'s local rank 0 could not start: {said[6:]}")
+        open_and_clean()
 
     def _open_and_clean(self) -> None:
         from .prune import clean_leftovers

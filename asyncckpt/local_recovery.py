@@ -243,3 +243,34 @@ def commit_fetched(
     final = root / _layout.dir_name(layout, step)
     commit_step(root, layout, step, tmp, final, manifest)
     return final
+
+
+# ------------------------------------------------------------------ the agreement at load
+
+
+class StepAgreement:
+    """The ranks' agreement on the step every rank loads (``which_step_to_load``) on
+    node-local roots of several nodes, over the workers' side store (never the training's
+    collectives): each rank publishes the steps its node's root holds committed and reads
+    every rank's. Replicas are not counted yet (the holder does not persist them yet), so a
+    step missing on some node's disk is not loaded by any rank: never a mix of steps."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg  # dist.DistConfig
+        self.loads = 0  # every rank loads as often as the others: one key prefix per load
+
+    def choose(self, steps: Iterable[int]) -> LoadChoice:
+        import datetime
+        import json
+
+        from .dist import side_store
+
+        cfg = self.cfg
+        self.loads += 1
+        prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
+        store = side_store(cfg)
+        store.set(prefix + str(cfg.rank), json.dumps(sorted(steps)))
+        keys = [prefix + str(r) for r in range(cfg.world_size)]
+        store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
+        on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+        return which_step_to_load(on_disk, {}, cfg.world_size)

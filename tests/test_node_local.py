@@ -188,6 +188,62 @@ def test_one_step_across_node_local_roots_commits_on_every_node_and_loads(tmp_pa
         assert_same(torch.load(tmp_path / f"loaded{r}.pt", weights_only=False), state(r, 3))
 
 
+#: Rank ``argv[1]`` of 2 nodes x 1 rank: saves 1 and 2; node 1's step 2 is then taken out (a
+#: crash between the nodes' renames), every rank loads; then node 1's root is emptied (a
+#: replacement node, no replica: none is persisted yet), every rank loads again.
+AGREE_TRAINER = """
+import shutil, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from test_flush_on_death_multirank import state
+from asyncckpt import Distributed, SyncCheckpointEngine
+rank, base = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(base + "/store", 2), rank=rank, world_size=2)
+root = f"{base}/node{rank}"
+opts = dict(keep=None, distributed=Distributed(timeout=120, storage="local"))
+with SyncCheckpointEngine(root, **opts) as engine:
+    for step in (1, 2):
+        engine.save(step, state(rank, step)).committed_sync(200)
+if rank == 1:
+    shutil.rmtree(f"{root}/global_step_2")
+dist.barrier()
+target = state(rank, 0)
+with SyncCheckpointEngine(root, **opts) as engine:
+    print("loaded", engine.load_latest(target), flush=True)
+torch.save(target, f"{base}/loaded{rank}.pt")
+dist.barrier()
+if rank == 1:
+    shutil.rmtree(root)
+dist.barrier()
+with SyncCheckpointEngine(root, **opts) as engine:
+    try:
+        print("loaded again", engine.load_latest(state(rank, 0)), flush=True)
+    except Exception as e:
+        print("refused:", type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_every_rank_loads_the_newest_step_every_node_has_or_none(tmp_path):
+    """Before the agreement, node 0 loaded step 2 and node 1 step 1 (a mix of steps); and
+    with node 1's disk empty, node 0 resumed while node 1 started fresh."""
+    from test_flush_on_death_multirank import state
+
+    here = str(Path(__file__).parent)
+    envs = {r: {"GROUP_RANK": str(r), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"} for r in (0, 1)}
+    with ranks_running(
+        tmp_path, AGREE_TRAINER, "agree", 2, lambda r: [str(r), str(tmp_path), here], envs
+    ) as ranks:
+        ranks.wait()
+        ranks.assert_exited(lambda r: 0)
+        outs = [ranks.out(r) for r in (0, 1)]
+    assert all("loaded 1\n" in o for o in outs), outs
+    assert "step 2 is neither on the disks of rank(s) [1]" in ranks.err(0)
+    for r in (0, 1):
+        assert_same(torch.load(tmp_path / f"loaded{r}.pt", weights_only=False), state(r, 1))
+    assert all("refused: NoValidCheckpoint" in o and "rank(s) [1] have no step" in o for o in outs)
+
+
 # ------------------------------------------------------------------ which step every rank loads
 
 
