@@ -16,7 +16,7 @@ are announced here, between the store's primitives, under the names ``store.poin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from . import faults
@@ -96,28 +96,41 @@ def publish_replacing(store: LocalStore, staged: Path, name: str) -> None:
 
 
 def commit_step(
-    root: Store | Path, layout: str, step: int, tmp_dir: Path, final_dir: Path, manifest: dict
+    root: Store | Path,
+    layout: str,
+    step: int,
+    tmp_dir: Path,
+    final_dir: Path,
+    manifest: dict,
+    tracker: bool = True,
 ) -> None:
     """The commit, one path for one rank and many (rank 0 runs it once every rank's shards
-    are durable in ``tmp_dir``): manifest, seal, publish, tracker."""
+    are durable in ``tmp_dir``): manifest, seal, publish, tracker. ``tracker=False``: a node's
+    part of a step across node-local roots, whose tracker waits for every node
+    (node_commit.py)."""
     from .manifest import write_manifest
 
     store = _store(root)
     write_manifest(tmp_dir, manifest)
     publish(store, tmp_dir, final_dir.name)
-    write_tracker(store, layout, step)
+    if tracker:
+        write_tracker(store, layout, step)
 
 
-def every_rank_wrote(tmp_dir: Path, written: list[dict]) -> None:
-    """Rank 0, before it commits: the files the other ranks say they wrote (``written``: each
-    rank's names, relative to the temporary) reached ``tmp_dir``. A root on each node's own
-    disk (``Distributed(storage="local")``) holds none of the other nodes' files: a commit
-    there would name a checkpoint nobody can load, so it fails the save on every rank.
-    (None of a rank's files, not any: a name can be a temporary the format renamed since.)"""
+def every_rank_wrote(
+    tmp_dir: Path, written: Mapping[int, dict] | Sequence[dict], leader: int = 0
+) -> None:
+    """The rank that commits ``tmp_dir`` (``leader``: rank 0 on one root, a node's local rank
+    0 on node-local roots, node_commit.py), before it commits: the files the other ranks say
+    they wrote (``written``: rank -> names relative to the temporary) reached ``tmp_dir``. A
+    rank whose files are absent wrote to another disk (or its files were lost): a commit would
+    name a checkpoint nobody can load, so it fails the save on every rank. (None of a rank's
+    files, not any: a name can be a temporary the format renamed since.)"""
+    items = written.items() if isinstance(written, Mapping) else enumerate(written)
     absent = [
         (r, sorted(names))
-        for r, names in enumerate(written)
-        if r != 0 and names and not any((tmp_dir / n).is_file() for n in names)
+        for r, names in items
+        if r != leader and names and not any((tmp_dir / n).is_file() for n in names)
     ]
     if not absent:
         return
@@ -125,10 +138,11 @@ def every_rank_wrote(tmp_dir: Path, written: list[dict]) -> None:
         f"rank {r}: {', '.join(n[:3])}{' ...' if len(n) > 3 else ''}" for r, n in absent
     )
     raise FileNotFoundError(
-        f"rank 0's root {tmp_dir.parent} has none of the files other ranks wrote ({few}): "
-        "their root is another disk (node-local storage). Committing one checkpoint across "
-        "node-local roots is not supported yet: save to one root every rank writes "
-        '(Distributed(storage="shared"))'
+        f"rank {leader}'s root {tmp_dir.parent} has none of the files other ranks wrote "
+        f"({few}): their root is another disk (node-local storage), or the files were lost. "
+        "Save to one root every rank writes, or say that each node has its own "
+        '(Distributed(storage="local") with torchrun\'s GROUP_RANK/LOCAL_WORLD_SIZE, or '
+        "node_rank=/ranks_per_node=): each node then commits its own directory"
     )
 
 

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from .framing import listen
+
 log = logging.getLogger("asyncckpt")
 
 #: Default time a worker waits for the other ranks' workers (rendezvous, agreement, commit).
@@ -71,6 +73,10 @@ class DistConfig:
     #: with ``MemoryTier(replicas=1)`` (``replication.recovering``): node 0's loss takes rank
     #: 0's worker and the store it serves, not the shared root.
     recovery_store: str | None = None
+    #: Node-local roots on several nodes (``Distributed(storage="local")``): how many ranks
+    #: each node runs; every node's local rank 0 commits its node's directory
+    #: (node_commit.py). 0: one root every rank writes, rank 0 commits.
+    ranks_per_node: int = 0
 
 
 def detect(
@@ -154,13 +160,6 @@ def _store_host() -> str:
     return os.environ.get(HOST_ENV) or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
-def _listen() -> socket.socket:
-    """A listening socket on a free port of every interface (as a ``TCPStore`` server binds)."""
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", 0))
-
-
 class Rendezvous:
     """The engine side: rank 0 binds the side store's socket; every rank learns where it is.
 
@@ -199,7 +198,7 @@ class Rendezvous:
                 )
             store = (addr, int(master_port) + 1)
         if rank == 0:
-            self.listener = _listen()
+            self.listener = listen()
             port = self.listener.getsockname()[1]
             if store is None:
                 host = _store_host()
@@ -323,6 +322,23 @@ def broadcast(pg: Any, obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=pg)
     return box[0]
+
+
+def ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
+    """One error for every rank's handle: each failed rank's error, the root cause first.
+
+    DCP wraps a peer's failure in a ``CheckpointException`` on the ranks that did not fail
+    themselves; an error with an errno (the injected EIO, a full disk) is the likelier cause.
+    """
+    failed = sorted(failed, key=lambda rf: (rf[1].get("errno") is None, rf[0]))
+    first = failed[0][1]
+    message = "; ".join(f"rank {r}: {i['type']}: {i['message']}" for r, i in failed)
+    return {
+        "type": first["type"],
+        "message": f"not committed on any rank: {message}",
+        "errno": first.get("errno"),
+        "traceback": f"rank {failed[0][0]}:\n" + first.get("traceback", ""),
+    }
 
 
 # ------------------------------------------------------------------------------ local shards

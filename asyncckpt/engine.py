@@ -19,7 +19,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -107,14 +107,36 @@ def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
     if opts.distributed.storage != "shared":
         raise ValueError(
             "memory=MemoryTier(replicas=1) recovers onto one root every node writes: "
-            'Distributed(storage="local") with replicas is not supported yet (one checkpoint '
-            "across node-local roots is not committed yet; docs/how-to/node-loss.md)"
+            'Distributed(storage="local") with replicas is not supported yet (saving across '
+            "node-local roots works; recovering a lost node from its replica there is not "
+            "built yet: docs/how-to/node-loss.md)"
         )
     node, per = ranks.node.node_rank, ranks.node.ranks_per_node
     return ReplicaConfig(
         peer=peer_rank(ranks.rank, node, per, nodes),
         source=source_rank(ranks.rank, node, per, nodes),
     )
+
+
+def _node_local(ranks: Ranks, opts: EngineOptions) -> bool:
+    """Node-local roots on several nodes: each node's local rank 0 commits (node_commit.py)."""
+    nodes = ranks.nodes
+    return opts.distributed.storage == "local" and nodes is not None and nodes > 1
+
+
+def _check_node_local(ranks: Ranks, opts: EngineOptions, remote: Any) -> None:
+    """What needs every rank's files in one root is refused on node-local roots, before
+    anything is written: an upload (each node would publish its own part under the step's
+    name) and an export (rank 0's node holds only its ranks' shards)."""
+    if not _node_local(ranks, opts):
+        return
+    for what, given in (("a remote tier (remote=, a URL root)", remote), ("export=", opts.export)):
+        if given is not None:
+            raise ValueError(
+                f'{what} is not supported with Distributed(storage="local") on several nodes: '
+                "each node's root holds only its own ranks' files (and rank 0's); save to one "
+                'root every node writes (storage="shared") for it'
+            )
 
 
 class EngineParts:
@@ -156,6 +178,7 @@ class EngineParts:
         node = _dist.detect_node(rank, world_size, local_rank, d.node_rank, d.ranks_per_node)
         self.ranks = Ranks(rank, world_size, local_rank, node)
         self.replication = _replication(self.ranks, opts)
+        _check_node_local(self.ranks, opts, self.remote)
         rank = self.ranks.rank
         prunes_here = should_prune(rank, self.ranks.local_rank, d.storage)
         legacy = staged.legacy_ranks(rank, self.ranks.world_size, d.legacy_ranks)
@@ -285,11 +308,19 @@ class EngineParts:
                 timeout=self.opts.distributed.timeout,
                 before_publish=self._open_and_clean if rank == 0 else None,
             )
+            if _node_local(self.ranks, self.opts):
+                # Every node's local rank 0 commits its node's directory (node_commit.py).
+                assert self.ranks.node is not None
+                per = self.ranks.node.ranks_per_node
+                self.dist_cfg = replace(self.dist_cfg, ranks_per_node=per)
+                from .local_recovery import StepAgreement
+
+                self.restorer.agreement = StepAgreement(self.dist_cfg)  # which step loads
             self.jobs.dist_token = self.dist_cfg.token
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)
             if rank != 0:
-                self._open_and_clean()
+                self._after_node_leader(self._open_and_clean)
         else:
             self._open_and_clean()
         self.supervisor.start()
@@ -300,6 +331,34 @@ class EngineParts:
         # Ours runs before multiprocessing's own exit hook, which would join the worker (it
         # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
         atexit.register(self._at_exit)
+
+    def _after_node_leader(self, open_and_clean: Callable[[], None]) -> None:
+        """Node-local roots of several nodes: the local rank 0 of node n > 0 cleans its root
+        first, and says so in the side store; its node's other ranks open the root only then
+        (a cleanup racing their start removed their write probe). Node 0's rank 0 cleaned
+        before it published the side store's address, which the others waited for."""
+        node = self.ranks.node
+        if not _node_local(self.ranks, self.opts) or node is None or node.node_rank == 0:
+            open_and_clean()
+            return
+        from .dist import side_store
+
+        assert self.dist_cfg is not None
+        store = side_store(self.dist_cfg)
+        key = f"asyncckpt/{self.dist_cfg.token}/cleaned/{node.node_rank}"
+        if self.ranks.local_rank == 0:
+            try:
+                open_and_clean()
+            except BaseException as e:
+                store.set(key, f"error:{type(e).__name__}: {e}")  # its node fails with it
+                raise
+            store.set(key, "ok")
+            return
+        store.wait([key])
+        said = store.get(key).decode()
+        if said != "ok":
+            raise RuntimeError(f"node {node.node_rank}'s local rank 0 could not start: {said[6:]}")
+        open_and_clean()
 
     def _open_and_clean(self) -> None:
         from .prune import clean_leftovers
@@ -317,7 +376,9 @@ class EngineParts:
             os.close(self.lock_fd)  # not started: the root is not ours
             self.lock_fd = None
             raise
-        if rank != 0:
+        # One cleaner per root: rank 0, and on node-local roots each node's local rank 0
+        # (its node's other ranks touch the root only in a save, which waits for it).
+        if rank != 0 and not (_node_local(self.ranks, self.opts) and self.ranks.local_rank == 0):
             return
         removed = clean_leftovers(self.root)
         if removed:

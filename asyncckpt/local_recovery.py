@@ -6,9 +6,9 @@ docs/how-to/node-loss.md; this module holds its two pieces that stand alone.
 What a checkpoint is on node-local storage: every node's root is its own disk and holds, for
 step ``s``, a committed step directory with the files *its* ranks wrote and a manifest over
 them. Step ``s`` is a checkpoint of the run when every rank can get its files of ``s``: from
-its own node's root, or from the replica of them a peer holds. (Committing one step across
-node-local roots is not built yet: until it is, rank 0 refuses to commit a step whose files it
-does not hold, ``commit.every_rank_wrote``.)
+its own node's root, or from the replica of them a peer holds. (Each node's local rank 0
+commits its node's directory of a step, node_commit.py; the engine does not use this module's
+recovery pieces yet.)
 
 Where a replica lives after the trainers died: the holder's worker persists it into *its own
 node's* root, under ``.asyncckpt-replicas/rank<r>/<step dir>/`` (files and a manifest, renamed
@@ -48,8 +48,8 @@ from typing import Any
 
 from . import layout as _layout
 from .commit import commit_step
+from .framing import listen, recv_into, recv_obj, send_obj
 from .manifest import check_files, read_manifest
-from .replication import _listen, _recv_into, _recv_obj, _send_obj
 from .storage.localfs import fsync_dir, fsync_file, makedirs
 
 log = logging.getLogger("asyncckpt")
@@ -139,7 +139,7 @@ class ReplicaServer:
     def __init__(self, root: str | os.PathLike, layout: str) -> None:
         self.root = Path(root)
         self.layout = layout
-        self.listener = _listen()
+        self.listener = listen()
         self.served = 0  # replicas sent whole (tests, the log)
         threading.Thread(target=self._serve, name="asyncckpt-replica-serve", daemon=True).start()
 
@@ -158,21 +158,21 @@ class ReplicaServer:
     def _one(self, sock: socket.socket) -> None:
         with sock:
             try:
-                kind, rank, step = _recv_obj(sock)
+                kind, rank, step = recv_obj(sock)
                 if kind != "get" or not isinstance(rank, int) or not isinstance(step, int):
                     return  # (never a path from the wire)
                 where = replica_dir(self.root, self.layout, rank, step)
                 try:
                     manifest = read_manifest(where)
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
-                    _send_obj(sock, ("missing", f"{where}: {e}"))
+                    send_obj(sock, ("missing", f"{where}: {e}"))
                     return
                 files = manifest.get("files", {})
                 short = check_files(where, {"files": files}, quick=True)  # sizes only
                 if short:  # said at once: the asking rank would wait for bytes never sent
-                    _send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
+                    send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
                     return
-                _send_obj(sock, ("manifest", manifest))
+                send_obj(sock, ("manifest", manifest))
                 for rel in files:
                     with open(where / rel, "rb") as f:
                         sock.sendfile(f)
@@ -191,8 +191,8 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
     against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
     them, the connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
-        _send_obj(sock, ("get", rank, step))
-        answer = _recv_obj(sock)
+        send_obj(sock, ("get", rank, step))
+        answer = recv_obj(sock)
         if answer[0] == "damaged":
             raise OSError(
                 f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
@@ -208,7 +208,7 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
                 buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
                 while left:
                     n = min(left, len(buf))
-                    _recv_into(sock, buf[:n])
+                    recv_into(sock, buf[:n])
                     f.write(buf[:n])
                     left -= n
             fsync_file(path)
@@ -243,3 +243,34 @@ def commit_fetched(
     final = root / _layout.dir_name(layout, step)
     commit_step(root, layout, step, tmp, final, manifest)
     return final
+
+
+# ------------------------------------------------------------------ the agreement at load
+
+
+class StepAgreement:
+    """The ranks' agreement on the step every rank loads (``which_step_to_load``) on
+    node-local roots of several nodes, over the workers' side store (never the training's
+    collectives): each rank publishes the steps its node's root holds committed and reads
+    every rank's. Replicas are not counted yet (the holder does not persist them yet), so a
+    step missing on some node's disk is not loaded by any rank: never a mix of steps."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg  # dist.DistConfig
+        self.loads = 0  # every rank loads as often as the others: one key prefix per load
+
+    def choose(self, steps: Iterable[int]) -> LoadChoice:
+        import datetime
+        import json
+
+        from .dist import side_store
+
+        cfg = self.cfg
+        self.loads += 1
+        prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
+        store = side_store(cfg)
+        store.set(prefix + str(cfg.rank), json.dumps(sorted(steps)))
+        keys = [prefix + str(r) for r in range(cfg.world_size)]
+        store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
+        on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+        return which_step_to_load(on_disk, {}, cfg.world_size)

@@ -41,7 +41,6 @@ import mmap
 import os
 import pickle
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .framing import listen, recv_exact, recv_into, recv_obj, send_obj
 
 log = logging.getLogger("asyncckpt")
 
@@ -64,7 +65,6 @@ CHUNK = 8 << 20
 _END = b"ASYNCCKPT-REPLICA-END"
 #: The module a stand-in runs (``python -m``): stand_in.py.
 STAND_IN_MODULE = "asyncckpt.stand_in"
-_LEN = struct.Struct("!Q")
 
 
 @dataclass(frozen=True)
@@ -171,34 +171,6 @@ def _my_address(cfg: Any) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
-
-
-# ------------------------------------------------------------------ framing
-
-
-def _send_obj(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the peer closed the connection")
-        got += n
-
-
-def _recv_obj(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    return pickle.loads(_recv_exact(sock, n))  # noqa: S301 - a peer worker of this job
 
 
 def _bytes_of(arena: Any) -> memoryview:
@@ -332,7 +304,7 @@ class ReplicaSender:
             host, port = raw.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_obj(sock, ("hello", self.cfg.rank))
+            send_obj(sock, ("hello", self.cfg.rank))
             with self.cond:
                 self.sock = sock
         return self.sock
@@ -351,8 +323,8 @@ class ReplicaSender:
         sock = self._connect()
         header = replace(job, specs=list(specs), faults={})
         sizes = [int(a.numel()) for a in arenas]
-        _send_obj(sock, ("replica", header, sizes, offer.keep))
-        answer = _recv_obj(sock)
+        send_obj(sock, ("replica", header, sizes, offer.keep))
+        answer = recv_obj(sock)
         if answer[0] != "ready":
             return str(answer[1])
         with self.cond:
@@ -371,7 +343,7 @@ class ReplicaSender:
             self.reading = None  # every byte is out of the slot
             self.cond.notify_all()
         sock.sendall(_END)
-        answer = _recv_obj(sock)
+        answer = recv_obj(sock)
         return None if answer[0] == "held" else str(answer[1])
 
 
@@ -435,7 +407,7 @@ class ReplicaReceiver:
         self.connected = False
         self.gone = threading.Event()  # the source's connection ended (its worker is gone)
         self.next_id = 0
-        self.listener = _listen()
+        self.listener = listen()
         threading.Thread(target=self._serve, name="asyncckpt-replicas", daemon=True).start()
 
     def _serve(self) -> None:
@@ -460,7 +432,7 @@ class ReplicaReceiver:
     def _connection(self, sock: socket.socket) -> None:
         with sock:
             try:
-                hello = _recv_obj(sock)
+                hello = recv_obj(sock)
                 if hello != ("hello", self.rep.source):
                     log.warning("replica connection refused: %r", hello)
                     return
@@ -472,7 +444,7 @@ class ReplicaReceiver:
                 self.gone.set()  # mid-transfer or between: what is held stays whole
 
     def _one(self, sock: socket.socket) -> None:
-        kind, job, sizes, keep = _recv_obj(sock)
+        kind, job, sizes, keep = recv_obj(sock)
         if kind != "replica":
             raise EOFError(f"unexpected message {kind!r}")
         with self.lock:  # the steps the source let go of go here too
@@ -497,18 +469,18 @@ class ReplicaReceiver:
                 arenas[self.next_id] = same
                 ids.append(self.next_id)
         except Exception as e:  # noqa: BLE001 - refused: the sender says so on its handle
-            _send_obj(sock, ("refused", f"rank {self.cfg.rank} cannot hold it: {e}"))
+            send_obj(sock, ("refused", f"rank {self.cfg.rank} cannot hold it: {e}"))
             return
         del reuse
-        _send_obj(sock, ("ready",))
+        send_obj(sock, ("ready",))
         for b in arenas.values():
-            _recv_into(sock, _bytes_of(b.tensor))
-        if _recv_exact(sock, len(_END)) != _END:
+            recv_into(sock, _bytes_of(b.tensor))
+        if recv_exact(sock, len(_END)) != _END:
             raise EOFError("a replica without its end mark")
         job.arena_ids = ids
         with self.lock:
             self.held[job.step] = Replica(job, arenas)
-        _send_obj(sock, ("held", job.job_id))
+        send_obj(sock, ("held", job.job_id))
 
     def steps(self) -> list[int]:
         with self.lock:
@@ -522,12 +494,6 @@ class ReplicaReceiver:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.listener.close()
-
-
-def _listen() -> socket.socket:
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", 0))
 
 
 class Replication:

@@ -127,6 +127,7 @@ class Restorer:
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot.py).
         self.hot = HotResume(root, rank, world_size)
+        self.agreement: Any = None  # local_recovery.StepAgreement (node-local roots), at start
         self.root_locked = False  # the engine started: lock_root waited for an orphan
 
     def committed(self) -> list[_layout.CommittedDir]:
@@ -283,7 +284,7 @@ class Restorer:
         sub = without(like, set(report.missing))
         staged.load_into(
             part.fmt, sub, part.location, part.paths, legacy=self.legacy,
-            weights_only=part.weights_only, verify=verify,
+            weights_only=part.weights_only, verify=verify, target_only=True,
         )  # fmt: skip
         dcp.merge_into(part.state, restrict(sub, like))
 
@@ -312,6 +313,7 @@ class Restorer:
             return self._load_latest(state, strict)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
+        only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout):
             return None
@@ -331,6 +333,8 @@ class Restorer:
                 for step in sorted(set(local) | set(remote), reverse=True)
             ]
             candidates = [c for c in candidates if c.path not in tried]
+            if only is not None:  # node-local roots: the step every rank loads, no other
+                candidates = [c for c in candidates if c.step == only]
             if not tried and not candidates:
                 self._check_other_layout()
             vanished = False
@@ -367,6 +371,19 @@ class Restorer:
         raise NoValidCheckpoint(
             f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
         )
+
+    def _agreed_step(self) -> int | None:
+        """Node-local roots of several nodes (``agreement`` set at start): the step every
+        rank loads, or None (no agreement to follow). Refused where no step can be had by
+        every rank though some rank has one: some starting fresh while others resume."""
+        if self.agreement is None:
+            return None
+        choice = self.agreement.choose(c.step for c in self.committed())
+        if choice.step is None and choice.fell_back:
+            raise NoValidCheckpoint(f"{self.root}: not loading: {choice.reason}")
+        if choice.fell_back:
+            _warn(choice.reason, stacklevel=4)
+        return choice.step
 
     def _damage(self, directory: Path, e: BaseException) -> list[str] | None:
         """The problems that make ``directory`` damaged for certain, or None.

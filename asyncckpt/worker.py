@@ -26,11 +26,12 @@ import torch
 from . import faults
 from . import layout as _layout
 from . import messages as M
-from .commit import commit_step, every_rank_wrote
+from .commit import commit_step, every_rank_wrote, write_tracker
 from .differential import LinkSource, save_figures
 from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
+from .node_commit import commit_across_nodes, leads_node
 from .staging import TensorSpec
 from .storage.local import LocalStore
 
@@ -164,6 +165,33 @@ def error_info(exc: BaseException) -> dict[str, Any]:
         "errno": getattr(exc, "errno", None),
         "traceback": "".join(traceback.format_exception(exc)),
     }
+
+
+def _undo(root: Path, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
+    """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
+    if tmp.exists():
+        try:
+            LocalStore(root).discard(tmp)  # (and its writer note)
+        except OSError:
+            pass  # the next start removes it
+    elif not preexisting and final.exists() and _layout.read_tracker(root) != step:
+        # Renamed into place, but the tracker was not updated (e.g. ENOSPC writing it):
+        # take it out again, through the trash so that it is never seen half deleted.
+        try:
+            from .prune import trash_and_delete
+
+            trash_and_delete(root, final)
+        except OSError:
+            pass  # complete and verified; only the tracker lags it
+
+
+def _advance(root: Path, layout: str, step: int) -> dict[str, Any] | None:
+    """A node's leader, once every node published ``step``: its tracker (node_commit.py)."""
+    try:
+        write_tracker(root, layout, step)
+    except BaseException as e:  # noqa: BLE001 - reported on every rank
+        return error_info(e)
+    return None
 
 
 def _written(holder: Any, job: SaveJob) -> None:
@@ -342,11 +370,22 @@ class Worker:
                 if results is not None:  # rank 0
                     failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
                     if failed:
-                        outcome = ("failed", local_error if cfg is None else _ranks_error(failed))
-                    else:
-                        outcome = self._commit_all(job, tmp, final, results, t0, t_written)
+                        outcome = (
+                            "failed",
+                            local_error if cfg is None else _dist.ranks_error(failed),
+                        )
+                    elif cfg is None or not cfg.ranks_per_node:  # one root: rank 0 commits
+                        outcome = self._commit_all(
+                            job, tmp, final, dict(enumerate(results)), t0, t_written
+                        )
                 if cfg is not None:
                     outcome = _dist.broadcast(pg, outcome)
+                if outcome is None:  # every rank wrote; on node-local roots every node commits
+                    outcome = commit_across_nodes(
+                        pg, cfg, tmp, results,
+                        lambda res: self._commit_all(job, tmp, final, res, t0, t_written, False),
+                        lambda: _advance(self.root, self.config.layout, job.step),
+                    )  # fmt: skip
         except BaseException as e:  # noqa: BLE001 - a broken group: a peer died or timed out
             info = error_info(e)
             info["message"] = f"rank {rank}: coordination with the other ranks failed: " + str(
@@ -362,8 +401,8 @@ class Worker:
             if self._offered(job) is not None:
                 # (a new engine that took it fails its start)
                 self.early_offer.withdraw(str(outcome[1].get("message")))
-            if rank == 0 and not outcome[1].get("upload"):
-                self._undo(tmp, final, preexisting, job.step)
+            if (rank == 0 or leads_node(cfg)) and not outcome[1].get("upload"):
+                _undo(self.root, tmp, final, preexisting, job.step)
             self.events.send(M.Released(job.job_id))  # (again: the engine ignores a repeat)
             self.events.send(M.Failed(job.job_id, outcome[1]))
             return
@@ -467,23 +506,31 @@ class Worker:
         )
 
     def _commit_all(
-        self, job: SaveJob, tmp: Path, final: Path, results: list, t0: float, t_written: float
+        self,
+        job: SaveJob,
+        tmp: Path,
+        final: Path,
+        results: dict[int, tuple],
+        t0: float,
+        t_written: float,
+        tracker: bool = True,
     ) -> tuple[str, Any]:
-        """Rank 0, after every rank agreed: manifest of all ranks' files, rename, tracker, and
-        with a remote tier the upload. Returns the outcome every rank reports."""
+        """Rank 0 (or a node's leader, ``results`` its node's ranks', node_commit.py), after
+        every rank agreed: manifest of those ranks' files, rename, tracker (unless
+        ``tracker`` is False), and with a remote tier the upload. Returns the outcome."""
         known: dict = {}
         paths: dict = {}
-        for _, crcs, rank_paths in results:
+        for _, crcs, rank_paths in results.values():
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
         cfg = self.config.dist
         # The run's token (shared by every rank) names this commit for the other ranks' engines.
         extra = {} if cfg is None else {"world_size": cfg.world_size, "dist_token": cfg.token}
-        where = "" if cfg is None else "rank 0 ({}): "
+        where = "" if cfg is None else f"rank {cfg.rank} ({{}}): "
         try:
-            every_rank_wrote(tmp, [crcs for _, crcs, _ in results])  # node-local roots: not yet
-            stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written)
+            every_rank_wrote(tmp, {r: res[1] for r, res in results.items()}, min(results))
+            stats = self._commit(job, tmp, final, known, paths, extra, t0, t_written, tracker)
         except BaseException as e:  # noqa: BLE001 - reported on every rank
             info = error_info(e)
             info["message"] = where.format("commit") + info["message"]
@@ -544,6 +591,7 @@ class Worker:
         extra: dict,
         t0: float,
         t_written: float,
+        tracker: bool = True,
     ) -> dict[str, Any]:
         """Manifest (checksums of every file), atomic rename, tracker: the commit proper."""
         faults.point("before_metadata")
@@ -582,7 +630,7 @@ class Worker:
                 **diff,
             },
         )
-        commit_step(self.root, self.config.layout, job.step, tmp, final, manifest)
+        commit_step(self.root, self.config.layout, job.step, tmp, final, manifest, tracker)
         return {
             **diff,
             **self._pacer_figures(),
@@ -594,23 +642,6 @@ class Worker:
             "committed_at": manifest["committed_at"],
             "path": str(final),
         }
-
-    def _undo(self, tmp: Path, final: Path, preexisting: bool, step: int) -> None:
-        """A failed save leaves nothing behind: the temporary, or a commit the tracker missed."""
-        if tmp.exists():
-            try:
-                LocalStore(self.root).discard(tmp)  # (and its writer note)
-            except OSError:
-                pass  # the next start removes it
-        elif not preexisting and final.exists() and _layout.read_tracker(self.root) != step:
-            # Renamed into place, but the tracker was not updated (e.g. ENOSPC writing it):
-            # take it out again, through the trash so that it is never seen half deleted.
-            try:
-                from .prune import trash_and_delete
-
-                trash_and_delete(self.root, final)
-            except OSError:
-                pass  # complete and verified; only the tracker lags it
 
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
@@ -691,23 +722,6 @@ def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any 
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
         inbox.put(e)
-
-
-def _ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
-    """One error for every rank's handle: each failed rank's error, the root cause first.
-
-    DCP wraps a peer's failure in a ``CheckpointException`` on the ranks that did not fail
-    themselves; an error with an errno (the injected EIO, a full disk) is the likelier cause.
-    """
-    failed = sorted(failed, key=lambda rf: (rf[1].get("errno") is None, rf[0]))
-    first = failed[0][1]
-    message = "; ".join(f"rank {r}: {i['type']}: {i['message']}" for r, i in failed)
-    return {
-        "type": first["type"],
-        "message": f"not committed on any rank: {message}",
-        "errno": first.get("errno"),
-        "traceback": f"rank {failed[0][0]}:\n" + first.get("traceback", ""),
-    }
 
 
 def _watch_parent(parent_pid: int, deadline_s: float) -> None:
@@ -809,6 +823,10 @@ def worker_main(
         from . import dist as _dist
 
         side_store = _dist.serve(config.dist, config.store_socket)  # noqa: F841 - kept alive
+    if config.dist is not None and config.dist.ranks_per_node:  # node-local roots
+        from .formats.dcp import _PassThroughPlanner
+
+        _PassThroughPlanner.replicated_on_rank0 = True  # whose files every node gets
     replication = None
     if config.replication is not None and config.dist is not None:
         from .replication import Replication

@@ -1,9 +1,11 @@
 """Node-local storage (``Distributed(storage="local")``): each node's root is its own disk.
 
-On main a save across two node-local roots "committed" on rank 0's root with only node 0's
-files in it (node 1's stayed in a temporary its next start deletes): a checkpoint nobody could
-load. Until one checkpoint spans node-local roots (docs/how-to/node-loss.md), rank 0 refuses
-to commit a step whose files it does not hold, and the save fails on every rank, saying why.
+One step across node-local roots is committed by every node's local rank 0, each over its
+node's files (node_commit.py), and is committed only when every node did. On main a save
+across two node-local roots failed on every rank; before that check, rank 0 "committed" on its
+root with only node 0's files in it (a checkpoint nobody could load). The check stays: a root
+that lacks a rank's files (roots that really are different disks with ``storage="shared"``,
+or files lost) fails the save on every rank, saying why.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import ranks_running
 from statecmp import assert_same
 
 from asyncckpt import SyncCheckpointEngine, verify
@@ -38,13 +41,35 @@ rank, base = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", store=dist.FileStore(base + "/store", 2), rank=rank, world_size=2)
 state = {"model": {f"r{rank}.w": torch.full((1000,), float(rank))}}
 with SyncCheckpointEngine(
-    f"{base}/node{rank}", keep=None, distributed=Distributed(timeout=60, storage="local")
+    f"{base}/node{rank}", keep=None, distributed=Distributed(timeout=60, storage="shared")
 ) as engine:
     try:
         engine.save(1, state).committed_sync(120)
         print("committed", flush=True)
     except Exception as e:
         print("failed:", e, flush=True)
+"""
+
+#: Rank ``argv[1]`` of 2 nodes x 2 ranks, its node's root ``<base>/node<n>``: saves 1, 2, 3
+#: (keep the last 2: each node's local rank 0 prunes its root), then a new engine loads.
+LOCAL_TRAINER = """
+import sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from test_flush_on_death_multirank import state
+from asyncckpt import Distributed, KeepLast, SyncCheckpointEngine
+rank, base = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(base + "/store", 4), rank=rank, world_size=4)
+root = f"{base}/node{rank // 2}"
+opts = dict(distributed=Distributed(timeout=120, storage="local"))
+with SyncCheckpointEngine(root, keep=KeepLast(2), **opts) as engine:
+    for step in (1, 2, 3):
+        engine.save(step, state(rank, step)).committed_sync(200)
+with SyncCheckpointEngine(root, keep=None, **opts) as engine:
+    target = state(rank, 0)
+    target["model"] = {k: torch.zeros_like(v) for k, v in target["model"].items()}
+    print("loaded", engine.load_latest(target), flush=True)
+torch.save(target, f"{base}/loaded{rank}.pt")
 """
 
 
@@ -58,7 +83,9 @@ def test_every_rank_wrote_names_the_missing_files(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_save_across_node_local_roots_fails_instead_of_committing_a_part(tmp_path):
+def test_a_save_across_roots_on_other_disks_fails_instead_of_committing_a_part(tmp_path):
+    """Each rank's root another disk, but said to be one root (storage="shared"): rank 0
+    refuses to commit a step whose other files it lacks, on every rank."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     procs = []
@@ -78,6 +105,143 @@ def test_a_save_across_node_local_roots_fails_instead_of_committing_a_part(tmp_p
     assert all("failed:" in s and "node-local" in s for s in said), outs
     assert L.read_tracker(tmp_path / "node0") is None  # nothing half-committed on node 0
     assert not (tmp_path / "node0" / "global_step_1").exists()
+
+
+def test_only_rank_0s_own_files_go_to_every_node(tmp_path):
+    from asyncckpt.node_commit import once_files
+
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__1_x.json", "sub/common.pt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    results = [(None, {"__0_0.distcp": (1, 1)}, None), (None, {"__1_0.distcp": (1, 1)}, None)]
+    assert once_files(tmp_path, results) == {
+        ".metadata": b".metadata",
+        "__0_0.distcp": b"__0_0.distcp",
+        "sub/common.pt": b"sub/common.pt",
+    }
+
+
+def test_a_node_leader_checks_its_own_nodes_ranks(tmp_path):
+    (tmp_path / "__2_0.distcp").write_bytes(b"x")
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    # Node 1's leader (rank 2): rank 3's files are lost, rank 0's (sent to it) are there.
+    with pytest.raises(FileNotFoundError, match=r"rank 2's root .*rank 3: __3_0\.distcp"):
+        every_rank_wrote(
+            tmp_path,
+            {2: {"__2_0.distcp": 1}, 3: {"__3_0.distcp": 1}, 0: {"__0_0.distcp": 1}},
+            leader=2,
+        )
+    (tmp_path / "__3_0.distcp").write_bytes(b"x")
+    every_rank_wrote(
+        tmp_path, {2: {"__2_0.distcp": 1}, 3: {"__3_0.distcp": 1}, 0: {"__0_0.distcp": 1}}, 2
+    )
+
+
+def test_what_needs_every_ranks_files_in_one_root_is_refused_on_node_local_roots(
+    tmp_path, monkeypatch
+):
+    from asyncckpt import CheckpointEngine, Distributed, HFExport
+
+    for var in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    where = dict(rank=2, world_size=4, local_rank=0, node_rank=1, ranks_per_node=2)
+    export = HFExport(every_steps=5, path=tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"export= is not supported with .*several nodes"):
+        CheckpointEngine(tmp_path, distributed=Distributed(**where, storage="local"), export=export)
+    # One root every node writes, or node-local roots on one node: the export is made.
+    CheckpointEngine(tmp_path, distributed=Distributed(**where), export=export)
+    one_node = dict(where, rank=0, node_rank=0, ranks_per_node=4, world_size=4)
+    CheckpointEngine(tmp_path, distributed=Distributed(**one_node, storage="local"), export=export)
+
+
+@pytest.mark.integration
+def test_one_step_across_node_local_roots_commits_on_every_node_and_loads(tmp_path):
+    """2 nodes x 2 ranks, one root per node: every node's local rank 0 commits its node's
+    directory (its ranks' files, rank 0's: DCP's metadata and the tensor every rank holds
+    alike), prunes it, and every rank loads its step 3 bit for bit from its node's root."""
+    from test_flush_on_death_multirank import state
+
+    here = str(Path(__file__).parent)
+
+    def env(r: int) -> dict[str, str]:
+        return {"GROUP_RANK": str(r // 2), "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(r % 2)}
+
+    with ranks_running(
+        tmp_path,
+        LOCAL_TRAINER,
+        "local",
+        4,
+        lambda r: [str(r), str(tmp_path), here],
+        {r: env(r) for r in range(4)},
+    ) as ranks:
+        ranks.wait()
+        ranks.assert_exited(lambda r: 0)
+        assert all("loaded 3" in ranks.out(r) for r in range(4)), [ranks.err(r) for r in range(4)]
+    for n in (0, 1):
+        root = tmp_path / f"node{n}"
+        assert L.read_tracker(root) == 3
+        assert [c.step for c in L.scan(root, "global_step")] == [2, 3]  # step 1 pruned
+        assert verify(root).ok
+        names = {p.name for p in (root / "global_step_3").iterdir()}
+        assert {".metadata", f"__{2 * n}_0.distcp", f"__{2 * n + 1}_0.distcp"} <= names
+    for r in range(4):
+        assert_same(torch.load(tmp_path / f"loaded{r}.pt", weights_only=False), state(r, 3))
+
+
+#: Rank ``argv[1]`` of 2 nodes x 1 rank: saves 1 and 2; node 1's step 2 is then taken out (a
+#: crash between the nodes' renames), every rank loads; then node 1's root is emptied (a
+#: replacement node, no replica: none is persisted yet), every rank loads again.
+AGREE_TRAINER = """
+import shutil, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from test_flush_on_death_multirank import state
+from asyncckpt import Distributed, SyncCheckpointEngine
+rank, base = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(base + "/store", 2), rank=rank, world_size=2)
+root = f"{base}/node{rank}"
+opts = dict(keep=None, distributed=Distributed(timeout=120, storage="local"))
+with SyncCheckpointEngine(root, **opts) as engine:
+    for step in (1, 2):
+        engine.save(step, state(rank, step)).committed_sync(200)
+if rank == 1:
+    shutil.rmtree(f"{root}/global_step_2")
+dist.barrier()
+target = state(rank, 0)
+with SyncCheckpointEngine(root, **opts) as engine:
+    print("loaded", engine.load_latest(target), flush=True)
+torch.save(target, f"{base}/loaded{rank}.pt")
+dist.barrier()
+if rank == 1:
+    shutil.rmtree(root)
+dist.barrier()
+with SyncCheckpointEngine(root, **opts) as engine:
+    try:
+        print("loaded again", engine.load_latest(state(rank, 0)), flush=True)
+    except Exception as e:
+        print("refused:", type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_every_rank_loads_the_newest_step_every_node_has_or_none(tmp_path):
+    """Before the agreement, node 0 loaded step 2 and node 1 step 1 (a mix of steps); and
+    with node 1's disk empty, node 0 resumed while node 1 started fresh."""
+    from test_flush_on_death_multirank import state
+
+    here = str(Path(__file__).parent)
+    envs = {r: {"GROUP_RANK": str(r), "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"} for r in (0, 1)}
+    with ranks_running(
+        tmp_path, AGREE_TRAINER, "agree", 2, lambda r: [str(r), str(tmp_path), here], envs
+    ) as ranks:
+        ranks.wait()
+        ranks.assert_exited(lambda r: 0)
+        outs = [ranks.out(r) for r in (0, 1)]
+    assert all("loaded 1\n" in o for o in outs), outs
+    assert "step 2 is neither on the disks of rank(s) [1]" in ranks.err(0)
+    for r in (0, 1):
+        assert_same(torch.load(tmp_path / f"loaded{r}.pt", weights_only=False), state(r, 1))
+    assert all("refused: NoValidCheckpoint" in o and "rank(s) [1] have no step" in o for o in outs)
 
 
 # ------------------------------------------------------------------ which step every rank loads

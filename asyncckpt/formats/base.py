@@ -100,6 +100,9 @@ class LoadOptions:
     legacy: LegacyRanks = LegacyRanks()  # megatron_legacy: which rank's files
     weights_only: bool = True  # how a file of pickles is read (pt)
     verify: Verify | None = None  # files to check while reading (verifies_while_reading)
+    # Read only the entries the target names (a load that skips keys, restore._load_partial):
+    # other ranks' entries may not be on this disk (node-local storage, node_commit.py).
+    target_only: bool = False
 
 
 class Format(ABC):

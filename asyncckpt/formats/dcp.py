@@ -18,7 +18,7 @@ import threading
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,10 +124,16 @@ class _PassThroughPlanner(DefaultSavePlanner):
     #: a key to its path; flattening a flat state would map each key to itself, and DCP's
     #: tools, ``dcp_to_torch_save``, would give back flat keys).
     object_paths: Mapping[str, tuple] | None = None
+    #: Node-local storage (``node_commit.py``): a tensor every rank holds alike is written by
+    #: rank 0, whose files every node's root gets; DCP's default spreads them over the ranks,
+    #: so another node's directory would lack some. Set once per worker process.
+    replicated_on_rank0: bool = False
 
     def set_up_planner(
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
+        if _PassThroughPlanner.replicated_on_rank0:  # (DefaultSavePlanner's own option)
+            self.dedup_save_to_lowest_rank = True
         key = self._cached_plans_key
         # What DCP's caching needs from the last save: every rank its own local and final
         # plans, the coordinator also every rank's plans and the metadata.
@@ -844,8 +850,9 @@ def read_flat(
     *,
     process_group: Any = None,
     verify: Verify | None = None,
+    only: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """Read every entry of a DCP checkpoint into a flat dict.
+    """Read every entry of a DCP checkpoint (``only``: those named) into a flat dict.
 
     Where ``targets`` has a tensor of the same shape and dtype for a key, DCP reads straight
     into it (in place, no second copy); other tensors are freshly allocated on the CPU.
@@ -854,6 +861,8 @@ def read_flat(
     targets = targets or {}
     flat: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
+        if only is not None and fqn not in only:
+            continue
         if isinstance(md, TensorStorageMetadata):
             t = targets.get(fqn)
             if (
@@ -985,9 +994,16 @@ def load_into(
     directory: str | os.PathLike,
     paths: Mapping[str, list] | None,
     verify: Verify | None = None,
+    target_only: bool = False,
 ) -> None:
-    """Read the checkpoint in ``directory`` and restore it into ``state`` in place."""
-    flat = read_flat(directory, target_tensors(state), verify=verify)
+    """Read the checkpoint in ``directory`` and restore it into ``state`` in place
+    (``target_only``: only the entries ``state`` names, ``LoadOptions.target_only``)."""
+    only = None
+    if target_only:
+        with contextlib.suppress(TypeError, ValueError):  # (not a mapping: read everything)
+            named = flatten_state(state)
+            only = {*named.tensors, *named.objects}
+    flat = read_flat(directory, target_tensors(state), verify=verify, only=only)
     if paths is None:
         paths = _paths_from_dcp(read_dcp_metadata(directory))
     loaded = unflatten(flat, paths)
@@ -1077,7 +1093,7 @@ class DCPFormat(Format):
         )
 
     def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
-        load_into(state, location, paths, options.verify)
+        load_into(state, location, paths, options.verify, options.target_only)
 
     def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries | None:
         if not (location / L.DCP_METADATA).exists() or has_sharded_base(state):

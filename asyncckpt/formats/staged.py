@@ -250,12 +250,18 @@ def load_into(
     legacy: LegacyRanks | None = None,
     weights_only: bool = True,
     verify: Verify | None = None,
+    target_only: bool = False,
 ) -> None:
     """Restore the checkpoint in ``directory`` into ``state`` in place (any world size).
 
     For format ``pt`` (a component's ``torch.save`` file) ``directory`` is the file, read
     with ``weights_only``. ``verify``: files the format checks as it reads them (only for a
-    format that ``verifies_while_reading``).
+    format that ``verifies_while_reading``). ``target_only``: ``LoadOptions.target_only``.
     """
-    options = LoadOptions(legacy=legacy or LegacyRanks(), weights_only=weights_only, verify=verify)
+    options = LoadOptions(
+        legacy=legacy or LegacyRanks(),
+        weights_only=weights_only,
+        verify=verify,
+        target_only=target_only,
+    )
     get_format(fmt).load_into(state, Path(directory), paths, options)
