@@ -227,7 +227,7 @@ def stage_checked(
     if torn is not None:
         # The copied views may hold two moments; skipped views were not written (kept).
         return torn, plan
-    if skipper is not None:
+    if skipper is not None and skipper.enabled:
         plan.fingerprint_seconds += skipper.settle(slot, plan, marks)
     return None, plan
 
