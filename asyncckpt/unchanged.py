@@ -198,7 +198,7 @@ def _cuda_fingerprints(
             stream = side_stream(dev, ready)
             with torch.cuda.stream(stream):
                 lanes = torch.stack([device_fingerprint(t) for _, t in its])
-            host = lanes.cpu()  # waits for this stream only
+                host = lanes.cpu()  # on the copy stream: waits for it, not for the device
         for (i, t), row in zip(its, host, strict=True):
             size = t.numel() * t.element_size()
             out[i] = row.numpy().tobytes() + size.to_bytes(8, "little")
