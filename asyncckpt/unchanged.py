@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .cachekeys import same_key
 from .differential import fingerprint_bytes
 from .errors import StateModifiedWhileStaging
 from .staging import Marks, StagingSlot, _as_bytes, _pool, copy_checked, torn_since
@@ -111,7 +112,8 @@ class CopySkipper:
             return plan
         t0 = time.perf_counter()
         srcs = list(tensors.values())
-        prev = self._last[1] if self._last is not None and self._last[0] == slot.key else None
+        last = self._last
+        prev = last[1] if last is not None and same_key(last[0], slot.key) else None
         cpu: list[tuple[int, Any, bytes]] = []  # (index, source bytes, what the slot holds)
         cuda: list[tuple[int, torch.Tensor, bytes | None]] = []
         for i in slot.large:
