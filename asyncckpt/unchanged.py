@@ -121,6 +121,10 @@ class CopySkipper:
             if prev is not None and _moved(prev, marks, i):
                 continue  # written in place since the last save: copied, no fingerprint
             t = srcs[i]
+            if t.data_ptr() != marks.pointers[i]:
+                # Moved since save() was called (a storage freed or swapped while an overlapped
+                # save waited): never read; the copy's own check fails the save as torn.
+                continue
             if t.is_cuda:
                 if t.is_contiguous():
                     cuda.append((i, t, held))

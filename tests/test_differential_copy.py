@@ -302,3 +302,42 @@ def test_differential_off_copies_everything(tmp_path):
             assert stats.copy_skipped_bytes == 0 and stats.copy_fingerprint_seconds == 0
             assert stats.files_linked == 0
     assert_same(plain_load(step_dir(tmp_path, 3), state), state)
+
+
+#: A storage swapped while an overlapped save waited (tests/test_torn_storage.py). Freeing or
+#: shrinking one that a save has staged before is refused by torch (the NumPy view of the copy
+#: made it not resizable), so only a swap can reach a save that would fingerprint it.
+STORAGE_CHANGES = {
+    "set_bigger": lambda t: t.set_(torch.zeros(t.numel() + 3)),
+    "set_same_size": lambda t: t.set_(torch.zeros(t.numel())),
+}
+
+
+@pytest.mark.parametrize("change", list(STORAGE_CHANGES))
+def test_a_storage_moved_before_the_fingerprint_is_never_read_and_fails_as_torn(
+    tmp_path, monkeypatch, change
+):
+    # The slot holds "big" (step 1), so step 2 would fingerprint its source before the copy:
+    # a storage freed meanwhile must not be read there (the copy's pointer check reports it).
+    import threading
+
+    from asyncckpt.errors import SaveFailed
+
+    state = {"model": {"big": torch.arange(float(1 << 18))}, "step": 0}
+    reached, opened = threading.Event(), threading.Event()
+    real = CopySkipper.plan
+
+    def gated_plan(self, *args, **kwargs):
+        reached.set()
+        assert opened.wait(30)
+        return real(self, *args, **kwargs)
+
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(1, state).committed_sync()
+        monkeypatch.setattr(CopySkipper, "plan", gated_plan)
+        handle = engine.save(2, state, overlap=True)
+        assert reached.wait(30)
+        STORAGE_CHANGES[change](state["model"]["big"])
+        opened.set()
+        with pytest.raises(SaveFailed, match="changed while it was staged"):
+            handle.committed_sync()
