@@ -249,6 +249,7 @@ class EngineParts:
                 prunes_here=prunes_here,
                 prune_scope=opts.retention.scope,
                 keep_resumed=opts.retention.keep_resumed,
+                differential=opts.staging.differential,
             ),
             jobs=self.jobs,
             worker=self.supervisor,

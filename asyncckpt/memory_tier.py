@@ -382,7 +382,8 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
     from . import faults
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, WorkerDied
-    from .staging import any_cuda, copy_checked, torn_since
+    from .staging import any_cuda
+    from .unchanged import note_skips, stage_checked
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -415,11 +416,10 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
         t1 = time.perf_counter()
         # Blocking, on the caller's thread: only another thread can free a storage before the
         # copy, racing it as during the copy, which no check makes safe (no guard).
-        torn = copy_checked(slot, flat.tensors, pending.marks, False, pin)
+        torn, skips = stage_checked(saver.skipper, slot, flat.tensors, pending.marks, False, pin)
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
-        if torn is None:
-            torn = torn_since(flat.tensors, pending.marks)
+        note_skips(stats, skips)
         if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
             err = SaveFailed(
                 f"{'' if write else 'memory '}save of step {step} failed: the state changed "

@@ -41,13 +41,12 @@ from .staging import (
     Marks,
     StagingSlot,
     any_cuda,
-    copy_checked,
     layout_key,
     ready_events,
-    torn_since,
 )
 from .stats import SaveStats
 from .supervisor import WorkerLink
+from .unchanged import CopySkipper, note_skips, stage_checked
 from .worker import PruneRequest, SaveJob
 
 log = logging.getLogger("asyncckpt")
@@ -112,6 +111,7 @@ class SaveRules:
     prunes_here: bool  # this rank prunes (retention.should_prune)
     prune_scope: str
     keep_resumed: str
+    differential: bool = True  # Staging(differential=): skip copying what a slot holds
 
 
 class Saver:
@@ -143,6 +143,8 @@ class Saver:
         )
         # The last state's flattening, replayed while its structure holds (flatplan.py).
         self.flatten_cache = FlattenCache()
+        # Which tensors a slot holds already, byte for byte, need no copy (unchanged.py).
+        self.skipper = CopySkipper(rules.differential)
         self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
         from .memory_tier import MemoryTier
 
@@ -362,12 +364,13 @@ class Saver:
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
-        torn = copy_checked(slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready)
+        torn, skips = stage_checked(
+            self.skipper, slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready
+        )
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
+        note_skips(stats, skips)
         handle = pending.handle
-        if torn is None:
-            torn = torn_since(flat.tensors, pending.marks)
         if torn is not None:
             # Invariant 13: the arena may hold two moments of the state; never send it.
             err = SaveFailed(
@@ -473,6 +476,8 @@ class Saver:
                 "wait_seconds": stats.wait_seconds,
                 "alloc_seconds": stats.alloc_seconds,
                 "staged_bytes": stats.staged_bytes,
+                "copy_skipped_bytes": stats.copy_skipped_bytes,
+                "copy_fingerprint_seconds": stats.copy_fingerprint_seconds,
             },
             tier=tier,
         )

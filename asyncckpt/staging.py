@@ -266,6 +266,10 @@ class StagingSlot:
         self.dst_bytes: dict[int, Any] = {}  # a large view's bytes as a numpy array
         self.pinned = False
         self.nbytes = 0
+        # Large tensor index -> the fingerprint of the bytes its view holds now (unchanged.py:
+        # a save skips copying a tensor whose bytes this very slot already holds). Forgotten
+        # with the arenas: a new layout, or the arena lent to chunked staging.
+        self.held: dict[int, bytes] = {}
         # Ids of arenas released since the engine last looked: the worker still maps them
         # until it is told to drop them (engine._send_arenas), or the memory is never freed.
         self.retired: list[int] = []
@@ -317,6 +321,7 @@ class StagingSlot:
         self.small, self.small_views, self.large, self.dst_bytes = [], [], [], {}
         self.small_plan = empty_plan()
         self.key, self.pinned, self.nbytes = None, False, 0
+        self.held = {}
 
     def take_retired(self) -> list[int]:
         """The ids of arenas released since the last call (for the worker to drop)."""
@@ -329,6 +334,7 @@ class StagingSlot:
         any_cuda: bool | None = None,
         ready: dict[int, Any] | None = None,
         marks: Marks | None = None,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         """Copy every tensor into its view; returns once the copies have completed.
 
@@ -343,6 +349,8 @@ class StagingSlot:
         ``marks``: check, right before each group of tensors is read, that none of their
         storages moved since ``save`` was called (``StateModifiedWhileStaging``): a freed one
         would be read through a dangling pointer (torch's copy crashes on a null one).
+        ``skip``: indices of large tensors not copied: their views hold their bytes already
+        (unchanged.py decides that from fingerprints, never from counters).
         """
         srcs = list(tensors.values())
         cuda_pairs = []
@@ -350,6 +358,8 @@ class StagingSlot:
             marks.check_pointers(tensors, srcs, self.large)
         with _CpuCopier(cpu_copy_threads()) as copier:
             for i in self.large:
+                if i in skip:
+                    continue
                 t = srcs[i]
                 src = None if t.is_cuda else _as_bytes(t)
                 if t.is_cuda:
@@ -490,6 +500,20 @@ def _copy_batch(batch: list[tuple[Any, Any]]) -> None:
 _side_streams: dict[int, Any] = {}
 
 
+def side_stream(dev: int, ready: dict[int, Any] | None = None) -> Any:
+    """The copy stream of device ``dev``, made to wait for the values to save: the event of
+    the ``save`` call's stream where given (``ready``), else this thread's current stream.
+    Fingerprints (unchanged.py) run on it too, so the copies queue after them."""
+    stream = _side_streams.get(dev)
+    if stream is None:
+        stream = _side_streams[dev] = torch.cuda.Stream(dev)
+    if ready is not None and dev in ready:
+        stream.wait_event(ready[dev])  # the trainer's stream when save() was called
+    else:
+        stream.wait_stream(torch.cuda.current_stream(dev))
+    return stream
+
+
 def _copy_from_cuda(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: dict[int, Any] | None = None
 ) -> None:
@@ -502,13 +526,7 @@ def _copy_from_cuda(
     events = []
     for dev, items in by_device.items():
         with torch.cuda.device(dev):
-            stream = _side_streams.get(dev)
-            if stream is None:
-                stream = _side_streams[dev] = torch.cuda.Stream(dev)
-            if ready is not None and dev in ready:
-                stream.wait_event(ready[dev])  # the trainer's stream when save() was called
-            else:
-                stream.wait_stream(torch.cuda.current_stream(dev))
+            stream = side_stream(dev, ready)
             with torch.cuda.stream(stream):
                 for view, t in items:
                     if t.numel():
@@ -589,6 +607,7 @@ def copy_checked(
     guard: bool,
     any_cuda: bool,
     ready: dict[int, Any] | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> StateModifiedWhileStaging | None:
     """``slot.copy_in``, where a torn state that stops the copy is returned, not raised.
 
@@ -598,7 +617,9 @@ def copy_checked(
     as the torn state it is. The caller still checks ``torn_since`` once the copy is over.
     """
     try:
-        slot.copy_in(tensors, any_cuda=any_cuda, ready=ready, marks=before if guard else None)
+        slot.copy_in(
+            tensors, any_cuda=any_cuda, ready=ready, marks=before if guard else None, skip=skip
+        )
     except StateModifiedWhileStaging as e:
         return e
     except Exception as e:

@@ -74,6 +74,13 @@ class SaveStats:
     files_linked: int = 0
     fingerprint_seconds: float = 0.0
     link_fallbacks: int = 0
+    #: differential saves, the copy (this rank's, ``save``'s own time): tensor bytes not copied
+    #: into the staging slot because it held them already (fingerprinted where they live),
+    #: seconds of ``stage_seconds`` spent fingerprinting, and large tensors that could not be
+    #: fingerprinted (strided: copied, never skipped)
+    copy_skipped_bytes: int = 0
+    copy_fingerprint_seconds: float = 0.0
+    copy_skip_fallbacks: int = 0
 
     @property
     def blocked_seconds(self) -> float:

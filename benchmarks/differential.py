@@ -1,14 +1,20 @@
-"""Differential saves (issue 37): what step 2 adds to the disk when most of the state is frozen.
+"""Differential saves (issue 37): what step 2 adds to the disk, and what ``save()`` stalls, when
+most of the state is frozen.
 
 States: ``rl`` (a trained policy of ``--policy-mb`` beside a frozen reference model of
-``--frozen-mb``: the must-show is 64 + 448 MiB, step 2 adds <= 0.3x the state) and ``lora``
-(a frozen base of ``--frozen-mb`` with adapters of 1% of it, beside each base weight). Each
-round: save step 1, train (every trained tensor changes), save step 2. Methods:
-``asyncckpt`` (differential, the default), ``asyncckpt full`` (``Staging(differential=False)``)
-and ``dcp.async_save`` (torch's own, thread executor, one save per directory). Reported for
-step 2, median of ``--repeats`` rounds: bytes added to the disk (new inodes: a hard link adds
-none), that over the state's bytes, the stall, time to durable, and asyncckpt's own figures
-(bytes written / skipped, fingerprint seconds); ratios are within one run.
+``--frozen-mb``: the must-show is 64 + 448 MiB, step 2 adds <= 0.3x the state), ``rl_critic``
+(policy, a frozen reference of the same size and a trained critic of the same size: the RL
+trainers' state) and ``lora`` (a frozen base of ``--frozen-mb`` with adapters of 1% of it,
+beside each base weight). Each round: save step 1, then ``--saves`` - 1 times: train (every
+trained tensor changes), save. Methods: ``asyncckpt`` (differential, the default: an unchanged
+tensor is neither copied into the staging slot nor written), ``asyncckpt full``
+(``Staging(differential=False)``), the memory tier with and without (``tier="memory"``: nothing
+written, the copy only) and ``dcp.async_save`` (torch's own, thread executor, one save per
+directory). Reported, median of ``--repeats`` rounds: step 2's bytes added to the disk (new
+inodes: a hard link adds none) and that over the state's bytes; the stall (``save()``'s return
+time) and time to durable, medians over the saves after the first; asyncckpt's own figures
+(bytes written / skipped by links, bytes not copied, fingerprint seconds of the worker and of the
+copy). Ratios are within one run.
 
 ``python benchmarks/differential.py [--device cuda] [--quick]``; writes
 ``results/differential.json`` and ``.png``.
@@ -39,7 +45,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from asyncckpt import Staging, SyncCheckpointEngine  # noqa: E402
+from asyncckpt import MemoryTier, Staging, SyncCheckpointEngine  # noqa: E402
 
 TENSOR_MB = 4  # each model weight (a frozen one has a file of its own: >= 1 MiB)
 
@@ -56,6 +62,14 @@ def rl_state(args: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return {"policy": policy, "ref": ref, "step": 0}, list(policy.values())
 
 
+def rl_critic_state(args: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    policy = weights(args.policy_mb, args.device, "policy")
+    ref = weights(args.policy_mb, args.device, "ref")
+    critic = weights(args.policy_mb, args.device, "critic")
+    state = {"policy": policy, "ref": ref, "critic": critic, "step": 0}
+    return state, [*policy.values(), *critic.values()]
+
+
 def lora_state(args: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     base = weights(args.frozen_mb, args.device, "base")
     model: dict[str, torch.Tensor] = {}
@@ -70,7 +84,7 @@ def lora_state(args: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return {"model": model, "step": 0}, adapters
 
 
-STATES = {"rl": rl_state, "lora": lora_state}
+STATES = {"rl": rl_state, "rl_critic": rl_critic_state, "lora": lora_state}
 
 
 def nbytes(state: dict[str, Any]) -> int:
@@ -101,42 +115,74 @@ def train(trained: list[torch.Tensor]) -> None:
         torch.cuda.synchronize()
 
 
-def run_asyncckpt(root: Path, state: dict, trained: list, differential: bool) -> dict[str, Any]:
-    with SyncCheckpointEngine(root, staging=Staging(differential=differential)) as engine:
-        engine.save(1, state).committed_sync()
-        before = disk_bytes(root)
-        train(trained)
-        t0 = time.perf_counter()
-        handle = engine.save(2, state)
-        stall = time.perf_counter() - t0
-        stats = handle.committed_sync()
-        durable = time.perf_counter() - t0
-    return {
-        "stall_s": stall,
-        "durable_s": durable,
-        "added_bytes": disk_bytes(root) - before,
-        "bytes_written": stats.bytes_written,
-        "bytes_skipped": stats.bytes_skipped,
-        "files_linked": stats.files_linked,
-        "fingerprint_s": stats.fingerprint_seconds,
+def run_asyncckpt(
+    root: Path, state: dict, trained: list, differential: bool, saves: int, tier: str = "disk"
+) -> dict[str, Any]:
+    memory = MemoryTier() if tier == "memory" else None
+    stalls, durables, stats = [], [], []
+    added = 0
+    with SyncCheckpointEngine(
+        root, staging=Staging(differential=differential), memory=memory
+    ) as engine:
+        first = engine.save(1, state, tier=tier)
+        if tier == "disk":
+            first.committed_sync()
+        for step in range(2, saves + 1):
+            before = disk_bytes(root)
+            train(trained)
+            t0 = time.perf_counter()
+            handle = engine.save(step, state, tier=tier)
+            stalls.append(time.perf_counter() - t0)
+            if tier == "disk":
+                stats.append(handle.committed_sync())
+                durables.append(time.perf_counter() - t0)
+            else:
+                stats.append(handle.stats)
+            if step == 2:
+                added = disk_bytes(root) - before
+    out = {
+        "stall_s": med(stalls),
+        "stall_min_s": min(stalls),
+        "added_bytes": added,
+        "copy_skipped_bytes": med([s.copy_skipped_bytes for s in stats]),
+        "copy_fingerprint_s": med([s.copy_fingerprint_seconds for s in stats]),
     }
+    if tier == "disk":
+        out.update(
+            durable_s=med(durables),
+            bytes_written=stats[0].bytes_written,
+            bytes_skipped=stats[0].bytes_skipped,
+            files_linked=stats[0].files_linked,
+            fingerprint_s=med([s.fingerprint_seconds for s in stats]),
+        )
+    return out
 
 
-def run_dcp(root: Path, state: dict, trained: list) -> dict[str, Any]:
+def run_dcp(root: Path, state: dict, trained: list, saves: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     dcp.async_save(state, checkpoint_id=str(root / "1")).result()
-    before = disk_bytes(root)
-    train(trained)
-    t0 = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=str(root / "2"))
-    stall = time.perf_counter() - t0
-    future.result()
-    durable = time.perf_counter() - t0
-    return {"stall_s": stall, "durable_s": durable, "added_bytes": disk_bytes(root) - before}
+    stalls, durables = [], []
+    added = 0
+    for step in range(2, saves + 1):
+        before = disk_bytes(root)
+        train(trained)
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(root / str(step)))
+        stalls.append(time.perf_counter() - t0)
+        future.result()
+        durables.append(time.perf_counter() - t0)
+        if step == 2:
+            added = disk_bytes(root) - before
+    return {
+        "stall_s": med(stalls),
+        "stall_min_s": min(stalls),
+        "durable_s": med(durables),
+        "added_bytes": added,
+    }
 
 
-METHODS = ("asyncckpt", "asyncckpt full", "dcp.async_save")
+METHODS = ("asyncckpt", "asyncckpt full", "dcp.async_save", "memory", "memory full")
 
 
 def main() -> None:
@@ -144,10 +190,11 @@ def main() -> None:
     p.add_argument("--policy-mb", type=float, default=64)
     p.add_argument("--frozen-mb", type=float, default=448)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--states", default="rl,lora")
+    p.add_argument("--states", default="rl,rl_critic,lora")
+    p.add_argument("--saves", type=int, default=4, help="saves per round (stall: after the 1st)")
     args = p.parse_args()
     if args.quick:
-        args.policy_mb, args.frozen_mb, args.repeats = 4, 28, 1
+        args.policy_mb, args.frozen_mb, args.repeats, args.saves = 4, 28, 1, 3
     apply_threads(args)
     quiet_spawned_children()
     import warnings
@@ -166,10 +213,12 @@ def main() -> None:
                 root.mkdir(parents=True)
                 try:
                     if method == "dcp.async_save":
-                        runs[method].append(run_dcp(root, state, trained))
+                        runs[method].append(run_dcp(root, state, trained, args.saves))
                     else:
+                        tier = "memory" if method.startswith("memory") else "disk"
+                        differential = not method.endswith("full")
                         runs[method].append(
-                            run_asyncckpt(root, state, trained, method == "asyncckpt")
+                            run_asyncckpt(root, state, trained, differential, args.saves, tier)
                         )
                 finally:
                     rmtree(root)
@@ -178,10 +227,25 @@ def main() -> None:
             m = {k: med([r[k] for r in rs]) for k in rs[0]}
             m["added_over_state"] = m["added_bytes"] / size
             out["methods"][method] = m
-            rows.append([name, method, m["added_over_state"], m["stall_s"], m["durable_s"]])
-        d, full, dcp_ = (out["methods"][k]["durable_s"] for k in METHODS)
+            rows.append(
+                [
+                    name,
+                    method,
+                    m["added_over_state"],
+                    m["stall_s"],
+                    m.get("durable_s", float("nan")),
+                    m.get("copy_skipped_bytes", 0) / MiB,
+                ]
+            )
+        ms = out["methods"]
+        d, full, dcp_ = (ms[k]["durable_s"] for k in METHODS[:3])
         out["durable_vs_full"] = ratio(d, full)
         out["durable_vs_dcp_async_save"] = ratio(d, dcp_)
+        out["stall_vs_full"] = ratio(ms["asyncckpt"]["stall_s"], ms["asyncckpt full"]["stall_s"])
+        out["stall_vs_dcp_async_save"] = ratio(
+            ms["asyncckpt"]["stall_s"], ms["dcp.async_save"]["stall_s"]
+        )
+        out["memory_stall_vs_full"] = ratio(ms["memory"]["stall_s"], ms["memory full"]["stall_s"])
         results["states"][name] = out
     rl = results["states"].get("rl")
     if rl is not None:
@@ -189,26 +253,36 @@ def main() -> None:
         results["target"] = {"step_2_added_over_state": added, "target": 0.3, "met": added <= 0.3}
     print_table(
         "differential saves: step 2 (median)",
-        ["state", "method", "added/state", "stall s", "durable s"],
+        ["state", "method", "added/state", "stall s", "durable s", "not copied MiB"],
         rows,
     )
     for name, out in results["states"].items():
         print(
             f"{name}: durable vs full {out['durable_vs_full']:.2f}x, "
-            f"vs dcp.async_save {out['durable_vs_dcp_async_save']:.2f}x"
+            f"vs dcp.async_save {out['durable_vs_dcp_async_save']:.2f}x; stall vs full "
+            f"{out['stall_vs_full']:.2f}x, vs dcp.async_save {out['stall_vs_dcp_async_save']:.2f}x;"
+            f" memory save stall vs full {out['memory_stall_vs_full']:.2f}x"
         )
     tag = f"differential{args.tag}"
     write_json(args.out, tag, results)
     if not args.no_plot:
         panels = []
         for name, out in results["states"].items():
-            labels = list(METHODS)
+            disk = list(METHODS[:3])
             panels.append(
                 (
                     f"{name}: step 2 added / state",
-                    labels,
-                    [out["methods"][k]["added_over_state"] for k in labels],
+                    disk,
+                    [out["methods"][k]["added_over_state"] for k in disk],
                     0.3 if name == "rl" else None,
+                )
+            )
+            panels.append(
+                (
+                    f"{name}: stall s",
+                    list(METHODS),
+                    [out["methods"][k]["stall_s"] for k in METHODS],
+                    None,
                 )
             )
         plot_bars(args.out / f"{tag}.png", "differential saves (step 2)", panels)

@@ -354,3 +354,53 @@ def check_dying_trainer_saves(root: Path, device: str) -> None:
 
 def test_cuda_saves_that_returned_survive_the_trainers_sigkill(tmp_path):
     check_dying_trainer_saves(run_dying_trainer(tmp_path, "cuda"), "cuda")
+
+
+# ------------------------------------------------------------------ differential copies (issue 37)
+# Written on a machine with no GPU: these run in the GPU suite (tests/test_cuda.py).
+
+
+def test_cuda_device_fingerprint_is_the_cpu_ones_and_sees_one_bit():
+    from asyncckpt.unchanged import device_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(0, 256, (3 * (1 << 20) + 3,), dtype=torch.uint8, generator=g)
+    gpu = t.cuda()
+    assert torch.equal(device_fingerprint(gpu).cpu(), device_fingerprint(t))
+    gpu[12345] ^= 1
+    assert not torch.equal(device_fingerprint(gpu).cpu(), device_fingerprint(t))
+
+
+#: The ways to change a CUDA tensor's bytes, with those no version counter sees.
+CUDA_MUTATIONS = {
+    "in_place_op": lambda t: t.mul_(2),
+    "data_write": lambda t: t.data.__setitem__((0, 0), 42.0),
+    "data_copy_": lambda t: t.data.copy_(torch.full_like(t, 3.0)),
+    "set_same_size": lambda t: t.set_(torch.full_like(t, 5.0)),
+}
+
+
+@pytest.mark.parametrize("mutation", list(CUDA_MUTATIONS))
+def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import SyncCheckpointEngine, layout
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    model = {k: torch.randn(256, 1024, device="cuda", generator=g) for k in "abcd"}  # 1 MiB
+    state = {"model": model}
+    want, stats = {}, {}
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        for step in range(1, 6):
+            if step == 4:
+                CUDA_MUTATIONS[mutation](model["a"])
+            want[step] = {k: v.detach().cpu().clone() for k, v in model.items()}
+            stats[step] = engine.save(step, state).committed_sync()
+    for step, w in want.items():
+        target = {"model": {k: torch.empty_like(v) for k, v in w.items()}}
+        path = tmp_path / layout.dir_name("global_step", step)
+        dcp.load(target, checkpoint_id=str(path), no_dist=True)
+        for k in w:
+            assert same_bytes(target["model"][k], w[k]), (step, k)
+    assert stats[3].copy_skipped_bytes == 4 << 20  # fingerprinted on the GPU, not copied
+    assert stats[4].copy_skipped_bytes == 3 << 20  # the changed one copied

@@ -1,0 +1,245 @@
+"""Differential saves, the trainer's half: a tensor whose bytes the staging slot already holds
+is not copied into it again (the worker's half, differential.py, then links its file).
+
+Which buffer holds a skipped tensor's bytes: the slot being staged, itself. Every slot keeps,
+per large tensor, the fingerprint of the bytes its view holds now (``StagingSlot.held``); a
+save skips the copy of a tensor only where the fingerprint of the tensor's bytes, computed now
+where it lives, equals what *this* slot holds. Slots that alternate (``max_in_flight`` > 1, the
+memory tier's two) each answer for their own bytes, so a tensor changed and changed back between
+two saves is never taken from the other slot's copy.
+
+Soundness (invariant 15) rests on the bytes alone:
+
+- the version counter and data pointer are a pre-filter only: a tensor written in place since
+  the last save (its counter moved) is copied without a fingerprint (no cost for the trained
+  parameters); everything else (frozen, or written where no counter moves: ``.data``, NumPy
+  views, ``.data.copy_()`` weight syncs) is fingerprinted and compared;
+- on the CPU what a slot holds is fingerprinted from the slot's own bytes after the copy (and
+  the save found untorn), so the record is exact even if the source raced the copy; on a GPU
+  the source is fingerprinted on the copy stream right before its copy (``device_fingerprint``:
+  exact integer arithmetic, a single changed 32-bit word always changes it; written, tested on
+  CPU tensors, its CUDA run needs a GPU);
+- an entry is dropped before its view is overwritten, and a torn or failed copy records
+  nothing new: a slot never claims bytes it may not hold.
+
+Tensors under ``SMALL_TENSOR_BYTES`` are always copied (one foreach call for all of them costs
+less than fingerprinting them one by one); so are strided CPU tensors (counted: ``fallbacks``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cachekeys import same_key
+from .differential import fingerprint_bytes
+from .errors import StateModifiedWhileStaging
+from .staging import Marks, StagingSlot, _as_bytes, _pool, copy_checked, torn_since
+
+#: ``device_fingerprint`` works through a tensor in pieces of this many 32-bit words (bounds
+#: its temporaries to a few times 64 MiB on the device).
+_CHUNK_WORDS = 1 << 24
+#: Per lane: a position key and two odd multipliers (murmur3's finaliser, keyed by position).
+_LANES = ((0x2545F491, 0x27D4EB2F, 0x165667B1), (0x3C6EF372, 0x1B873593, 0x2C1B3C6D))
+
+
+def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 lanes over a contiguous tensor's bytes, computed on its own device (a read at
+    device bandwidth; the D2H copy it can spare crosses PCIe).
+
+    Each 32-bit word, keyed by its position, goes through a bijective mix (odd multiplies,
+    xor-shifts: int32 arithmetic wraps) and the lanes are exact int64 sums of the mixed words:
+    changing one word always changes both lanes, moving words changes their keys. The byte
+    count is added by the caller. Deterministic across devices (integers only)."""
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    n = raw.numel()
+    body = n - n % 4
+    words = raw[:body].view(torch.int32)
+    lanes = torch.zeros(len(_LANES), dtype=torch.int64, device=raw.device)
+    pieces = [(words[s : s + _CHUNK_WORDS], s) for s in range(0, words.numel(), _CHUNK_WORDS)]
+    if body < n:  # 1-3 trailing bytes, one word (zero-padded; the length tells them apart)
+        shifts = torch.arange(n - body, dtype=torch.int32, device=raw.device) * 8
+        tail = (raw[body:].to(torch.int32) << shifts).sum(dtype=torch.int32).reshape(1)
+        pieces.append((tail, body // 4))
+    for w, start in pieces:
+        pos = torch.arange(start, start + w.numel(), dtype=torch.int32, device=raw.device)
+        for k, (key, m1, m2) in enumerate(_LANES):
+            x = w ^ (pos * key)
+            x = x * m1
+            x = x ^ ((x >> 16) & 0xFFFF)
+            x = x * m2
+            x = x ^ ((x >> 13) & 0x7FFFF)
+            lanes[k] += x.sum(dtype=torch.int64)
+    return lanes
+
+
+@dataclass
+class SkipPlan:
+    """One save's decisions for one slot: what is skipped, what is recorded once copied."""
+
+    skip: frozenset[int] = frozenset()
+    hash_after: list[int] = field(default_factory=list)  # CPU: fingerprint the slot's bytes
+    cuda_record: dict[int, bytes] = field(default_factory=dict)  # GPU: the source's, pre-copy
+    skipped_bytes: int = 0
+    fingerprint_seconds: float = 0.0
+    fallbacks: int = 0
+
+
+class CopySkipper:
+    """One engine's copy skipping (``Staging(differential=)``): the marks of the last save
+    staged (the pre-filter) and the fingerprint decisions; the slots keep what they hold."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._last: tuple[Any, Marks] | None = None  # (layout key, marks) of the last save
+
+    def plan(
+        self,
+        slot: StagingSlot,
+        tensors: dict[str, torch.Tensor],
+        marks: Marks,
+        ready: dict[int, Any] | None = None,
+    ) -> SkipPlan:
+        """Decide, for the large tensors of ``slot``, which need no copy. Drops the slot's
+        record of every tensor that will be copied (before its view is overwritten)."""
+        plan = SkipPlan()
+        if not self.enabled or not slot.large:
+            slot.held.clear()
+            return plan
+        t0 = time.perf_counter()
+        srcs = list(tensors.values())
+        last = self._last
+        prev = last[1] if last is not None and same_key(last[0], slot.key) else None
+        cpu: list[tuple[int, Any, bytes]] = []  # (index, source bytes, what the slot holds)
+        cuda: list[tuple[int, torch.Tensor, bytes | None]] = []
+        for i in slot.large:
+            held = slot.held.pop(i, None)
+            if prev is not None and _moved(prev, marks, i):
+                continue  # written in place since the last save: copied, no fingerprint
+            t = srcs[i]
+            if t.data_ptr() != marks.pointers[i]:
+                # Moved since save() was called (a storage freed or swapped while an overlapped
+                # save waited): never read; the copy's own check fails the save as torn.
+                continue
+            if t.is_cuda:
+                if t.is_contiguous():
+                    cuda.append((i, t, held))
+                else:
+                    plan.fallbacks += 1
+                continue
+            src = _as_bytes(t)
+            if src is None:
+                plan.fallbacks += 1  # strided, conjugate: copied by torch, never skipped
+            elif held is None:
+                plan.hash_after.append(i)  # nothing to compare with: copied, then recorded
+            else:
+                cpu.append((i, src, held))
+        skip = set()
+        if cpu:
+            digests = _map(lambda e: fingerprint_bytes(e[1]), cpu)
+            for (i, _, held), digest in zip(cpu, digests, strict=True):
+                if digest == held:
+                    skip.add(i)
+                    slot.held[i] = held  # still holds it: nothing writes that view
+                else:
+                    plan.hash_after.append(i)
+        if cuda:
+            fps = _cuda_fingerprints([(i, t) for i, t, _ in cuda], ready)
+            for i, _, held in cuda:
+                digest = fps[i]
+                if held == digest:
+                    skip.add(i)
+                    slot.held[i] = digest
+                else:
+                    plan.cuda_record[i] = digest
+        plan.skip = frozenset(skip)
+        plan.skipped_bytes = sum(slot.specs[i].nbytes for i in skip)
+        plan.fingerprint_seconds = time.perf_counter() - t0
+        return plan
+
+    def settle(self, slot: StagingSlot, plan: SkipPlan, marks: Marks) -> float:
+        """After an untorn copy: record what the slot now holds; returns the seconds spent."""
+        t0 = time.perf_counter()
+        if plan.hash_after:
+            digests = _map(lambda i: fingerprint_bytes(slot.dst_bytes[i]), plan.hash_after)
+            slot.held.update(zip(plan.hash_after, digests, strict=True))
+        slot.held.update(plan.cuda_record)
+        self._last = (slot.key, marks)
+        return time.perf_counter() - t0
+
+
+def _moved(prev: Marks, now: Marks, i: int) -> bool:
+    if prev.versions and now.versions and prev.versions[i] != now.versions[i]:
+        return True
+    return prev.pointers[i] != now.pointers[i]
+
+
+def _map(fn: Callable[[Any], bytes], items: list[Any]) -> list[bytes]:
+    """``fn`` over ``items`` on the copy pool (xxhash releases the GIL on large inputs)."""
+    from .staging import cpu_copy_threads
+
+    threads = cpu_copy_threads()
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    return list(_pool(threads).map(fn, items))
+
+
+def _cuda_fingerprints(
+    items: list[tuple[int, torch.Tensor]], ready: dict[int, Any] | None
+) -> dict[int, bytes]:
+    """``device_fingerprint`` of each tensor on its device's copy stream (so the D2H copies
+    that follow queue after it and the values are the ``save`` call's); one sync per device."""
+    from .staging import side_stream
+
+    by_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in items:
+        by_device.setdefault(t.device.index or 0, []).append((i, t))
+    out: dict[int, bytes] = {}
+    for dev, its in by_device.items():
+        with torch.cuda.device(dev):
+            stream = side_stream(dev, ready)
+            with torch.cuda.stream(stream):
+                lanes = torch.stack([device_fingerprint(t) for _, t in its])
+                host = lanes.cpu()  # on the copy stream: waits for it, not for the device
+        for (i, t), row in zip(its, host, strict=True):
+            size = t.numel() * t.element_size()
+            out[i] = row.numpy().tobytes() + size.to_bytes(8, "little")
+    return out
+
+
+def stage_checked(
+    skipper: CopySkipper | None,
+    slot: StagingSlot,
+    tensors: dict[str, torch.Tensor],
+    marks: Marks,
+    guard: bool,
+    pin: bool,
+    ready: dict[int, Any] | None = None,
+) -> tuple[StateModifiedWhileStaging | None, SkipPlan]:
+    """``copy_checked`` and the torn check after it, skipping what ``slot`` holds already:
+    the torn state (or None) and the plan (its figures for ``SaveStats``)."""
+    plan = skipper.plan(slot, tensors, marks, ready) if skipper is not None else SkipPlan()
+    try:
+        torn = copy_checked(slot, tensors, marks, guard, pin, ready, skip=plan.skip)
+    except BaseException:
+        slot.held.clear()  # a copy that stopped midway: the views hold who knows what
+        raise
+    if torn is None:
+        torn = torn_since(tensors, marks)
+    if torn is not None:
+        # The copied views may hold two moments; skipped views were not written (kept).
+        return torn, plan
+    if skipper is not None and skipper.enabled:
+        plan.fingerprint_seconds += skipper.settle(slot, plan, marks)
+    return None, plan
+
+
+def note_skips(stats: Any, plan: SkipPlan) -> None:
+    """A save's copy-skipping figures into its ``SaveStats``."""
+    stats.copy_skipped_bytes = plan.skipped_bytes
+    stats.copy_fingerprint_seconds = plan.fingerprint_seconds
+    stats.copy_skip_fallbacks = plan.fallbacks
