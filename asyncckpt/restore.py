@@ -34,7 +34,8 @@ from .formats.components import COMPONENTS, Component, Part, load_parts, saved_s
 from .formats.hotread import HotDeclined, HotRead, active
 from .hot import HotResume
 from .loadcheck import LoadReport, Vanished
-from .manifest import check_files, read_manifest
+from .manifest import read_manifest
+from .precheck import check_files
 from .retention import CheckpointInfo
 from .storage import RemoteTier
 from .supervisor import wait_for_orphaned_workers
@@ -257,15 +258,10 @@ class Restorer:
             raise loadcheck.read_error(directory, e) from e
 
     def _verify(self, directory: Path, files: dict[str, Any], progress: Any) -> None:
-        """``verify_dir`` over ``files`` (a part of the manifest), file by file for the bar."""
-        damage: list[str] = []
-        unreadable: list[str] = []
-        for rel, want in files.items():
-            try:
-                damage += check_files(directory, {"files": {rel: want}})
-            except OSError as e:  # gone between the check and the read, or unreadable
-                unreadable.append(f"{rel}: {e}")
-            progress.verified(int(want.get("size", 0)))
+        """``files`` (a part of the manifest) checked against it before the read: every file
+        at once, by several threads, without a copy (``precheck.check_files``)."""
+        found = check_files(directory, files, on_bytes=progress.verified)
+        damage, unreadable = found.damage, found.unreadable
         if damage or unreadable:
             if not directory.is_dir():
                 raise Vanished(f"{directory} went away while it was verified")

@@ -24,7 +24,7 @@ its memory, while it commits it) and with ``hold_seconds=0`` (``disk``: the work
 step is read back from disk); each against a cold ``dcp.load`` of that step in the same round.
 
 Usage: ``python benchmarks/restore.py [--size-mb 1024] [--tensors 64] [--repeats 5]
-[--device cuda] [--quick]``; prints a table, writes ``results/restore.json`` and
+[--device cuda] [--quick] [--no-resume]``; prints a table, writes ``results/restore.json`` and
 ``results/restore.png``.
 """
 
@@ -233,6 +233,7 @@ def main() -> None:
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-resume", action="store_true", help="skip the resume-after-SIGKILL rounds")
     args = p.parse_args()
     C.apply_threads(args)
     if args.quick:
@@ -296,7 +297,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     methods[name]()
                     times[mode][name].append(time.perf_counter() - t0)
-    if device == "cpu":  # (a CUDA trainer's resume is not timed here yet)
+    if args.no_resume:
+        resume: dict[str, Any] = {"not measured": "--no-resume"}
+    elif device == "cpu":  # (a CUDA trainer's resume is not timed here yet)
         resume = resume_rounds(
             base,
             args,

@@ -57,18 +57,24 @@ def bytes_read() -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counts")
-def test_a_verified_load_reads_the_files_twice_at_most(tmp_path):
-    """The checksum pass, then the reader's one read of each file (in parallel parts, straight
-    into the targets): not DCP's read of each record on top."""
+def test_a_verified_load_copies_the_files_once(tmp_path):
+    """The check maps the files' pages and checksums them where they are (no copy: counted
+    by ``rchar`` as nothing), then the reader's one read of each file (in parallel parts,
+    straight into the targets): one copy of the bytes, as a raw read makes, not DCP's read of
+    each record on top. (Before, the check read every file into a buffer: 2x.) Where the
+    mapping is refused the check reads through a buffer, and says so in ``fallbacks``."""
+    from asyncckpt import precheck
+
     save(tmp_path, [1])
     size = data_bytes(tmp_path, 1)
     engine = SyncCheckpointEngine(tmp_path)
     target = blank()
-    before = bytes_read()
+    fallbacks, before = precheck.fallbacks, bytes_read()
     assert engine.load_latest(target) == 1
     read = bytes_read() - before
     assert torch.equal(target["model"]["w3"], state_at(1)["model"]["w3"])
-    assert 2 * size <= read < 2.3 * size, (read, size)
+    copies = 2 if precheck.fallbacks > fallbacks else 1
+    assert copies * size <= read < (copies + 0.3) * size, (read, size, copies)
 
 
 def flip(path: Path, at: int) -> None:

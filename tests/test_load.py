@@ -275,10 +275,10 @@ def test_a_checkpoint_pruned_during_the_load_is_skipped_quietly(root, monkeypatc
     if when == "before_verify":
         real = E.check_files
 
-        def hook(directory, manifest):
+        def hook(directory, files, **kw):
             if Path(directory) == newest and newest.exists():
                 _trash(newest)
-            return real(directory, manifest)
+            return real(directory, files, **kw)
 
         monkeypatch.setattr(E, "check_files", hook)
     else:

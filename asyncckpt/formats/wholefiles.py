@@ -90,10 +90,19 @@ def _pieces(f: FileRead) -> list[tuple[int, int, Any, bool]]:
 class _Part:
     """A range ``[start, end)`` of a file, read by one thread; ``crc`` of its bytes."""
 
-    def __init__(self, f: FileRead, start: int, end: int, update: Callable | None) -> None:
+    def __init__(
+        self,
+        f: FileRead,
+        start: int,
+        end: int,
+        update: Callable | None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
         self.f, self.start, self.end, self.update = f, start, end, update
+        self.on_bytes = on_bytes  # told the bytes of each read (a progress bar)
         self.crc = 0
         self.short = False  # the file ended before ``end``
+        self.error: OSError | None = None  # the read failed (an I/O error, not damage)
 
 
 _local = threading.local()
@@ -152,10 +161,19 @@ class _Batch:
                 part.crc = part.update(view, part.crc)
         for dst, buf in self.copies:
             dst.copy_(buf)  # synchronous: the pinned buffer is reused by the next batch
+        if part.on_bytes is not None and self.nbytes:
+            part.on_bytes(self.nbytes)
         return self.at + self.nbytes
 
 
 def _read_part(part: _Part) -> None:
+    try:
+        _read_part_spans(part)
+    except OSError as e:  # kept for read_files, which names the file
+        part.error = e
+
+
+def _read_part_spans(part: _Part) -> None:
     batch = _Batch(part, part.start)
     for offset, length, dst, filled in _pieces(part.f):
         lo, hi = max(offset, part.start), min(offset + length, part.end)
@@ -196,9 +214,20 @@ def _skip(views: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def read_files(files: Sequence[FileRead], threads: int | None = None) -> dict[str, str]:
+def read_files(
+    files: Sequence[FileRead],
+    threads: int | None = None,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    errors: dict[str, OSError] | None = None,
+) -> dict[str, str]:
     """Read every file into its spans, in parallel parts; returns the problems found against
-    the files' manifest entries (name -> problem; empty: every checked file matched)."""
+    the files' manifest entries (name -> problem; empty: every checked file matched).
+
+    A read that fails (an I/O error: not damage for certain) raises an ``OSError`` naming
+    the file once every part has ended, or, with ``errors``, is put there (name -> error)
+    and the other files are still checked. ``on_bytes(n)`` after each read, from any thread.
+    """
     parts: list[_Part] = []
     for f in files:
         update = None
@@ -210,7 +239,9 @@ def read_files(files: Sequence[FileRead], threads: int | None = None) -> dict[st
         n = max(1, -(-f.size // PART_BYTES))
         step = -(-f.size // n) if f.size else 0
         starts = range(0, f.size, step) if step else [0]
-        parts += [_Part(f, s, min(s + step, f.size) if step else 0, update) for s in starts]
+        parts += [
+            _Part(f, s, min(s + step, f.size) if step else 0, update, on_bytes) for s in starts
+        ]
     workers = min(threads or read_threads(), len(parts))
     if workers > 1:
         with ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-read") as pool:
@@ -221,6 +252,13 @@ def read_files(files: Sequence[FileRead], threads: int | None = None) -> dict[st
     problems: dict[str, str] = {}
     for f in files:
         mine = [p for p in parts if p.f is f]
+        failed = next((p.error for p in mine if p.error is not None), None)
+        if failed is not None:
+            named = OSError(failed.errno, f"{f.name}: {failed.strerror or failed}")
+            if errors is None:
+                raise named from failed
+            errors[f.name] = named
+            continue
         if any(p.short for p in mine):
             problems[f.name] = f"{f.name}: shorter than its {f.size} bytes (truncated)"
             continue
