@@ -227,6 +227,8 @@ def test_ranks_runs_and_reports_every_field(tmp_path):
     # (a tiny save may commit before the last trainer's save() has returned: no sign checked)
     assert math.isfinite(row["commit_latency_min_s"]) and row["durable_med_s"] > 0
     assert row["rank0_worker_uss"] > 0 and row["other_worker_uss_med"] > 0
+    has(row, "rank0_worker_pss", "other_worker_pss_med", "total_pss", "dcp_metadata_bytes")
+    assert row["total_pss"] > row["rank0_worker_pss"] > 0 and row["manifest_bytes"] > 0
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints were deleted
 
 
