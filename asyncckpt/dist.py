@@ -21,7 +21,8 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   (a client that connects during the restart waits in the socket's backlog for the new worker).
 - **Per save.** Every rank's worker joins a fresh gloo group for the job over that store (a
   ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
-  broken group behind). DCP plans and writes each rank's own shards over that group; the workers
+  broken group behind), connected lazily (``lazy_gloo``: a pair of ranks connects on its first
+  message, so forming it costs O(1) per rank, not a read and a connection per other rank). DCP plans and writes each rank's own shards over that group; the workers
   then gather a success flag with their file checksums on rank 0 (gloo detects a dead peer, and
   the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
   manifest, rename the directory into place and write the tracker, then broadcast the outcome.
@@ -54,6 +55,9 @@ log = logging.getLogger("asyncckpt")
 DEFAULT_TIMEOUT = 600.0
 #: The environment variable naming the host the other ranks reach rank 0's store on.
 HOST_ENV = "ASYNCCKPT_STORE_HOST"
+
+#: torch's switch for gloo's lazy connection (read when a gloo group is created; torch >= 2.7).
+LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
 
 _engine_starts = 0  # per process; every rank starts its engines in the same order
 
@@ -278,6 +282,27 @@ def side_store(cfg: DistConfig, timeout: float | None = None) -> Any:
 
 
 @contextlib.contextmanager
+def lazy_gloo() -> Iterator[None]:
+    """Gloo groups created inside connect a pair of ranks on its first message, not all pairs
+    at creation. A job group is formed every save: eagerly, every rank reads every other
+    rank's address from the one side store and connects to it (N(N-1) store reads, N(N-1)/2
+    connections per save); the job's collectives (DCP's planning, the gather on rank 0 and
+    its broadcast) use O(N) pairs. Torch reads the switch when the group is created, so it
+    is set for that moment only (a user's own groups in this process are left eager). A peer
+    that never comes now fails the job's first collective at the group's timeout instead of
+    the group's creation; the job handles both alike."""
+    old = os.environ.get(LAZY_GLOO_ENV)
+    os.environ[LAZY_GLOO_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(LAZY_GLOO_ENV, None)
+        else:
+            os.environ[LAZY_GLOO_ENV] = old
+
+
+@contextlib.contextmanager
 def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
     """A gloo group of every rank's worker for one job; torn down afterwards.
 
@@ -288,9 +313,10 @@ def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
 
     td = datetime.timedelta(seconds=cfg.timeout)
     store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", side_store(cfg))
-    dist.init_process_group(
-        "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
-    )
+    with lazy_gloo():
+        dist.init_process_group(
+            "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
+        )
     try:
         yield dist.group.WORLD
     finally:

@@ -143,6 +143,26 @@ def barrier(rank: Rank) -> None:
         dist.barrier()
 
 
+def shared_dir(args: argparse.Namespace, rank: Rank, name: str) -> Path:
+    """The scratch folder every rank's checkpoints go under (one root per method, shared).
+
+    A save of several ranks is one checkpoint: a root per rank is refused at the commit
+    (``commit.every_rank_wrote``). Rank 0 empties the folder; the caller's next barrier orders
+    that before any rank writes there.
+    """
+    path = args.dir / f"{name}_shared"
+    if rank.rank == 0:
+        rmtree(path)
+    return path
+
+
+def remove_shared(rank: Rank, root: Path) -> None:
+    """Remove a shared root once every rank is done with it (barrier, then rank 0 deletes)."""
+    barrier(rank)
+    if rank.rank == 0:
+        rmtree(root)
+
+
 def ensure_single_rank_group(scratch: Path) -> None:
     """dcp.async_save's process executor needs an initialised process group (world of 1)."""
     import torch.distributed as dist

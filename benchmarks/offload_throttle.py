@@ -180,9 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.params_m, args.saves, args.quiet_steps = min(args.params_m, 2.0), 1, 2
     rank = C.init_rank()
     C.apply_threads(args)
-    base = args.dir / f"offload_throttle{rank.suffix or '_rank0'}"
-    C.rmtree(base)
-    base.mkdir(parents=True)
+    # One root per mode, every rank's (a save of several ranks is one checkpoint).
+    base = C.shared_dir(args, rank, "offload_throttle")
     params, opt = build(args.params_m, rank.rank)
     for _ in range(2):
         adam_step(opt)
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         root = base / m
         with C.MemorySampler() as mem:
             rec = run_mode(m, params, opt, root, args, gap, cap)
-        C.rmtree(root)
+        C.remove_shared(rank, root)  # every rank's part committed before the root goes
         q, b = rec["quiet"], rec["busy"]
         rec.update(
             {
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"({rec['slowdown_pct']:+.1f}%), write {rec['write_seconds_median']:.1f}s",
             flush=True,
         )
-    C.rmtree(base)
+    C.remove_shared(rank, base)
     unpinned = [x for m, r in modes.items() if "pin" not in m for x in r["quiet"]]
     ref_quiet = sum(unpinned) / len(unpinned) if unpinned else float("nan")
     for r in modes.values():

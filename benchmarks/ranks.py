@@ -9,8 +9,10 @@ state (``--tensors`` tensors of 4 KiB per rank), and saves ``--saves`` times. Pe
 - commit latency: from the moment the *last* rank's ``save()`` returned to the moment rank 0
   sees the tracker name the step (rank 0 polls the tracker file; the ranks' clocks are this
   machine's one wall clock);
-- worker memory: each rank's worker's RSS and USS (psutil) after the last save; rank 0's
-  worker serves the side store and commits, so it is reported apart from the others.
+- worker memory: each rank's worker's RSS, USS and PSS (psutil) after the last save; rank 0's
+  worker serves the side store and commits, so it is reported apart from the others; the PSS
+  of every process (trainers and workers) is what N ranks cost the host;
+- what one commit writes for N ranks: the size of the manifest and of DCP's ``.metadata``.
 
 With 2 cores and N ranks (2N processes with the workers), the figures measure the design's
 per-rank work more than any network: they show how it grows with N, not what a cluster sees.
@@ -73,7 +75,13 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, tensors:
             mem = psutil.Process(pid).memory_full_info() if pid else None
             out["worker_rss"] = mem.rss if mem else None
             out["worker_uss"] = mem.uss if mem else None
+            out["worker_pss"] = mem.pss if mem else None  # shared pages split among sharers
             out["trainer_rss"] = psutil.Process().memory_info().rss
+            out["trainer_pss"] = psutil.Process().memory_full_info().pss
+            if rank == 0:  # what one commit writes for N ranks: the manifest and DCP's metadata
+                newest = Path(root) / layout.dir_name(engine.layout, saves + 1)
+                out["manifest_bytes"] = (newest / layout.MANIFEST).stat().st_size
+                out["dcp_metadata_bytes"] = (newest / ".metadata").stat().st_size
 
     asyncio.run(main())
     gathered: list[Any] = [None] * world
@@ -123,9 +131,15 @@ def measure(world: int, args: Any, base: Path) -> dict[str, Any]:
         "durable_med_s": C.med([d for r in ranks for d in r["durable"][1:]]),
         "rank0_worker_rss": ranks[0]["worker_rss"],
         "rank0_worker_uss": ranks[0]["worker_uss"],
+        "rank0_worker_pss": ranks[0]["worker_pss"],
+        "other_worker_pss_med": C.med([r["worker_pss"] for r in others]),
+        # Every process of the run (trainers and workers): what N ranks cost this host.
+        "total_pss": sum(r["worker_pss"] + r["trainer_pss"] for r in ranks),
         "other_worker_rss_med": C.med([r["worker_rss"] for r in others]),
         "other_worker_uss_med": C.med([r["worker_uss"] for r in others]),
         "trainer_rss_med": C.med([r["trainer_rss"] for r in ranks]),
+        "manifest_bytes": ranks[0]["manifest_bytes"],
+        "dcp_metadata_bytes": ranks[0]["dcp_metadata_bytes"],
     }
 
 
@@ -134,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ranks", default="2,4,8,16,32")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--tensors", type=int, default=8, help="4 KiB tensors per rank")
-    p.add_argument("--timeout", type=float, default=900)
+    # 32 ranks are 64 processes importing torch on this VM's 2 cores: minutes to start.
+    p.add_argument("--timeout", type=float, default=2400)
     args = p.parse_args(argv)
     worlds = [int(n) for n in args.ranks.split(",") if n.strip()]
     if args.quick:
@@ -162,8 +177,12 @@ def main(argv: list[str] | None = None) -> dict:
         "commit_latency_min_s": "commit latency min s",
         "commit_latency_med_s": "commit latency med s",
         "durable_med_s": "durable med s",
+        "manifest_bytes": "manifest bytes",
         "rank0_worker_uss": "rank-0 worker USS",
         "other_worker_uss_med": "other workers' USS (med)",
+        "rank0_worker_pss": "rank-0 worker PSS",
+        "other_worker_pss_med": "other workers' PSS (med)",
+        "total_pss": "all processes' PSS",
         "rank0_worker_rss": "rank-0 worker RSS",
         "other_worker_rss_med": "other workers' RSS (med)",
     }
@@ -173,6 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
         "other_worker_uss_med",
         "rank0_worker_rss",
         "other_worker_rss_med",
+        "rank0_worker_pss",
+        "other_worker_pss_med",
+        "total_pss",
     }
 
     def cell(k: str, v: Any) -> Any:

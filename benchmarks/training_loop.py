@@ -209,7 +209,7 @@ def _asyncckpt_engines() -> dict[str, Any]:
 ASYNCCKPT_ENGINES = _asyncckpt_engines()
 
 
-def calibrate_write(tr: Trainer, root: Path) -> dict[str, Any]:
+def calibrate_write(tr: Trainer, root: Path, rank: C.Rank) -> dict[str, Any]:
     """One asyncckpt save (default throttle) of the trainer's state while steps keep running.
 
     Returns the worker's write + commit seconds: the time a write needs in the conditions the
@@ -240,11 +240,13 @@ def calibrate_write(tr: Trainer, root: Path) -> dict[str, Any]:
             )
 
     anyio.run(main)
-    C.rmtree(root)
+    C.remove_shared(rank, root)
     return out
 
 
-def rss_soak(tr: Trainer, root: Path, saves: int, steps_between: int) -> dict[str, Any]:
+def rss_soak(
+    tr: Trainer, root: Path, rank: C.Rank, saves: int, steps_between: int
+) -> dict[str, Any]:
     """``saves`` saves on one engine (default throttle), a few training steps between each and
     every write committed before the next save: the RSS of the trainer and of the worker after
     each. Staging buffers are reused, so both must stay flat after the first save.
@@ -267,7 +269,7 @@ def rss_soak(tr: Trainer, root: Path, saves: int, steps_between: int) -> dict[st
 
     t0 = time.perf_counter()
     anyio.run(main)
-    C.rmtree(root)
+    C.remove_shared(rank, root)
     tr_rss, w_rss = out["trainer_rss"], out["worker_rss"]
     out.update(
         saves=saves,
@@ -324,7 +326,8 @@ def _run_plain(method: str, tr: Trainer, root: Path, args: Any) -> dict[str, Any
                     t0 = time.perf_counter()
                     fut.result()  # back-pressure: one save in flight, like asyncckpt
                     dt += time.perf_counter() - t0
-                    C.rmtree(prev)
+                    if no_dist or dist.get_rank() == 0:  # the shared checkpoint, once
+                        C.rmtree(prev)
                 t0 = time.perf_counter()
                 prev = root / f"step{s}"
                 fut = dcp.async_save(
@@ -413,9 +416,11 @@ def main(argv: list[str] | None = None) -> dict:
         if m not in ALL_METHODS + EXTRA_METHODS:
             p.error(f"unknown method {m!r}; expected some of {ALL_METHODS + EXTRA_METHODS}")
 
-    base = args.dir / f"training_loop{rank.suffix or '_rank0'}"
+    base = args.dir / f"training_loop{rank.suffix or '_rank0'}"  # this rank's raw write
     C.rmtree(base)
     base.mkdir(parents=True)
+    shared = C.shared_dir(args, rank, "training_loop")  # the checkpoints: one root per method
+    C.barrier(rank)
     tr = Trainer(args, device)
     state_bytes = C.state_nbytes(tr.plain_state())
     for _ in range(args.warmup):
@@ -426,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict:
     host.fill_(1)
     raw = C.raw_write(host, base)
     del host
-    calib = calibrate_write(tr, base / "calibration")
+    calib = calibrate_write(tr, shared / "calibration", rank)
     write_s = calib["write_seconds"] + calib["commit_seconds"]
     auto_every = max(args.min_every, math.ceil(args.fit * write_s / step_s))
     every_source = "--every" if args.every else "calibration"
@@ -457,14 +462,14 @@ def main(argv: list[str] | None = None) -> dict:
         # Every other round in reverse: a drift over a round weighs on no method's side.
         for m in methods if r % 2 == 0 else methods[::-1]:
             C.barrier(rank)
-            root = base / m.replace(":", "_").replace("+", "_")
+            root = shared / m.replace(":", "_").replace("+", "_")
             gc.collect()
             t0 = time.perf_counter()
             with C.MemorySampler() as mem:
                 rec = run_method(m, tr, root, round_args)
             rec["method_seconds"] = time.perf_counter() - t0
             rec["memory"] = mem.report()
-            C.rmtree(root)
+            C.remove_shared(rank, root)  # every rank's part committed before the root goes
             _merge_round(runs.setdefault(m, {"rounds": []}), rec)
             print(
                 f"[rank {rank.rank}] round {r + 1}/{rounds} {m}: mean step "
@@ -474,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.rounds, args.saves_per_round, args.saves = rounds, per_round, rounds * per_round
     soak = None
     if "asyncckpt" in methods:
-        soak = rss_soak(tr, base / "rss_soak", args.saves, steps_between=2)
+        soak = rss_soak(tr, shared / "rss_soak", rank, args.saves, steps_between=2)
         print(
             f"[rank {rank.rank}] RSS over {args.saves} saves on one engine: trainer "
             f"{soak['trainer_growth_bytes'] / C.MiB:+.1f} MiB, worker "
@@ -482,6 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     C.rmtree(base)
+    C.remove_shared(rank, shared)
     report = build_report(args, rank, nparams, state_bytes, step_s, raw, runs, soak)
     report["calibration"] = calib
     name = f"training_loop{args.tag}{rank.suffix}"

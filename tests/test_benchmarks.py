@@ -142,18 +142,48 @@ def test_offload_throttle_runs_and_reports_every_field(tmp_path):
     assert rep["environment"]["load_avg"]
 
 
-def test_overhead_runs_per_rank_under_torchrun(tmp_path):
+def run_torchrun(script: str, tmp_path: Path, *extra: str) -> list[dict]:
+    """``script --quick`` under torchrun with 2 ranks on one shared scratch dir: each rank's report.
+
+    The ranks' saves are one checkpoint per step, so they must share a root (a root per rank is
+    refused at the commit: commit.every_rank_wrote).
+    """
     pytest.importorskip("torch.distributed.run")
-    out = tmp_path / "out"
+    out, scratch = tmp_path / "out", tmp_path / "s"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--standalone", str(BENCH / "overhead.py"), "--quick", "--no-plot"]
-    cmd += ["--methods", "asyncckpt,dcp.save", "--dir", str(tmp_path / "s"), "--out", str(out)]
+    cmd += ["--standalone", str(BENCH / script), "--quick", "--no-plot"]
+    cmd += ["--dir", str(scratch), "--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for r in (0, 1):
-        rep = json.loads((out / f"overhead_rank{r}.json").read_text())
+    assert not list(scratch.rglob("*.distcp"))  # rank 0 removed the shared roots
+    name = script.removesuffix(".py")
+    reps = [json.loads((out / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+    for r, rep in enumerate(reps):
         assert rep["rank"] == r and rep["world_size"] == 2
+    return reps
+
+
+def test_overhead_runs_per_rank_under_torchrun(tmp_path):
+    for rep in run_torchrun("overhead.py", tmp_path, "--methods", "asyncckpt,dcp.save"):
         has(rep["methods"], "asyncckpt", "dcp.save")
+
+
+def test_training_loop_runs_per_rank_under_torchrun(tmp_path):
+    methods = "none,asyncckpt,dcp.async_save:thread"
+    reps = run_torchrun("training_loop.py", tmp_path, "--methods", methods, "--every", "2")
+    for rep in reps:
+        has(rep["methods"], *methods.split(","))
+        for m in ("asyncckpt", "dcp.async_save:thread"):
+            assert rep["methods"][m]["saves"] == rep["args"]["saves"], m
+        assert rep["calibration"]["write_seconds"] > 0
+        assert len(rep["rss_soak"]["worker_rss"]) == rep["args"]["saves"]
+
+
+def test_offload_throttle_runs_per_rank_under_torchrun(tmp_path):
+    for rep in run_torchrun("offload_throttle.py", tmp_path, "--modes", "off,on"):
+        has(rep["modes"], "off", "on")
+        for e in rep["modes"].values():
+            assert len(e["write_seconds"]) == rep["args"]["saves"]
 
 
 def test_scale_runs_and_reports_every_field(tmp_path):
@@ -197,6 +227,8 @@ def test_ranks_runs_and_reports_every_field(tmp_path):
     # (a tiny save may commit before the last trainer's save() has returned: no sign checked)
     assert math.isfinite(row["commit_latency_min_s"]) and row["durable_med_s"] > 0
     assert row["rank0_worker_uss"] > 0 and row["other_worker_uss_med"] > 0
+    has(row, "rank0_worker_pss", "other_worker_pss_med", "total_pss", "dcp_metadata_bytes")
+    assert row["total_pss"] > row["rank0_worker_pss"] > 0 and row["manifest_bytes"] > 0
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints were deleted
 
 
