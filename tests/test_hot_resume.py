@@ -201,7 +201,11 @@ def test_memory_that_changed_after_it_was_offered_is_neither_loaded_nor_committe
     # engine's check catches it and waits for the commit, which the worker refuses (its
     # memory, and so the files written from it, no longer hold the bytes offered); the load
     # then reads step 1 from the disk, never a step 3 that differs from what was staged.
-    root, engine, target = slow_commit(tmp_path, before_hot_serve="corrupt")
+    # (the write waits too, so that the new engine asks before the worker's own check
+    # withdraws the offer: without it, which comes first was a race)
+    root, engine, target = slow_commit(
+        tmp_path, before_hot_serve="corrupt", before_shard_write=f"delay:{SLOW_COMMIT_S}"
+    )
     assert engine.load_latest(target) == 1
     report = engine.last_load_report
     assert report.source == "disk"
