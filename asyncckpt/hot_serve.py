@@ -237,6 +237,10 @@ def tensor_crcs(views: dict[str, memoryview], threads: int = 4) -> dict[str, int
         return dict(zip(views, pool.map(checksum, views.values()), strict=True))
 
 
+#: How long a withdrawal waits for the offer's socket to stop listening.
+UNBIND_WAIT_S = 2.0
+
+
 class EarlyOffer:
     """An offer served on a thread of its own while the main thread writes and commits its
     step. ``views``: the offered tensors' bytes, checked again once written (``unchanged``)."""
@@ -247,6 +251,9 @@ class EarlyOffer:
         self.stop = threading.Event()
         self.taken = threading.Event()
         self.done = threading.Event()  # the thread ended
+        # The socket no longer listens: the name is free for the next offer (after a
+        # withdrawal, the committed step's), which would otherwise fail to bind.
+        self.unbound = threading.Event()
         self.withdrawn = False
         self.thread = threading.Thread(target=self._run, name="asyncckpt-hot", daemon=True)
 
@@ -290,6 +297,7 @@ class EarlyOffer:
         its start)."""
         self.withdrawn = True
         self.stop.set()
+        self.unbound.wait(UNBIND_WAIT_S)  # (the thread sees ``stop`` within its 0.1 s accept)
         log.warning(
             "step %d did not commit (%s): no longer offered from memory", self.offer.step, why
         )
@@ -315,11 +323,17 @@ class EarlyOffer:
                     if not _hand_over(conn, self.offer, self.fds):
                         continue
                     self.taken.set()
+                    self._unbind()  # one taker: the name is free while it reads
                     _until_done(conn)
                     return
         finally:
-            self.sock.close()
+            self._unbind()
             self.done.set()
+
+    def _unbind(self) -> None:
+        assert self.sock is not None
+        self.sock.close()
+        self.unbound.set()
 
 
 class StagedMemoryChanged(RuntimeError):

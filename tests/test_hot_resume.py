@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -329,3 +330,23 @@ def test_memory_that_fails_its_checksum_while_copied_leaves_no_half_load_behind(
     restorer.hot.spoiled, restorer.hot.reason = True, "a bit flipped"  # (as load_committing)
     with pytest.raises(NoValidCheckpoint, match="the memory offered: a bit flipped"):
         restorer._load_latest(target, strict=True)
+
+
+def test_after_a_withdrawn_offer_the_committed_step_is_offered_from_memory(tmp_path):
+    # The staged memory of step 3 changed after it was offered and nobody took it: the
+    # worker withdraws step 3 and offers committed step 1 instead. That offer used to fail
+    # ("cannot offer step 1 ...: Address already in use": the withdrawn offer's socket still
+    # listened), and a new engine read step 1 from the disk.
+    root, engine, target = slow_commit(tmp_path, before_hot_serve="corrupt")
+    err = tmp_path / "err"
+    deadline = time.monotonic() + 120
+    while "offer step 1" not in err.read_text() and "offering step 1" not in err.read_text():
+        assert time.monotonic() < deadline, err.read_text()
+        time.sleep(0.1)
+    assert "cannot offer step 1" not in err.read_text()
+    assert engine.load_latest(target) == 1
+    assert engine.last_load_report.source == "memory", engine.last_load_report.source_reason
+    assert_same(target, state_at(1))
+    with engine:
+        pass
+    assert verify(root).ok and steps(root) == [1]
