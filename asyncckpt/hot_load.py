@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .entries import Entries, walk
-from .formats.hotread import HotDeclined, _frombuffer, copy_bytes
+from .formats.hotread import HotDeclined, _frombuffer, copy_bytes, fits_in_place
 from .hot_serve import Offer, tensor_crcs
 from .loadcheck import LoadReport, compare
 from .manifest import _POLYNOMIALS, checksum, crc_combine
@@ -69,7 +69,7 @@ def load_offered(
     device: dict[str, torch.Tensor] = {}
     for fqn, (dtype, shape, _) in offer.staged.items():
         t = targets.get(fqn)
-        if t is None or not _fits(t, dtype, shape):
+        if t is None or not fits_in_place(t, dtype, shape):
             t = torch.empty(shape, dtype=dtype)  # merged in below (merge_into), as from disk
         (host if t.device.type == "cpu" else device)[fqn] = t
         flat[fqn] = t
@@ -87,16 +87,6 @@ def load_offered(
     else:
         merge_into(state, loaded)
     return report
-
-
-def _fits(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
-    return (
-        t.dtype == dtype
-        and tuple(t.shape) == tuple(shape)
-        and t.is_contiguous()
-        and t.device.type != "meta"
-        and not (t.is_conj() or t.is_neg())
-    )
 
 
 def _declined(want: Mapping[str, int], found: Mapping[str, int]) -> None:

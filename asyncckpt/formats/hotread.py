@@ -50,13 +50,7 @@ class HotRead:
         """What goes into ``target``: ``src`` copied into it by ``copy_all`` when it is a
         contiguous tensor of ``dtype`` and ``shape`` (host or device), else ``src`` as a tensor
         (the caller copies it in). Returns the tensor, once copied."""
-        if (
-            target.dtype == dtype
-            and tuple(target.shape) == tuple(shape)
-            and target.is_contiguous()
-            and target.device.type != "meta"
-            and not (target.is_conj() or target.is_neg())
-        ):
+        if fits_in_place(target, dtype, shape):
             self.copies.append((target, src))
             return lambda: target
         return lambda: as_tensor(src, dtype, shape)
@@ -160,3 +154,14 @@ def _to_device(flat: torch.Tensor, src: memoryview) -> None:
     for event in done:
         if event is not None:
             event.synchronize()
+
+
+def fits_in_place(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """``t`` takes bytes of ``dtype`` and ``shape`` by a plain copy into its own storage."""
+    return (
+        t.dtype == dtype
+        and tuple(t.shape) == tuple(shape)
+        and t.is_contiguous()
+        and t.device.type != "meta"
+        and not (t.is_conj() or t.is_neg())
+    )
