@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks as one command (issue 26): the CUDA tests, overhead.py --device cuda with 8 GiB
-# of state, training_loop.py --device cuda. Every result lands in one folder, at most 7 files:
-#   suite.log  steps.tsv  env.txt  junit_cuda.xml  overhead.json  training_loop.json  summary.md
+# The GPU checks as one command (issues 26, 34, 37): the CUDA tests, overhead.py --device cuda
+# with 8 GiB of state, training_loop.py --device cuda (required), then restore.py --device cuda
+# (hot and cold loads into CUDA targets, 1 GiB) and differential.py --device cuda (RL and LoRA
+# states, small) (not required: a miss is a finding). Every result lands in one folder, at most
+# 8 files (what the device tool brings back):
+#   suite.log  steps.tsv  junit_cuda.xml  overhead.json  training_loop.json  restore.json
+#   differential.json  summary.md            (the machine's probe: in summary.md and suite.log)
 #
 #   bash benchmarks/gpu_suite.sh [--dry-run] [--out DIR] [--scratch DIR] [--size-gb N]
 #                                [--budget SECONDS]
 #
 # On a lent GPU machine (device tool): run `bash benchmarks/fetch_gpu_wheels.sh` here first,
 # then run there, carrying .whl:   bash benchmarks/gpu_suite.sh      (results: $OUT)
-# --dry-run runs the same steps on this CPU with tiny sizes (~1-2 minutes; a smoke test runs it).
+# --dry-run runs the same steps on this CPU with tiny sizes (~3-5 minutes; a smoke test runs it).
+# The GPU image runs torch 2.11: dry-run under it too (PYTHON=/path/to/venv-torch-2.11/python).
 #
 # Nothing is skipped silently: each step's status (ok, FAILED, TIMEOUT, SKIPPED) and reason is
 # in steps.tsv and summary.md, with every test's outcome and skip reason. Exit code 1 if a
@@ -29,7 +34,7 @@ while [ $# -gt 0 ]; do
     --scratch) SCRATCH=$2; shift ;;
     --size-gb) SIZE_GB=$2; shift ;;
     --budget) BUDGET=$2; shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -41,12 +46,17 @@ fi
 OWN_SCRATCH=0
 [ -z "$SCRATCH" ] && OWN_SCRATCH=1 && SCRATCH=$ROOT/benchmarks/.scratch/gpu_suite
 # The whole run must end inside the device tool's 10-minute limit per command.
-BUDGET=${BUDGET:-$([ "$DRY" = 1 ] && echo 300 || echo 540)}
+# GPU: 480 s, so that the machine's start and the transfers fit in a 15-minute lease too.
+BUDGET=${BUDGET:-$([ "$DRY" = 1 ] && echo 420 || echo 480)}
 SIZE_GB=${SIZE_GB:-$([ "$DRY" = 1 ] && echo 0.0625 || echo 8)}
 PY=${PYTHON:-python3}
 mkdir -p "$RES" "$SCRATCH"
 RES=$(cd "$RES" && pwd)
-rm -f "$RES"/{suite.log,steps.tsv,env.txt,junit_cuda.xml,overhead.json,training_loop.json,summary.md}
+rm -f "$RES"/{suite.log,steps.tsv,env.txt,junit_cuda.xml,overhead.json,training_loop.json} \
+  "$RES"/{restore.json,differential.json,summary.md}
+# The probe's env.txt stays out of the results (8 files at most come back): summary.md has it.
+WORK=$(mktemp -d)
+ENV_TXT=$WORK/env.txt
 exec > >(tee -a "$RES/suite.log") 2>&1
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
@@ -105,7 +115,8 @@ setup() {
   "$PY" - <<'EOF'
 import importlib, sys
 missing = []
-for mod in ("torch", "anyio", "numpy", "psutil", "rich", "crc32c", "pytest", "hypothesis"):
+for mod in ("torch", "anyio", "numpy", "psutil", "rich", "crc32c", "xxhash", "pytest",
+            "hypothesis"):
     try:
         importlib.import_module(mod)
     except ImportError as e:
@@ -118,7 +129,7 @@ EOF
 }
 # The tree's package first, whatever pip did.
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-if run_step setup yes 90 bash -c "$(declare -f setup); DRY=$DRY PY=$PY ROOT=$ROOT setup"; then
+if run_step setup yes 60 bash -c "$(declare -f setup); DRY=$DRY PY=$PY ROOT=$ROOT setup"; then
   if [ "$STEP_RC" = 0 ]; then record setup ok 0 "$STEP_S" yes ""
   else record setup FAILED "$STEP_RC" "$STEP_S" yes "a dependency or the package does not import"; fi
 fi
@@ -146,9 +157,9 @@ EOF
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   return 0
 }
-if run_step env yes 60 bash -c "$(declare -f probe); PY=$PY SCRATCH=$SCRATCH probe >'$RES/env.txt' 2>&1"; then
-  cat "$RES/env.txt"
-  if grep -q "cuda available True" "$RES/env.txt"; then CUDA=1; fi
+if run_step env yes 30 bash -c "$(declare -f probe); PY=$PY SCRATCH=$SCRATCH probe >'$ENV_TXT' 2>&1"; then
+  cat "$ENV_TXT"
+  if grep -q "cuda available True" "$ENV_TXT"; then CUDA=1; fi
   if [ "$STEP_RC" != 0 ]; then record env FAILED "$STEP_RC" "$STEP_S" yes "the probe failed"
   elif [ "$DRY" = 1 ]; then record env ok 0 "$STEP_S" yes "dry run: CPU (cuda available: $CUDA)"
   elif [ "$CUDA" = 1 ]; then record env ok 0 "$STEP_S" yes ""
@@ -216,7 +227,7 @@ if [ "$fit" != "$SIZE_GB" ]; then
 fi
 if [ "$DRY" = 0 ] && [ "$CUDA" = 0 ]; then
   record overhead SKIPPED - 0 yes "no CUDA device"
-elif run_step overhead yes 270 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
+elif run_step overhead yes 170 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
   "${OVERHEAD_ARGS[@]}" --keep-last 1 --no-paired-raw --no-plot --dir "$SCRATCH" --out "$RES"; then
   if [ "$STEP_RC" != 0 ]; then record overhead FAILED "$STEP_RC" "$STEP_S" yes "$SIZE_NOTE"
   elif ! json_ok "$RES/overhead.json"; then record overhead FAILED 0 "$STEP_S" yes "no valid overhead.json"
@@ -226,14 +237,49 @@ fi
 # ---------------------------------------------------------------- 5. training loop
 if [ "$DRY" = 0 ] && [ "$CUDA" = 0 ]; then
   record training_loop SKIPPED - 0 yes "no CUDA device"
-elif run_step training_loop yes 200 "$PY" benchmarks/training_loop.py --device "$DEV" \
+elif run_step training_loop yes 110 "$PY" benchmarks/training_loop.py --device "$DEV" \
   "${TRAIN_ARGS[@]}" --methods none,asyncckpt,none:again --no-plot --dir "$SCRATCH" --out "$RES"; then
   if [ "$STEP_RC" != 0 ]; then record training_loop FAILED "$STEP_RC" "$STEP_S" yes ""
   elif ! json_ok "$RES/training_loop.json"; then record training_loop FAILED 0 "$STEP_S" yes "no valid training_loop.json"
   else record training_loop ok 0 "$STEP_S" yes ""; fi
 fi
 
+# ---------------------------------------------------------------- 6. restore (issue 34)
+# Not required: a miss (time, a target) is a finding. Hot resume (a SIGKILLed trainer's memory
+# save, taken by a new process) and cold loads into CUDA targets, vs dcp.load and a raw read.
+if [ "$DRY" = 1 ]; then
+  RESTORE_ARGS=(--size-mb 16 --tensors 8 --repeats 1 --threads 1)
+  DIFF_ARGS=(--policy-mb 2 --frozen-mb 14 --repeats 1 --saves 3 --threads 1)
+else
+  RESTORE_ARGS=(--size-mb 1024 --tensors 64 --repeats 2)
+  DIFF_ARGS=(--policy-mb 16 --frozen-mb 112 --repeats 1 --saves 3)
+fi
+# optional_step NAME LIMIT JSON CMD...: a step whose miss is a finding (required=no).
+optional_step() {
+  local name=$1 want=$2 json=$3
+  shift 3
+  if [ "$DRY" = 0 ] && [ "$CUDA" = 0 ]; then
+    record "$name" SKIPPED - 0 no "no CUDA device"
+  elif run_step "$name" no "$want" "$@"; then
+    if [ "$STEP_RC" != 0 ]; then record "$name" FAILED "$STEP_RC" "$STEP_S" no ""
+    elif ! "$PY" -c 'import json,sys; json.load(open(sys.argv[1]))' "$json" 2>/dev/null; then
+      record "$name" FAILED 0 "$STEP_S" no "no valid $(basename "$json")"
+    else record "$name" ok 0 "$STEP_S" no ""; fi
+  fi
+}
+optional_step restore 110 "$RES/restore.json" "$PY" benchmarks/restore.py --device "$DEV" \
+  "${RESTORE_ARGS[@]}" --no-plot --dir "$SCRATCH" --out "$RES"
+
+# ---------------------------------------------------------------- 7. differential (issue 37)
+# RL (a trained policy beside a frozen reference) and LoRA (a frozen base with adapters): the
+# trainer-side fingerprint on the device decides what is not copied.
+optional_step differential 70 "$RES/differential.json" "$PY" benchmarks/differential.py \
+  --device "$DEV" --states rl,lora "${DIFF_ARGS[@]}" --no-plot --dir "$SCRATCH" --out "$RES"
+
 # The benchmarks delete their checkpoints; the folder goes too when it is the suite's own.
 [ "$OWN_SCRATCH" = 1 ] && rm -rf "$SCRATCH"
 say "summary ($(($(date +%s) - START)) s in all)"
-"$PY" benchmarks/gpu_summary.py "$RES"
+"$PY" benchmarks/gpu_summary.py "$RES" --env "$ENV_TXT"
+rc=$?
+rm -rf "$WORK"
+exit "$rc"

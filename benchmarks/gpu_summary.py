@@ -1,17 +1,20 @@
 """summary.md for benchmarks/gpu_suite.sh: every step with its status, every test with its
 outcome (a skip with its reason), and the benchmarks' targets, from the files in one folder.
 
-    python benchmarks/gpu_summary.py RESULTS_DIR
+    python benchmarks/gpu_summary.py RESULTS_DIR [--env ENV_TXT]
 
-Reads ``steps.tsv`` (one line per step: name, status, exit code, seconds, note), the pytest
-junit XML, ``overhead.json`` and ``training_loop.json``; writes ``summary.md`` and prints it.
-Exits 1 if a required step did not pass (the suite's exit code).
+Reads ``steps.tsv`` (one line per step: name, status, exit code, seconds, required, note), the
+pytest junit XML, ``overhead.json``, ``training_loop.json``, ``restore.json`` and
+``differential.json``, and the machine's probe (``--env``, else ``RESULTS_DIR/env.txt``);
+writes ``summary.md`` and prints it. Every target missed says ``NOT MET``. Exits 1 if a
+required step did not pass (the suite's exit code); a step with required=no that failed is a
+finding listed as such, not a failure.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -69,7 +72,7 @@ def targets_rows(rep: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, t in rep.get("targets", {}).items():
         if "target" in t:
-            rows.append((name, t["target"], fmt(t["measured"]), "yes" if t["met"] else "NOT MET"))
+            rows.append((name, t["target"], fmt(t["measured"]), met(t["met"])))
         else:  # training_loop: per method
             for k, v in t.items():
                 rows.append(
@@ -77,15 +80,77 @@ def targets_rows(rep: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                         f"{name} {k}",
                         v["target"],
                         fmt(v["measured"]),
-                        "yes" if v["met"] else "NOT MET",
+                        met(v["met"]),
                     )
                 )
     return rows
 
 
-def main(out: Path) -> int:
+def met(ok: bool) -> str:
+    return "yes" if ok else "NOT MET"
+
+
+def restore_lines(rep: dict[str, Any]) -> list[str]:
+    """Hot and cold loads: each ratio within a round (median over rounds)."""
+    lines = []
+    for mode in ("cold", "warm"):
+        r = rep.get(mode)
+        if r:
+            lines.append(
+                f"- {mode}: load_latest {fmt(r['asyncckpt_vs_dcp_load']['median'])}x dcp.load, "
+                f"{fmt(r['asyncckpt_vs_raw_read']['median'])}x a raw read; GB/s "
+                + fmt({k: v for k, v in r["gb_per_s"].items()})
+            )
+    res = rep.get("resume", {})
+    if "hot_vs_cold_dcp_load" in res:
+        lines.append(
+            f"- resume in a new process after SIGKILL: hot {fmt(res['hot_vs_cold_dcp_load']['median'])}x"
+            f" a cold dcp.load, from disk {fmt(res['disk_vs_cold_dcp_load']['median'])}x; "
+            f"bit for bit: {res['bit_for_bit']}; sources: "
+            + ", ".join(sorted({f"{r['name']}={r['source']}" for r in res.get("runs", [])}))
+        )
+        if not res["bit_for_bit"]:
+            lines.append("- NOT MET: a resume did not restore the state bit for bit")
+    else:
+        lines.append(f"- resume: {fmt(res)}")
+    return lines
+
+
+def differential_lines(rep: dict[str, Any]) -> list[str]:
+    """Per state: what step 2 added to the disk, the stall and time to durable vs a full copy."""
+    lines = []
+    for name, st in rep.get("states", {}).items():
+        ms = st["methods"]
+        lines.append(
+            f"- {name} ({st['state_bytes'] / 2**20:.0f} MiB): step 2 added "
+            f"{fmt(ms['asyncckpt']['added_over_state'])}x the state; stall "
+            f"{fmt(st['stall_vs_full'])}x a full copy, {fmt(st['stall_vs_dcp_async_save'])}x "
+            f"dcp.async_save; durable {fmt(st['durable_vs_full'])}x full; memory save stall "
+            f"{fmt(st['memory_stall_vs_full'])}x full; not copied "
+            f"{fmt(ms['asyncckpt']['copy_skipped_bytes'] / 2**20)} MiB, device fingerprint "
+            f"{fmt(ms['asyncckpt']['copy_fingerprint_s'])} s"
+        )
+    return lines
+
+
+def differential_targets(rep: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    t = rep.get("target")
+    if t:
+        rows.append(
+            ("rl: step 2 added / state", f"<= {t['target']}", fmt(t["step_2_added_over_state"]),
+             met(t["met"]))
+        )  # fmt: skip
+    for name, st in rep.get("states", {}).items():
+        # An unchanged frozen part is neither copied nor written: the save stalls less.
+        rows.append((f"{name}: stall vs full copy", "< 1.0", fmt(st["stall_vs_full"]),
+                     met(st["stall_vs_full"] < 1.0)))  # fmt: skip
+    return rows
+
+
+def main(out: Path, env: Path | None = None) -> int:
     lines = ["# GPU suite", ""]
-    env = out / "env.txt"
+    env = env if env is not None else out / "env.txt"
     steps = read_steps(out / "steps.tsv")
     lines += ["## Steps", "", "| step | status | exit code | seconds | required | note |"]
     lines += ["|---|---|---:|---:|---|---|"]
@@ -95,7 +160,13 @@ def main(out: Path) -> int:
             f"| {s['note']} |"
         )
     failed_required = [s["name"] for s in steps if s["required"] == "yes" and s["status"] != "ok"]
+    findings = [s["name"] for s in steps if s["required"] != "yes" and s["status"] != "ok"]
     lines.append("")
+    if findings:
+        lines.append(
+            "Findings (steps not required, not ok): " + ", ".join(f"{n} NOT MET" for n in findings)
+        )
+        lines.append("")
     lines.append(
         "Result: **FAILED** (required steps not ok: " + ", ".join(failed_required) + ")"
         if failed_required
@@ -146,6 +217,25 @@ def main(out: Path) -> int:
         lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
         for row in targets_rows(rep):
             lines.append("| " + " | ".join(row) + " |")
+    for name, describe, rows in (
+        ("restore", restore_lines, targets_rows),
+        ("differential", differential_lines, differential_targets),
+    ):
+        path = out / f"{name}.json"
+        lines += ["", f"## {name}", ""]
+        if not path.exists():
+            lines.append(f"no {path.name}: the step did not finish (see suite.log)")
+            continue
+        rep = json.loads(path.read_text())
+        e = rep.get("environment", {})
+        lines.append(
+            f"device {e.get('device')} ({e.get('gpu', 'no GPU')}), torch {e.get('torch')}"
+            + (f", {rep['bytes'] / 2**30:.2f} GiB" if "bytes" in rep else "")
+        )
+        lines += describe(rep)
+        lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+        for row in rows(rep):
+            lines.append("| " + " | ".join(row) + " |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     print(text)
@@ -153,6 +243,8 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/gpu_summary.py RESULTS_DIR")
-    sys.exit(main(Path(sys.argv[1])))
+    p = argparse.ArgumentParser(description="summary.md for benchmarks/gpu_suite.sh")
+    p.add_argument("results", type=Path)
+    p.add_argument("--env", type=Path, help="the machine's probe (default RESULTS/env.txt)")
+    a = p.parse_args()
+    raise SystemExit(main(a.results, a.env))

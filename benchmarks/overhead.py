@@ -162,6 +162,23 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def stager_stages_twice() -> bool:
+    """Whether one DCP ``DefaultStager`` can stage more than once. torch 2.11's closes its
+    state-dict stager after every ``stage`` (its deepcopy table cleared, its cached buffers
+    dropped): a second ``stage`` fails with ``KeyError: <class 'type'>``; 2.13's does not."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"t": torch.zeros(2), "o": {"betas": (0.9, 0.99)}})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
 def run_dcp_async(
     executor: str, stager_kind: str, state: dict, root: Path, saves: int, ref, args
 ) -> dict:
@@ -173,19 +190,29 @@ def run_dcp_async(
     if executor == "process":
         C.ensure_single_rank_group(args.dir)
     stager = None
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=stager_kind == "shm",
+        use_async_staging=False,
+        use_non_blocking_copy=cuda,
+    )
+    reuse = stager_kind != "default" and stager_stages_twice()
     if stager_kind != "default":
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=stager_kind == "shm",
-                use_async_staging=False,
-                use_non_blocking_copy=cuda,
-            )
-        )
+        stager = DefaultStager(options)
     typ = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
     out = _new_record()
+    if stager_kind != "default":
+        out["stager_reused"] = reuse
+        if not reuse:
+            print(
+                f"[dcp.async_save:{executor}] torch {torch.__version__}: a DefaultStager stages "
+                "once (closed after each stage): a new stager per save, nothing reused"
+            )
     try:
         for i in range(saves):
+            if stager is not None and not reuse and i > 0:
+                stager.close()
+                stager = DefaultStager(options)
             C.bump_state(state, i)
             _pre_save(out, ref, root, args)
             d = root / f"step{i}"
@@ -414,7 +441,7 @@ def build_report(args, rank, nbytes, ntensors, par, one, raw_all, results) -> di
             "ratio_throughput_vs_raw_write": C.ratio(C.med(tput), nbytes / raw_med),
             "ratio_throughput_vs_paired_raw_write": C.med(paired_tput),
         }
-        for k in ("prepare_seconds", "staged_bytes", "engine_stats", "arenas"):
+        for k in ("prepare_seconds", "staged_bytes", "engine_stats", "arenas", "stager_reused"):
             if k in r:
                 entry[k] = r[k]
         if "staged_bytes" in r:

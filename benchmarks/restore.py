@@ -122,7 +122,7 @@ sys.path.insert(0, sys.argv[1])
 import restore as R
 from asyncckpt import MemoryTier, SyncCheckpointEngine
 root, size, tensors, hold = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-state = R.make_state(size, tensors)
+state = R.make_state(size, tensors, sys.argv[6])
 engine = SyncCheckpointEngine(root, keep=None, memory=MemoryTier(hold_seconds=hold))
 engine.__enter__()  # never left
 engine.save(1, state, tier="memory")
@@ -135,20 +135,22 @@ import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 import restore as R
 from asyncckpt import SyncCheckpointEngine
-root, size, tensors = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-target = R.blank_like(R.make_state(size, tensors))
+root, size, tensors, device = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+target = R.blank_like(R.make_state(size, tensors, device))
 t0 = time.perf_counter()
 engine = SyncCheckpointEngine(root, keep=None)
 # Before start(): a step the dead trainer's worker offers while committing it is taken
 # without waiting for that commit; start() then waits for it and checks it committed.
 step = engine.load_latest(target)
+if device == "cuda":
+    torch.cuda.synchronize()
 seconds = time.perf_counter() - t0
 report = engine.last_load_report
 t1 = time.perf_counter()
 engine.__enter__()
 started = time.perf_counter() - t1
 engine.__exit__(None, None, None)
-want = R.make_state(size, tensors)["model"]
+want = R.make_state(size, tensors, device)["model"]
 same = all(torch.equal(target["model"][k], v) for k, v in want.items())
 print(json.dumps({"seconds": seconds, "start_seconds": started, "step": step,
                   "source": report.source,
@@ -156,9 +158,11 @@ print(json.dumps({"seconds": seconds, "start_seconds": started, "step": step,
 """
 
 
-def resume_round(base: Path, size: int, tensors: int, hold: float) -> tuple[dict, Path]:
-    """A trainer killed after a memory save, then a new process's resume; its figures and
-    the step's directory."""
+def resume_round(
+    base: Path, size: int, tensors: int, hold: float, device: str = "cpu"
+) -> tuple[dict, Path]:
+    """A trainer killed after a memory save, then a new process's resume (its state and
+    target on ``device``); its figures and the step's directory."""
     import json
     import subprocess
 
@@ -174,7 +178,8 @@ def resume_round(base: Path, size: int, tensors: int, hold: float) -> tuple[dict
     base.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as fh:  # a file: the orphaned worker inherits it
         code = subprocess.call(
-            [sys.executable, "-c", TRAINER, here, str(root), str(size), str(tensors), str(hold)],
+            [sys.executable, "-c", TRAINER, here, str(root), str(size), str(tensors), str(hold)]
+            + [device],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,
@@ -182,7 +187,7 @@ def resume_round(base: Path, size: int, tensors: int, hold: float) -> tuple[dict
     if code != -9:
         raise SystemExit(f"the trainer of a resume round ended with {code}: {out.read_text()}")
     got = subprocess.run(
-        [sys.executable, "-c", LOADER, here, str(root), str(size), str(tensors)],
+        [sys.executable, "-c", LOADER, here, str(root), str(size), str(tensors), device],
         capture_output=True,
         text=True,
         env=env,
@@ -200,7 +205,7 @@ def resume_rounds(base: Path, args: Any, target: dict[str, Any], dcp_load: Calla
     runs = []
     for _ in range(args.repeats):
         for name, hold in (("hot", 60.0), ("disk", 0.0)):
-            run, directory = resume_round(base, size, args.tensors, hold)
+            run, directory = resume_round(base, size, args.tensors, hold, args.device)
             files = checkpoint_files(directory)
             drop_page_cache(files)
             t0 = time.perf_counter()
@@ -299,15 +304,13 @@ def main() -> None:
                     times[mode][name].append(time.perf_counter() - t0)
     if args.no_resume:
         resume: dict[str, Any] = {"not measured": "--no-resume"}
-    elif device == "cpu":  # (a CUDA trainer's resume is not timed here yet)
+    else:  # on CUDA: the dead trainer's state and the new process's target on the device
         resume = resume_rounds(
             base,
             args,
             target,
-            lambda t, d: dcp.load(t, checkpoint_id=str(d), no_dist=True),
+            lambda t, d: (dcp.load(t, checkpoint_id=str(d), no_dist=True), sync()),
         )
-    else:
-        resume = {"not measured": f"the resume rounds run on CPU only, not {device}"}
     C.rmtree(base)
 
     def ratios(mode: str, a: str, b: str) -> list[float]:

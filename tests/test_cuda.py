@@ -404,3 +404,189 @@ def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
             assert same_bytes(target["model"][k], w[k]), (step, k)
     assert stats[3].copy_skipped_bytes == 4 << 20  # fingerprinted on the GPU, not copied
     assert stats[4].copy_skipped_bytes == 3 << 20  # the changed one copied
+
+
+# ------------------------------------------- loads into CUDA targets (issue 34): hot and cold
+# Written on a machine with no GPU: these run in the GPU suite. Each path copies host bytes into
+# the device through reused pinned buffers, which no CPU test reaches.
+
+
+def test_cuda_hot_load_through_the_pinned_bounce_is_bit_for_bit():
+    """An offer's memory into CUDA targets (hot_load._copy_all -> hotread._to_device): a tensor
+    of 2.5 bounce buffers (both buffers reused, a partial last piece), small ones and a CPU
+    tensor beside them; then a flipped bit in a device tensor's memory declines before any
+    byte went into the device (its target untouched)."""
+    from test_hot_resume import offered
+
+    from asyncckpt.formats.hotread import BOUNCE_BYTES, HotDeclined
+    from asyncckpt.hot_load import HotSpoiled, load_offered
+
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(BOUNCE_BYTES * 5 // 2 // 4 + 3, generator=g),
+        "bf16": torch.randn(1000, generator=g).bfloat16(),
+        "ids": torch.arange(77) * 3,
+        "cpu": torch.randn(100, generator=g),
+        "meta": {"lr": 0.5},
+    }
+    offer, memory = offered(state)
+    target: dict[str, Any] = {
+        k: torch.zeros_like(v, device="cpu" if k == "cpu" else "cuda")
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    }
+    target["meta"] = {}
+    load_offered(target, offer, memory, strict=True)
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert target[k].device.type == ("cpu" if k == "cpu" else "cuda"), k
+            assert same_bytes(target[k].cpu(), v), k
+    assert target["meta"] == {"lr": 0.5}
+
+    memory["big"][BOUNCE_BYTES + 12345] ^= 0x10  # in the second bounce buffer's piece
+    fresh = {k: torch.zeros_like(v) for k, v in target.items() if isinstance(v, torch.Tensor)}
+    fresh["meta"] = {}
+    with pytest.raises(HotDeclined, match=r"did not match the checksums offered: \['big'\]") as e:
+        load_offered(fresh, offer, memory, strict=True)
+    assert not isinstance(e.value, HotSpoiled)  # a device target is checked before any copy
+    assert not fresh["big"].any() and fresh["meta"] == {}
+
+
+HOT_TRAINER = """
+import json, os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from test_cuda import dying_state
+from asyncckpt import MemoryTier, SyncCheckpointEngine
+engine = SyncCheckpointEngine(sys.argv[1], keep=None, memory=MemoryTier(hold_seconds=60))
+engine.__enter__()  # never left: the trainer dies inside
+state = dying_state(2, "cuda")
+engine.save(2, state, tier="memory")
+print(json.dumps({"worker": engine.worker_pid}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_cuda_hot_resume_into_cuda_targets_after_the_trainers_sigkill(tmp_path):
+    """A CUDA trainer's memory save, the trainer SIGKILLed: a new engine takes the step from
+    the surviving worker's memory (no file read) into CUDA targets, bit for bit."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from test_flush_on_death import wait_gone
+
+    from asyncckpt import SyncCheckpointEngine
+
+    script = tmp_path / "trainer.py"
+    script.write_text(HOT_TRAINER)
+    root = tmp_path / "r"
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        args = [sys.executable, str(script), str(root), str(Path(__file__).parent)]
+        proc = subprocess.run(args, stdout=out, stderr=err, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "err").read_text()[-3000:]
+    worker = json.loads((tmp_path / "out").read_text().splitlines()[0])["worker"]
+    want = dying_state(2, "cuda")
+    target = zeros_like_state(want)
+    with SyncCheckpointEngine(root, keep=None) as engine:
+        assert engine.load_latest(target) == 2
+        report = engine.last_load_report
+    assert report.source == "memory", report.source_reason
+    bad = [k for k in want if not same_bytes(target[k], want[k])]
+    assert not bad, bad
+    wait_gone(worker, 60)  # taken: the worker that held it is gone
+
+
+def cold_state(step: int) -> dict[str, Any]:
+    """Tensors read in place (16 MiB each: several pinned-buffer batches), an odd-sized one,
+    a small one and an object, on the CPU (saved) or as CUDA targets."""
+    g = torch.Generator().manual_seed(step)
+    model = {f"w{i}": torch.randn(4096, 1024, generator=g) for i in range(3)}
+    model["odd"] = torch.randn(1_000_003, generator=g).bfloat16()
+    model["small"] = torch.randn(5, generator=g)
+    return {"model": model, "step": step}
+
+
+def cuda_target(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {k: torch.zeros_like(v, device="cuda") for k, v in state["model"].items()}}
+
+
+def test_cuda_cold_load_into_cuda_targets_through_pinned_buffers(tmp_path):
+    """A verified load from disk into CUDA targets (wholefiles: each thread's pinned buffer,
+    then a copy across), bit for bit; with a fresh engine, as a resume makes it."""
+    from asyncckpt import SyncCheckpointEngine
+
+    with SyncCheckpointEngine(tmp_path) as engine:
+        for step in (1, 2):
+            engine.save(step, cold_state(step)).committed_sync()
+    for step in (2, 1):
+        target = cuda_target(cold_state(step))
+        target["step"] = -1
+        assert SyncCheckpointEngine(tmp_path).load(target, step=step) == step
+        want = cold_state(step)
+        bad = [k for k, v in want["model"].items() if not same_bytes(target["model"][k].cpu(), v)]
+        assert not bad and all(t.is_cuda for t in target["model"].values()), bad
+        assert target["step"] == step
+
+
+def test_cuda_cold_load_damage_changes_nothing_of_a_cuda_target(tmp_path):
+    """Invariant 11 with CUDA targets: damage in a large tensor's bytes, nothing older to fall
+    back to: the load raises and no byte went into the device."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import CorruptCheckpoint, SyncCheckpointEngine
+
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, cold_state(1)).committed_sync()
+    directory = next(tmp_path.glob("global_step_*"))
+    path = max(directory.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    where = dcp.FileSystemReader(str(directory)).read_metadata().storage_data
+    info = next(i for index, i in where.items() if index.fqn == "model.w2")
+    with open(path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([b[0] ^ 1]))
+    target = cuda_target(cold_state(1))
+    target["step"] = -1
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        SyncCheckpointEngine(tmp_path).load(target, step=1)
+    assert target["step"] == -1
+    assert [k for k, t in target["model"].items() if t.any()] == []
+
+
+def test_cuda_chunked_staging_from_cuda_loads_bit_for_bit(tmp_path):
+    """A CUDA state over ``Staging(max_host_bytes=)``: staged in chunks from the device (one
+    tensor larger than a chunk: copied in slices), the pinned chunk buffers reused by the next
+    save; each step loads back to CUDA bit for bit, also with plain ``dcp.load``; an update
+    queued right after ``save`` returns is not in it."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import Staging, SyncCheckpointEngine
+
+    def state_at(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(step)
+        return {
+            "emb": torch.randn(2048, 1024, device="cuda", generator=g),  # 8 MiB > a chunk
+            "w": torch.randn(512, 512, device="cuda", generator=g).bfloat16(),
+            "b": torch.randn(7, device="cuda", generator=g),
+            "cpu": torch.randn(1000, generator=torch.Generator().manual_seed(step)),
+        }
+
+    root = tmp_path / "r"
+    with SyncCheckpointEngine(root, staging=Staging(max_host_bytes=4 << 20)) as engine:
+        state = state_at(1)
+        stats = {}
+        for step in (1, 2):
+            state = {k: v.copy_(state_at(step)[k]) for k, v in state.items()}
+            stats[step] = engine.save(step, state).committed_sync(120)
+            state["emb"].add_(1.0)  # after save returned: not in it
+        assert stats[1].chunks >= 3 and stats[2].chunks == stats[1].chunks
+    for step in (1, 2):
+        want = state_at(step)
+        target = zeros_like_state(want)
+        assert SyncCheckpointEngine(root).load(target, step=step) == step
+        assert all(same_bytes(target[k], v) for k, v in want.items()), step
+        plain = zeros_like_state(want)
+        dcp.load(plain, checkpoint_id=str(root / f"global_step_{step}"), no_dist=True)
+        assert all(same_bytes(plain[k], v) for k, v in want.items()), step

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["setup", "env", "tests", "overhead", "training_loop"]
+STEPS = ["setup", "env", "tests", "overhead", "training_loop", "restore", "differential"]
 
 # It runs two benchmarks: alone, after the parallel run (see tests/test_benchmarks.py).
 pytestmark = pytest.mark.serial
@@ -37,10 +37,11 @@ def test_gpu_suite_dry_run(tmp_path):
     assert names == {
         "suite.log",
         "steps.tsv",
-        "env.txt",
         "junit_cuda.xml",
         "overhead.json",
         "training_loop.json",
+        "restore.json",
+        "differential.json",
         "summary.md",
     }, names
 
@@ -51,6 +52,9 @@ def test_gpu_suite_dry_run(tmp_path):
     for name in STEPS:
         assert f"| {name} | ok |" in summary, name
     assert "Result: every required step ok" in summary
+    assert "## Machine" in summary and "cuda available False" in summary  # the probe, kept
+    # The new benchmarks are not required (a miss is a finding) and are reported.
+    assert [s[4] for s in steps] == ["yes"] * 5 + ["no"] * 2
 
     # Every CUDA test is listed, and on this CPU each skip says why.
     cases = list(ET.parse(res / "junit_cuda.xml").getroot().iter("testcase"))
@@ -74,5 +78,47 @@ def test_gpu_suite_dry_run(tmp_path):
     assert set(loop["methods"]) == {"none", "asyncckpt", "none:again"}
     assert loop["methods"]["asyncckpt"]["saves"] == 2
     assert "overhead_pct" in loop["targets"]["asyncckpt"]
+    rest = json.loads((res / "restore.json").read_text())
+    assert rest["device"] == "cpu" and rest["bytes"] <= 20 << 20
+    assert rest["resume"]["bit_for_bit"] is True  # the hot and disk resume rounds ran
+    assert {r["name"] for r in rest["resume"]["runs"]} == {"hot", "disk"}
+    assert "- cold: load_latest" in summary and "- warm: load_latest" in summary
+    assert "resume in a new process after SIGKILL: hot" in summary
+    diff = json.loads((res / "differential.json").read_text())
+    assert set(diff["states"]) == {"rl", "lora"}
+    assert "rl: step 2 added / state" in summary and "lora: stall vs full copy" in summary
+
     # The scratch checkpoints are gone.
     assert not list((tmp_path / "scratch").rglob("*.distcp"))
+
+
+def test_overhead_dcp_methods_survive_a_stager_that_stages_once(tmp_path, monkeypatch):
+    """torch 2.11 (the GPU image's) closes a DefaultStager's state-dict stager after each stage,
+    so a reused stager's second save failed (``KeyError: <class 'type'>``, seen in the dry run
+    under 2.11): the overhead step would have failed on the GPU. Here 2.11's behaviour is
+    imposed on whatever torch runs: the benchmark says it made a new stager per save."""
+    import argparse
+
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common as C
+    import overhead
+
+    real = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kw):  # as torch 2.11's DefaultStager._stage
+        out = real(self, state_dict, **kw)
+        self._state_dict_stager.close()
+        return out
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+    state = C.make_state(1 << 20)
+    ref = C.CopyReference(C.state_tensors(state))
+    args = argparse.Namespace(device="cpu", paired_raw=False)
+    try:
+        out = overhead.run_dcp_async("thread", "reused", state, tmp_path / "r", 3, ref, args)
+    finally:
+        ref.close()
+    assert len(out["stalls"]) == 3 and out["stager_reused"] is False
+    assert overhead.stager_stages_twice() is False
