@@ -160,12 +160,14 @@ def main(out: Path, env: Path | None = None) -> int:
             f"| {s['note']} |"
         )
     failed_required = [s["name"] for s in steps if s["required"] == "yes" and s["status"] != "ok"]
-    findings = [s["name"] for s in steps if s["required"] != "yes" and s["status"] != "ok"]
+    findings = [
+        f"{s['name']} {s['status']}"
+        for s in steps
+        if s["required"] != "yes" and s["status"] != "ok"
+    ]
     lines.append("")
     if findings:
-        lines.append(
-            "Findings (steps not required, not ok): " + ", ".join(f"{n} NOT MET" for n in findings)
-        )
+        lines.append("Findings (steps not required, not ok): " + ", ".join(findings))
         lines.append("")
     lines.append(
         "Result: **FAILED** (required steps not ok: " + ", ".join(failed_required) + ")"
@@ -206,6 +208,12 @@ def main(out: Path, env: Path | None = None) -> int:
                     f"{fmt(x['stall_first_seconds'])} s, commit median "
                     f"{fmt(x['commit_seconds']['median'])} s"
                     + (f", prepare {fmt(x['prepare_seconds'])} s" if "prepare_seconds" in x else "")
+                    # torch 2.11's DefaultStager stages once: a new one per save there.
+                    + (
+                        ", stager NOT reused (this torch)"
+                        if x.get("stager_reused") is False
+                        else ""
+                    )
                 )
         else:
             for m, x in rep.get("methods", {}).items():

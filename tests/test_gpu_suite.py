@@ -28,7 +28,7 @@ def test_gpu_suite_dry_run(tmp_path):
         env.pop(var, None)
     cmd = ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run"]
     cmd += ["--out", str(res), "--scratch", str(tmp_path / "scratch")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     out = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, out
 
