@@ -424,7 +424,7 @@ def test_cuda_hot_load_through_the_pinned_bounce_is_bit_for_bit():
     g = torch.Generator().manual_seed(5)
     state = {
         "big": torch.randn(BOUNCE_BYTES * 5 // 2 // 4 + 3, generator=g),
-        "bf16": torch.randn(1000, generator=g).bfloat16(),
+        "fp16": torch.randn(1000, generator=g).half(),  # (the helper's .numpy(): no bf16)
         "ids": torch.arange(77) * 3,
         "cpu": torch.randn(100, generator=g),
         "meta": {"lr": 0.5},
@@ -488,9 +488,13 @@ def test_cuda_hot_resume_into_cuda_targets_after_the_trainers_sigkill(tmp_path):
     worker = json.loads((tmp_path / "out").read_text().splitlines()[0])["worker"]
     want = dying_state(2, "cuda")
     target = zeros_like_state(want)
-    with SyncCheckpointEngine(root, keep=None) as engine:
-        assert engine.load_latest(target) == 2
-        report = engine.last_load_report
+    engine = SyncCheckpointEngine(root, keep=None)
+    # Before start(), as a resume makes it (restore.py's LOADER): taken while the worker
+    # commits it; start() then waits for that commit.
+    assert engine.load_latest(target) == 2
+    report = engine.last_load_report
+    with engine:
+        assert [c.step for c in engine.list_checkpoints()] == [2]
     assert report.source == "memory", report.source_reason
     bad = [k for k in want if not same_bytes(target[k], want[k])]
     assert not bad, bad
@@ -539,9 +543,9 @@ def test_cuda_cold_load_damage_changes_nothing_of_a_cuda_target(tmp_path):
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.save(1, cold_state(1)).committed_sync()
     directory = next(tmp_path.glob("global_step_*"))
-    path = max(directory.glob("*.distcp"), key=lambda p: p.stat().st_size)
     where = dcp.FileSystemReader(str(directory)).read_metadata().storage_data
     info = next(i for index, i in where.items() if index.fqn == "model.w2")
+    path = directory / info.relative_path
     with open(path, "r+b") as f:
         f.seek(info.offset + info.length // 2)
         b = f.read(1)
