@@ -228,7 +228,7 @@ if [ "$fit" != "$SIZE_GB" ]; then
 fi
 if [ "$DRY" = 0 ] && [ "$CUDA" = 0 ]; then
   record overhead SKIPPED - 0 yes "no CUDA device"
-elif run_step overhead yes 170 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
+elif run_step overhead yes 200 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
   "${OVERHEAD_ARGS[@]}" --keep-last 1 --no-paired-raw --no-plot --dir "$SCRATCH" --out "$RES"; then
   if [ "$STEP_RC" != 0 ]; then record overhead FAILED "$STEP_RC" "$STEP_S" yes "$SIZE_NOTE"
   elif ! json_ok "$RES/overhead.json"; then record overhead FAILED 0 "$STEP_S" yes "no valid overhead.json"
@@ -255,7 +255,7 @@ if [ "$DRY" = 1 ]; then
   DIFF_ARGS=(--policy-mb 2 --frozen-mb 14 --repeats 1 --saves 3 --threads 1)
   RESTORE_LIMIT=240 DIFF_LIMIT=200
 else
-  RESTORE_ARGS=(--size-mb 1024 --tensors 64 --repeats 2)
+  RESTORE_ARGS=(--size-mb 1024 --tensors 64 --repeats 1)
   DIFF_ARGS=(--policy-mb 16 --frozen-mb 112 --repeats 1 --saves 3)
   RESTORE_LIMIT=110 DIFF_LIMIT=70
 fi
