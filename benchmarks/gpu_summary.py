@@ -127,7 +127,7 @@ def differential_lines(rep: dict[str, Any]) -> list[str]:
             f"{fmt(st['stall_vs_full'])}x a full copy, {fmt(st['stall_vs_dcp_async_save'])}x "
             f"dcp.async_save; durable {fmt(st['durable_vs_full'])}x full; memory save stall "
             f"{fmt(st['memory_stall_vs_full'])}x full; not copied "
-            f"{fmt(ms['asyncckpt']['copy_skipped_bytes'] / 2**20)} MiB, device fingerprint "
+            f"{fmt(ms['asyncckpt']['copy_skipped_bytes'] / 2**20)} MiB, trainer-side fingerprint "
             f"{fmt(ms['asyncckpt']['copy_fingerprint_s'])} s"
         )
     return lines
