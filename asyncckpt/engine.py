@@ -104,13 +104,6 @@ def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
             )
             + ": use replicas=0 here"
         )
-    if opts.distributed.storage != "shared":
-        raise ValueError(
-            "memory=MemoryTier(replicas=1) recovers onto one root every node writes: "
-            'Distributed(storage="local") with replicas is not supported yet (saving across '
-            "node-local roots works; recovering a lost node from its replica there is not "
-            "built yet: docs/how-to/node-loss.md)"
-        )
     node, per = ranks.node.node_rank, ranks.node.ranks_per_node
     return ReplicaConfig(
         peer=peer_rank(ranks.rank, node, per, nodes),

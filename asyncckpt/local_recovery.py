@@ -60,18 +60,28 @@ REPLICAS_DIR = ".asyncckpt-replicas"
 CHUNK = 8 << 20
 
 
-def replica_dir(root: str | os.PathLike, layout: str, rank: int, step: int) -> Path:
-    """Where a node's root keeps its replica of ``rank``'s files of ``step``."""
-    return Path(root) / REPLICAS_DIR / f"rank{rank}" / _layout.dir_name(layout, step)
+def replica_root(root: str | os.PathLike, node: int) -> Path:
+    """Where a node's root keeps what it holds of node ``node``'s ranks: a root of its own
+    (step directories, tracker), written by the stand-ins of those ranks at the trainers'
+    death with the usual node commit (replication.stand_in_config). Per node, not per rank:
+    a node's ranks all send to the same next node, and the node commit checks every rank of
+    a node wrote into one directory."""
+    return Path(root) / REPLICAS_DIR / f"node{node}"
+
+
+def replica_dir(root: str | os.PathLike, layout: str, node: int, step: int) -> Path:
+    """Where a node's root keeps its replica of node ``node``'s directory of ``step``."""
+    return replica_root(root, node) / _layout.dir_name(layout, step)
 
 
 def held_replicas(root: str | os.PathLike, layout: str) -> dict[int, list[int]]:
-    """The replicas a node's root holds whole (a manifest in place): rank -> steps."""
+    """The replicas a node's root holds whole (committed: renamed into place with their
+    manifest): node -> steps."""
     out: dict[int, list[int]] = {}
     base = Path(root) / REPLICAS_DIR
     with contextlib.suppress(FileNotFoundError):
         for entry in sorted(os.scandir(base), key=lambda e: e.name):
-            if not (entry.name.startswith("rank") and entry.name[4:].isdigit()):
+            if not (entry.name.startswith("node") and entry.name[4:].isdigit()):
                 continue
             steps = [c.step for c in _layout.scan(entry.path, layout)]
             if steps:
@@ -158,10 +168,10 @@ class ReplicaServer:
     def _one(self, sock: socket.socket) -> None:
         with sock:
             try:
-                kind, rank, step = recv_obj(sock)
-                if kind != "get" or not isinstance(rank, int) or not isinstance(step, int):
+                kind, node, step = recv_obj(sock)
+                if kind != "get" or not isinstance(node, int) or not isinstance(step, int):
                     return  # (never a path from the wire)
-                where = replica_dir(self.root, self.layout, rank, step)
+                where = replica_dir(self.root, self.layout, node, step)
                 try:
                     manifest = read_manifest(where)
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
@@ -185,20 +195,20 @@ class ReplicaServer:
             self.listener.close()
 
 
-def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) -> dict[str, Any]:
-    """Rank ``rank``'s files of ``step`` from the peer serving them at ``address``, written
+def fetch_replica(address: tuple[str, int], node: int, step: int, into: Path) -> dict[str, Any]:
+    """Node ``node``'s files of ``step`` from the peer serving them at ``address``, written
     into the temporary ``into`` and made durable; returns their manifest, every file checked
     against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
     them, the connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
-        send_obj(sock, ("get", rank, step))
+        send_obj(sock, ("get", node, step))
         answer = recv_obj(sock)
         if answer[0] == "damaged":
             raise OSError(
-                f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
+                f"the peer's replica of node {node}'s step {step} is damaged: {answer[1]}"
             )
         if answer[0] != "manifest":
-            raise FileNotFoundError(f"no replica of rank {rank}'s step {step}: {answer[1]}")
+            raise FileNotFoundError(f"no replica of node {node}'s step {step}: {answer[1]}")
         manifest: dict[str, Any] = answer[1]
         for rel, entry in manifest.get("files", {}).items():
             path = into / rel
@@ -214,7 +224,7 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
             fsync_file(path)
     problems = check_files(into, manifest)
     if problems:
-        raise OSError(f"rank {rank}'s step {step} fetched with errors: {'; '.join(problems)}")
+        raise OSError(f"node {node}'s step {step} fetched with errors: {'; '.join(problems)}")
     fsync_dir(into)
     return manifest
 
