@@ -1,7 +1,8 @@
 """Recovery on node-local storage (``Distributed(storage="local")`` with
 ``MemoryTier(replicas=1)``): which step every rank loads, and how the ranks of a replacement
 node fetch their files from the peer that holds their replica. The design is in
-docs/how-to/node-loss.md; this module holds its two pieces that stand alone.
+docs/how-to/node-loss.md; this module holds its pieces that stand alone (local_load.py runs
+them at ``load_latest``).
 
 What a checkpoint is on node-local storage: every node's root is its own disk and holds, for
 step ``s``, a committed step directory with the files *its* ranks wrote and a manifest over
@@ -10,9 +11,11 @@ its own node's root, or from the replica of them a peer holds. (Each node's loca
 commits its node's directory of a step, node_commit.py; the engine does not use this module's
 recovery pieces yet.)
 
-Where a replica lives after the trainers died: the holder's worker persists it into *its own
-node's* root, under ``.asyncckpt-replicas/rank<r>/<step dir>/`` (files and a manifest, renamed
-into place whole; never a checkpoint of that node: no scan lists it, no pruning touches it).
+Where a replica lives after the trainers died: the holder's stand-ins for the dead node's
+ranks commit that node's directory into *the holder's own* root, under
+``.asyncckpt-replicas/node<n>/<step dir>/`` (``replica_root``: files and a manifest, renamed
+into place whole by the usual node commit; never a checkpoint of the holder's node: no scan of
+its root lists it, its pruning never touches it).
 Not served from the holder's memory: a worker lives as long as its trainer (and
 ``hold_seconds`` after it at most); the replacement node may take minutes to come, the
 holder's own trainer restarts meanwhile, and its new worker starts with empty memory. The
@@ -25,13 +28,12 @@ such step is newer than what every rank has on its own disk, that disk step, and
 says so (``LoadChoice.reason``). If no step can be had by every rank, none (the engine must
 refuse to start some ranks fresh while others resume).
 
-The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder's worker
-serves its node's replica directories over TCP (the side channel replication.py uses: its
-address in the side store); a replacement rank asks for (rank, step), receives the manifest
-and then every file it lists into a temporary of its own root, and checks every checksum
-before anything is kept. Its node's files are committed with the usual commit (manifest,
-rename, tracker) once every rank of the node fetched: a cut connection or a wrong byte leaves
-nothing committed.
+The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder node's local
+rank 0 serves its root's replica directories over TCP during the load's agreement (framing.py;
+its address in the side store); the replacement node's local rank 0 asks for (node, step),
+receives the manifest and then every file it lists into a temporary of its own root, and
+checks every checksum before anything is kept; then commits them with the usual commit
+(manifest, rename, tracker): a cut connection or a wrong byte leaves nothing committed.
 """
 
 from __future__ import annotations
@@ -253,34 +255,3 @@ def commit_fetched(
     final = root / _layout.dir_name(layout, step)
     commit_step(root, layout, step, tmp, final, manifest)
     return final
-
-
-# ------------------------------------------------------------------ the agreement at load
-
-
-class StepAgreement:
-    """The ranks' agreement on the step every rank loads (``which_step_to_load``) on
-    node-local roots of several nodes, over the workers' side store (never the training's
-    collectives): each rank publishes the steps its node's root holds committed and reads
-    every rank's. Replicas are not counted yet (the holder does not persist them yet), so a
-    step missing on some node's disk is not loaded by any rank: never a mix of steps."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg  # dist.DistConfig
-        self.loads = 0  # every rank loads as often as the others: one key prefix per load
-
-    def choose(self, steps: Iterable[int]) -> LoadChoice:
-        import datetime
-        import json
-
-        from .dist import side_store
-
-        cfg = self.cfg
-        self.loads += 1
-        prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
-        store = side_store(cfg)
-        store.set(prefix + str(cfg.rank), json.dumps(sorted(steps)))
-        keys = [prefix + str(r) for r in range(cfg.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-        on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
-        return which_step_to_load(on_disk, {}, cfg.world_size)

@@ -11,7 +11,9 @@ environment, gloo), each node with a root of its own.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from statecmp import assert_same
 from test_flush_on_death import wait_gone
+from test_flush_on_death_multirank import state
 
 from asyncckpt import layout as L
 from asyncckpt import verify
@@ -33,6 +38,7 @@ import torch.distributed as dist
 from asyncckpt import Distributed, MemoryTier, SyncCheckpointEngine
 rank, world, base, here, replicas = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
 sys.path.insert(0, here)
+from test_flush_on_death_multirank import state
 dist.init_process_group("gloo", store=dist.FileStore(base + "/store", world), rank=rank, world_size=world)
 engine = SyncCheckpointEngine(
     f"{base}/node{rank // 2}", keep=None, memory=MemoryTier(replicas=replicas),
@@ -56,6 +62,7 @@ import torch, torch.distributed as dist
 from asyncckpt import Distributed, MemoryTier, SyncCheckpointEngine
 rank, world, base, here, replicas = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
 sys.path.insert(0, here)
+from test_flush_on_death_multirank import state
 dist.init_process_group("gloo", store=dist.FileStore(base + "/store2", world), rank=rank, world_size=world)
 engine = SyncCheckpointEngine(
     f"{base}/node{rank // 2}", keep=None, memory=MemoryTier(replicas=replicas),
@@ -67,6 +74,7 @@ with engine:
     step = engine.load_latest(target)
     report = engine.last_load_report
     print(json.dumps({"step": step, "source": report.source, "why": report.source_reason}), flush=True)
+    dist.barrier()  # training goes on together: no rank leaves (rank 0's store) early
 torch.save(target, f"{base}/loaded{rank}.pt")
 """
 
@@ -155,3 +163,77 @@ def test_the_holder_commits_the_dead_nodes_replica_into_its_own_root(tmp_path):
     names = {p.name for p in (held / "global_step_3").iterdir()}
     assert {"__2_0.distcp", "__3_0.distcp", ".metadata"} <= names, names
     assert errs.count("stands in for it") == 2, errs
+
+
+def _restart_and_load(tmp_path: Path, replicas: int) -> list[dict]:
+    """Both nodes start again (node 1 with an empty disk) and every rank loads; returns what
+    each rank said (step, source, why) after checking it loaded that step bit for bit."""
+    procs = _spawn(tmp_path, LOADER, "load", replicas)
+    try:
+        for r, p in procs.items():
+            assert p.wait(timeout=400) == 0, _text(tmp_path, "load", r, "err")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    said = [json.loads(_text(tmp_path, "load", r).splitlines()[-1]) for r in range(WORLD)]
+    for r in range(WORLD):
+        loaded = torch.load(tmp_path / f"loaded{r}.pt")
+        assert_same(loaded, state(r, said[r]["step"]))  # bit for bit, that step
+    return said
+
+
+def _lose_node_1_and_its_disk(tmp_path: Path, replicas: int) -> None:
+    _save_then_lose_node_1(tmp_path, replicas)
+    shutil.rmtree(tmp_path / "node1")  # the replacement node: an empty disk
+    (tmp_path / "node1").mkdir()
+
+
+def test_a_replacement_node_fetches_its_replica_and_every_rank_loads_step_3(tmp_path):
+    """(d) THE case on node-local roots: 2 nodes x 2 ranks, memory saves 2 and 3 returned and
+    replicated after disk save 1; node 1 dies whole and its disk is wiped, then node 0's
+    trainers die; both nodes restart: node 1 fetches its directory of step 3 from node 0's
+    replica, and every rank loads step 3 bit for bit, the report saying where from."""
+    _lose_node_1_and_its_disk(tmp_path, 1)
+    said = _restart_and_load(tmp_path, 1)
+    errs = _errs(tmp_path, "load")
+    assert [s["step"] for s in said] == [3] * WORLD, errs
+    assert [s["source"] for s in said] == ["disk", "disk", "replica", "replica"], said
+    assert "fetched from node 0's replica" in said[2]["why"], said
+    node1 = tmp_path / "node1"
+    assert L.read_tracker(node1) == 3
+    report = verify(node1)
+    assert report.ok and [c.step for c in report.checkpoints] == [3], report
+
+
+def test_without_replicas_every_rank_loads_the_disk_step_and_says_why(tmp_path):
+    """(d) The same loss with replicas=0, node 1 restarting with its disk: node 0's memory
+    step 3 is not committed (node 1 never came to agree on it) and nothing holds node 1's:
+    every rank loads step 1 from its own disk, bit for bit, and the report says so."""
+    _save_then_lose_node_1(tmp_path, 0)
+    said = _restart_and_load(tmp_path, 0)
+    errs = _errs(tmp_path, "load")
+    assert [s["step"] for s in said] == [1] * WORLD, errs
+    assert [s["source"] for s in said] == ["disk"] * WORLD, said
+    assert all("every rank loads step 1 (every rank from its own disk)" in s["why"] for s in said)
+
+
+def test_without_replicas_a_replacement_node_refuses_on_every_rank(tmp_path):
+    """The same loss with replicas=0 and node 1's disk wiped: ranks 2 and 3 can get no step
+    at all, so no rank loads one (some starting fresh while others resume would mix steps):
+    every rank refuses, saying which ranks have nothing."""
+    _lose_node_1_and_its_disk(tmp_path, 0)
+    procs = _spawn(tmp_path, LOADER, "load", 0)
+    try:
+        codes = [p.wait(timeout=400) for p in procs.values()]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    errs = _errs(tmp_path, "load")
+    assert all(c != 0 for c in codes), errs
+    assert errs.count("rank(s) [2, 3] have no step on their node's disk and no replica") == 4
