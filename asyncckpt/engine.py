@@ -104,13 +104,6 @@ def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
             )
             + ": use replicas=0 here"
         )
-    if opts.distributed.storage != "shared":
-        raise ValueError(
-            "memory=MemoryTier(replicas=1) recovers onto one root every node writes: "
-            'Distributed(storage="local") with replicas is not supported yet (saving across '
-            "node-local roots works; recovering a lost node from its replica there is not "
-            "built yet: docs/how-to/node-loss.md)"
-        )
     node, per = ranks.node.node_rank, ranks.node.ranks_per_node
     return ReplicaConfig(
         peer=peer_rank(ranks.rank, node, per, nodes),
@@ -314,9 +307,11 @@ class EngineParts:
                 assert self.ranks.node is not None
                 per = self.ranks.node.ranks_per_node
                 self.dist_cfg = replace(self.dist_cfg, ranks_per_node=per)
-                from .local_recovery import StepAgreement
+                from .local_load import StepAgreement
 
-                self.restorer.agreement = StepAgreement(self.dist_cfg)  # which step loads
+                # Which step loads, and the fetch of a node's replica where its disk lacks it.
+                self.restorer.agreement = StepAgreement(self.dist_cfg, self.root, self.layout)
+                self.restorer.hot.together = True  # every rank loads: its vote waits for all
             self.jobs.dist_token = self.dist_cfg.token
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)

@@ -182,6 +182,9 @@ class HotResume:
     def __init__(self, root: Path, rank: int, world_size: int) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
         self.vote_cfg: Any = None
+        # Every rank calls load_latest together (node-local roots: local_load.StepAgreement):
+        # rank 0 then waits for every rank's word, even after its own "no".
+        self.together = False
         self.loads = 0  # load_latest calls: every rank's n-th vote is about the same load
         self.source: HotSource | None = None
         self.reason = ""
@@ -383,7 +386,9 @@ class HotResume:
                 store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
                 agreed = all(store.get(k) == b"1" for k in keys)
             store.add(prefix + "heard", 1)
-            if self.rank == 0 and ok:  # its worker serves the store: the others read first
+            if self.rank == 0 and (ok or self.together):  # its worker serves the store:
+                # the others use it first (after a "no", only where every rank loads:
+                # elsewhere a rank may load alone)
                 _wait_count(store, prefix + "heard", self.world_size, cfg.timeout)
             return agreed
         except Exception as e:  # noqa: BLE001 - no agreement: the disk, on every rank

@@ -1,7 +1,8 @@
 """Recovery on node-local storage (``Distributed(storage="local")`` with
 ``MemoryTier(replicas=1)``): which step every rank loads, and how the ranks of a replacement
 node fetch their files from the peer that holds their replica. The design is in
-docs/how-to/node-loss.md; this module holds its two pieces that stand alone.
+docs/how-to/node-loss.md; this module holds its pieces that stand alone (local_load.py runs
+them at ``load_latest``).
 
 What a checkpoint is on node-local storage: every node's root is its own disk and holds, for
 step ``s``, a committed step directory with the files *its* ranks wrote and a manifest over
@@ -10,9 +11,11 @@ its own node's root, or from the replica of them a peer holds. (Each node's loca
 commits its node's directory of a step, node_commit.py; the engine does not use this module's
 recovery pieces yet.)
 
-Where a replica lives after the trainers died: the holder's worker persists it into *its own
-node's* root, under ``.asyncckpt-replicas/rank<r>/<step dir>/`` (files and a manifest, renamed
-into place whole; never a checkpoint of that node: no scan lists it, no pruning touches it).
+Where a replica lives after the trainers died: the holder's stand-ins for the dead node's
+ranks commit that node's directory into *the holder's own* root, under
+``.asyncckpt-replicas/node<n>/<step dir>/`` (``replica_root``: files and a manifest, renamed
+into place whole by the usual node commit; never a checkpoint of the holder's node: no scan of
+its root lists it, its pruning never touches it).
 Not served from the holder's memory: a worker lives as long as its trainer (and
 ``hold_seconds`` after it at most); the replacement node may take minutes to come, the
 holder's own trainer restarts meanwhile, and its new worker starts with empty memory. The
@@ -25,13 +28,12 @@ such step is newer than what every rank has on its own disk, that disk step, and
 says so (``LoadChoice.reason``). If no step can be had by every rank, none (the engine must
 refuse to start some ranks fresh while others resume).
 
-The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder's worker
-serves its node's replica directories over TCP (the side channel replication.py uses: its
-address in the side store); a replacement rank asks for (rank, step), receives the manifest
-and then every file it lists into a temporary of its own root, and checks every checksum
-before anything is kept. Its node's files are committed with the usual commit (manifest,
-rename, tracker) once every rank of the node fetched: a cut connection or a wrong byte leaves
-nothing committed.
+The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder node's local
+rank 0 serves its root's replica directories over TCP during the load's agreement (framing.py;
+its address in the side store); the replacement node's local rank 0 asks for (node, step),
+receives the manifest and then every file it lists into a temporary of its own root, and
+checks every checksum before anything is kept; then commits them with the usual commit
+(manifest, rename, tracker): a cut connection or a wrong byte leaves nothing committed.
 """
 
 from __future__ import annotations
@@ -60,18 +62,28 @@ REPLICAS_DIR = ".asyncckpt-replicas"
 CHUNK = 8 << 20
 
 
-def replica_dir(root: str | os.PathLike, layout: str, rank: int, step: int) -> Path:
-    """Where a node's root keeps its replica of ``rank``'s files of ``step``."""
-    return Path(root) / REPLICAS_DIR / f"rank{rank}" / _layout.dir_name(layout, step)
+def replica_root(root: str | os.PathLike, node: int) -> Path:
+    """Where a node's root keeps what it holds of node ``node``'s ranks: a root of its own
+    (step directories, tracker), written by the stand-ins of those ranks at the trainers'
+    death with the usual node commit (replication.stand_in_config). Per node, not per rank:
+    a node's ranks all send to the same next node, and the node commit checks every rank of
+    a node wrote into one directory."""
+    return Path(root) / REPLICAS_DIR / f"node{node}"
+
+
+def replica_dir(root: str | os.PathLike, layout: str, node: int, step: int) -> Path:
+    """Where a node's root keeps its replica of node ``node``'s directory of ``step``."""
+    return replica_root(root, node) / _layout.dir_name(layout, step)
 
 
 def held_replicas(root: str | os.PathLike, layout: str) -> dict[int, list[int]]:
-    """The replicas a node's root holds whole (a manifest in place): rank -> steps."""
+    """The replicas a node's root holds whole (committed: renamed into place with their
+    manifest): node -> steps."""
     out: dict[int, list[int]] = {}
     base = Path(root) / REPLICAS_DIR
     with contextlib.suppress(FileNotFoundError):
         for entry in sorted(os.scandir(base), key=lambda e: e.name):
-            if not (entry.name.startswith("rank") and entry.name[4:].isdigit()):
+            if not (entry.name.startswith("node") and entry.name[4:].isdigit()):
                 continue
             steps = [c.step for c in _layout.scan(entry.path, layout)]
             if steps:
@@ -158,10 +170,10 @@ class ReplicaServer:
     def _one(self, sock: socket.socket) -> None:
         with sock:
             try:
-                kind, rank, step = recv_obj(sock)
-                if kind != "get" or not isinstance(rank, int) or not isinstance(step, int):
+                kind, node, step = recv_obj(sock)
+                if kind != "get" or not isinstance(node, int) or not isinstance(step, int):
                     return  # (never a path from the wire)
-                where = replica_dir(self.root, self.layout, rank, step)
+                where = replica_dir(self.root, self.layout, node, step)
                 try:
                     manifest = read_manifest(where)
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
@@ -185,20 +197,20 @@ class ReplicaServer:
             self.listener.close()
 
 
-def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) -> dict[str, Any]:
-    """Rank ``rank``'s files of ``step`` from the peer serving them at ``address``, written
+def fetch_replica(address: tuple[str, int], node: int, step: int, into: Path) -> dict[str, Any]:
+    """Node ``node``'s files of ``step`` from the peer serving them at ``address``, written
     into the temporary ``into`` and made durable; returns their manifest, every file checked
     against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
     them, the connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
-        send_obj(sock, ("get", rank, step))
+        send_obj(sock, ("get", node, step))
         answer = recv_obj(sock)
         if answer[0] == "damaged":
             raise OSError(
-                f"the peer's replica of rank {rank}'s step {step} is damaged: {answer[1]}"
+                f"the peer's replica of node {node}'s step {step} is damaged: {answer[1]}"
             )
         if answer[0] != "manifest":
-            raise FileNotFoundError(f"no replica of rank {rank}'s step {step}: {answer[1]}")
+            raise FileNotFoundError(f"no replica of node {node}'s step {step}: {answer[1]}")
         manifest: dict[str, Any] = answer[1]
         for rel, entry in manifest.get("files", {}).items():
             path = into / rel
@@ -214,7 +226,7 @@ def fetch_replica(address: tuple[str, int], rank: int, step: int, into: Path) ->
             fsync_file(path)
     problems = check_files(into, manifest)
     if problems:
-        raise OSError(f"rank {rank}'s step {step} fetched with errors: {'; '.join(problems)}")
+        raise OSError(f"node {node}'s step {step} fetched with errors: {'; '.join(problems)}")
     fsync_dir(into)
     return manifest
 
@@ -243,34 +255,3 @@ def commit_fetched(
     final = root / _layout.dir_name(layout, step)
     commit_step(root, layout, step, tmp, final, manifest)
     return final
-
-
-# ------------------------------------------------------------------ the agreement at load
-
-
-class StepAgreement:
-    """The ranks' agreement on the step every rank loads (``which_step_to_load``) on
-    node-local roots of several nodes, over the workers' side store (never the training's
-    collectives): each rank publishes the steps its node's root holds committed and reads
-    every rank's. Replicas are not counted yet (the holder does not persist them yet), so a
-    step missing on some node's disk is not loaded by any rank: never a mix of steps."""
-
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg  # dist.DistConfig
-        self.loads = 0  # every rank loads as often as the others: one key prefix per load
-
-    def choose(self, steps: Iterable[int]) -> LoadChoice:
-        import datetime
-        import json
-
-        from .dist import side_store
-
-        cfg = self.cfg
-        self.loads += 1
-        prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
-        store = side_store(cfg)
-        store.set(prefix + str(cfg.rank), json.dumps(sorted(steps)))
-        keys = [prefix + str(r) for r in range(cfg.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-        on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
-        return which_step_to_load(on_disk, {}, cfg.world_size)

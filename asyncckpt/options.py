@@ -169,7 +169,9 @@ class MemoryTier:
     newest memory save to disk as well (by default only a trainer's death or SIGTERM does).
     ``replicas``: 0, or 1 to have each memory save sent by the worker to the worker of the same
     local rank on the next node, which holds it (a whole node's loss then keeps the newest
-    memory step: replication.py); several nodes and a shared root needed.
+    memory step: replication.py); several nodes needed (a shared root, or node-local roots
+    with ``Distributed(storage="local")``, where a replacement node fetches its replica at
+    load: local_load.py).
     ``hold_seconds``: when the trainer dies, its worker (once it has committed what it was
     writing) keeps the newest step it wrote in its shared memory this long, so that a new
     engine on the same root, node and rank loads it from there (a hot resume: checked against

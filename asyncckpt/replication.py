@@ -142,6 +142,8 @@ def recovering(config: Any) -> Any:
     death), so no two agree over different stores."""
     if config.replication is None or config.dist is None:
         return config
+    if config.dist.ranks_per_node:  # node-local roots: no root every node sees; rank 0's
+        return config  # store it is (node 0's loss is not recovered there)
     from . import layout as _layout
 
     path = os.path.join(config.root, _layout.recovery_store_name(config.dist.token))
@@ -541,10 +543,19 @@ class Replication:
 
 
 def stand_in_config(config: Any, rank: int) -> Any:
-    """A worker's config, as the worker of ``rank`` (a stand-in writes that rank's files)."""
+    """A worker's config, as the worker of ``rank`` (a stand-in writes that rank's files).
+    On node-local roots it writes into the holder's root under ``.asyncckpt-replicas/node<n>``
+    (``local_recovery.replica_root``): that rank's node's directory, committed there whole by
+    the usual node commit, for a replacement node to fetch at load."""
     dist = replace(config.dist, rank=rank, local_rank=config.dist.local_rank)
+    root = config.root
+    if dist.ranks_per_node:
+        from .local_recovery import replica_root
+
+        root = replica_root(config.root, rank // dist.ranks_per_node)
     return replace(
         config,
+        root=root,
         rank=rank,
         dist=dist,
         store_socket=None,

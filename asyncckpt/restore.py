@@ -128,7 +128,8 @@ class Restorer:
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot.py).
         self.hot = HotResume(root, rank, world_size)
-        self.agreement: Any = None  # local_recovery.StepAgreement (node-local roots), at start
+        self.agreement: Any = None  # local_load.StepAgreement (node-local roots), at start
+        self.agreed: Any = None  # its outcome for the load in progress (local_load.Agreed)
         self.root_locked = False  # the engine started: lock_root waited for an orphan
 
     def committed(self) -> list[_layout.CommittedDir]:
@@ -297,6 +298,11 @@ class Restorer:
 
     def _loaded(self, report: LoadReport, step: int | None, directory: Path) -> None:
         report.step, report.path = step, directory
+        agreed, self.agreed = self.agreed, None
+        if agreed is not None and agreed.choice.step == step and report.source == "disk":
+            # Node-local roots: where this rank's bytes came from (its disk or its node's
+            # replica fetched at this load) and why this step (local_load.py).
+            report.source, report.source_reason = agreed.source, agreed.reason
         self.last_load_report = report
         if step is not None:
             self.on_loaded(step)
@@ -374,11 +380,13 @@ class Restorer:
         every rank though some rank has one: some starting fresh while others resume."""
         if self.agreement is None:
             return None
-        choice = self.agreement.choose(c.step for c in self.committed())
+        agreed = self.agreement.choose(c.step for c in self.committed())
+        choice = agreed.choice
         if choice.step is None and choice.fell_back:
             raise NoValidCheckpoint(f"{self.root}: not loading: {choice.reason}")
         if choice.fell_back:
             _warn(choice.reason, stacklevel=4)
+        self.agreed = agreed  # said in the load report (_loaded)
         return choice.step
 
     def _damage(self, directory: Path, e: BaseException) -> list[str] | None:

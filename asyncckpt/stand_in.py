@@ -28,6 +28,12 @@ def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, A
     """Write the gone rank's part of the memory step agreed, from its replicas."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if config.dist is not None and config.dist.ranks_per_node:  # node-local roots
+        from .formats.dcp import _PassThroughPlanner
+        from .storage.localfs import makedirs
+
+        _PassThroughPlanner.replicated_on_rank0 = True  # as every worker there
+        makedirs(config.root)  # the holder's .asyncckpt-replicas/node<n> (replication.py)
     # The gone worker's lock: a new trainer of that rank waits for this process.
     lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=False)  # noqa: F841
     skip_torch_save_crc()

@@ -284,24 +284,24 @@ def test_a_replacement_with_no_replica_anywhere_gets_no_step():
 
 
 def _replica_of_rank(tmp_path: Path, rank: int, step: int) -> tuple[Path, dict]:
-    """A node root holding rank ``rank``'s files of ``step`` as a replica (a one-rank save of
-    that rank's state, moved under the replica directory)."""
+    """Node 0's root holding rank ``rank``'s files of ``step`` as node 1's replica (a one-rank
+    save of that rank's state, moved under the replica directory)."""
     from test_flush_on_death_multirank import state
 
     made = tmp_path / "made"
     with SyncCheckpointEngine(made, keep=None) as engine:
         engine.save(step, state(rank, step)).committed_sync(60)
     node0 = tmp_path / "node0"
-    where = replica_dir(node0, "global_step", rank, step)
+    where = replica_dir(node0, "global_step", 1, step)
     where.parent.mkdir(parents=True)
     (made / L.dir_name("global_step", step)).rename(where)
     return node0, state(rank, step)
 
 
-def _fetch_into(root: Path, server: ReplicaServer, rank: int, step: int) -> Path:
+def _fetch_into(root: Path, server: ReplicaServer, node: int, step: int) -> Path:
     tmp = LocalStore(root).stage(L.dir_name("global_step", step), "fetch")
     try:
-        manifest = fetch_replica(("127.0.0.1", server.port), rank, step, tmp)
+        manifest = fetch_replica(("127.0.0.1", server.port), node, step, tmp)
     except BaseException:
         LocalStore(root).discard(tmp)
         raise
@@ -310,12 +310,12 @@ def _fetch_into(root: Path, server: ReplicaServer, rank: int, step: int) -> Path
 
 def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
     node0, want = _replica_of_rank(tmp_path, 2, 3)
-    assert held_replicas(node0, "global_step") == {2: [3]}
+    assert held_replicas(node0, "global_step") == {1: [3]}
     node1 = tmp_path / "node1"  # the replacement: an empty disk
     node1.mkdir()
     server = ReplicaServer(node0, "global_step")
     try:
-        final = _fetch_into(node1, server, 2, 3)
+        final = _fetch_into(node1, server, 1, 3)
     finally:
         server.close()
     assert server.served == 1
@@ -332,7 +332,7 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
 
 def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
     node0, _ = _replica_of_rank(tmp_path, 2, 3)
-    shard = next(replica_dir(node0, "global_step", 2, 3).glob("*.distcp"))
+    shard = next(replica_dir(node0, "global_step", 1, 3).glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -341,12 +341,12 @@ def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
     server = ReplicaServer(node0, "global_step")
     try:
         with pytest.raises(OSError, match="fetched with errors"):
+            _fetch_into(node1, server, 1, 3)
+        with pytest.raises(FileNotFoundError, match="no replica of node 2's step 3"):
             _fetch_into(node1, server, 2, 3)
-        with pytest.raises(FileNotFoundError, match="no replica of rank 3's step 3"):
-            _fetch_into(node1, server, 3, 3)
         shard.write_bytes(bytes(data[: len(data) // 2]))  # shorter than its manifest says
         with pytest.raises(OSError, match="is damaged: .*distcp"):
-            _fetch_into(node1, server, 2, 3)
+            _fetch_into(node1, server, 1, 3)
     finally:
         server.close()
     assert server.served == 1  # the changed byte went out: the fetching rank caught it

@@ -103,8 +103,8 @@ def test_replicas_option_is_checked():
         (Distributed(rank=0, world_size=2, node_rank=0, ranks_per_node=2), "runs on one node"),
         (Distributed(rank=1, world_size=2, local_rank=0), "node layout is unknown"),
         (
-            Distributed(rank=0, world_size=2, node_rank=0, ranks_per_node=1, storage="local"),
-            "not supported yet",
+            Distributed(rank=0, world_size=2, node_rank=0, ranks_per_node=2, storage="local"),
+            "runs on one node",
         ),
     ],
 )
@@ -115,12 +115,15 @@ def test_replicas_refused_without_another_node(tmp_path, monkeypatch, distribute
         CheckpointEngine(tmp_path, distributed=distributed, memory=MemoryTier(replicas=1))
 
 
-def test_replicas_one_engine_on_two_nodes_is_made(tmp_path, monkeypatch):
+@pytest.mark.parametrize("storage", ["shared", "local"])
+def test_replicas_one_engine_on_two_nodes_is_made(tmp_path, monkeypatch, storage):
     for var in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     engine = CheckpointEngine(
         tmp_path,
-        distributed=Distributed(rank=3, world_size=4, local_rank=1, node_rank=1, ranks_per_node=2),
+        distributed=Distributed(
+            rank=3, world_size=4, local_rank=1, node_rank=1, ranks_per_node=2, storage=storage
+        ),
         memory=MemoryTier(replicas=1),
     )
     assert (engine.node_rank, engine.nodes) == (1, 2)

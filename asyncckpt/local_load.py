@@ -1,0 +1,166 @@
+"""The load on node-local roots of several nodes (``Distributed(storage="local")``): every rank
+loads the same step, and a node that lacks it (a replacement node with an empty disk) first
+fetches its directory of that step from the node holding its replica. Over the workers' side
+store and a TCP connection between the nodes' trainers, never the training's collectives.
+
+The protocol (``StepAgreement.choose``, every rank once per load, in the same order):
+
+1. Each rank publishes the steps its node's root holds committed; each node's local rank 0
+   also the replicas its root holds of other nodes' directories
+   (``local_recovery.held_replicas``: written there at the trainers' death by the stand-ins,
+   replication.py) and, if it holds any, the address of a ``ReplicaServer`` it starts.
+2. Every rank reads every rank's and decides alike (``which_step_to_load``): the newest step
+   every rank can get from its own disk or its node's replica; never a mix of steps.
+3. The local rank 0 of each node that lacks that step fetches its node's directory from the
+   holder (``fetch_replica``: every checksum checked before anything is kept) and commits it
+   into its own root (``commit_fetched``: manifest, rename, tracker), then says so in the
+   store; every rank waits for every fetching node's word (the holder keeps serving until
+   then). A failed fetch fails the load on every rank, saying which node and why.
+4. Every rank says it read all it needed; rank 0 waits for that before it goes on (its worker
+   serves the store, and its engine may close right after its load).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import layout as _layout
+from .errors import NoValidCheckpoint
+from .local_recovery import (
+    LoadChoice,
+    ReplicaServer,
+    commit_fetched,
+    fetch_replica,
+    held_replicas,
+    which_step_to_load,
+)
+
+log = logging.getLogger("asyncckpt")
+
+__all__ = ["Agreed", "StepAgreement"]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The agreement's outcome for this rank: the choice, and where this rank's bytes come
+    from (``source``: "disk" or "replica") and why, for the load report."""
+
+    choice: LoadChoice
+    source: str = "disk"
+    reason: str = ""
+
+
+class StepAgreement:
+    """The ranks' agreement on the step every rank loads on node-local roots of several
+    nodes, with the fetch of a node's replica where its disk lacks that step."""
+
+    def __init__(self, cfg: Any, root: str | Path, layout: str) -> None:
+        self.cfg = cfg  # dist.DistConfig (ranks_per_node > 0)
+        self.root = Path(root)
+        self.layout = layout
+        self.loads = 0  # every rank loads as often as the others: one key prefix per load
+
+    def choose(self, steps: Iterable[int]) -> Agreed:
+        from .dist import side_store
+
+        cfg = self.cfg
+        per = cfg.ranks_per_node
+        leader = cfg.rank % per == 0
+        self.loads += 1
+        prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
+        store = side_store(cfg)
+        held = held_replicas(self.root, self.layout) if leader else {}
+        server = ReplicaServer(self.root, self.layout) if held else None
+        try:
+            mine: dict[str, Any] = {"disk": sorted(steps), "held": held, "addr": None}
+            if server is not None:
+                from .replication import _my_address
+
+                mine["addr"] = [_my_address(cfg), server.port]
+            store.set(prefix + str(cfg.rank), json.dumps(mine))
+            keys = [prefix + str(r) for r in range(cfg.world_size)]
+            timeout = datetime.timedelta(seconds=cfg.timeout)
+            store.wait(keys, timeout)
+            said = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+            on_disk = {r: s["disk"] for r, s in said.items()}
+            replicas: dict[int, tuple[int, list[int]]] = {}
+            addrs = {r: s["addr"] for r, s in said.items() if s["addr"]}
+            for holder, s in said.items():
+                for node, held_steps in s["held"].items():
+                    for r in range(int(node) * per, (int(node) + 1) * per):
+                        replicas[r] = (holder, held_steps)
+            choice = which_step_to_load(on_disk, replicas, cfg.world_size)
+            nodes = sorted({r // per for r in choice.fetch})
+            failed: list[str] = []
+            if choice.step is not None and nodes:
+                self._fetch(store, prefix, choice, addrs, nodes, leader)
+                done = [f"{prefix}fetched/{n}" for n in nodes]
+                store.wait(done, timeout)
+                failed = [store.get(k).decode() for k in done]
+                failed = [f for f in failed if f != "ok"]
+            # Rank 0's worker serves the store: rank 0 goes on (and may close its engine)
+            # only once every rank read all it needs from it.
+            store.set(f"{prefix}read/{cfg.rank}", "1")
+            if cfg.rank == 0:
+                store.wait([f"{prefix}read/{r}" for r in range(cfg.world_size)], timeout)
+            if failed:
+                raise NoValidCheckpoint(
+                    f"not loading step {choice.step}: fetching it from a replica failed: "
+                    + "; ".join(failed)
+                )
+        finally:
+            if server is not None:
+                server.close()
+        if cfg.rank in choice.fetch:
+            holder = choice.fetch[cfg.rank]
+            why = (
+                f"step {choice.step} fetched from node {holder // per}'s replica (rank "
+                f"{holder}'s root): this node's disk lacks it; {choice.reason}"
+            )
+            return Agreed(choice, "replica", why)
+        return Agreed(choice, "disk", choice.reason)
+
+    def _fetch(
+        self,
+        store: Any,
+        prefix: str,
+        choice: LoadChoice,
+        addrs: dict[int, list],
+        nodes: list[int],
+        leader: bool,
+    ) -> None:
+        """This node's local rank 0 fetches and commits its node's directory of the step
+        chosen, if its node is among ``nodes``; says "ok" or why not in the store."""
+        cfg = self.cfg
+        node = cfg.rank // cfg.ranks_per_node
+        if not leader or node not in nodes:
+            return
+        from .storage.local import LocalStore
+
+        assert choice.step is not None
+        holder = choice.fetch[cfg.rank]
+        outcome = "ok"
+        local = LocalStore(self.root)
+        tmp = local.stage(_layout.dir_name(self.layout, choice.step), "fetch")
+        try:
+            if holder not in addrs:
+                raise FileNotFoundError(f"rank {holder} serves no replica")
+            host, port = addrs[holder]
+            manifest = fetch_replica((host, int(port)), node, choice.step, tmp)
+            commit_fetched(self.root, self.layout, choice.step, tmp, [manifest])
+            log.warning(
+                "node %d fetched its step %d from rank %d's replica and committed it",
+                node,
+                choice.step,
+                holder,
+            )
+        except Exception as e:  # noqa: BLE001 - told to every rank, which all refuse
+            local.discard(tmp)
+            outcome = f"node {node} from rank {holder}: {type(e).__name__}: {e}"
+        store.set(f"{prefix}fetched/{node}", outcome)
