@@ -91,3 +91,19 @@ def test_alternating_slots_never_link_the_other_slots_bytes(tmp_path):
     for step in want:
         assert_same(plain_load(tmp_path, step, want[step]), want[step])
     assert any(s.copy_skipped_bytes == 2 * MiB for s in stats.values())
+
+
+def test_a_format_that_does_not_link_says_so_once(tmp_path, caplog):
+    # megatron_legacy (one file per rank) writes every file: the worker's link source says so
+    # once per format, and gives no previous checkpoint to link from.
+    import logging
+
+    from asyncckpt.differential import LinkSource
+
+    links = LinkSource(tmp_path, "megatron", enabled=True)
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        for _ in range(2):
+            assert links.previous(tmp_path / "tmp", "megatron_legacy", None) is None
+        assert links.previous(tmp_path / "tmp", "torch_dist", None) is not None
+    said = [r.getMessage() for r in caplog.records if "differential saves are off" in r.message]
+    assert len(said) == 1 and "megatron_legacy" in said[0]
