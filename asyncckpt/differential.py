@@ -14,6 +14,15 @@ linked, and each item's (offset, length) so a linked file's ``WriteResult``s (``
 offsets) are the previous checkpoint's own. A hard link shares the inode: pruning the older
 checkpoint unlinks a name, never the bytes a newer one holds; a corrupted shared file fails
 the (copied) checksum of every checkpoint that holds it.
+
+The trainer has already hashed most large CPU tensors' staged bytes, with this very function,
+to decide which copies to skip (unchanged.py): the job carries those digests
+(``SaveJob.digests``) and an item whose bytes are exactly a staged view (same address and
+length in this process) takes its digest from there instead of being hashed again. That
+passes a fact about the bytes, not an "unchanged" verdict: the trainer's "unchanged" is
+relative to what its slot held, which need not be what the last *written* checkpoint holds
+(slots alternate; a memory save is not written). The link is still decided here, against the
+previous checkpoint's own file fingerprints.
 """
 
 from __future__ import annotations
@@ -57,9 +66,10 @@ class FileFingerprint:
     def __init__(self, seed: str) -> None:
         self._h = xxhash.xxh3_128(seed.encode())
 
-    def add(self, describe: str, data: Any) -> None:
-        """One item: what it is (key, place, type, dtype, shape) and its bytes' digest."""
-        self._h.update(describe.encode() + b"\0" + fingerprint_bytes(data))
+    def add(self, describe: str, data: Any, digest: bytes | None = None) -> None:
+        """One item: what it is (key, place, type, dtype, shape) and its bytes' digest
+        (``digest``: ``fingerprint_bytes(data)`` taken already, by the trainer)."""
+        self._h.update(describe.encode() + b"\0" + (digest or fingerprint_bytes(data)))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -100,6 +110,9 @@ class Previous:
 
     directory: Path | None  # None: nothing to link from (the first save of this worker)
     tmp: Path
+    #: (address, nbytes) of a staged view in this process -> ``fingerprint_bytes`` of its
+    #: bytes, as the trainer took it (``known_digests``)
+    known: Mapping[tuple[int, int], bytes] = field(default_factory=dict)
 
     def part(self, location: Path) -> Path | None:
         if self.directory is None:
@@ -115,8 +128,10 @@ class Linker:
     prefix: str
     previous: Path | None  # the same part in the previous checkpoint
     seed: str
+    known: Mapping[tuple[int, int], bytes] = field(default_factory=dict)  # Previous.known
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     fingerprint_seconds: float = 0.0
+    reused_bytes: int = 0  # bytes whose digest came from the trainer (not hashed here)
     fallbacks: list[str] = field(default_factory=list)
     _old: dict[str, Any] | None = None
     _old_manifest: dict[str, Any] | None = None
@@ -154,14 +169,22 @@ class Linker:
         with self._lock:
             self.fallbacks.append(why)
 
-    def timed_fingerprint(self, items: list[tuple[str, Any]]) -> str:
+    def timed_fingerprint(self, items: list[tuple[str, Any, tuple[int, int] | None]]) -> str:
+        """A file's fingerprint from its items: (describe, bytes, where) with ``where`` the
+        (address, nbytes) of the bytes in memory where they are a whole staged view's, else
+        None; a staged view the trainer hashed is not hashed again."""
         t0 = time.perf_counter()
         fp = FileFingerprint(self.seed)
-        for describe, data in items:
-            fp.add(describe, data)
+        reused = 0
+        for describe, data, where in items:
+            known = self.known.get(where) if where is not None else None
+            if known is not None and where is not None:
+                reused += where[1]
+            fp.add(describe, data, known)
         digest = fp.hexdigest()
         with self._lock:
             self.fingerprint_seconds += time.perf_counter() - t0
+            self.reused_bytes += reused
         return digest
 
     def try_link(
@@ -216,6 +239,7 @@ class Linker:
         body = {
             "version": SIDECAR_VERSION,
             "fingerprint_seconds": self.fingerprint_seconds,
+            "fingerprint_reused_bytes": self.reused_bytes,
             "files": self.files,
             "fallbacks": self.fallbacks,
         }
@@ -255,23 +279,25 @@ class Figures:
     files_linked: int = 0
     fingerprint_seconds: float = 0.0
     link_fallbacks: int = 0  # links tried and not made (each also an INFO line)
+    fingerprint_reused_bytes: int = 0  # digests taken from the trainer, not computed
 
 
 def figures(directory: Path) -> Figures:
     """Sum every sidecar under a checkpoint's directory (rank 0 at the commit)."""
-    skipped = written = linked = fallbacks = 0
+    skipped = written = linked = fallbacks = reused = 0
     seconds = 0.0
     for path in sorted(Path(directory).rglob("*" + SIDECAR)):
         body = _read_json(path) or {}
         seconds = max(seconds, float(body.get("fingerprint_seconds", 0.0)))
         fallbacks += len(body.get("fallbacks", ()))
+        reused += int(body.get("fingerprint_reused_bytes", 0))
         for entry in body.get("files", {}).values():
             if entry.get("linked"):
                 skipped += int(entry.get("size", 0))
                 linked += 1
             else:
                 written += int(entry.get("size", 0))
-    return Figures(skipped, written, linked, seconds, fallbacks)
+    return Figures(skipped, written, linked, seconds, fallbacks, reused)
 
 
 def _links(fmt: str, extra: Any) -> bool:
@@ -296,7 +322,22 @@ def as_stats(f: Figures) -> Mapping[str, Any]:
         "files_linked": f.files_linked,
         "fingerprint_seconds": f.fingerprint_seconds,
         "link_fallbacks": f.link_fallbacks,
+        "fingerprint_reused_bytes": f.fingerprint_reused_bytes,
     }
+
+
+def known_digests(
+    views: Mapping[str, Any], digests: Mapping[str, bytes] | None
+) -> dict[tuple[int, int], bytes]:
+    """The trainer's digests (``SaveJob.digests``: staged key -> digest) by where the worker's
+    view of each key lies: (address, nbytes) names the bytes themselves, so a write item that
+    is a view's whole bytes (and nothing else) finds its digest, whatever its DCP key."""
+    out: dict[tuple[int, int], bytes] = {}
+    for key, digest in (digests or {}).items():
+        view = views.get(key)
+        if view is not None and view.nbytes > 0:
+            out[(view.data_ptr(), view.nbytes)] = digest
+    return out
 
 
 class LinkSource:
@@ -310,9 +351,16 @@ class LinkSource:
         self.last: Path | None = None
         self._said: set[str] = set()
 
-    def previous(self, tmp: Path, fmt: str, extra: Any) -> Previous | None:
+    def previous(
+        self,
+        tmp: Path,
+        fmt: str,
+        extra: Any,
+        known: Mapping[tuple[int, int], bytes] | None = None,
+    ) -> Previous | None:
         """For the save being written into ``tmp``: None with differential off (or a format
-        that does not link: said once in the log). ``extra``: the job's (a carried format)."""
+        that does not link: said once in the log). ``extra``: the job's (a carried format);
+        ``known``: the trainer's digests of staged views (``known_digests``)."""
         if not self.enabled:
             return None
         if not _links(fmt, extra):
@@ -331,7 +379,7 @@ class LinkSource:
             if step is not None:
                 self.last = self.root / dir_name(self.layout, step)
         last = self.last
-        return Previous(last if last is not None and last.is_dir() else None, tmp)
+        return Previous(last if last is not None and last.is_dir() else None, tmp, known or {})
 
     def committed(self, final: Path) -> None:
         self.last = final

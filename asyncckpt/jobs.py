@@ -225,6 +225,7 @@ _WORKER_FIGURES: dict[str, Any] = {
     "files_linked": 0,
     "fingerprint_seconds": 0.0,
     "link_fallbacks": 0,
+    "fingerprint_reused_bytes": 0,
     "throttled_seconds": 0.0,
     "escalated_after_seconds": None,
     "escalations": (),

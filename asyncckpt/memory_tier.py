@@ -383,7 +383,7 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
     from . import messages as M
     from .errors import CheckpointError, SaveFailed, WorkerDied
     from .staging import any_cuda
-    from .unchanged import note_skips, stage_checked
+    from .unchanged import note_skips, stage_checked, worker_digests
 
     mem, jobs = saver.memory, saver.jobs
     step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
@@ -432,15 +432,18 @@ def save(saver: Any, pending: Any, write: bool = False) -> Any:
             return handle
         faults.point("after_stage")
         disk = None  # write: the disk save's job, in flight, owning no slot (the hold does)
+        digests = worker_digests(slot, skips)  # the slot's bytes: for whichever job writes them
         with jobs.cond:
             if write:
                 disk_id, attempt = jobs.add(step, handle, i, owns_slot=False)
-                disk = saver.job_for(pending, slot, disk_id, attempt)
+                disk = saver.job_for(pending, slot, disk_id, attempt, digests=digests)
             else:
                 attempt = jobs.attempts.get(step, 0)
                 jobs.attempts[step] = attempt + 1
             jobs.next_job += 1
-            job = saver.job_for(pending, slot, jobs.next_job, attempt, tier="memory")
+            job = saver.job_for(
+                pending, slot, jobs.next_job, attempt, tier="memory", digests=digests
+            )
             jobs.slot_owner[i] = job.job_id
             if disk is not None:
                 disk.held_as = job.job_id

@@ -46,7 +46,7 @@ from .staging import (
 )
 from .stats import SaveStats
 from .supervisor import WorkerLink
-from .unchanged import CopySkipper, note_skips, stage_checked
+from .unchanged import CopySkipper, note_skips, stage_checked, worker_digests
 from .worker import PruneRequest, SaveJob
 
 log = logging.getLogger("asyncckpt")
@@ -385,7 +385,7 @@ class Saver:
             return handle
         faults.point("after_stage")
         job_id, attempt = self.jobs.add(step, handle, slot_idx)
-        job = self.job_for(pending, slot, job_id, attempt)
+        job = self.job_for(pending, slot, job_id, attempt, digests=worker_digests(slot, skips))
         if self.send_job(pending, slot, job_id, job) is not None:
             handle._staged.set()  # copied and handed over: invariant 12 holds from here
         return handle
@@ -453,9 +453,16 @@ class Saver:
                 self.jobs.cond.wait(0.5)
 
     def job_for(
-        self, pending: PendingSave, slot: StagingSlot, job_id: int, attempt: int, tier: str = "disk"
+        self,
+        pending: PendingSave,
+        slot: StagingSlot,
+        job_id: int,
+        attempt: int,
+        tier: str = "disk",
+        digests: dict[str, bytes] | None = None,
     ) -> SaveJob:
-        """The worker's job for ``pending``, staged in ``slot`` (a disk or a memory save)."""
+        """The worker's job for ``pending``, staged in ``slot`` (a disk or a memory save);
+        ``digests``: the staged bytes' fingerprints the trainer took (``worker_digests``)."""
         flat, stats = pending.flat, pending.stats
         return SaveJob(
             job_id=job_id,
@@ -480,6 +487,7 @@ class Saver:
                 "copy_fingerprint_seconds": stats.copy_fingerprint_seconds,
             },
             tier=tier,
+            digests=digests,
         )
 
     def _prune_request(self, step: int) -> PruneRequest | None:

@@ -74,6 +74,9 @@ class SaveStats:
     files_linked: int = 0
     fingerprint_seconds: float = 0.0
     link_fallbacks: int = 0
+    #: of the bytes the worker fingerprinted, those whose digest it took from the trainer's
+    #: copy-skipping (large CPU tensors, hashed once per save, not twice)
+    fingerprint_reused_bytes: int = 0
     #: differential saves, the copy (this rank's, ``save``'s own time): tensor bytes not copied
     #: into the staging slot because it held them already (fingerprinted where they live),
     #: seconds of ``stage_seconds`` spent fingerprinting, and large tensors that could not be

@@ -87,6 +87,10 @@ class SkipPlan:
     skipped_bytes: int = 0
     fingerprint_seconds: float = 0.0
     fallbacks: int = 0
+    # Large CPU tensors: xxh3-128 of the bytes the slot holds once staged, the very digest the
+    # worker's file fingerprint takes of them (``worker_digests``: it need not hash them again).
+    # GPU tensors' device fingerprints are another hash: the worker hashes those itself.
+    digests: dict[int, bytes] = field(default_factory=dict)
 
 
 class CopySkipper:
@@ -145,6 +149,7 @@ class CopySkipper:
                 if digest == held:
                     skip.add(i)
                     slot.held[i] = held  # still holds it: nothing writes that view
+                    plan.digests[i] = held
                 else:
                     plan.hash_after.append(i)
         if cuda:
@@ -167,6 +172,7 @@ class CopySkipper:
         if plan.hash_after:
             digests = _map(lambda i: fingerprint_bytes(slot.dst_bytes[i]), plan.hash_after)
             slot.held.update(zip(plan.hash_after, digests, strict=True))
+            plan.digests.update(zip(plan.hash_after, digests, strict=True))
         slot.held.update(plan.cuda_record)
         self._last = (slot.key, marks)
         return time.perf_counter() - t0
@@ -236,6 +242,14 @@ def stage_checked(
     if skipper is not None and skipper.enabled:
         plan.fingerprint_seconds += skipper.settle(slot, plan, marks)
     return None, plan
+
+
+def worker_digests(slot: StagingSlot, plan: SkipPlan) -> dict[str, bytes]:
+    """What the job tells the worker (``SaveJob.digests``): staged key -> xxh3-128 of the bytes
+    its view holds, for the large CPU tensors of an untorn save. Only the bytes' digest, never
+    "unchanged": the worker still compares each file with the last checkpoint it *wrote*,
+    which may be another slot's (slots alternate) or older than this slot's last save."""
+    return {slot.specs[i].fqn: d for i, d in plan.digests.items()}
 
 
 def note_skips(stats: Any, plan: SkipPlan) -> None:

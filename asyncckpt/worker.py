@@ -27,7 +27,7 @@ from . import faults
 from . import layout as _layout
 from . import messages as M
 from .commit import commit_step, every_rank_wrote, write_tracker
-from .differential import LinkSource, save_figures
+from .differential import LinkSource, known_digests, save_figures
 from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
@@ -96,6 +96,10 @@ class SaveJob:
     # A state over Staging(max_host_bytes=): its chunk plan (chunked.ChunkedPlan); the bytes
     # arrive chunk by chunk in the one arena of arena_ids while the worker writes them.
     chunks: Any = None
+    # Staged key -> xxh3-128 of its view's bytes, taken by the trainer (unchanged.py) while it
+    # decided which copies to skip: the worker's file fingerprints use them instead of hashing
+    # those bytes again. Digests of bytes, never an "unchanged" verdict (differential.py).
+    digests: dict[str, bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -502,7 +506,9 @@ class Worker:
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
             paths=job.paths,
-            differential=self.links.previous(tmp, self.config.fmt, job.extra),
+            differential=self.links.previous(
+                tmp, self.config.fmt, job.extra, known_digests(views, job.digests)
+            ),
         )
 
     def _commit_all(

@@ -154,6 +154,10 @@ def run_asyncckpt(
             bytes_skipped=stats[0].bytes_skipped,
             files_linked=stats[0].files_linked,
             fingerprint_s=med([s.fingerprint_seconds for s in stats]),
+            # (absent before the trainer's digests reached the worker: 0)
+            fingerprint_reused_bytes=med(
+                [getattr(s, "fingerprint_reused_bytes", 0) for s in stats]
+            ),
         )
     return out
 
@@ -182,6 +186,58 @@ def run_dcp(root: Path, state: dict, trained: list, saves: int) -> dict[str, Any
     }
 
 
+#: Tensor sizes for the copy-skip threshold (``--threshold-mb`` of them each).
+THRESHOLD_KB = (4, 64, 256, 512, 1024, 4096)
+
+
+def fingerprint_of(t: torch.Tensor) -> bytes:
+    """As ``unchanged.CopySkipper`` fingerprints a CPU tensor: its bytes through NumPy."""
+    from asyncckpt.differential import fingerprint_bytes
+
+    return fingerprint_bytes(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def threshold(total_mb: float, repeats: int) -> dict[str, Any]:
+    """Where skipping a copy pays: per tensor size, ``total_mb`` of tensors copied by one
+    ``torch._foreach_copy_`` (how staging copies those under ``SMALL_TENSOR_BYTES``) vs
+    fingerprinted one by one as ``unchanged.CopySkipper`` does (a NumPy view and xxh3-128 each,
+    on the copy pool). A skip spares the copy, never the fingerprint (an unchanged tensor is
+    fingerprinted at every save; a changed one is fingerprinted, copied and fingerprinted from
+    the slot), so it pays only where ``fingerprint_over_copy`` < 1. Medians of ``repeats``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncckpt.staging import cpu_copy_threads
+
+    threads = cpu_copy_threads()
+    out: dict[str, Any] = {"copy_threads": threads, "total_bytes": int(total_mb * MiB), "sizes": {}}
+    with ThreadPoolExecutor(threads) as pool:
+        for kb in THRESHOLD_KB:
+            n = max(1, int(total_mb * 1024 // kb))
+            srcs = [torch.randn(kb * 256) for _ in range(n)]
+            dsts = [torch.empty_like(t) for t in srcs]
+
+            copies, hashes = [], []
+            for _ in range(repeats + 1):  # the first of each: warm-up, dropped
+                t0 = time.perf_counter()
+                torch._foreach_copy_(dsts, srcs)
+                copies.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                if threads > 1 and n > 1:
+                    list(pool.map(fingerprint_of, srcs))
+                else:
+                    [fingerprint_of(t) for t in srcs]
+                hashes.append(time.perf_counter() - t0)
+            copy_s, hash_s = med(copies[1:]), med(hashes[1:])
+            out["sizes"][str(kb)] = {
+                "tensors": n,
+                "copy_s": copy_s,
+                "fingerprint_s": hash_s,
+                "fingerprint_over_copy": ratio(hash_s, copy_s),
+            }
+            del srcs, dsts
+    return out
+
+
 METHODS = ("asyncckpt", "asyncckpt full", "dcp.async_save", "memory", "memory full")
 
 
@@ -192,9 +248,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--states", default="rl,rl_critic,lora")
     p.add_argument("--saves", type=int, default=4, help="saves per round (stall: after the 1st)")
+    p.add_argument(
+        "--methods", default=",".join(METHODS), help="a subset, comma-separated (A/B runs)"
+    )
+    p.add_argument("--threshold-mb", type=float, default=64, help="per size; 0: not measured")
     args = p.parse_args()
+    methods = tuple(m for m in METHODS if m in args.methods.split(","))
     if args.quick:
         args.policy_mb, args.frozen_mb, args.repeats, args.saves = 4, 28, 1, 3
+        args.threshold_mb = min(args.threshold_mb, 4)
     apply_threads(args)
     quiet_spawned_children()
     import warnings
@@ -202,12 +264,12 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     results: dict[str, Any] = {"environment": environment(args.device), "states": {}}
     rows = []
-    for name in args.states.split(","):
+    for name in filter(None, args.states.split(",")):  # none: --threshold-mb alone
         state, trained = STATES[name](args)
         size = nbytes(state)
-        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
         for _ in range(args.repeats):
-            for method in METHODS:
+            for method in methods:
                 root = args.dir / f"differential-{name}-{os.getpid()}"
                 rmtree(root)
                 root.mkdir(parents=True)
@@ -238,6 +300,9 @@ def main() -> None:
                 ]
             )
         ms = out["methods"]
+        results["states"][name] = out
+        if len(methods) < len(METHODS):
+            continue  # a subset: no ratios between methods
         d, full, dcp_ = (ms[k]["durable_s"] for k in METHODS[:3])
         out["durable_vs_full"] = ratio(d, full)
         out["durable_vs_dcp_async_save"] = ratio(d, dcp_)
@@ -246,9 +311,18 @@ def main() -> None:
             ms["asyncckpt"]["stall_s"], ms["dcp.async_save"]["stall_s"]
         )
         out["memory_stall_vs_full"] = ratio(ms["memory"]["stall_s"], ms["memory full"]["stall_s"])
-        results["states"][name] = out
+    if args.threshold_mb > 0:
+        results["threshold"] = threshold(args.threshold_mb, max(args.repeats, 5))
+        print_table(
+            f"copy skip threshold: {args.threshold_mb:g} MiB of tensors per size (median)",
+            ["tensor KiB", "tensors", "foreach copy s", "fingerprint s", "fingerprint/copy"],
+            [
+                [kb, m["tensors"], m["copy_s"], m["fingerprint_s"], m["fingerprint_over_copy"]]
+                for kb, m in results["threshold"]["sizes"].items()
+            ],
+        )
     rl = results["states"].get("rl")
-    if rl is not None:
+    if rl is not None and "asyncckpt" in rl["methods"]:
         added = rl["methods"]["asyncckpt"]["added_over_state"]
         results["target"] = {"step_2_added_over_state": added, "target": 0.3, "met": added <= 0.3}
     print_table(
@@ -257,6 +331,15 @@ def main() -> None:
         rows,
     )
     for name, out in results["states"].items():
+        for method, m in out["methods"].items():
+            if "fingerprint_s" in m:
+                print(
+                    f"{name} {method}: durable {m['durable_s']:.3f} s, worker fingerprint "
+                    f"{m['fingerprint_s']:.3f} s, digests reused "
+                    f"{m['fingerprint_reused_bytes'] / MiB:.0f} MiB"
+                )
+        if "durable_vs_full" not in out:
+            continue
         print(
             f"{name}: durable vs full {out['durable_vs_full']:.2f}x, "
             f"vs dcp.async_save {out['durable_vs_dcp_async_save']:.2f}x; stall vs full "
@@ -265,7 +348,7 @@ def main() -> None:
         )
     tag = f"differential{args.tag}"
     write_json(args.out, tag, results)
-    if not args.no_plot:
+    if not args.no_plot and len(methods) == len(METHODS):
         panels = []
         for name, out in results["states"].items():
             disk = list(METHODS[:3])

@@ -356,7 +356,12 @@ def test_differential_runs_and_reports_every_field(tmp_path):
         has(diff, "added_bytes", "bytes_written", "bytes_skipped", "fingerprint_s", "durable_s")
         # Bytes, not timings: the frozen part is linked, the full save writes it all.
         assert diff["added_bytes"] < full["added_bytes"] / 2 and diff["files_linked"] > 0
+        assert diff["fingerprint_reused_bytes"] > 0  # the trainer's digests reached the worker
     assert rep["target"]["met"], rep["target"]
+    sizes = rep["threshold"]["sizes"]  # the copy skip's threshold, measured per tensor size
+    assert set(sizes) == {"4", "64", "256", "512", "1024", "4096"}
+    for m in sizes.values():
+        has(m, "tensors", "copy_s", "fingerprint_s", "fingerprint_over_copy")
 
 
 def test_memory_peak_samples_trainer_and_worker(tmp_path):

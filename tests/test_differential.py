@@ -252,14 +252,32 @@ def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_a
     assert_same(target, state)
 
 
-def test_megatron_torch_dist_writes_every_file(tmp_path):
-    """torch_dist keeps megatron's file layout: differential is off for it (a log line says so
-    in the worker), every file written, no sidecar."""
-    state = state_of()
-    with SyncCheckpointEngine(tmp_path, "megatron") as engine:
+def test_megatron_torch_dist_links_unchanged_files_and_megatron_loads_them(tmp_path):
+    """torch_dist's shards are DCP files found through ``.metadata`` (megatron's loader never
+    reads a file name): they are linked as plain DCP's. Step 1 pruned, step 2 is read back by
+    our reader and by megatron's own loader in a fresh interpreter, bit for bit."""
+    import megatron_helpers as mh
+    from test_formats_megatron import _has_megatron, _megatron_load
+
+    state = mh.plain_state()
+    state["frozen"] = torch.randn(BIG)  # a file of its own
+    with SyncCheckpointEngine(tmp_path, "megatron", keep=KeepLast(1)) as engine:
         engine.save(1, state).committed_sync()
         stats = engine.save(2, state).committed_sync()
-    assert stats.files_linked == 0 and stats.bytes_skipped == 0
+    assert stats.files_linked >= 2 and stats.bytes_skipped > BIG[0] * BIG[1] * 4
+    assert stats.link_fallbacks == 0 and stats.fingerprint_reused_bytes == BIG[0] * BIG[1] * 4
     step2 = tmp_path / layout.dir_name("megatron", 2)
-    assert not list(step2.glob("*fingerprints.json"))
-    assert all(p.stat().st_nlink == 1 for p in step2.iterdir() if p.is_file())
+    assert not (tmp_path / layout.dir_name("megatron", 1)).exists()
+    assert verify(tmp_path).ok
+    target = mh.plain_state()
+    target["model"]["w"].zero_()
+    target["frozen"] = torch.zeros(BIG)
+    assert SyncCheckpointEngine(tmp_path, "megatron").load_latest(target) == 2
+    assert_same(target, state)
+    if _has_megatron():  # megatron's loader: the state without the extra tensor
+        with SyncCheckpointEngine(tmp_path / "m", "megatron", keep=KeepLast(1)) as engine:
+            engine.save(1, mh.plain_state()).committed_sync()
+            assert engine.save(2, mh.plain_state()).committed_sync().files_linked > 0
+        assert not (tmp_path / "m" / layout.dir_name("megatron", 1)).exists()
+        _megatron_load("plain", tmp_path / "m" / layout.dir_name("megatron", 2))
+    assert step2.is_dir()

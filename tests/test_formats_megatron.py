@@ -184,7 +184,8 @@ def test_two_rank_save_loads_with_megatron(tmp_path: Path) -> None:
     run_ranks(_save_two_ranks, 2, tmp_path, str(tmp_path / "mcore"), str(tmp_path / "plain"))
     mcore, plain = (tmp_path / d / L.dir_name("megatron", STEP) for d in ("mcore", "plain"))
     expected = [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"]
-    assert sorted(os.listdir(mcore)) == sorted([*expected, L.MANIFEST])
+    sidecars = ["__0_fingerprints.json", "__1_fingerprints.json"]  # differential saves' own
+    assert sorted(os.listdir(mcore)) == sorted([*expected, *sidecars, L.MANIFEST])
     # Rank 1's own chunk and object landed in rank 1's file; the replica was written once.
     files = {(i.fqn, i.offset): s.relative_path for i, s in _metadata(mcore).storage_data.items()}
     assert files == {

@@ -351,6 +351,7 @@ class ChecksumWriter(FileSystemWriter):
                 prefix,
                 self.differential.part(Path(self.path)),
                 f"asyncckpt-dcp-1|torch {torch.__version__}|crc {torch_computes_crc()}",
+                self.differential.known,
             )
             buckets = group_items(
                 plan.items, _item_bytes, lambda i: i.type != WriteItemType.BYTE_IO
@@ -380,7 +381,10 @@ class ChecksumWriter(FileSystemWriter):
         digest = None
         if self.linker is not None:
             digest = self.linker.timed_fingerprint(
-                [(_describe(item, d), _bytes_of(d)) for item, d in zip(ordered, data, strict=True)]
+                [
+                    (_describe(item, d), _bytes_of(d), _where(d))
+                    for item, d in zip(ordered, data, strict=True)
+                ]
             )
             linked = self.linker.try_link(name, digest, len(ordered))
             if linked is not None:
@@ -434,6 +438,14 @@ def _describe(item: Any, data: Any) -> str:
     if isinstance(data, torch.Tensor):
         return f"{index.fqn}|{tuple(index.offset or ())}|t|{data.dtype}|{tuple(data.shape)}"
     return f"{index.fqn}|{tuple(index.offset or ())}|b"
+
+
+def _where(data: Any) -> tuple[int, int] | None:
+    """(address, nbytes) of a contiguous tensor's bytes: the key of a digest the trainer took
+    of a staged view (``differential.known_digests``); None for anything else."""
+    if isinstance(data, torch.Tensor) and data.is_contiguous() and data.nbytes > 0:
+        return (data.data_ptr(), data.nbytes)
+    return None
 
 
 def _bytes_of(data: Any) -> Any:

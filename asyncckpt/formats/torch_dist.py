@@ -356,8 +356,10 @@ class TorchDistFormat(DCPFormat):
     ``metadata.json`` from rank 0, as ``megatron.core.dist_checkpointing.save`` writes them."""
 
     name = "torch_dist"
-    #: Not linked (yet): its files stay as megatron's writer lays them out, one per thread.
-    differential = False
+    #: Linked as plain DCP's: megatron's loader finds tensors through ``.metadata``'s storage
+    #: index, never by file name or count, so unchanged groups are whole files linked from the
+    #: previous checkpoint; ``common.pt`` and ``metadata.json`` are written every time.
+    differential = True
     metadata_files = frozenset({L.DCP_METADATA, L.TORCH_DIST_CONFIG, L.TORCH_DIST_COMMON})
     planner = _TorchDistPlanner
 
