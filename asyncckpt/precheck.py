@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .formats import wholefiles
-from .manifest import _ALGORITHMS, _POLYNOMIALS, crc_combine, entry_problem, file_checksum
+from .manifest import (
+    _ALGORITHMS,
+    _POLYNOMIALS,
+    ChecksumMismatch,
+    crc_combine,
+    entry_problem,
+    file_checksum,
+)
 
 log = logging.getLogger("asyncckpt")
 
@@ -57,6 +64,15 @@ class Checked:
 
     damage: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+
+    def raise_any(self, directory: str | os.PathLike) -> None:
+        """Raise ``ChecksumMismatch`` for damage, an ``OSError`` for an I/O error alone (a
+        flaky mount is not damage), nothing when every file matched its entry."""
+        if self.damage:
+            message = f"{directory}: " + "; ".join(self.damage + self.unreadable)
+            raise ChecksumMismatch(message, self.damage)
+        if self.unreadable:
+            raise OSError(f"{directory}: " + "; ".join(self.unreadable))
 
 
 class _Refused(Exception):

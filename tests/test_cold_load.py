@@ -77,6 +77,34 @@ def test_a_verified_load_copies_the_files_once(tmp_path):
     assert copies * size <= read < (copies + 0.3) * size, (read, size, copies)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counts")
+def test_read_checkpoint_verifies_with_the_loads_check_and_copies_the_files_once(tmp_path):
+    """``read_checkpoint`` (Lightning's path) checks with the load's check (``precheck``):
+    pages checksummed in place, then the format's one read. (Before, it read every file into
+    a buffer one after another to checksum it: twice the bytes of a read without the check.)"""
+    from asyncckpt import precheck, read_checkpoint
+
+    save(tmp_path, [1])
+    size = data_bytes(tmp_path, 1)
+    fallbacks, before = precheck.fallbacks, bytes_read()
+    out = read_checkpoint(tmp_path / L.dir_name("global_step", 1))
+    read = bytes_read() - before
+    assert torch.equal(out["model"]["w3"], state_at(1)["model"]["w3"])
+    copies = 2 if precheck.fallbacks > fallbacks else 1
+    assert copies * size <= read < (copies + 0.3) * size, (read, size, copies)
+
+
+def test_read_checkpoint_finds_damage_and_names_the_file(tmp_path):
+    save(tmp_path, [1])
+    path = data_file(tmp_path, 1)
+    flip(path, path.stat().st_size // 2)
+    from asyncckpt import read_checkpoint
+
+    with pytest.raises(CorruptCheckpoint, match=rf"{path.name}: checksum mismatch"):
+        read_checkpoint(tmp_path / L.dir_name("global_step", 1))
+    assert read_checkpoint(tmp_path / L.dir_name("global_step", 1), verify=False)["step"] == 1
+
+
 def flip(path: Path, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)

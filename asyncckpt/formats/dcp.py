@@ -670,11 +670,12 @@ class CachedMetadataReader(FileSystemReader):
         raise self.damage
 
     def _check_first(self) -> None:
-        from ..manifest import check_files
+        from ..precheck import check_files
 
-        problems = check_files(self.path, {"files": self.verify})
-        if problems:
-            self._fail(dict(enumerate(problems)))  # type: ignore[arg-type]
+        found = check_files(self.path, self.verify)
+        if found.damage:
+            self._fail(dict(enumerate(found.damage)))  # type: ignore[arg-type]
+        found.raise_any(self.path)  # an I/O error alone
         self.verified.update(self.verify)
 
     def _stored(self, item: Any) -> tuple[tuple[int, ...], torch.dtype]:
