@@ -361,7 +361,9 @@ class Worker:
                 self.events.send(M.Released(job.job_id))
                 _written(self.holder, job)
                 t_written = time.perf_counter()
-                mine = (local_error, crcs, job.paths)
+                # (and the checksums of its part offered before it was written, if it was)
+                offered = early.checksums() if (early := self._offered(job)) else None
+                mine = (local_error, crcs, job.paths, offered)
                 # The agreement: every rank's shards are durable, or nobody commits. Rank 0
                 # alone decides (and commits): it gathers every rank's checksums, the others
                 # learn the outcome from its broadcast (one gather, not an all-gather: each
@@ -456,11 +458,13 @@ class Worker:
 
     def _offer_early(self, job: SaveJob) -> None:
         """A step persisted after the trainer's death is offered to a new engine before it is
-        written (hot_serve.offer_staged); one rank (several ranks agree on a hot resume over
-        the side store, which a new engine has once started), plain DCP tensors staged whole
-        (a DTensor's piece: the disk's plan reshards it)."""
+        written (hot_serve.offer_staged): plain DCP tensors staged whole (a DTensor's piece:
+        the disk's plan reshards it); several ranks on one root (their new engines agree over
+        this run's side store: hot.py), not node-local roots nor a recovery's store."""
         cfg = self.config
-        if not self.trainer_gone or cfg.hot_hold_s <= 0 or cfg.dist is not None:
+        if not self.trainer_gone or cfg.hot_hold_s <= 0:
+            return
+        if cfg.dist is not None and (cfg.dist.ranks_per_node or cfg.dist.recovery_store):
             return
         plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
         if self.early_offer is None and plain:
@@ -520,13 +524,18 @@ class Worker:
         ``tracker`` is False), and with a remote tier the upload. Returns the outcome."""
         known: dict = {}
         paths: dict = {}
-        for _, crcs, rank_paths in results.values():
+        offered: dict[str, dict] = {}
+        for r, (_, crcs, rank_paths, *more) in results.items():
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
+            if more and more[0] is not None:
+                offered[str(r)] = more[0]
         cfg = self.config.dist
         # The run's token (shared by every rank) names this commit for the other ranks' engines.
         extra = {} if cfg is None else {"world_size": cfg.world_size, "dist_token": cfg.token}
+        if cfg is not None and offered:  # each rank's part offered before it was written
+            extra["offered_ranks"] = offered
         where = "" if cfg is None else f"rank {cfg.rank} ({{}}): "
         try:
             every_rank_wrote(tmp, {r: res[1] for r, res in results.items()}, min(results))
@@ -620,7 +629,12 @@ class Worker:
                 ),
                 **_export_wanted(self.config, job.step),
                 # Offered before written: the checksums a new engine checked (hot.py).
-                **({"offered": early.checksums()} if (early := self._offered(job)) else {}),
+                # (several ranks: ``offered_ranks``, each rank's, from _commit_all)
+                **(
+                    {"offered": early.checksums()}
+                    if self.config.dist is None and (early := self._offered(job))
+                    else {}
+                ),
                 **extra,
             },
             figures={
