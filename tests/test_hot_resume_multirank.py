@@ -154,4 +154,6 @@ def test_one_rank_whose_memory_does_not_match_sends_every_rank_to_disk(tmp_path)
     for r, res in enumerate(results):
         assert (res["step"], res["source"], res["same"]) == (1, "disk", True), (r, res)
         assert "not applied" in res["reason"], (r, res)
-    assert "another rank's memory did not" in results[0]["reason"]
+    # Rank 0 heard rank 1's "no" (or, once the failed commit withdrew its own offer, was
+    # offered step 1 only after it was written): never step 3 from memory.
+    assert any(w in results[0]["reason"] for w in ("another rank's", "only once written"))
