@@ -146,6 +146,35 @@ def test_with_nothing_older_damage_changes_nothing_of_the_target(tmp_path):
     assert [k for k, t in target["model"].items() if t.any()] == []
 
 
+def test_the_reader_waits_for_the_check_running_beside_it(tmp_path, monkeypatch):
+    """The check of the data files runs on a thread of its own while the reader plans and
+    locates its records (precheck.Pending); the reader waits for it before the first byte
+    goes into a target. Here the check takes a second and then finds damage: nothing of the
+    target changed (invariant 11), however far the reader got meanwhile."""
+    import time
+
+    from asyncckpt import restore
+
+    state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(4)}, "step": 1}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync()
+    real = restore.check_files
+
+    def slow_damage(directory, files, **kw):
+        found = real(directory, files, **kw)
+        if any(name.endswith(".distcp") for name in files):  # the data files' check
+            time.sleep(1.0)
+            found.damage.append("w: checksum mismatch (made up by the test)")
+        return found
+
+    monkeypatch.setattr(restore, "check_files", slow_damage)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
+    with pytest.raises(CorruptCheckpoint, match="made up by the test"):
+        SyncCheckpointEngine(tmp_path).load(target, step=1)
+    assert target["step"] == -1
+    assert [k for k, t in target["model"].items() if t.any()] == []
+
+
 def test_bytes_no_key_asks_for_are_checked_too(tmp_path):
     """strict=False without a key: its bytes are not loaded, yet the file is checked whole
     (as the separate pass did), so damage there is still found."""
