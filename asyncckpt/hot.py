@@ -15,8 +15,8 @@ taken (``source``) and why not the other (``source_reason``):
 * a format or a part the memory does not cover (components, another format than DCP);
 * its bytes do not match the manifest (on any rank: then every rank reads the disk).
 
-A step the worker offers before it writes it (hot_serve.offer_staged: one rank, DCP, the
-memory checkpoint persisted after the trainer's death) is taken before it is even on disk,
+A step the worker offers before it writes it (hot_serve.offer_staged: DCP, the memory
+checkpoint persisted after the trainer's death) is taken before it is even on disk,
 when it is newer than every committed step (the one ``load_latest`` picks once the commit is
 done): from the memory alone (``hot_load``), every tensor checked against the checksum the
 worker computed from its staged memory, objects and paths from the offer, no file read. Then
@@ -30,7 +30,10 @@ the memory alone too when its manifest records the checksums offered.
 Several ranks: each rank checks the files it wrote against the memory its own worker offers,
 then every rank says over the side store whether its own matched; only if all did does any
 rank apply what it read, else all read the step from the disk: never a mix of sources that
-was not checked whole.
+was not checked whole. A step offered before it was written is taken on every rank or on
+none, agreed over the old run's side store (hot_agree.py), before or after its commit (every
+rank takes the same path), and every rank's ``start()`` checks its own part committed (the
+manifest's ``offered_ranks``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from typing import Any
 from . import layout as _layout
 from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
+from .hot_agree import agree, wait_count
 from .hot_load import HotSpoiled, load_offered
 from .hot_serve import DONE, HEADER, TAKEN, Offer, peer_uid, socket_name
 from .loadcheck import LoadReport
@@ -255,12 +259,14 @@ class HotResume:
         not: never an older step while it may still commit). The root is scanned only when
         such an offer came (a load's own scans stay as they were)."""
         src = self.source
-        if src is None or src.offer.staged is None:
+        if src is not None and self.world_size > 1 and src.offer.vote is not None:
+            taken = self._on_every_rank(state, strict, committed)
+        elif src is None or src.offer.staged is None:
             return None
-        newest = max((c.step for c in committed()), default=None)
-        if self.committing(newest) is None:
+        elif self.committing(max((c.step for c in committed()), default=None)) is None:
             return None
-        taken = self.load_committing(state, strict)
+        else:
+            taken = self.load_committing(state, strict)
         if taken is None:
             from .supervisor import wait_for_worker
 
@@ -278,6 +284,48 @@ class HotResume:
         if newest is not None and src.step <= newest:
             return None  # committed by now (or older): the usual path
         return src.offer
+
+    def _on_every_rank(
+        self, state: Any, strict: bool, committed: Callable[[], list]
+    ) -> tuple[int, LoadReport] | None:
+        """Several ranks, each offered its part before it was written (hot_agree.py): copied
+        from memory here, kept only if every rank's was (else None, the reason kept, the
+        offer let go; a target already written must then be restored whole from disk). The
+        step is taken whether or not its commit is over yet: every rank takes one path."""
+        src = self.source
+        assert src is not None
+        offer, report = src.offer, None
+        newest = max((c.step for c in committed()), default=None)
+        if offer.staged is None:
+            why = f"this rank's worker offers step {offer.step} only once written"
+        elif newest is not None and offer.step < newest:
+            why = f"the surviving worker holds step {offer.step}; the newest committed is {newest}"
+        else:
+            try:
+                report = load_offered(state, offer, src.tensors, strict)
+            except StateMismatch:
+                agree(offer, self.rank, self.world_size, False)
+                self.voted = True
+                raise  # the caller's mistake: the disk's copy of the step would not fit either
+            except Exception as e:  # noqa: BLE001 - said to the other ranks: the disk, after it
+                self.spoiled = isinstance(e, HotSpoiled)  # host targets partly written
+                why = str(e)
+        agreed, heard = agree(offer, self.rank, self.world_size, report is not None)
+        self.voted = True
+        if report is None or not agreed:
+            if report is not None:
+                self.spoiled, why = True, heard  # this rank's target holds the memory
+            self.reason = f"step {offer.step}, offered before it was written, not applied: {why}"
+            log.warning("%s; reading from disk once the commit is over", self.reason)
+            src.close()
+            self.source = None
+            return None
+        self.pending = (offer.step, _offered(offer))
+        report.source = "memory"
+        report.source_reason = (
+            "taken before it was written, on every rank (its commit checked at start())"
+        )
+        return offer.step, report
 
     def load_committing(self, state: Any, strict: bool) -> tuple[int, LoadReport] | None:
         """The step offered before it was written, from the memory alone, checked against the
@@ -320,7 +368,13 @@ class HotResume:
             why = "its commit failed (the worker's log says why)"
         else:
             try:
-                if read_manifest(found).get("offered") != crcs:
+                manifest = read_manifest(found)
+                recorded = (
+                    manifest.get("offered")
+                    if self.world_size == 1
+                    else manifest.get("offered_ranks", {}).get(str(self.rank))
+                )
+                if recorded != crcs:
                     why = "it committed other bytes than those loaded"
             except CheckpointError as e:
                 why = f"its manifest cannot be read: {e}"
@@ -389,7 +443,7 @@ class HotResume:
             if self.rank == 0 and (ok or self.together):  # its worker serves the store:
                 # the others use it first (after a "no", only where every rank loads:
                 # elsewhere a rank may load alone)
-                _wait_count(store, prefix + "heard", self.world_size, cfg.timeout)
+                wait_count(store, prefix + "heard", self.world_size, cfg.timeout)
             return agreed
         except Exception as e:  # noqa: BLE001 - no agreement: the disk, on every rank
             log.warning("rank %d: the ranks could not agree on a hot resume: %s", self.rank, e)
@@ -402,14 +456,6 @@ class HotResume:
             td = datetime.timedelta(seconds=cfg.timeout)
             self.store = dist.TCPStore(cfg.host, cfg.port, None, False, td)
         return self.store
-
-
-def _wait_count(store: Any, key: str, n: int, timeout: float) -> None:
-    """Until the counter ``key`` reaches ``n`` (every rank has read what it needed), at most
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while store.add(key, 0) < n and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def _offered(offer: Offer) -> dict[str, int]:

@@ -14,8 +14,10 @@ records the offered checksums in the manifest (``offered``). The new engine's ``
 committed recording the very same checksums: a failed commit reaches it as an error (hot.py
 ``check_committed``). A failed commit withdraws the offer here.
 
-Otherwise (a staged disk save, written before the worker learnt of the death; several ranks)
-the newest step it wrote is offered once committed, as before. Either way the offer is served
+Several ranks: every rank's worker offers its own part so, and the new ranks agree over the
+old run's side store (``Offer.vote``) to take the step from memory on every rank or on none.
+Otherwise (a staged disk save, written before the worker learnt of the death) the newest step
+it wrote is offered once committed, as before. Either way the offer is served
 for ``hold_seconds`` over a local socket named after the root and the rank (an abstract Unix
 socket: this node only, this user only); the worker lock is released once the commit is over.
 
@@ -90,6 +92,11 @@ class Offer:
     staged: dict[str, tuple[torch.dtype, tuple[int, ...], int]] | None = None
     objects: dict[str, bytes] | None = None
     paths: dict[str, list] | None = None
+    # Several ranks: the old run's side store (``dist.DistConfig``, served by its rank 0's
+    # worker until its offer is read), where the new ranks agree on taking a step offered
+    # before it was written (hot.py ``EarlyVote``); set on every offer made once the trainer
+    # died, so that a rank whose early offer was withdrawn says no there.
+    vote: Any = None
 
 
 @dataclass
@@ -147,6 +154,8 @@ def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
         release_lock()
         return
     offer, fds, largest = made
+    if early is not None:  # withdrawn: the other ranks may wait for this rank's "no"
+        offer.vote = worker.config.dist
     faults.point("before_hot_serve", largest)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -211,6 +220,7 @@ def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
     crcs = tensor_crcs(views)
     offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
     offer.objects, offer.paths = dict(job.objects), job.paths
+    offer.vote = worker.config.dist
     faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
     early = EarlyOffer(offer, fds, views)
     if not early.listen(socket_name(worker.root, offer.rank)):

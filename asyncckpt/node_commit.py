@@ -35,7 +35,7 @@ from .storage.localfs import fsync_dir, makedirs, write_synced
 __all__ = ["commit_across_nodes", "leads_node", "node_of", "once_files"]
 
 #: One rank's result of writing its part: (error info or None, its files' checksums, paths).
-Result = tuple[Any, dict, Any]
+Result = tuple[Any, ...]  # (error, checksums, paths, offered)
 
 
 def node_of(cfg: _dist.DistConfig, rank: int) -> int:
@@ -51,7 +51,7 @@ def once_files(tmp: Path, results: list[Result]) -> dict[str, bytes]:
     """Rank 0's files that the other nodes lack: every file in its temporary that no other
     rank wrote (its own shards, DCP's metadata, a format's global files), nor is another
     rank's by DCP's naming (``__<rank>_...``: a sidecar such as differential fingerprints)."""
-    others = {name for _, crcs, _ in results[1:] for name in crcs}
+    others = {name for _, crcs, *_ in results[1:] for name in crcs}
     theirs = tuple(f"__{r}_" for r in range(1, len(results)))
     out = {}
     for p in sorted(tmp.rglob("*")):

@@ -20,18 +20,28 @@ and counts it in ``fallbacks``: the same checksums, one more copy.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import logging
 import mmap
 import os
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from .formats import wholefiles
-from .manifest import _ALGORITHMS, _POLYNOMIALS, crc_combine, entry_problem, file_checksum
+from .manifest import (
+    _ALGORITHMS,
+    _POLYNOMIALS,
+    ChecksumMismatch,
+    crc_combine,
+    entry_problem,
+    file_checksum,
+)
 
 log = logging.getLogger("asyncckpt")
 
@@ -57,6 +67,15 @@ class Checked:
 
     damage: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+
+    def raise_any(self, directory: str | os.PathLike) -> None:
+        """Raise ``ChecksumMismatch`` for damage, an ``OSError`` for an I/O error alone (a
+        flaky mount is not damage), nothing when every file matched its entry."""
+        if self.damage:
+            message = f"{directory}: " + "; ".join(self.damage + self.unreadable)
+            raise ChecksumMismatch(message, self.damage)
+        if self.unreadable:
+            raise OSError(f"{directory}: " + "; ".join(self.unreadable))
 
 
 class _Refused(Exception):
@@ -217,3 +236,63 @@ def _check_read(
     problems = wholefiles.read_files(reads, threads, on_bytes=on_bytes, errors=errors)
     out.damage += problems.values()
     out.unreadable += [str(e) for e in errors.values()]
+
+
+#: The check of the load in this context still running (``Pending``): a reader waits for it
+#: (``before_target``) before its first byte goes into a target.
+_pending: contextvars.ContextVar[Pending | None] = contextvars.ContextVar(
+    "asyncckpt_pending_check", default=None
+)
+
+
+class Pending:
+    """A check run on a thread of its own while the load plans and locates its records (a
+    disk-bound check and CPU-bound planning overlap). Invariant 11 holds because the reader
+    waits for it (``before_target``) before writing a target, and ``gating`` waits for it in
+    any case; its error is the load's."""
+
+    def __init__(self, check: Callable[[], None]) -> None:
+        self._check = check
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="asyncckpt-precheck", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._check()
+        except BaseException as e:  # noqa: BLE001 - raised in the load's thread (wait)
+            self.error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def before_target() -> None:
+    """Called by a reader before its first byte goes into a target: the check of this load,
+    if it still runs on a thread of its own, has passed (else its error is raised)."""
+    pending = _pending.get()
+    if pending is not None:
+        pending.wait()
+
+
+@contextlib.contextmanager
+def gating(pending: Pending | None) -> Iterator[None]:
+    """Around the reads of a load whose check is ``pending``: readers wait for it before
+    writing a target; at the end it is waited for in any case, and a failed check is the
+    load's error (not what a reader made of it: DCP wraps what a reader raises)."""
+    if pending is None:
+        yield
+        return
+    token = _pending.set(pending)
+    try:
+        yield
+    except BaseException:
+        pending._thread.join()
+        if pending.error is not None:
+            raise pending.error from None
+        raise
+    finally:
+        _pending.reset(token)
+    pending.wait()

@@ -22,13 +22,15 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
 
     Tensors come back on the CPU; dicts and lists are rebuilt with their original key types;
     Stateful objects come back as the ``state_dict()`` they were saved as. With ``verify`` the
-    files are checked against the manifest's checksums first (``CorruptCheckpoint`` on a mismatch).
+    files are checked against the manifest's checksums first (``precheck.check_files``;
+    ``ChecksumMismatch``, a ``CorruptCheckpoint``, on a mismatch).
     Only formats that read back without a target (``Format.read``) are supported: ``dcp`` (the
     ``global_step`` layout's default) of the built-in ones.
     """
     import torch.distributed.checkpoint as dcp_api
 
-    from .manifest import check_files, read_manifest
+    from .manifest import read_manifest
+    from .precheck import check_files
 
     directory = Path(path)
     if not directory.is_dir():
@@ -49,10 +51,8 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
                 "(load it in place with engine.load(state, path=...))"
             )
         paths = manifest.get("paths")
-        if verify:
-            problems = check_files(directory, manifest)
-            if problems:
-                raise CorruptCheckpoint(f"{directory}: " + "; ".join(problems))
+        if verify:  # every file at once, checksummed in place: the read is the one copy
+            check_files(directory, manifest.get("files", {})).raise_any(directory)
     elif not (directory / _layout.DCP_METADATA).exists():
         raise CheckpointError(f"{directory} holds no checkpoint (no manifest, no .metadata)")
     try:

@@ -35,7 +35,7 @@ from .formats.hotread import HotDeclined, HotRead, active
 from .hot import HotResume
 from .loadcheck import LoadReport, Vanished
 from .manifest import read_manifest
-from .precheck import check_files
+from .precheck import Pending, check_files, gating
 from .retention import CheckpointInfo
 from .storage import RemoteTier
 from .supervisor import wait_for_orphaned_workers
@@ -203,10 +203,15 @@ class Restorer:
             rest = {r: f for r, f in files.items() if r not in first}
             # Hot: the data is checked as the memory is read, before any of it goes in.
             verify = _hot_verify(hot, parts, manifest, self.verify_on_load, rest)
-            if verify is None:
+            pending = None
+            if verify is None and _checks_before_target(parts):
+                # DCP's reader waits for the check before it writes a target: the check reads
+                # the disk while the reader plans and locates its records.
+                pending = Pending(lambda: self._verify(directory, rest, progress))
+            elif verify is None:
                 self._verify(directory, rest, progress)
             progress.reading()
-            with records.count_fallbacks() as fallbacks, _hot_reading(hot):
+            with records.count_fallbacks() as fallbacks, _hot_reading(hot), gating(pending):
                 for part, report in zip(parts, reports, strict=True):
                     self._read_part(part, report, directory, verify)
         merged = loadcheck.merge_reports(parts, reports, strict)
@@ -605,6 +610,12 @@ def _hot_verify(
     if why is not None:
         hot.settle({"": why})
     return Verify(files)
+
+
+def _checks_before_target(parts: list[Part]) -> bool:
+    """Whether the reader of ``parts`` waits for the load's check before it writes a target
+    (``precheck.before_target``): one part in DCP's format, read by formats/dcp.py's reader."""
+    return len(parts) == 1 and parts[0].fmt == "dcp"
 
 
 @contextlib.contextmanager

@@ -365,7 +365,7 @@ class Worker:
                 self.events.send(M.Released(job.job_id))
                 _written(self.holder, job)
                 t_written = time.perf_counter()
-                mine = (local_error, crcs, job.paths)
+                mine = (local_error, crcs, job.paths, _checksums(self._offered(job)))
                 # The agreement: every rank's shards are durable, or nobody commits. Rank 0
                 # alone decides (and commits): it gathers every rank's checksums, the others
                 # learn the outcome from its broadcast (one gather, not an all-gather: each
@@ -459,12 +459,11 @@ class Worker:
         return crcs
 
     def _offer_early(self, job: SaveJob) -> None:
-        """A step persisted after the trainer's death is offered to a new engine before it is
-        written (hot_serve.offer_staged); one rank (several ranks agree on a hot resume over
-        the side store, which a new engine has once started), plain DCP tensors staged whole
-        (a DTensor's piece: the disk's plan reshards it)."""
+        """Offer a step persisted after the trainer's death before writing it (offer_staged):
+        plain DCP tensors staged whole, ranks of one root (not node-local nor a recovery)."""
         cfg = self.config
-        if not self.trainer_gone or cfg.hot_hold_s <= 0 or cfg.dist is not None:
+        one_root = cfg.dist is None or not (cfg.dist.ranks_per_node or cfg.dist.recovery_store)
+        if not self.trainer_gone or cfg.hot_hold_s <= 0 or not one_root:
             return
         plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
         if self.early_offer is None and plain:
@@ -526,13 +525,14 @@ class Worker:
         ``tracker`` is False), and with a remote tier the upload. Returns the outcome."""
         known: dict = {}
         paths: dict = {}
-        for _, crcs, rank_paths in results.values():
+        for _, crcs, rank_paths, *_ in results.values():
             known.update(crcs)
             for k, v in rank_paths.items():
                 paths.setdefault(k, v)
         cfg = self.config.dist
         # The run's token (shared by every rank) names this commit for the other ranks' engines.
         extra = {} if cfg is None else {"world_size": cfg.world_size, "dist_token": cfg.token}
+        extra.update(_offered_by_rank(results) if cfg is not None else {})
         where = "" if cfg is None else f"rank {cfg.rank} ({{}}): "
         try:
             every_rank_wrote(tmp, {r: res[1] for r, res in results.items()}, min(results))
@@ -625,8 +625,8 @@ class Worker:
                     else {}
                 ),
                 **_export_wanted(self.config, job.step),
-                # Offered before written: the checksums a new engine checked (hot.py).
-                **({"offered": early.checksums()} if (early := self._offered(job)) else {}),
+                # Offered before written: what a new engine checked (hot.py; ranks: _commit_all)
+                **_offered_alone(self._offered(job) if self.config.dist is None else None),
                 **extra,
             },
             figures={
@@ -855,3 +855,21 @@ def worker_main(
 
         # What it wrote stays in memory a while for a new engine (a hot resume).
         serve(worker, config.hot_hold_s, lambda: unlock(lock_fd) if lock_fd is not None else None)
+
+
+def _checksums(early: Any) -> dict[str, int] | None:
+    """The checksums of a step offered before it was written (``EarlyOffer``), or None."""
+    return early.checksums() if early is not None else None
+
+
+def _offered_alone(early: Any) -> dict[str, Any]:
+    """One rank: the manifest's ``offered``, the checksums of a step offered before it was
+    written (hot.py checks them at the new engine's start)."""
+    return {"offered": early.checksums()} if early is not None else {}
+
+
+def _offered_by_rank(results: dict[int, tuple]) -> dict[str, Any]:
+    """Several ranks: ``offered_ranks``, each rank's checksums of its part offered before it
+    was written (each rank's new engine checks its own at start)."""
+    offered = {str(r): res[3] for r, res in results.items() if len(res) > 3 and res[3]}
+    return {"offered_ranks": offered} if offered else {}

@@ -77,6 +77,34 @@ def test_a_verified_load_copies_the_files_once(tmp_path):
     assert copies * size <= read < (copies + 0.3) * size, (read, size, copies)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux's per-process I/O counts")
+def test_read_checkpoint_verifies_with_the_loads_check_and_copies_the_files_once(tmp_path):
+    """``read_checkpoint`` (Lightning's path) checks with the load's check (``precheck``):
+    pages checksummed in place, then the format's one read. (Before, it read every file into
+    a buffer one after another to checksum it: twice the bytes of a read without the check.)"""
+    from asyncckpt import precheck, read_checkpoint
+
+    save(tmp_path, [1])
+    size = data_bytes(tmp_path, 1)
+    fallbacks, before = precheck.fallbacks, bytes_read()
+    out = read_checkpoint(tmp_path / L.dir_name("global_step", 1))
+    read = bytes_read() - before
+    assert torch.equal(out["model"]["w3"], state_at(1)["model"]["w3"])
+    copies = 2 if precheck.fallbacks > fallbacks else 1
+    assert copies * size <= read < (copies + 0.3) * size, (read, size, copies)
+
+
+def test_read_checkpoint_finds_damage_and_names_the_file(tmp_path):
+    save(tmp_path, [1])
+    path = data_file(tmp_path, 1)
+    flip(path, path.stat().st_size // 2)
+    from asyncckpt import read_checkpoint
+
+    with pytest.raises(CorruptCheckpoint, match=rf"{path.name}: checksum mismatch"):
+        read_checkpoint(tmp_path / L.dir_name("global_step", 1))
+    assert read_checkpoint(tmp_path / L.dir_name("global_step", 1), verify=False)["step"] == 1
+
+
 def flip(path: Path, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -113,6 +141,35 @@ def test_with_nothing_older_damage_changes_nothing_of_the_target(tmp_path):
     flip(path, w3.offset + w3.length // 2)  # in the middle of a large tensor's bytes
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
     with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
+        SyncCheckpointEngine(tmp_path).load(target, step=1)
+    assert target["step"] == -1
+    assert [k for k, t in target["model"].items() if t.any()] == []
+
+
+def test_the_reader_waits_for_the_check_running_beside_it(tmp_path, monkeypatch):
+    """The check of the data files runs on a thread of its own while the reader plans and
+    locates its records (precheck.Pending); the reader waits for it before the first byte
+    goes into a target. Here the check takes a second and then finds damage: nothing of the
+    target changed (invariant 11), however far the reader got meanwhile."""
+    import time
+
+    from asyncckpt import restore
+
+    state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(4)}, "step": 1}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync()
+    real = restore.check_files
+
+    def slow_damage(directory, files, **kw):
+        found = real(directory, files, **kw)
+        if any(name.endswith(".distcp") for name in files):  # the data files' check
+            time.sleep(1.0)
+            found.damage.append("w: checksum mismatch (made up by the test)")
+        return found
+
+    monkeypatch.setattr(restore, "check_files", slow_damage)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": -1}
+    with pytest.raises(CorruptCheckpoint, match="made up by the test"):
         SyncCheckpointEngine(tmp_path).load(target, step=1)
     assert target["step"] == -1
     assert [k for k, t in target["model"].items() if t.any()] == []

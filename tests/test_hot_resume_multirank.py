@@ -1,7 +1,9 @@
 """A hot resume on two ranks (issue 34 item 5): every trainer is SIGKILLed after memory saves;
-each worker commits its part, then offers it from memory (``MemoryTier(hold_seconds=)``). New
-trainers load from memory only if every rank's memory matched the manifest; one rank's bad
-byte sends every rank to the disk, bit for bit all the same.
+each worker offers its part of the step it persists from memory before writing it
+(``MemoryTier(hold_seconds=)``), and the new trainers agree over the old run's side store to
+take it from memory on every rank or on none (hot_agree.py): before its commit is over too,
+each rank's ``start()`` then checking that its part committed as loaded. One rank's bad byte
+sends every rank to the disk, bit for bit all the same.
 
 Each rank is a subprocess (gloo over a FileStore), as in test_memory_tier_multirank.py.
 """
@@ -16,25 +18,27 @@ import pytest
 from rank_procs import ranks_running
 from test_flush_on_death import wait_gone
 
-from asyncckpt import faults
+from asyncckpt import faults, verify
 
 pytestmark = pytest.mark.integration  # several ranks: `-m integration`
 
 WORLD = 2
 
 TRAINER = """
-import os, signal, sys
+import json, os, signal, sys
 import torch.distributed as dist
-from asyncckpt import MemoryTier, SyncCheckpointEngine
+from asyncckpt import MemoryTier, SyncCheckpointEngine, faults
 sys.path.insert(0, sys.argv[5])
 from test_flush_on_death_multirank import state
 rank, world, root, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-engine = SyncCheckpointEngine(
-    root, keep=None, dist_timeout=60, memory=MemoryTier(hold_seconds=120)
+engine = SyncCheckpointEngine(  # (the side group's timeout: over SLOW_COMMIT_S)
+    root, keep=None, dist_timeout=180, memory=MemoryTier(hold_seconds=240)
 )
 engine.__enter__()  # never left: the trainer dies inside
 engine.save(1, state(rank, 1)).committed_sync(120)
+for point, action in json.loads(os.environ.get("HOT_LATER", "{}")).items():  # saves after 1
+    faults.inject(point, action)
 for step in (2, 3):
     engine.save(step, state(rank, step), tier="memory")  # returned: held by the worker
 print(engine.worker_pid, flush=True)
@@ -42,23 +46,38 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 LOADER = """
-import json, sys, torch
+import json, os, sys, torch
+from pathlib import Path
 import torch.distributed as dist
-from asyncckpt import SyncCheckpointEngine
+from asyncckpt import SyncCheckpointEngine, UncommittedResume
+from asyncckpt import layout as L
 sys.path.insert(0, sys.argv[5])
 from test_flush_on_death_multirank import state
 rank, world, root, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-want = state(rank, 3)
-target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "step": 0}
-with SyncCheckpointEngine(root, keep=None, dist_timeout=60) as engine:
-    step = engine.load_latest(target)
-    report = engine.last_load_report
-same = target["step"] == 3 and all(
+shapes = state(rank, 3)["model"]
+target = {"model": {k: torch.zeros_like(v) for k, v in shapes.items()}, "step": 0}
+engine = SyncCheckpointEngine(root, keep=None, dist_timeout=60)
+early = os.environ.get("HOT_EARLY") == "1"  # load_latest before start(): no wait for the worker
+if not early:
+    engine.__enter__()
+step = engine.load_latest(target)
+committed = [c.step for c in L.scan(Path(root), "global_step")]  # when load_latest returned
+report = engine.last_load_report
+started = "ok"
+if early:
+    try:
+        engine.__enter__()
+    except (UncommittedResume, RuntimeError) as e:  # (rank > 0: rank 0's, from the rendezvous)
+        started = f"{type(e).__name__}: {e}"
+if started == "ok":
+    engine.__exit__(None, None, None)
+want = state(rank, step)
+same = target["step"] == step and all(
     torch.equal(target["model"][k], v) for k, v in want["model"].items()
 )
 print(json.dumps({"step": step, "source": report.source, "reason": report.source_reason,
-                  "same": same}), flush=True)
+                  "same": same, "committed": committed, "started": started}), flush=True)
 """
 
 
@@ -72,23 +91,69 @@ def run_ranks(tmp_path: Path, script: str, name: str, envs: dict[int, dict]) -> 
     return [ranks.out(r) for r in range(WORLD)]
 
 
-def resume(tmp_path: Path, trainer_envs: dict[int, dict]) -> tuple[list[dict], list[int]]:
+def resume(
+    tmp_path: Path, trainer_envs: dict[int, dict], early: bool = False
+) -> tuple[list[dict], list[int]]:
     workers = [int(o.split()[0]) for o in run_ranks(tmp_path, TRAINER, "trainer", trainer_envs)]
-    out = run_ranks(tmp_path, LOADER, "loader", {})
+    loader_env = {"HOT_EARLY": "1"} if early else {}
+    out = run_ranks(tmp_path, LOADER, "loader", {r: loader_env for r in range(WORLD)})
     return [json.loads(o.strip().splitlines()[-1]) for o in out], workers
+
+
+#: The old workers' commit of the step they persist after the death waits this long.
+SLOW_COMMIT_S = 60  # (loaders start slowly on a busy machine: tens of seconds)
+
+
+def later(**faults_armed: str) -> str:
+    return json.dumps(faults_armed)
 
 
 def test_both_ranks_resume_from_memory(tmp_path):
     results, workers = resume(tmp_path, {})
     for r, res in enumerate(results):
         assert (res["step"], res["source"], res["same"]) == (3, "memory", True), (r, res)
+        assert "on every rank" in res["reason"], (r, res)
     for pid in workers:  # taken: freed
         wait_gone(pid, 60)
 
 
+def test_both_ranks_take_the_step_before_it_is_committed(tmp_path):
+    """Loaded before start() while the old workers still commit step 3: both ranks from
+    memory (before, several ranks waited for the commit, then read the step it wrote back),
+    and each rank's start() finds its part committed with the checksums it checked."""
+    slow = {"HOT_LATER": later(before_metadata=f"delay:{SLOW_COMMIT_S}")}
+    results, _ = resume(tmp_path, {0: slow, 1: slow}, early=True)
+    for r, res in enumerate(results):
+        assert (res["step"], res["source"], res["same"]) == (3, "memory", True), (r, res)
+        assert res["committed"] == [1], (r, res)  # returned while step 3's commit still ran
+        assert res["started"] == "ok", (r, res)
+    root = tmp_path / "r"
+    assert verify(root).ok and [c.step for c in verify(root).checkpoints] == [1, 3]
+    manifest = json.loads((root / "global_step_3" / "asyncckpt_manifest.json").read_text())
+    assert set(manifest["offered_ranks"]) == {"0", "1"}
+    assert set(manifest["offered_ranks"]["1"]) == {"model.r1.w", "model.shared"}
+
+
+def test_a_commit_that_fails_after_both_ranks_took_the_memory_reaches_every_rank(tmp_path):
+    slow = {"HOT_LATER": later(before_metadata=f"delay:{SLOW_COMMIT_S}", before_rename="eio")}
+    results, _ = resume(tmp_path, {0: slow, 1: slow}, early=True)
+    for r, res in enumerate(results):
+        assert (res["step"], res["source"], res["same"]) == (3, "memory", True), (r, res)
+        # Rank 0's start() raises it; the others hear it from rank 0 as theirs fails.
+        assert "UncommittedResume: step 3" in res["started"], (r, res)
+        assert "its commit failed" in res["started"], (r, res)
+    assert [c.step for c in verify(tmp_path / "r").checkpoints] == [1]
+
+
 def test_one_rank_whose_memory_does_not_match_sends_every_rank_to_disk(tmp_path):
+    """Rank 1's worker flips a bit of its staged memory after checksumming it for the offer:
+    its new engine's check fails (or its offer was withdrawn already), rank 0 hears so and
+    applies nothing from memory; rank 1's worker refuses to commit step 3 (its files were
+    written from the changed memory), so every rank reads step 1 from disk, bit for bit."""
     results, _ = resume(tmp_path, {1: {faults.ENV_VAR: "before_hot_serve=corrupt"}})
     for r, res in enumerate(results):
-        assert (res["step"], res["source"], res["same"]) == (3, "disk", True), (r, res)
-    assert "did not match the manifest" in results[1]["reason"]
-    assert "another rank's memory did not" in results[0]["reason"]
+        assert (res["step"], res["source"], res["same"]) == (1, "disk", True), (r, res)
+        assert "not applied" in res["reason"], (r, res)
+    # Rank 0 heard rank 1's "no" (or, once the failed commit withdrew its own offer, was
+    # offered step 1 only after it was written): never step 3 from memory.
+    assert any(w in results[0]["reason"] for w in ("another rank's", "only once written"))

@@ -613,12 +613,15 @@ class CachedMetadataReader(FileSystemReader):
         self._metadata = metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from ..precheck import before_target  # (precheck imports this package)
+
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         hot = hotread.current()  # a hot resume: tensor bytes from a surviving worker's memory
         if any(info.transform_descriptors for info in infos):
             if hot is not None:
                 self._settle(hot, {"": "compressed records are not read from memory"})
             self._check_first()  # DCP's reader reads them: checked before, apart
+            before_target()  # the load's own check, if it still runs (precheck.Pending)
             return super().read_data(plan, planner)
         # (A hot read checks the files this rank wrote or reads: the other ranks check theirs.)
         mine = [n for n in self.verify if hot is None or hot.owns(n)]
@@ -648,6 +651,7 @@ class CachedMetadataReader(FileSystemReader):
                 if where is not None:
                     count(where)
                 applies.append(self._place_item(f, item, info, where, planner))
+            before_target()  # the load's own check, if it still runs (precheck.Pending)
             problems = wholefiles.read_files(files)
         finally:
             for f in files:
@@ -682,11 +686,12 @@ class CachedMetadataReader(FileSystemReader):
         raise self.damage
 
     def _check_first(self) -> None:
-        from ..manifest import check_files
+        from ..precheck import check_files
 
-        problems = check_files(self.path, {"files": self.verify})
-        if problems:
-            self._fail(dict(enumerate(problems)))  # type: ignore[arg-type]
+        found = check_files(self.path, self.verify)
+        if found.damage:
+            self._fail(dict(enumerate(found.damage)))  # type: ignore[arg-type]
+        found.raise_any(self.path)  # an I/O error alone
         self.verified.update(self.verify)
 
     def _stored(self, item: Any) -> tuple[tuple[int, ...], torch.dtype]:

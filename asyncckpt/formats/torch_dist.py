@@ -429,11 +429,9 @@ class TorchDistFormat(DCPFormat):
         mapping = _mcore_mapping()
         if mapping is not None and _has_sharded_base(target, mapping.ShardedBase):
             if options.verify is not None:  # megatron's loader reads: checked before, apart
-                from ..manifest import ChecksumMismatch, check_files
+                from ..precheck import check_files
 
-                problems = check_files(location, {"files": options.verify.files})
-                if problems:
-                    raise ChecksumMismatch(f"{location}: " + "; ".join(problems), problems)
+                check_files(location, options.verify.files).raise_any(location)
                 options.verify.done.update(options.verify.files)
             _load_megatron(target, location)
         else:
