@@ -32,6 +32,7 @@ from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
+from .sidekeys import JobKeys
 from .staging import TensorSpec
 from .storage.local import LocalStore
 
@@ -218,6 +219,7 @@ class Worker:
         self.trainer_gone = False
         self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered before written
         self.links = LinkSource(self.root, config.layout, config.differential)
+        self.job_keys = JobKeys()  # the job groups; rank 0 frees their side-store keys
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -345,7 +347,7 @@ class Worker:
         self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
         group = (
-            _dist.job_group(cfg, f"{job.step}.{job.attempt}")
+            self.job_keys.group(cfg, f"{job.step}.{job.attempt}")
             if cfg is not None
             else contextlib.nullcontext(None)
         )
