@@ -1,0 +1,69 @@
+"""The ranks' vote on a hot resume costs each rank a constant number of side-store requests.
+
+Before, every rank wrote its word under a key of its own and every rank read all N words:
+N^2 requests per load at the one store (10^8 at 10,000 ranks). Now the words are counted.
+Ranks are threads here, over one in-process store.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from asyncckpt import dist as _dist
+from asyncckpt.hot import HotResume
+
+WORLD = 8
+
+
+class Counting:
+    """One rank's view of the shared store, counting its requests."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _vote(words: list[bool], tmp_path: Path) -> tuple[list[bool], list[int], int]:
+    shared = dist.HashStore()
+    cfg = _dist.DistConfig(0, WORLD, 0, "127.0.0.1", 1, "tok", timeout=60.0)
+    said: list[bool] = [False] * WORLD
+    views = [Counting(shared) for _ in range(WORLD)]
+
+    def rank(r: int) -> None:
+        hot = HotResume(tmp_path, r, WORLD)
+        hot.vote_cfg, hot.loads, hot.store = cfg, 1, views[r]
+        said[r] = hot.vote(words[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return said, [v.requests for v in views], shared.num_keys()
+
+
+@pytest.mark.parametrize("no_from", [None, 0, 5])
+def test_the_vote_agrees_and_costs_each_rank_a_constant(tmp_path, no_from):
+    words = [r != no_from for r in range(WORLD)]
+    said, requests, _ = _vote(words, tmp_path)
+    assert said == [no_from is None] * WORLD
+    # rank 0 also polls the "heard" counter until every rank has its answer: leave it out
+    assert max(requests[1:]) <= 6, requests  # before: WORLD + 3 per rank voting yes
+
+
+def test_a_unanimous_vote_leaves_no_key(tmp_path):
+    said, _, keys = _vote([True] * WORLD, tmp_path)
+    assert all(said) and keys == 0  # before: WORLD + 1 keys per load, kept
