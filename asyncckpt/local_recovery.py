@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import socket
 import threading
 from collections.abc import Iterable, Mapping
@@ -251,8 +252,9 @@ def commit_fetched(
 class StepAgreement:
     """The ranks' agreement on the step every rank loads (``which_step_to_load``) on
     node-local roots of several nodes, over the workers' side store (never the training's
-    collectives): each rank publishes the steps its node's root holds committed and reads
-    every rank's. Replicas are not counted yet (the holder does not persist them yet), so a
+    collectives): each rank publishes the steps its node's root holds committed, rank 0
+    reads every rank's and publishes the choice, which every rank reads (O(N) requests per
+    load, on rank 0; every rank reading every rank's list was N^2). Replicas are not counted yet (the holder does not persist them yet), so a
     step missing on some node's disk is not loaded by any rank: never a mix of steps."""
 
     def __init__(self, cfg: Any) -> None:
@@ -269,8 +271,20 @@ class StepAgreement:
         self.loads += 1
         prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
         store = side_store(cfg)
+        td = datetime.timedelta(seconds=cfg.timeout)
         store.set(prefix + str(cfg.rank), json.dumps(sorted(steps)))
-        keys = [prefix + str(r) for r in range(cfg.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-        on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
-        return which_step_to_load(on_disk, {}, cfg.world_size)
+        if cfg.rank == 0:
+            keys = [prefix + str(r) for r in range(cfg.world_size)]
+            store.wait(keys, td)
+            on_disk = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+            store.set(
+                prefix + "choice", pickle.dumps(which_step_to_load(on_disk, {}, cfg.world_size))
+            )
+            for k in keys:  # (read by rank 0 only)
+                store.delete_key(k)
+        store.wait([prefix + "choice"], td)
+        choice: LoadChoice = pickle.loads(store.get(prefix + "choice"))
+        if store.add(prefix + "read", 1) == cfg.world_size:  # the last reader removes it
+            store.delete_key(prefix + "choice")
+            store.delete_key(prefix + "read")
+        return choice

@@ -1,8 +1,9 @@
-"""The ranks' vote on a hot resume costs each rank a constant number of side-store requests.
+"""The ranks' agreements at load cost each rank a constant number of side-store requests.
 
-Before, every rank wrote its word under a key of its own and every rank read all N words:
-N^2 requests per load at the one store (10^8 at 10,000 ranks). Now the words are counted.
-Ranks are threads here, over one in-process store.
+Before, a hot resume's vote and ``storage="local"``'s step agreement had every rank write
+its word under a key of its own and every rank read all N words: N^2 requests per load at
+the one store (10^8 at 10,000 ranks), and N keys kept. Ranks are threads here, over one
+in-process store.
 """
 
 from __future__ import annotations
@@ -67,3 +68,29 @@ def test_the_vote_agrees_and_costs_each_rank_a_constant(tmp_path, no_from):
 def test_a_unanimous_vote_leaves_no_key(tmp_path):
     said, _, keys = _vote([True] * WORLD, tmp_path)
     assert all(said) and keys == 0  # before: WORLD + 1 keys per load, kept
+
+
+def test_the_load_step_agreement_reads_every_list_on_rank_0_only(tmp_path, monkeypatch):
+    """``storage="local"``'s agreement at load on the step every rank loads: every rank read
+    every rank's list of steps (N^2 requests per load, N keys kept); now rank 0 reads them
+    and publishes the choice."""
+    from asyncckpt.local_recovery import StepAgreement
+
+    shared = dist.HashStore()
+    views = [Counting(shared) for _ in range(WORLD)]
+    monkeypatch.setattr(_dist, "side_store", lambda cfg: views[cfg.rank])
+    chosen: list[Any] = [None] * WORLD
+
+    def rank(r: int) -> None:
+        cfg = _dist.DistConfig(r, WORLD, r, "127.0.0.1", 1, "tok", timeout=60.0)
+        steps = [10, 20] if r != 3 else [10]  # rank 3's node misses step 20
+        chosen[r] = StepAgreement(cfg).choose(steps)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [c.step for c in chosen] == [10] * WORLD and chosen[1].fell_back
+    assert max(v.requests for v in views[1:]) <= 6  # before: WORLD + 2 per rank
+    assert shared.num_keys() == 0  # before: WORLD keys per load, kept
