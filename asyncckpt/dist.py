@@ -19,10 +19,11 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   is what the trainer keeps: a restarted rank-0 worker serves a fresh store on the same
   address, so no rank has to learn a new one and no other process can take the port meanwhile
   (a client that connects during the restart waits in the socket's backlog for the new worker).
-- **Per save.** Every rank's worker joins a fresh gloo group for the job over that store (a
+- **Per save.** Every rank's worker joins a fresh gloo group for the job over that store,
+  through one connection per worker kept across saves (``job_store``): a
   ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
-  broken group behind; rank 0's worker deletes its keys once every rank has left it:
-  sidekeys.py), connected lazily (``lazy_gloo``: a pair of ranks connects on its first
+  broken group behind; rank 0's worker deletes its keys once every rank has left it,
+  sidekeys.py; connected lazily (``lazy_gloo``: a pair of ranks connects on its first
   message, so forming it costs O(1) per rank, not a read and a connection per other rank). DCP plans and writes each rank's own shards over that group; the workers
   then gather a success flag with their file checksums on rank 0 (gloo detects a dead peer, and
   the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
