@@ -83,9 +83,12 @@ def judge(words: list[Word]) -> str | None:
     return None
 
 
-def wait_count(store: Any, key: str, n: int, timeout: float) -> None:
+def wait_count(store: Any, key: str, n: int, timeout: float) -> bool:
     """Until the counter ``key`` reaches ``n`` (every rank has read what it needed), at most
-    ``timeout`` seconds."""
+    ``timeout`` seconds; whether it did."""
     deadline = time.monotonic() + timeout
-    while store.add(key, 0) < n and time.monotonic() < deadline:
+    while store.add(key, 0) < n:
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.005)
+    return True

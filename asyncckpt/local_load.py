@@ -9,22 +9,27 @@ The protocol (``StepAgreement.choose``, every rank once per load, in the same or
    also the replicas its root holds of other nodes' directories
    (``local_recovery.held_replicas``: written there at the trainers' death by the stand-ins,
    replication.py) and, if it holds any, the address of a ``ReplicaServer`` it starts.
-2. Every rank reads every rank's and decides alike (``which_step_to_load``): the newest step
-   every rank can get from its own disk or its node's replica; never a mix of steps.
+2. Rank 0 alone reads every rank's word (N requests, not N^2), decides
+   (``which_step_to_load``: the newest step every rank can get from its own disk or its
+   node's replica; never a mix of steps) and publishes the choice with the replica servers'
+   addresses, which every rank reads.
 3. The local rank 0 of each node that lacks that step fetches its node's directory from the
    holder (``fetch_replica``: every checksum checked before anything is kept) and commits it
    into its own root (``commit_fetched``: manifest, rename, tracker), then says so in the
    store; every rank waits for every fetching node's word (the holder keeps serving until
    then). A failed fetch fails the load on every rank, saying which node and why.
-4. Every rank says it read all it needed; rank 0 waits for that before it goes on (its worker
-   serves the store, and its engine may close right after its load).
+4. Every rank counts itself as having read all it needed; rank 0 waits for the count
+   before it goes on (its worker serves the store, and its engine may close right after its
+   load), then deletes the load's keys: the store does not grow with loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,7 @@ from typing import Any
 
 from . import layout as _layout
 from .errors import NoValidCheckpoint
+from .hot_agree import wait_count
 from .local_recovery import (
     LoadChoice,
     ReplicaServer,
@@ -84,31 +90,31 @@ class StepAgreement:
 
                 mine["addr"] = [_my_address(cfg), server.port]
             store.set(prefix + str(cfg.rank), json.dumps(mine))
-            keys = [prefix + str(r) for r in range(cfg.world_size)]
             timeout = datetime.timedelta(seconds=cfg.timeout)
-            store.wait(keys, timeout)
-            said = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
-            on_disk = {r: s["disk"] for r, s in said.items()}
-            replicas: dict[int, tuple[int, list[int]]] = {}
-            addrs = {r: s["addr"] for r, s in said.items() if s["addr"]}
-            for holder, s in said.items():
-                for node, held_steps in s["held"].items():
-                    for r in range(int(node) * per, (int(node) + 1) * per):
-                        replicas[r] = (holder, held_steps)
-            choice = which_step_to_load(on_disk, replicas, cfg.world_size)
+            if cfg.rank == 0:  # rank 0 alone reads every rank's word (N requests, not N^2)
+                keys = [prefix + str(r) for r in range(cfg.world_size)]
+                store.wait(keys, timeout)
+                said = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+                store.set(prefix + "plan", pickle.dumps(_plan(said, per, cfg.world_size)))
+                for k in keys:
+                    store.delete_key(k)
+            store.wait([prefix + "plan"], timeout)
+            choice, addrs = pickle.loads(store.get(prefix + "plan"))
             nodes = sorted({r // per for r in choice.fetch})
             failed: list[str] = []
+            done = [f"{prefix}fetched/{n}" for n in nodes]
             if choice.step is not None and nodes:
                 self._fetch(store, prefix, choice, addrs, nodes, leader)
-                done = [f"{prefix}fetched/{n}" for n in nodes]
                 store.wait(done, timeout)
                 failed = [store.get(k).decode() for k in done]
                 failed = [f for f in failed if f != "ok"]
             # Rank 0's worker serves the store: rank 0 goes on (and may close its engine)
-            # only once every rank read all it needs from it.
-            store.set(f"{prefix}read/{cfg.rank}", "1")
-            if cfg.rank == 0:
-                store.wait([f"{prefix}read/{r}" for r in range(cfg.world_size)], timeout)
+            # only once every rank read all it needs from it; then it removes the load's keys.
+            store.add(prefix + "read", 1)
+            if cfg.rank == 0 and wait_count(store, prefix + "read", cfg.world_size, cfg.timeout):
+                with contextlib.suppress(Exception):  # (kept, if not: a few keys per load)
+                    for k in [prefix + "plan", prefix + "read", *done]:
+                        store.delete_key(k)
             if failed:
                 raise NoValidCheckpoint(
                     f"not loading step {choice.step}: fetching it from a replica failed: "
@@ -164,3 +170,16 @@ class StepAgreement:
             local.discard(tmp)
             outcome = f"node {node} from rank {holder}: {type(e).__name__}: {e}"
         store.set(f"{prefix}fetched/{node}", outcome)
+
+
+def _plan(said: dict[int, dict], per: int, world_size: int) -> tuple[LoadChoice, dict]:
+    """Rank 0's decision from every rank's word: the step every rank loads and the replica
+    servers' addresses (``addrs``: holder rank -> [host, port])."""
+    on_disk = {r: s["disk"] for r, s in said.items()}
+    replicas: dict[int, tuple[int, list[int]]] = {}
+    addrs = {r: s["addr"] for r, s in said.items() if s["addr"]}
+    for holder, s in said.items():
+        for node, held_steps in s["held"].items():
+            for r in range(int(node) * per, (int(node) + 1) * per):
+                replicas[r] = (holder, held_steps)
+    return which_step_to_load(on_disk, replicas, world_size), addrs

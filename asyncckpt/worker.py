@@ -32,6 +32,7 @@ from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
+from .sidekeys import JobKeys
 from .staging import TensorSpec
 from .storage.local import LocalStore
 
@@ -222,6 +223,7 @@ class Worker:
         self.trainer_gone = False
         self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered before written
         self.links = LinkSource(self.root, config.layout, config.differential)
+        self.job_keys = JobKeys()  # the job groups; rank 0 frees their side-store keys
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
@@ -349,7 +351,7 @@ class Worker:
         self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
         group = (
-            _dist.job_group(cfg, f"{job.step}.{job.attempt}")
+            self.job_keys.group(cfg, f"{job.step}.{job.attempt}")
             if cfg is not None
             else contextlib.nullcontext(None)
         )
@@ -368,8 +370,7 @@ class Worker:
                 mine = (local_error, crcs, job.paths, _checksums(self._offered(job)))
                 # The agreement: every rank's shards are durable, or nobody commits. Rank 0
                 # alone decides (and commits): it gathers every rank's checksums, the others
-                # learn the outcome from its broadcast (one gather, not an all-gather: each
-                # rank's lists reach rank 0 only, not all N ranks).
+                # learn the outcome from its broadcast (a gather: not N lists to all N ranks).
                 results = [mine] if cfg is None else _dist.gather(pg, mine, cfg.world_size, rank)
                 if results is not None:  # rank 0
                     failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
