@@ -135,15 +135,18 @@ def recovery_over(worker: Any) -> None:
         LocalStore(worker.root).discard(Path(cfg.recovery_store))
 
 
-def recovering(config: Any) -> Any:
+def recovering(config: Any, replication: Replication | None = None) -> Any:
     """A worker's config for the recovery at its trainer's death: with replicas, every rank's
     worker (and stand-in) agrees over a FileStore on the shared root instead of rank 0's
     store, which dies with node 0. Every rank switches at the same moment (its trainer's
-    death), so no two agree over different stores."""
+    death), so no two agree over different stores. Node-local roots have no root every node
+    sees: rank 0's store while it answers, else the second store served by the holder of rank
+    0's replica (recovery_store.py)."""
     if config.replication is None or config.dist is None:
         return config
-    if config.dist.ranks_per_node:  # node-local roots: no root every node sees; rank 0's
-        return config  # store it is (node 0's loss is not recovered there)
+    if config.dist.ranks_per_node:
+        backup = replication.backup if replication is not None else None
+        return backup.recovering(config) if backup is not None else config
     from . import layout as _layout
 
     path = os.path.join(config.root, _layout.recovery_store_name(config.dist.token))
@@ -507,6 +510,11 @@ class Replication:
         self.registry = ArenaRegistry()
         self.receiver = ReplicaReceiver(cfg, rep)
         self.sender = ReplicaSender(cfg, rep, self.registry, events)
+        self.backup: Any = None  # node-local roots: the store a recovery meets at if node 0 died
+        if cfg.ranks_per_node:
+            from .recovery_store import BackupStore
+
+            self.backup = BackupStore(cfg)
 
     def source_is_gone(self, cfg: Any, wait: float) -> bool:
         """Whether the source peer's worker is gone: its connection ended, or it did not

@@ -689,7 +689,7 @@ def _persist_held(worker: Worker) -> None:
     from .memory_hold import persist_held
     from .replication import recovering, recovery_over, standing_in
 
-    worker.config = recovering(worker.config)
+    worker.config = recovering(worker.config, worker.replication)
     with standing_in(worker.replication, worker.config):
         persist_held(worker)
     recovery_over(worker)

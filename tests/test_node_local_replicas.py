@@ -118,6 +118,14 @@ def _errs(tmp_path: Path, name: str) -> str:
 def _save_then_lose_node_1(tmp_path: Path, replicas: int) -> None:
     """Steps 1 (disk), 2 and 3 (memory) on every rank; node 1 dies whole (trainers and
     workers, SIGKILL), then node 0's trainers; returns once node 0's workers are gone."""
+    _save_then_lose_node(tmp_path, replicas, 1)
+
+
+def _save_then_lose_node(tmp_path: Path, replicas: int, node: int) -> None:
+    """Steps 1 (disk), 2 and 3 (memory) on every rank; ``node`` dies whole (trainers and
+    workers, SIGKILL), then the other node's trainers; returns once its workers are gone."""
+    dead = [r for r in range(WORLD) if r // PER_NODE == node]
+    alive = [r for r in range(WORLD) if r // PER_NODE != node]
     procs = _spawn(tmp_path, SAVER, "save", replicas)
     try:
         deadline = time.monotonic() + 400
@@ -127,16 +135,16 @@ def _save_then_lose_node_1(tmp_path: Path, replicas: int) -> None:
                 assert time.monotonic() < deadline, _errs(tmp_path, "save")
                 time.sleep(0.2)
         workers = {r: int(_text(tmp_path, "save", r).split()[0]) for r in range(WORLD)}
-        for r in (2, 3):
+        for r in dead:
             os.killpg(procs[r].pid, signal.SIGKILL)
-        for r in (2, 3):
+        for r in dead:
             procs[r].wait(timeout=30)
             wait_gone(workers[r], 30)
         time.sleep(1.0)
-        for r in (0, 1):  # then the launcher tears down node 0's trainers
+        for r in alive:  # then the launcher tears down the other node's trainers
             procs[r].send_signal(signal.SIGKILL)
             procs[r].wait(timeout=30)
-        for r in (0, 1):
+        for r in alive:
             wait_gone(workers[r], 300)
     finally:
         for p in procs.values():
@@ -237,3 +245,28 @@ def test_without_replicas_a_replacement_node_refuses_on_every_rank(tmp_path):
     errs = _errs(tmp_path, "load")
     assert all(c != 0 for c in codes), errs
     assert errs.count("rank(s) [2, 3] have no step on their node's disk and no replica") == 4
+
+
+def test_node_0_lost_on_node_local_roots_every_rank_loads_step_3(tmp_path):
+    """Node 0's loss (it runs rank 0, whose worker serves the side store): after disk save 1
+    and memory saves 2 and 3 returned and replicated, node 0 dies whole and its disk is
+    wiped, then node 1's trainers die. Node 1's workers agree over the second store its
+    local rank 0 serves (recovery_store.py), commit step 3 in node 1's root and, standing in
+    for ranks 0 and 1, node 0's directory under ``.asyncckpt-replicas/node0``; both nodes
+    restart and every rank loads step 3 bit for bit, node 0's ranks from the replica."""
+    _save_then_lose_node(tmp_path, 1, 0)
+    shutil.rmtree(tmp_path / "node0")  # the replacement node: an empty disk
+    (tmp_path / "node0").mkdir()
+    errs = _errs(tmp_path, "save")
+    node1 = tmp_path / "node1"
+    assert L.read_tracker(node1) == 3, errs
+    assert held_replicas(node1, "global_step") == {0: [3]}, errs
+    said = _restart_and_load(tmp_path, 1)
+    errs = _errs(tmp_path, "load")
+    assert [s["step"] for s in said] == [3] * WORLD, errs
+    assert [s["source"] for s in said] == ["replica", "replica", "disk", "disk"], said
+    assert "fetched from node 1's replica" in said[0]["why"], said
+    node0 = tmp_path / "node0"
+    assert L.read_tracker(node0) == 3
+    report = verify(node0)
+    assert report.ok and [c.step for c in report.checkpoints] == [3], report
