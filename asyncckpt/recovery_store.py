@@ -46,8 +46,9 @@ class BackupStore:
     replica, and its address read from rank 0's store (in the background: the worker's start
     does not wait for it)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, my_address: str) -> None:
         self.cfg = cfg
+        self.my_address = my_address  # where the other nodes reach this machine
         self.address: tuple[str, int] | None = None
         self.server: Any = None  # the TCPStore served (kept alive with this object)
         self.ready = threading.Event()
@@ -56,7 +57,6 @@ class BackupStore:
     def _run(self) -> None:
         from .dist import serve, side_store
         from .framing import listen
-        from .replication import _my_address
 
         cfg = self.cfg
         try:
@@ -65,7 +65,7 @@ class BackupStore:
                 listener = listen()
                 port = int(listener.getsockname()[1])
                 self.server = serve(dataclasses.replace(cfg, port=port), listener)
-                store.set(_key(cfg.token), f"{_my_address(cfg)}:{port}")
+                store.set(_key(cfg.token), f"{self.my_address}:{port}")
             store.wait([_key(cfg.token)], datetime.timedelta(seconds=cfg.timeout))
             host, port_s = store.get(_key(cfg.token)).decode().rsplit(":", 1)
             self.address = (host, int(port_s))

@@ -514,7 +514,7 @@ class Replication:
         if cfg.ranks_per_node:
             from .recovery_store import BackupStore
 
-            self.backup = BackupStore(cfg)
+            self.backup = BackupStore(cfg, _my_address(cfg))
 
     def source_is_gone(self, cfg: Any, wait: float) -> bool:
         """Whether the source peer's worker is gone: its connection ended, or it did not
