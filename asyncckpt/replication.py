@@ -28,7 +28,8 @@ shared files handed over by descriptor) that joins the workers' exchange and the
 *as that rank*, with the replica (``standing_in``). Who speaks for a rank is decided once in the
 side store (``claim``): the rank's own worker or the holder of its replica, never both. The
 side store of the recovery is a FileStore on the shared root (``recovering``), not rank 0's
-worker's TCPStore: node 0 may be the node that died. The
+worker's TCPStore: node 0 may be the node that died (node-local roots, with no shared path:
+a second store the holder of rank 0's replica serves, recovery_store.py). The
 newest step every rank (or its replica) holds is written (``which_step_to_persist``) by the
 usual commit, or nothing.
 """
