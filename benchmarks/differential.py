@@ -284,6 +284,9 @@ def main() -> None:
                         )
                 finally:
                     rmtree(root)
+                # Progress (the tables come at the end): where a run cut short had got to.
+                print(f"[differential] {name} {method}: stall {runs[method][-1]['stall_s']:.3f} s",
+                      flush=True)  # fmt: skip
         out: dict[str, Any] = {"state_bytes": size, "methods": {}}
         for method, rs in runs.items():
             m = {k: med([r[k] for r in rs]) for k in rs[0]}

@@ -406,6 +406,36 @@ def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
     assert stats[4].copy_skipped_bytes == 3 << 20  # the changed one copied
 
 
+def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_copy(tmp_path, caplog):
+    """An unchanged 256 MiB state saved 3 times: either the device fingerprint read faster than
+    the copy (the later saves skip every large tensor) or it was turned off after the first
+    save, said in a warning, and the later saves copy all 4 tensors (counted as fallbacks);
+    every step loads bit for bit either way. (The GPU suite's H200: 0.21 s to fingerprint 8 GiB,
+    0.16 s to copy it.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import SyncCheckpointEngine, layout
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    model = {k: torch.randn(16 << 20, device="cuda", generator=g) for k in "abcd"}  # 64 MiB
+    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+        with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+            stats = [engine.save(step, {"model": model}).committed_sync() for step in (1, 2, 3)]
+    said = [r for r in caplog.records if "fingerprinting on the GPU" in r.getMessage()]
+    if said:
+        assert len(said) == 1
+        assert [(s.copy_skipped_bytes, s.copy_skip_fallbacks) for s in stats[1:]] == [(0, 4)] * 2
+    else:
+        assert [s.copy_skipped_bytes for s in stats[1:]] == [256 << 20] * 2
+    want = {k: v.cpu() for k, v in model.items()}
+    for step in (1, 2, 3):
+        target = {"model": {k: torch.empty_like(v) for k, v in want.items()}}
+        path = tmp_path / layout.dir_name("global_step", step)
+        dcp.load(target, checkpoint_id=str(path), no_dist=True)
+        for k in want:
+            assert same_bytes(target["model"][k], want[k]), (step, k)
+
+
 # ------------------------------------------- loads into CUDA targets (issue 34): hot and cold
 # Written on a machine with no GPU: these run in the GPU suite. Each path copies host bytes into
 # the device through reused pinned buffers, which no CPU test reaches.

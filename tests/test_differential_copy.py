@@ -199,6 +199,47 @@ def test_differential_off_skips_nothing():
     assert slot.held == {}
 
 
+# ------------------------------------- a device fingerprint must cost less than the copy
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("fp", "copy", "pays"),
+    [
+        ((8 * GiB, 0.21), (8 * GiB, 0.16), False),  # an H200: measured in the GPU suite
+        ((8 * GiB, 0.21), (8 * GiB, 0.40), True),  # a slower link: the fingerprint wins
+        ((8 * GiB, 0.20), (8 * GiB, 0.20), True),  # a tie keeps it (skips spare the write too)
+        ((1 * MiB, 0.5), (8 * GiB, 0.16), None),  # too little fingerprinted to tell
+        ((8 * GiB, 0.21), (1 * MiB, 0.5), None),  # too little copied to tell
+        ((8 * GiB, 0.0), (8 * GiB, 0.16), None),
+    ],
+)
+def test_fingerprint_pays_compares_bytes_per_second(fp, copy, pays):
+    assert unchanged.fingerprint_pays(*fp, *copy) is pays
+
+
+def test_a_device_fingerprint_slower_than_the_copy_is_turned_off_and_said(caplog):
+    """The weighing after a save's copy: slower per byte than the copy turns GPU fingerprints
+    off for the engine's life (with a warning naming both rates) and the save's GPU records are
+    dropped (the slot claims nothing from them); faster, or too little to tell, keeps them."""
+    skipper = CopySkipper(True)
+    fast = unchanged.SkipPlan(device_bytes=8 * GiB, device_seconds=0.1, cuda_record={0: b"x"})
+    skipper.weigh(fast, 8 * GiB, 0.16)
+    small = unchanged.SkipPlan(device_bytes=MiB, device_seconds=9.0, cuda_record={0: b"x"})
+    skipper.weigh(small, 8 * GiB, 0.16)
+    assert skipper.on_device and fast.cuda_record and small.cuda_record
+    assert caplog.records == []
+    slow = unchanged.SkipPlan(device_bytes=8 * GiB, device_seconds=0.21, cuda_record={0: b"x"})
+    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+        skipper.weigh(slow, 8 * GiB, 0.16)
+    assert not skipper.on_device and slow.cuda_record == {}
+    (record,) = caplog.records
+    assert "40.9 GB/s" in record.getMessage() and "53.7 GB/s" in record.getMessage()
+    skipper.weigh(slow, 8 * GiB, 0.16)  # said once
+    assert len(caplog.records) == 1
+
+
 # ------------------------------------------------------------------ the device fingerprint
 
 
