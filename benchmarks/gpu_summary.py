@@ -90,6 +90,31 @@ def met(ok: bool) -> str:
     return "yes" if ok else "NOT MET"
 
 
+def overhead_lines(rep: dict) -> list[str]:
+    """Per method: the stall (median, first), the commit, the prepare."""
+    out = []
+    for m, x in rep.get("methods", {}).items():
+        out.append(
+            f"- {m}: stall median {fmt(x['stall_seconds']['median'])} s, first "
+            f"{fmt(x['stall_first_seconds'])} s, commit median "
+            f"{fmt(x['commit_seconds']['median'])} s"
+            + (f", prepare {fmt(x['prepare_seconds'])} s" if "prepare_seconds" in x else "")
+            # torch 2.11's DefaultStager stages once: a new one per save there.
+            + (", stager NOT reused (this torch)" if x.get("stager_reused") is False else "")
+        )
+    return out
+
+
+def training_lines(rep: dict) -> list[str]:
+    """Per method: the mean step, the overhead, the slowdown during a write."""
+    return [
+        f"- {m}: mean step {fmt(x['mean_step_seconds'] * 1e3)} ms, overhead "
+        f"{fmt(x['overhead_pct'])}%, during a write {fmt(x['during_write_slowdown_pct'])}%"
+        f" ({x['steps_during_write']} steps)"
+        for m, x in rep.get("methods", {}).items()
+    ]
+
+
 def restore_lines(rep: dict[str, Any]) -> list[str]:
     """Hot and cold loads: each ratio within a round (median over rounds)."""
     lines = []
@@ -188,44 +213,9 @@ def main(out: Path, env: Path | None = None) -> int:
             lines.append(f"| {c['test']} | {c['outcome']} | {c['time']} | {c['message']} |")
     else:
         lines.append("no junit XML: the test step did not run or crashed (see suite.log)")
-    for name in ("overhead", "training_loop"):
-        path = out / f"{name}.json"
-        lines += ["", f"## {name}", ""]
-        if not path.exists():
-            lines.append(f"no {path.name}: the step did not finish (see suite.log)")
-            continue
-        rep = json.loads(path.read_text())
-        e = rep.get("environment", {})
-        lines.append(
-            f"device {e.get('device')} ({e.get('gpu', 'no GPU')}), state "
-            f"{rep.get('state_bytes', 0) / 2**30:.2f} GiB, torch {e.get('torch')}, "
-            f"asyncckpt {e.get('git_commit', '?')[:10]}"
-        )
-        if name == "overhead":
-            for m, x in rep.get("methods", {}).items():
-                lines.append(
-                    f"- {m}: stall median {fmt(x['stall_seconds']['median'])} s, first "
-                    f"{fmt(x['stall_first_seconds'])} s, commit median "
-                    f"{fmt(x['commit_seconds']['median'])} s"
-                    + (f", prepare {fmt(x['prepare_seconds'])} s" if "prepare_seconds" in x else "")
-                    # torch 2.11's DefaultStager stages once: a new one per save there.
-                    + (
-                        ", stager NOT reused (this torch)"
-                        if x.get("stager_reused") is False
-                        else ""
-                    )
-                )
-        else:
-            for m, x in rep.get("methods", {}).items():
-                lines.append(
-                    f"- {m}: mean step {fmt(x['mean_step_seconds'] * 1e3)} ms, overhead "
-                    f"{fmt(x['overhead_pct'])}%, during a write {fmt(x['during_write_slowdown_pct'])}%"
-                    f" ({x['steps_during_write']} steps)"
-                )
-        lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
-        for row in targets_rows(rep):
-            lines.append("| " + " | ".join(row) + " |")
     for name, describe, rows in (
+        ("overhead", overhead_lines, targets_rows),
+        ("training_loop", training_lines, targets_rows),
         ("restore", restore_lines, targets_rows),
         ("differential", differential_lines, differential_targets),
     ):
@@ -236,9 +226,11 @@ def main(out: Path, env: Path | None = None) -> int:
             continue
         rep = json.loads(path.read_text())
         e = rep.get("environment", {})
+        size = rep.get("state_bytes", rep.get("bytes"))
         lines.append(
             f"device {e.get('device')} ({e.get('gpu', 'no GPU')}), torch {e.get('torch')}"
-            + (f", {rep['bytes'] / 2**30:.2f} GiB" if "bytes" in rep else "")
+            + (f", state {size / 2**30:.2f} GiB" if size is not None else "")
+            + (f", asyncckpt {e['git_commit'][:10]}" if e.get("git_commit") else "")
         )
         lines += describe(rep)
         lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
