@@ -8,14 +8,13 @@ import threading
 from pathlib import Path
 
 import torch.distributed as dist
-from test_node_local import _replica_of_rank
+from test_node_local import _damaged_replica, _replica_of_rank
 
 from asyncckpt import layout as L
 from asyncckpt import verify
 from asyncckpt.dist import DistConfig
 from asyncckpt.errors import NoValidCheckpoint
 from asyncckpt.local_load import StepAgreement
-from asyncckpt.local_recovery import replica_dir
 
 
 def _agree(roots: dict[int, Path], disk: dict[int, list[int]]) -> dict[int, object]:
@@ -54,13 +53,7 @@ def test_the_replacement_node_fetches_its_replica_and_both_agree(tmp_path):
 
 
 def test_a_damaged_replica_fails_the_load_on_every_rank_and_commits_nothing(tmp_path):
-    node0, _ = _replica_of_rank(tmp_path, 1, 3)
-    shard = next(replica_dir(node0, "global_step", 1, 3).glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    node1 = tmp_path / "node1"
-    node1.mkdir()
+    node0, node1, _ = _damaged_replica(tmp_path, 1, 3)
     out = _agree({0: node0, 1: node1}, {0: [1, 3], 1: []})
     for rank in (0, 1):
         assert isinstance(out[rank], NoValidCheckpoint), out

@@ -298,6 +298,19 @@ def _replica_of_rank(tmp_path: Path, rank: int, step: int) -> tuple[Path, dict]:
     return node0, state(rank, step)
 
 
+def _damaged_replica(tmp_path: Path, rank: int, step: int) -> tuple[Path, Path, Path]:
+    """``_replica_of_rank`` with one byte in the middle of a shard flipped, and an empty root
+    for node 1 to fetch it into: (node 0's root, node 1's root, the shard)."""
+    node0, _ = _replica_of_rank(tmp_path, rank, step)
+    shard = next(replica_dir(node0, "global_step", 1, step).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    return node0, node1, shard
+
+
 def _fetch_into(root: Path, server: ReplicaServer, node: int, step: int) -> Path:
     tmp = LocalStore(root).stage(L.dir_name("global_step", step), "fetch")
     try:
@@ -331,13 +344,8 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
 
 
 def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
-    node0, _ = _replica_of_rank(tmp_path, 2, 3)
-    shard = next(replica_dir(node0, "global_step", 1, 3).glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    node1 = tmp_path / "node1"
-    node1.mkdir()
+    node0, node1, shard = _damaged_replica(tmp_path, 2, 3)
+    data = shard.read_bytes()
     server = ReplicaServer(node0, "global_step")
     try:
         with pytest.raises(OSError, match="fetched with errors"):
