@@ -232,7 +232,7 @@ class Rendezvous:
                 raw = client.get(key).decode()
                 del client
             if raw.startswith("error:"):
-                raise RuntimeError(f"rank 0 could not start its checkpoint engine: {raw[6:]}")
+                raise relayed_failure("rank 0 could not start its checkpoint engine", raw[6:])
             host, port_s, token = raw.rsplit(":", 2)
             port = int(port_s)
             if store is not None:
@@ -285,6 +285,22 @@ def side_store(cfg: DistConfig, timeout: float | None = None) -> Any:
 
 #: This process's connection to the side store, kept across jobs (``job_store``).
 _job_client: dict[tuple[str, int], Any] = {}
+
+
+def relayed_failure(what: str, cause: str) -> Exception:
+    """Another rank's failure to start, as it published it (``"<class name>: <message>"``), to
+    raise here: the same asyncckpt error class where it is one (a trainer catching, say,
+    ``UncommittedResume`` does so on every rank), else ``RuntimeError``."""
+    from . import errors
+
+    text = f"{what}: {cause}"
+    cls = getattr(errors, cause.partition(":")[0], None)
+    if isinstance(cls, type) and issubclass(cls, errors.CheckpointError):
+        try:
+            return cls(text)
+        except TypeError:  # a class that needs more than a message
+            pass
+    return RuntimeError(text)
 
 
 def job_store(cfg: DistConfig) -> Any:

@@ -337,7 +337,7 @@ class EngineParts:
         if not _node_local(self.ranks, self.opts) or node is None or node.node_rank == 0:
             open_and_clean()
             return
-        from .dist import side_store
+        from .dist import relayed_failure, side_store
 
         assert self.dist_cfg is not None
         store = side_store(self.dist_cfg)
@@ -353,10 +353,11 @@ class EngineParts:
         store.wait([key])
         said = store.get(key).decode()
         if said != "ok":
-            raise RuntimeError(f"node {node.node_rank}'s local rank 0 could not start: {said[6:]}")
+            raise relayed_failure(f"node {node.node_rank}'s local rank 0 could not start", said[6:])
         open_and_clean()
 
     def _open_and_clean(self) -> None:
+        from .local_recovery import replica_roots
         from .prune import clean_leftovers
 
         rank = self.ranks.rank
@@ -377,6 +378,9 @@ class EngineParts:
         if rank != 0 and not (_node_local(self.ranks, self.opts) and self.ranks.local_rank == 0):
             return
         removed = clean_leftovers(self.root)
+        # A stand-in's write into a replica cut short (node-local roots: local_recovery.py).
+        for held in replica_roots(self.root):
+            removed += [f"{held.relative_to(self.root)}/{n}" for n in clean_leftovers(held)]
         if removed:
             log.warning("removed leftovers of an interrupted run in %s: %s", self.root, removed)
         if self.remote is not None:  # uploads cut by a crash: prefixes with no marker

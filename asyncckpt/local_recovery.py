@@ -76,6 +76,20 @@ def replica_dir(root: str | os.PathLike, layout: str, node: int, step: int) -> P
     return replica_root(root, node) / _layout.dir_name(layout, step)
 
 
+def replica_roots(root: str | os.PathLike) -> list[Path]:
+    """Every ``replica_root`` under a node's root (committed replicas or not)."""
+    base = Path(root) / REPLICAS_DIR
+    try:
+        entries = sorted(os.scandir(base), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    return [
+        Path(e.path)
+        for e in entries
+        if e.name.startswith("node") and e.name[4:].isdigit() and e.is_dir(follow_symlinks=False)
+    ]
+
+
 def held_replicas(root: str | os.PathLike, layout: str) -> dict[int, list[int]]:
     """The replicas a node's root holds whole (committed: renamed into place with their
     manifest): node -> steps."""

@@ -29,6 +29,7 @@ from asyncckpt.local_recovery import (
     fetch_replica,
     held_replicas,
     replica_dir,
+    replica_root,
     which_step_to_load,
 )
 from asyncckpt.storage.local import LocalStore
@@ -360,3 +361,20 @@ def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
     assert server.served == 1  # the changed byte went out: the fetching rank caught it
     assert L.read_tracker(node1) is None
     assert sorted(p.name for p in node1.iterdir() if not p.name.startswith(".asyncckpt")) == []
+
+
+def test_a_stand_ins_write_cut_short_in_a_replica_is_removed_at_the_next_start(tmp_path):
+    """A stand-in killed while it wrote node 1's directory into this node's
+    ``.asyncckpt-replicas/node1`` leaves a temporary there; no scan lists it and no prune
+    touches it, so it would stay forever. The next start cleans it, as it cleans the root's
+    own leftovers, and keeps the committed replica beside it."""
+    node0, _ = _replica_of_rank(tmp_path, 1, 3)
+    held = replica_root(node0, 1)
+    cut = held / L.tmp_name("global_step", 4, "abc123")
+    cut.mkdir()
+    (cut / "__2_0.distcp").write_bytes(b"half a shard")
+    with SyncCheckpointEngine(node0, keep=None):
+        pass
+    assert not cut.exists()
+    assert held_replicas(node0, "global_step") == {1: [3]}
+    assert verify(held).ok

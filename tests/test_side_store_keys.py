@@ -17,6 +17,7 @@ import torch.distributed as dist
 from test_multirank import make_state, run_ranks
 
 from asyncckpt import Distributed
+from asyncckpt import dist as _dist
 from asyncckpt import sidekeys as SK
 
 SAVES = 8
@@ -116,3 +117,28 @@ def test_rank_0_frees_a_group_once_a_later_group_closed_cleanly(monkeypatch) -> 
         with other.group(_dist.DistConfig(1, 2, 1, "127.0.0.1", 1, "tok"), tag):
             pass
     assert freed == [["1.0", "2.0"]] and other.joined == []
+
+
+@pytest.mark.parametrize(
+    ("cause", "kind"),
+    [
+        ("UncommittedResume: step 3 was loaded ... its commit failed", "UncommittedResume"),
+        ("NoValidCheckpoint: no step on every rank", "NoValidCheckpoint"),
+        ("ChecksumMismatch: a.distcp", "RuntimeError"),  # not a class of asyncckpt.errors
+        ("OSError: [Errno 28] No space left on device", "RuntimeError"),
+        ("KeyError: 'x'", "RuntimeError"),
+        ("no colon at all", "RuntimeError"),
+    ],
+)
+def test_a_failure_rank_0_published_is_raised_as_its_own_class_on_the_others(cause, kind):
+    """Rank 0's ``start()`` failing publishes its error for the other ranks (instead of letting
+    them wait out the timeout); each raises it as the same asyncckpt error class, so a trainer
+    catching ``UncommittedResume`` catches it on every rank (before: RuntimeError on ranks > 0),
+    and anything else as RuntimeError; the message names rank 0 and the cause."""
+    from asyncckpt import errors
+
+    e = _dist.relayed_failure("rank 0 could not start its checkpoint engine", cause)
+    assert type(e).__name__ == kind
+    assert str(e) == f"rank 0 could not start its checkpoint engine: {cause}"
+    if kind != "RuntimeError":
+        assert isinstance(e, errors.CheckpointError)
