@@ -10,20 +10,14 @@ environment, gloo), each node with a root of its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import nodes_env, ranks_running
 from statecmp import assert_same
-from test_flush_on_death import wait_gone
 from test_flush_on_death_multirank import state
 
 from asyncckpt import layout as L
@@ -32,18 +26,26 @@ from asyncckpt.local_recovery import held_replicas, replica_root
 
 pytestmark = pytest.mark.integration  # several ranks and nodes: `-m integration`
 
-SAVER = """
-import sys, time
-import torch.distributed as dist
+# Both scripts: a rank of a 2 x 2 world on its node's root (argv: rank, world, base, tests dir,
+# replicas, the store's name).
+PREAMBLE = """
+import json, sys, time
+import torch, torch.distributed as dist
 from asyncckpt import Distributed, MemoryTier, SyncCheckpointEngine
 rank, world, base, here, replicas = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
 sys.path.insert(0, here)
 from test_flush_on_death_multirank import state
-dist.init_process_group("gloo", store=dist.FileStore(base + "/store", world), rank=rank, world_size=world)
+store = dist.FileStore(f"{base}/{sys.argv[6]}", world)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 engine = SyncCheckpointEngine(
     f"{base}/node{rank // 2}", keep=None, memory=MemoryTier(replicas=replicas),
     distributed=Distributed(timeout=60, storage="local"),
 )
+"""
+
+SAVER = (
+    PREAMBLE
+    + """
 engine.__enter__()  # never left: the trainer dies inside
 print(engine.worker_pid, flush=True)
 engine.save(1, state(rank, 1)).committed_sync(200)
@@ -55,19 +57,11 @@ for step in (2, 3):
 print("ready", flush=True)
 time.sleep(3600)
 """
-
-LOADER = """
-import json, sys
-import torch, torch.distributed as dist
-from asyncckpt import Distributed, MemoryTier, SyncCheckpointEngine
-rank, world, base, here, replicas = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:5], int(sys.argv[5])
-sys.path.insert(0, here)
-from test_flush_on_death_multirank import state
-dist.init_process_group("gloo", store=dist.FileStore(base + "/store2", world), rank=rank, world_size=world)
-engine = SyncCheckpointEngine(
-    f"{base}/node{rank // 2}", keep=None, memory=MemoryTier(replicas=replicas),
-    distributed=Distributed(timeout=60, storage="local"),
 )
+
+LOADER = (
+    PREAMBLE
+    + """
 with engine:
     target = state(rank, 0)
     target["model"] = {k: torch.zeros_like(v) for k, v in target["model"].items()}
@@ -77,34 +71,23 @@ with engine:
     dist.barrier()  # training goes on together: no rank leaves (rank 0's store) early
 torch.save(target, f"{base}/loaded{rank}.pt")
 """
+)
 
 WORLD, PER_NODE = 4, 2
 
 
-def _spawn(tmp_path: Path, script: str, name: str, replicas: int) -> dict[int, subprocess.Popen]:
-    path = tmp_path / f"{name}.py"
-    path.write_text(script)
+def _ranks(tmp_path: Path, script: str, name: str, replicas: int):
+    """The 4 ranks running ``script`` as 2 nodes (each rank its own session)."""
     here = str(Path(__file__).parent)
-    procs = {}
-    for r in range(WORLD):
-        env = dict(
-            os.environ,
-            GROUP_RANK=str(r // PER_NODE),
-            LOCAL_WORLD_SIZE=str(PER_NODE),
-            LOCAL_RANK=str(r % PER_NODE),
-        )
-        with (
-            open(tmp_path / f"{name}{r}.out", "w") as out,
-            open(tmp_path / f"{name}{r}.err", "w") as err,
-        ):
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(path), str(r), str(WORLD), str(tmp_path), here, str(replicas)],
-                stdout=out,
-                stderr=err,
-                env=env,
-                start_new_session=True,  # a node = its trainers' groups (workers included)
-            )
-    return procs
+    return ranks_running(
+        tmp_path,
+        script,
+        name,
+        WORLD,
+        lambda r: [str(r), str(WORLD), str(tmp_path), here, str(replicas), f"store-{name}"],
+        nodes_env(WORLD, PER_NODE),
+        sessions=True,
+    )
 
 
 def _text(tmp_path: Path, name: str, r: int, kind: str = "out") -> str:
@@ -124,34 +107,10 @@ def _save_then_lose_node_1(tmp_path: Path, replicas: int) -> None:
 def _save_then_lose_node(tmp_path: Path, replicas: int, node: int) -> None:
     """Steps 1 (disk), 2 and 3 (memory) on every rank; ``node`` dies whole (trainers and
     workers, SIGKILL), then the other node's trainers; returns once its workers are gone."""
-    dead = [r for r in range(WORLD) if r // PER_NODE == node]
-    alive = [r for r in range(WORLD) if r // PER_NODE != node]
-    procs = _spawn(tmp_path, SAVER, "save", replicas)
-    try:
-        deadline = time.monotonic() + 400
-        for r in range(WORLD):
-            while "ready" not in _text(tmp_path, "save", r):
-                assert procs[r].poll() is None, _text(tmp_path, "save", r, "err")
-                assert time.monotonic() < deadline, _errs(tmp_path, "save")
-                time.sleep(0.2)
-        workers = {r: int(_text(tmp_path, "save", r).split()[0]) for r in range(WORLD)}
-        for r in dead:
-            os.killpg(procs[r].pid, signal.SIGKILL)
-        for r in dead:
-            procs[r].wait(timeout=30)
-            wait_gone(workers[r], 30)
-        time.sleep(1.0)
-        for r in alive:  # then the launcher tears down the other node's trainers
-            procs[r].send_signal(signal.SIGKILL)
-            procs[r].wait(timeout=30)
-        for r in alive:
-            wait_gone(workers[r], 300)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    with _ranks(tmp_path, SAVER, "save", replicas) as ranks:
+        ranks.wait_for("ready", 400)
+        workers = {r: int(ranks.out(r).split()[0]) for r in range(WORLD)}
+        ranks.lose_nodes({node}, PER_NODE, workers, 300)
 
 
 def test_the_holder_commits_the_dead_nodes_replica_into_its_own_root(tmp_path):
@@ -176,16 +135,9 @@ def test_the_holder_commits_the_dead_nodes_replica_into_its_own_root(tmp_path):
 def _restart_and_load(tmp_path: Path, replicas: int) -> list[dict]:
     """Both nodes start again (node 1 with an empty disk) and every rank loads; returns what
     each rank said (step, source, why) after checking it loaded that step bit for bit."""
-    procs = _spawn(tmp_path, LOADER, "load", replicas)
-    try:
-        for r, p in procs.items():
-            assert p.wait(timeout=400) == 0, _text(tmp_path, "load", r, "err")
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    with _ranks(tmp_path, LOADER, "load", replicas) as ranks:
+        ranks.wait(timeout=400)
+        ranks.assert_exited(lambda r: 0)
     said = [json.loads(_text(tmp_path, "load", r).splitlines()[-1]) for r in range(WORLD)]
     for r in range(WORLD):
         loaded = torch.load(tmp_path / f"loaded{r}.pt")
@@ -233,15 +185,9 @@ def test_without_replicas_a_replacement_node_refuses_on_every_rank(tmp_path):
     at all, so no rank loads one (some starting fresh while others resume would mix steps):
     every rank refuses, saying which ranks have nothing."""
     _lose_node_1_and_its_disk(tmp_path, 0)
-    procs = _spawn(tmp_path, LOADER, "load", 0)
-    try:
-        codes = [p.wait(timeout=400) for p in procs.values()]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    with _ranks(tmp_path, LOADER, "load", 0) as ranks:
+        ranks.wait(timeout=400)
+        codes = [p.returncode for p in ranks.procs.values()]
     errs = _errs(tmp_path, "load")
     assert all(c != 0 for c in codes), errs
     assert errs.count("rank(s) [2, 3] have no step on their node's disk and no replica") == 4

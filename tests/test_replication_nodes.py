@@ -13,17 +13,13 @@ FileStore. Each trainer is its own session, so a node's death is a ``killpg`` of
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from rank_procs import nodes_env, ranks_running
 from statecmp import assert_same
-from test_flush_on_death import wait_gone
 from test_flush_on_death_multirank import all_ranks
 
 from asyncckpt import SyncCheckpointEngine, verify
@@ -58,39 +54,6 @@ time.sleep(3600)
 """
 
 
-def _start(tmp_path: Path, nodes: int, per_node: int, mode: str) -> dict:
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    here = str(Path(__file__).parent)
-    world = nodes * per_node
-    procs = {}
-    for r in range(world):
-        env = dict(
-            os.environ,
-            GROUP_RANK=str(r // per_node),
-            LOCAL_WORLD_SIZE=str(per_node),
-            LOCAL_RANK=str(r % per_node),
-        )
-        # Files, not pipes: a worker inherits them and outlives its trainer.
-        with (
-            open(tmp_path / f"rank{r}.out", "w") as out,
-            open(tmp_path / f"rank{r}.err", "w") as err,
-        ):
-            procs[r] = subprocess.Popen(
-                [sys.executable, str(script), str(r), str(world), str(tmp_path / "r")]
-                + [str(tmp_path / "store"), here, mode],
-                stdout=out,
-                stderr=err,
-                env=env,
-                start_new_session=True,  # a node = the trainers' groups (workers included)
-            )
-    return procs
-
-
-def _out(tmp_path: Path, r: int) -> list[str]:
-    return (tmp_path / f"rank{r}.out").read_text().split()
-
-
 def _err(tmp_path: Path, r: int) -> str:
     return (tmp_path / f"rank{r}.err").read_text()
 
@@ -99,38 +62,18 @@ def _run(tmp_path: Path, nodes: int, per_node: int, mode: str, dead_nodes: set[i
     """All ranks save 1 (disk), 2 and 3 (memory); then ``dead_nodes`` die whole, then the
     other trainers. Returns once every surviving worker has exited."""
     world = nodes * per_node
-    procs = _start(tmp_path, nodes, per_node, mode)
-    try:
-        deadline = time.monotonic() + 300
-        for r in range(world):
-            while "ready" not in _out(tmp_path, r):
-                assert procs[r].poll() is None, _err(tmp_path, r)
-                assert time.monotonic() < deadline, _err(tmp_path, r)
-                time.sleep(0.1)
+    here = str(Path(__file__).parent)
+
+    def args(r: int) -> list[str]:
+        return [str(r), str(world), str(tmp_path / "r"), str(tmp_path / "store"), here, mode]
+
+    env = nodes_env(world, per_node)
+    with ranks_running(tmp_path, TRAINER, "rank", world, args, env, sessions=True) as ranks:
+        ranks.wait_for("ready", 300)
         if mode == "torn":
             time.sleep(2.0)  # node 1's replicas of step 3 are stuck mid-transfer
-        workers = {r: int(_out(tmp_path, r)[0]) for r in range(world)}
-        for r in range(world):
-            if r // per_node in dead_nodes:  # the whole node: trainers and workers
-                os.killpg(procs[r].pid, signal.SIGKILL)
-        for r in range(world):
-            if r // per_node in dead_nodes:
-                procs[r].wait(timeout=30)
-                wait_gone(workers[r], 30)
-        time.sleep(1.0)
-        for r in range(world):  # then the launcher tears down the other trainers
-            if r // per_node not in dead_nodes:
-                procs[r].send_signal(signal.SIGKILL)
-                procs[r].wait(timeout=30)
-        for r in range(world):
-            if r // per_node not in dead_nodes:  # each writes, stands in, then exits
-                wait_gone(workers[r], 240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                with __import__("contextlib").suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        workers = {r: int(ranks.out(r).split()[0]) for r in range(world)}
+        ranks.lose_nodes(dead_nodes, per_node, workers, 240)  # each writes, stands in, exits
 
 
 def _check_loads(root: Path, world: int, step: int) -> None:
