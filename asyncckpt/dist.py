@@ -23,8 +23,8 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   through one connection per worker kept across saves (``job_store``): a
   ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
   broken group behind; rank 0's worker deletes its keys once every rank has left it,
-  sidekeys.py; connected lazily (``lazy_gloo``: a pair of ranks connects on its first
-  message, so forming it costs O(1) per rank, not a read and a connection per other rank). DCP plans and writes each rank's own shards over that group; the workers
+  sidekeys.py; connected eagerly (``job_group`` says why not lazily). DCP plans and writes
+  each rank's own shards over that group; the workers
   then gather a success flag with their file checksums on rank 0 (gloo detects a dead peer, and
   the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
   manifest, rename the directory into place and write the tracker, then broadcast the outcome.
@@ -58,8 +58,6 @@ DEFAULT_TIMEOUT = 600.0
 #: The environment variable naming the host the other ranks reach rank 0's store on.
 HOST_ENV = "ASYNCCKPT_STORE_HOST"
 
-#: torch's switch for gloo's lazy connection (read when a gloo group is created; torch >= 2.7).
-LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
 
 _engine_starts = 0  # per process; every rank starts its engines in the same order
 
@@ -327,42 +325,25 @@ def job_store(cfg: DistConfig) -> Any:
 
 
 @contextlib.contextmanager
-def lazy_gloo() -> Iterator[None]:
-    """Gloo groups created inside connect a pair of ranks on its first message, not all pairs
-    at creation. A job group is formed every save: eagerly, every rank reads every other
-    rank's address from the one side store and connects to it (N(N-1) store reads, N(N-1)/2
-    connections per save); the job's collectives (DCP's planning, the gather on rank 0 and
-    its broadcast) use O(N) pairs. Torch reads the switch when the group is created, so it
-    is set for that moment only (a user's own groups in this process are left eager). A peer
-    that never comes now fails the job's first collective at the group's timeout instead of
-    the group's creation; the job handles both alike."""
-    old = os.environ.get(LAZY_GLOO_ENV)
-    os.environ[LAZY_GLOO_ENV] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(LAZY_GLOO_ENV, None)
-        else:
-            os.environ[LAZY_GLOO_ENV] = old
-
-
-@contextlib.contextmanager
 def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
     """A gloo group of every rank's worker for one job; torn down afterwards.
 
     It is the worker's default group (DCP's collectives need a registered group), created per
     job so that a dead or restarted worker leaves nothing broken for the next save.
+
+    Connected eagerly (every pair at creation), not with gloo's lazy connection: lazily, a
+    survivor's save hung for minutes past the group's timeout when a peer had died (a pair
+    already connected to a rank that had given up waited on it), reproduced in 2 of 3 runs
+    under load, none eagerly. A rank that never comes fails the creation at the timeout.
     """
     import torch.distributed as dist
 
     td = datetime.timedelta(seconds=cfg.timeout)
     store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", job_store(cfg))
     try:
-        with lazy_gloo():
-            dist.init_process_group(
-                "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
-            )
+        dist.init_process_group(
+            "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
+        )
         try:
             yield dist.group.WORLD
         finally:
