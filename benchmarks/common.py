@@ -276,29 +276,18 @@ def bump_state(state: dict[str, Any], step: int) -> None:
     2026-11-27 measured the device fingerprint instead of the copy, and links instead of the
     write (2.49x "the disk")."""
     state["extra"]["step"] = step
-    tensors = [t for t in _leaf_tensors(state) if t.numel()]
+    tensors = [t for t in state_tensors(state) if t.numel()]
     with torch.no_grad():
         floats = [t for t in tensors if t.is_floating_point()]
-        others = [t for t in tensors if not t.is_floating_point() and t.dtype != torch.bool]
         if floats:
             torch._foreach_add_(floats, 1.0)
-        for t in others:
-            t.add_(1)
         for t in tensors:
             if t.dtype == torch.bool:
                 t.logical_not_()
+            elif not t.is_floating_point():
+                t.add_(1)
     for s in state["optim"]["state"].values():
         s["step"].fill_(float(step))
-
-
-def _leaf_tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _leaf_tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _leaf_tensors(v)]
-    return []
 
 
 # ----------------------------------------------------------------------------- references
