@@ -94,14 +94,10 @@ def held_replicas(root: str | os.PathLike, layout: str) -> dict[int, list[int]]:
     """The replicas a node's root holds whole (committed: renamed into place with their
     manifest): node -> steps."""
     out: dict[int, list[int]] = {}
-    base = Path(root) / REPLICAS_DIR
-    with contextlib.suppress(FileNotFoundError):
-        for entry in sorted(os.scandir(base), key=lambda e: e.name):
-            if not (entry.name.startswith("node") and entry.name[4:].isdigit()):
-                continue
-            steps = [c.step for c in _layout.scan(entry.path, layout)]
-            if steps:
-                out[int(entry.name[4:])] = steps
+    for held in replica_roots(root):
+        steps = [c.step for c in _layout.scan(held, layout)]
+        if steps:
+            out[int(held.name[4:])] = steps
     return out
 
 
