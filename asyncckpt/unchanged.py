@@ -248,7 +248,6 @@ def _cuda_fingerprints(
     from .staging import side_stream
 
     seconds = 0.0
-
     by_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for i, t in items:
         by_device.setdefault(t.device.index or 0, []).append((i, t))
@@ -292,9 +291,9 @@ def stage_checked(
         # The copied views may hold two moments; skipped views were not written (kept).
         return torn, plan
     if skipper is not None and skipper.enabled:
-        copy_seconds = time.perf_counter() - t0
-        copied = sum(spec.nbytes for spec in slot.specs) - plan.skipped_bytes
-        skipper.weigh(plan, copied, copy_seconds)
+        if plan.device_bytes:  # (only a save that fingerprinted on a GPU is weighed)
+            copied = sum(spec.nbytes for spec in slot.specs) - plan.skipped_bytes
+            skipper.weigh(plan, copied, time.perf_counter() - t0)
         plan.fingerprint_seconds += skipper.settle(slot, plan, marks)
     return None, plan
 
