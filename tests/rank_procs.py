@@ -74,10 +74,6 @@ class Ranks:
         for r in rest:
             wait_gone(workers[r], gone_within)
 
-    def text(self) -> str:
-        """Every rank's stderr, for a failed assertion's message."""
-        return "\n".join(self.err(r) for r in self.procs)
-
     def assert_exited(self, want: Callable[[int], int]) -> None:
         """Every rank exited with ``want(rank)`` (e.g. ``-signal.SIGKILL``); else its stderr."""
         for r, p in self.procs.items():
