@@ -23,6 +23,8 @@ import io
 import logging
 import mmap
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -33,30 +35,52 @@ ALIGN = 4096
 #: Bounce buffer per open file: fits the worker core's L2 cache, so the checksum of each piece
 #: reads it from cache, and is large enough that one write call moves plenty of bytes.
 BOUNCE_BYTES = 1 << 20
+#: Bounce buffers per file: one being filled while the others are written (``DirectFile``).
+DEPTH = 4
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class DirectFile(io.RawIOBase):
-    """A write-only file opened with ``O_DIRECT``, fed through a page-aligned bounce buffer.
+    """A write-only file opened with ``O_DIRECT``, fed through page-aligned bounce buffers.
 
     ``write`` accepts any bytes-like object of any length; ``tell`` is the logical size.
     ``close`` writes the last partial block and truncates the padding away. On an error the
     caller calls ``abort`` (or ``close``, which then skips the tail write).
+
+    With ``depth`` > 1 the file is written by a thread of its own while ``write`` fills the next
+    buffer: a synchronous ``O_DIRECT`` write leaves the device idle while the writer copies and
+    checksums, and the CPU idle while the device writes (one thread doing both reached 0.67
+    GB/s on a disk that takes 1.6 GB/s of 1 MiB writes). A write error in that thread is raised
+    by the next ``write`` or by ``close``, never lost.
     """
 
-    def __init__(self, path: str | os.PathLike, *, buffer_bytes: int = BOUNCE_BYTES) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        buffer_bytes: int = BOUNCE_BYTES,
+        depth: int = DEPTH,
+    ) -> None:
         super().__init__()
         if buffer_bytes < ALIGN or buffer_bytes % ALIGN:
             raise ValueError(f"buffer_bytes must be a multiple of {ALIGN}, got {buffer_bytes}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         if not _O_DIRECT:
             raise OSError(errno.EINVAL, "O_DIRECT is not available on this platform")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT
         self._fd = os.open(path, flags, 0o644)
         self.name = str(path)
-        self._buf = mmap.mmap(-1, buffer_bytes)  # anonymous mmap: page-aligned
-        self._view = memoryview(self._buf)
-        self._fill = 0
+        self._cap = buffer_bytes
+        self._bufs = [mmap.mmap(-1, buffer_bytes) for _ in range(depth)]  # page-aligned
+        self._views = [memoryview(b) for b in self._bufs]
+        self._free: deque[int] = deque(range(depth))
+        self._out: deque[tuple[Future[None], int]] = deque()  # writes in flight, oldest first
+        self._pool = ThreadPoolExecutor(1, "asyncckpt-odirect") if depth > 1 else None
+        self._cur = self._free.popleft()
+        self._fill = 0  # bytes in the current buffer
+        self._at = 0  # file offset of the current buffer
         self._size = 0
         self._failed = False
         self.direct = True  # False once a refused write made it fall back to the page cache
@@ -75,30 +99,54 @@ class DirectFile(io.RawIOBase):
             raise ValueError("write to closed DirectFile")
         src = memoryview(data).cast("B")
         n = len(src)
-        cap = len(self._view)
         done = 0
         try:
             while done < n:
-                take = min(cap - self._fill, n - done)
-                self._view[self._fill : self._fill + take] = src[done : done + take]
+                take = min(self._cap - self._fill, n - done)
+                view = self._views[self._cur]
+                view[self._fill : self._fill + take] = src[done : done + take]
                 self._fill += take
                 done += take
-                if self._fill == cap:
-                    self._write_out(cap)
-                    self._fill = 0
+                if self._fill == self._cap:
+                    self._send(self._cap)
         except BaseException:
             self._failed = True
             raise
         self._size += n
         return n
 
-    def _write_out(self, length: int) -> None:
+    def _send(self, length: int) -> None:
+        """Write the current buffer's first ``length`` bytes at its offset, in the writer
+        thread if there is one; then take the next free buffer."""
+        index, at = self._cur, self._at
+        if self._pool is None:
+            self._write_out(index, at, length)
+            self._free.append(index)
+        else:
+            self._out.append((self._pool.submit(self._write_out, index, at, length), index))
+        self._at += length
+        self._fill = 0
+        if not self._free:
+            self._settle(len(self._out) - 1)  # the oldest write in flight frees its buffer
+        self._cur = self._free.popleft()
+
+    def _settle(self, keep: int) -> None:
+        """Wait for writes in flight until at most ``keep`` remain; raises the first error."""
+        while len(self._out) > keep:
+            future, index = self._out.popleft()
+            try:
+                future.result()
+            finally:
+                self._free.append(index)
+
+    def _write_out(self, index: int, at: int, length: int) -> None:
         # For regular files a short O_DIRECT write only happens on errors such as a full disk;
         # retry the aligned remainder so the kernel reports the real error.
+        view = self._views[index]
         off = 0
         while off < length:
             try:
-                written = os.write(self._fd, self._view[off:length])
+                written = os.pwrite(self._fd, view[off:length], at + off)
             except OSError as exc:
                 # Some filesystems accept O_DIRECT at open and refuse the write (a stricter
                 # alignment, FUSE): go on through the page cache rather than fail the save.
@@ -110,7 +158,8 @@ class DirectFile(io.RawIOBase):
             off += written
 
     def _drop_o_direct(self) -> bool:
-        """Clear O_DIRECT on the open file; False if it was already cleared."""
+        """Clear O_DIRECT on the open file; False if it was already cleared. Only ever called
+        by one thread at a time: the writer thread, or ``close`` once it has settled."""
         if not self.direct:
             return False
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
@@ -132,20 +181,38 @@ class DirectFile(io.RawIOBase):
         if self.closed:
             return
         try:
+            if self._failed:  # aborted or failed: what is still in flight has no say
+                with contextlib.suppress(OSError):
+                    self._settle(0)
+            else:
+                try:
+                    self._settle(0)
+                except BaseException:
+                    self._failed = True
+                    raise
             if not self._failed and self._fill:
                 padded = -(-self._fill // ALIGN) * ALIGN
-                self._view[self._fill : padded] = bytes(padded - self._fill)
-                self._write_out(padded)
+                view = self._views[self._cur]
+                view[self._fill : padded] = bytes(padded - self._fill)
+                self._write_out(self._cur, self._at, padded)
                 os.ftruncate(self._fd, self._size)
         finally:
             self._fill = 0
+            # After a failure, writes still in flight end before the descriptor closes.
+            for future, _ in self._out:
+                with contextlib.suppress(BaseException):
+                    future.result()
+            self._out.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
             os.close(self._fd)
             super().close()
-            # A failed write's traceback may still hold a slice of the buffer; then the mmap is
+            # A failed write's traceback may still hold a slice of a buffer; then the mmap is
             # freed with the last reference instead of here.
-            with contextlib.suppress(BufferError):
-                self._view.release()
-                self._buf.close()
+            for view, buf in zip(self._views, self._bufs, strict=True):
+                with contextlib.suppress(BufferError):
+                    view.release()
+                    buf.close()
 
 
 def open_for_write(path: str | os.PathLike, *, direct: bool) -> io.RawIOBase | BinaryIO:

@@ -148,19 +148,19 @@ def test_dcp_shards_written_with_o_direct_load_with_plain_dcp(tmp_path: Path) ->
 def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch) -> None:
     import fcntl
 
-    real_write = os.write
+    real_write = os.pwrite
     refused = []
 
-    def picky_write(fd, data):
+    def picky_write(fd, data, offset):
         # Like a filesystem that takes O_DIRECT at open but refuses the write itself.
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(len(data))
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
     path = tmp_path / "shard"
     f = _direct_or_skip(path, buffer_bytes=ALIGN)
-    monkeypatch.setattr(directio.os, "write", picky_write)
+    monkeypatch.setattr(directio.os, "pwrite", picky_write)
     payload = bytes(range(256)) * 40 + b"tail"  # 2.5 blocks: full blocks, then a padded tail
     f.write(payload)
     f.close()
@@ -169,20 +169,58 @@ def test_a_refused_o_direct_write_falls_back_to_the_page_cache(tmp_path: Path, m
 
 
 @needs_o_direct
-def test_other_write_errors_are_not_swallowed(tmp_path: Path, monkeypatch) -> None:
-    def full(fd, data):
+@pytest.mark.parametrize("depth", [1, 4])
+def test_other_write_errors_are_not_swallowed(tmp_path: Path, monkeypatch, depth: int) -> None:
+    def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    f = _direct_or_skip(tmp_path / "shard", buffer_bytes=ALIGN)
-    monkeypatch.setattr(directio.os, "write", full)
+    f = _direct_or_skip(tmp_path / "shard", buffer_bytes=ALIGN, depth=depth)
+    monkeypatch.setattr(directio.os, "pwrite", full)
     with pytest.raises(OSError) as info:
-        f.write(b"x" * ALIGN)
+        # Synchronous (depth 1): the first full block fails its write. Pipelined: a later
+        # write finds the writer thread's error once every buffer is taken.
+        for _ in range(depth + 1):
+            f.write(b"x" * ALIGN)
     assert info.value.errno == errno.ENOSPC
     fd = f.fileno()
     f.abort()  # with the error's traceback still holding a slice of the bounce buffer
     assert f.closed
     with pytest.raises(OSError):
         os.fstat(fd)  # the descriptor is closed, not leaked
+
+
+@needs_o_direct
+def test_an_error_of_a_write_in_flight_is_raised_by_close(tmp_path: Path, monkeypatch) -> None:
+    # One block handed to the writer thread, then close: the file must not look written.
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    f = _direct_or_skip(tmp_path / "shard", buffer_bytes=ALIGN, depth=4)
+    monkeypatch.setattr(directio.os, "pwrite", full)
+    f.write(b"x" * (ALIGN + 5))
+    with pytest.raises(OSError) as info:
+        f.close()
+    assert info.value.errno == errno.ENOSPC and f.closed
+
+
+@needs_o_direct
+def test_pipelined_writes_land_at_their_offsets(tmp_path: Path) -> None:
+    # Many buffers through the writer thread, in pieces that straddle them: the same bytes as
+    # one synchronous writer, in order.
+    rng = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (37 * ALIGN + 999,), dtype=torch.uint8, generator=rng).numpy()
+    for depth in (1, 2, 4):
+        path = tmp_path / f"d{depth}"
+        f = _direct_or_skip(path, buffer_bytes=2 * ALIGN, depth=depth)
+        for at in range(0, len(data), 3001):
+            f.write(data[at : at + 3001])
+        f.close()
+        assert path.read_bytes() == data.tobytes()
+
+
+def test_direct_file_rejects_a_depth_below_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="depth"):
+        DirectFile(tmp_path / "x", depth=0)
 
 
 @pytest.mark.parametrize("direct", [False, True])
