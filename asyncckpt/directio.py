@@ -23,6 +23,7 @@ import io
 import logging
 import mmap
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -73,7 +74,7 @@ class DirectFile(io.RawIOBase):
         self._fd = os.open(path, flags, 0o644)
         self.name = str(path)
         self._cap = buffer_bytes
-        self._bufs = [mmap.mmap(-1, buffer_bytes) for _ in range(depth)]  # page-aligned
+        self._bufs = _bounce.take(buffer_bytes, depth)  # page-aligned
         self._views = [memoryview(b) for b in self._bufs]
         self._free: deque[int] = deque(range(depth))
         self._out: deque[tuple[Future[None], int]] = deque()  # writes in flight, oldest first
@@ -209,10 +210,41 @@ class DirectFile(io.RawIOBase):
             super().close()
             # A failed write's traceback may still hold a slice of a buffer; then the mmap is
             # freed with the last reference instead of here.
+            kept = []
             for view, buf in zip(self._views, self._bufs, strict=True):
                 with contextlib.suppress(BufferError):
                     view.release()
+                    kept.append(buf)
+            _bounce.give(kept)
+
+
+class _BouncePool:
+    """Bounce buffers kept for the next file: a fresh mmap is page-faulted in on first touch,
+    and a checkpoint of many files (a differential save has one per large tensor) paid that
+    for every file (4 MiB each: ~0.3 s of a 2 GiB save on a VM)."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, size: int, n: int) -> list[mmap.mmap]:
+        with self._lock:
+            free = self._free.setdefault(size, [])
+            got = [free.pop() for _ in range(min(n, len(free)))]
+        return got + [mmap.mmap(-1, size) for _ in range(n - len(got))]
+
+    def give(self, bufs: list[mmap.mmap]) -> None:
+        with self._lock:
+            for buf in bufs:
+                free = self._free.setdefault(len(buf), [])
+                if len(free) < self._keep:
+                    free.append(buf)
+                else:
                     buf.close()
+
+
+_bounce = _BouncePool()
 
 
 def open_for_write(path: str | os.PathLike, *, direct: bool) -> io.RawIOBase | BinaryIO:

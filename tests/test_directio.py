@@ -234,3 +234,18 @@ def test_shard_writes_are_paced_piece_by_piece(tmp_path: Path, direct: bool) -> 
     crcs = write_flat(flat, tmp_path / "ckpt", pace=paced.append, direct_io=direct)
     assert max(paced) <= PIECE_BYTES and len(paced) >= 4
     assert sum(paced) == sum(size for _, size in crcs.values())
+
+
+@needs_o_direct
+def test_bounce_buffers_are_reused_by_the_next_file(tmp_path: Path) -> None:
+    # A fresh mmap is page-faulted in on first touch: a save of many files paid that per file.
+    f = _direct_or_skip(tmp_path / "a", buffer_bytes=2 * ALIGN, depth=2)
+    first = {id(b) for b in f._bufs}
+    f.write(b"a" * (5 * ALIGN + 1))
+    f.close()
+    g = DirectFile(tmp_path / "b", buffer_bytes=2 * ALIGN, depth=2)
+    assert {id(b) for b in g._bufs} == first
+    g.write(b"b" * 100)
+    g.close()
+    assert (tmp_path / "a").read_bytes() == b"a" * (5 * ALIGN + 1)
+    assert (tmp_path / "b").read_bytes() == b"b" * 100  # no bytes of the last file's
