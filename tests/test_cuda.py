@@ -7,6 +7,7 @@ two GPUs says so in its skip.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -422,6 +423,13 @@ def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_cop
         with SyncCheckpointEngine(tmp_path, keep=None) as engine:
             stats = [engine.save(step, {"model": model}).committed_sync() for step in (1, 2, 3)]
     said = [r for r in caplog.records if "fingerprinting on the GPU" in r.getMessage()]
+    # The rule's decision, checked against rates measured here: a fingerprint clearly slower
+    # than the copy must have been turned off, one clearly faster kept (between, either).
+    fp_rate, copy_rate = _fingerprint_and_copy_rates(list(model.values()))
+    if fp_rate * 1.25 < copy_rate:
+        assert said, (fp_rate, copy_rate)
+    elif fp_rate > copy_rate * 1.25:
+        assert not said, (fp_rate, copy_rate, [r.getMessage() for r in said])
     if said:
         assert len(said) == 1
         assert [(s.copy_skipped_bytes, s.copy_skip_fallbacks) for s in stats[1:]] == [(0, 4)] * 2
@@ -434,6 +442,32 @@ def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_cop
         dcp.load(target, checkpoint_id=str(path), no_dist=True)
         for k in want:
             assert same_bytes(target["model"][k], want[k]), (step, k)
+
+
+def _fingerprint_and_copy_rates(tensors: list[torch.Tensor]) -> tuple[float, float]:
+    """Bytes per second of ``device_fingerprint`` over ``tensors`` and of their copy into
+    pinned host memory, each the best of 3 (after a warm-up)."""
+    from asyncckpt.unchanged import device_fingerprint
+
+    nbytes = sum(t.nbytes for t in tensors)
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times)
+
+    def copy() -> None:
+        for h, t in zip(hosts, tensors, strict=True):
+            h.copy_(t, non_blocking=True)
+
+    return best(lambda: [device_fingerprint(t) for t in tensors]), best(copy)
 
 
 # ------------------------------------------- loads into CUDA targets (issue 34): hot and cold
