@@ -28,7 +28,7 @@ import torch.multiprocessing as tmp
 from typing_extensions import Unpack
 
 from . import layout as _layout
-from . import memory_tier
+from . import memory_tier, peer_gone
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
@@ -292,6 +292,9 @@ class EngineParts:
             check_memory(budget)
         rank, world_size = self.ranks.rank, self.ranks.world_size
         if world_size > 1:
+            # Before joining this run: the other workers of this rank's last run may wait for
+            # its worker, which died (peer_gone.py); rank 0's start may wait for them in turn.
+            peer_gone.announce_if_gone(self.root, rank)
             # Rank 0 cleans, then publishes the side store's address (dist.py): the other
             # ranks touch the root only after that, so the cleanup never races them.
             self.dist_cfg = self.rendezvous.setup(
@@ -313,6 +316,10 @@ class EngineParts:
                 self.restorer.agreement = StepAgreement(self.dist_cfg, self.root, self.layout)
                 self.restorer.hot.together = True  # every rank loads: its vote waits for all
             self.jobs.dist_token = self.dist_cfg.token
+            if rank == 0 and not _node_local(self.ranks, self.opts):
+                # For a later run's engines: where to say a rank's worker died (peer_gone.py).
+                c = self.dist_cfg
+                peer_gone.record_run(self.root, c.host, c.port, c.token)
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
             self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)
             if rank != 0:
@@ -441,6 +448,8 @@ class EngineParts:
                 os.close(self.lock_fd)
                 self.lock_fd = None
             self.rendezvous.close()
+            if self.dist_cfg is not None and self.ranks.rank == 0:
+                peer_gone.forget_run(self.root, self.dist_cfg.token)
             self.started = False
             atexit.unregister(self._at_exit)
 

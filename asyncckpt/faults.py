@@ -58,6 +58,8 @@ POINTS = (
     # With MemoryTier(hold_seconds=) (hot_serve.py): the trainer is gone, what its worker
     # wrote is committed, and the worker is about to offer those bytes to a new engine.
     "before_hot_serve",  # worker: the arena of the step offered, before the offer
+    # Several ranks (dist.py): before a save's group of every rank's worker is formed.
+    "before_job_group",  # worker: nothing of the save written yet
     # A state over Staging(max_host_bytes=), staged in chunks (chunked.py):
     "between_chunks",  # trainer: a chunk copied and handed over, the next not yet copied
     "mid_chunk_write",  # worker: a chunk written, the next not yet (its buffer given back)
@@ -76,11 +78,19 @@ REPLICA_POINTS = ("mid_replication",)
 HOT_POINTS = ("before_hot_serve",)
 #: The points only a save staged in chunks reaches (a state over its staging budget).
 CHUNK_POINTS = ("between_chunks", "mid_chunk_write")
+#: The point only a save of several ranks reaches.
+RANKS_POINTS = ("before_job_group",)
 LOCAL_POINTS = tuple(
     p
     for p in POINTS
     if p
-    not in REMOTE_POINTS + EXPORT_POINTS + STAGE_POINTS + REPLICA_POINTS + HOT_POINTS + CHUNK_POINTS
+    not in REMOTE_POINTS
+    + EXPORT_POINTS
+    + STAGE_POINTS
+    + REPLICA_POINTS
+    + HOT_POINTS
+    + CHUNK_POINTS
+    + RANKS_POINTS
 )
 ACTIONS = ("kill", "hang", "enospc", "eio", "delay", "raise", "corrupt")
 #: The points that hand ``point`` bytes a ``corrupt`` action may flip (one bit of the first).

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as _layout
+from . import peer_gone
 from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
 from .hot_agree import agree, wait_count
@@ -209,6 +210,9 @@ class HotResume:
         self.voted = self.tried = self.spoiled = False
         self.pending = None  # (what start() checks is what the last load took)
         self.source, self.reason = ask(self.root, self.rank)
+        if self.source is None and self.world_size > 1:
+            # The other workers of its old run may wait for this rank's (peer_gone.py).
+            peer_gone.announce_if_gone(self.root, self.rank)
         try:
             yield self
         finally:

@@ -12,7 +12,8 @@ worker is done; a rank that copied its memory already then restores the whole ta
 there (hot.py ``spoiled``).
 
 A rank that never says (no offer reached it, a crash) makes the others wait the side store's
-timeout, then read the disk.
+timeout, then read the disk; a rank whose worker died with its trainer is told to the old run
+by its new engine before that (peer_gone.py), so its peers' workers never offer the step.
 """
 
 from __future__ import annotations

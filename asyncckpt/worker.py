@@ -32,6 +32,7 @@ from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
+from .peer_gone import meet
 from .sidekeys import JobKeys
 from .staging import TensorSpec
 from .storage.local import LocalStore
@@ -350,12 +351,11 @@ class Worker:
         t0 = time.perf_counter()
         self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
-        group = (
-            self.job_keys.group(cfg, f"{job.step}.{job.attempt}")
-            if cfg is not None
-            else contextlib.nullcontext(None)
-        )
+        tag = f"{job.step}.{job.attempt}"
+        group = self.job_keys.group(cfg, tag) if cfg is not None else contextlib.nullcontext(None)
         try:
+            if cfg is not None:
+                _before_group(cfg, tag, self.trainer_gone)
             with group as pg:
                 local_error: dict | None = None
                 crcs: dict = {}
@@ -731,6 +731,16 @@ def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any 
         inbox.put(e)
 
 
+def _before_group(cfg: Any, tag: str, trainer_gone: bool) -> None:
+    """Before a save's group of every rank's worker: with the trainer gone, a peer's worker
+    may have died with its own; meet the others first, failing fast if so (peer_gone.py)."""
+    faults.point("before_job_group")
+    if trainer_gone:
+        from .dist import job_store
+
+        meet(job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout)
+
+
 def _watch_parent(parent_pid: int, deadline_s: float) -> None:
     """Bound the life of a worker whose trainer died.
 
@@ -819,6 +829,10 @@ def worker_main(
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
     lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)
+    if config.dist is not None and not config.dist.ranks_per_node:  # one shared root
+        from .peer_gone import note_worker
+
+        note_worker(config.root, config.rank, config.dist.token)
     skip_torch_save_crc()
     # Faults come from the trainer with each job (it read $ASYNCCKPT_FAULTS); the copy this
     # process armed on import would fire a second time. Firing is reported back so that the

@@ -193,7 +193,7 @@ WRITE_SIDE = {
 ALLOWED = {
     # The O_DIRECT file writer: ``os.write`` of aligned blocks and the ``ftruncate`` that
     # drops the tail's padding are how that file's bytes are written, not a change of names.
-    ("asyncckpt/directio.py", "os.write"),
+    ("asyncckpt/directio.py", "os.pwrite"),
     ("asyncckpt/directio.py", "os.ftruncate"),
     # A replica's buffer is an anonymous file in memory (memfd, no name on any disk): its
     # ``ftruncate`` sizes memory a stand-in process maps by descriptor.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,21 @@ def test_one_rank_whose_memory_does_not_match_sends_every_rank_to_disk(tmp_path)
     # Rank 0 heard rank 1's "no" (or, once the failed commit withdrew its own offer, was
     # offered step 1 only after it was written): never step 3 from memory.
     assert any(w in results[0]["reason"] for w in ("another rank's", "only once written"))
+
+
+def test_a_rank_whose_worker_died_too_does_not_hold_the_others_for_the_timeout(tmp_path):
+    """Rank 1's worker dies with its trainer, before it comes to the step it persists (a
+    SIGKILL at ``before_job_group``). Rank 0's worker waited for it the side group's whole
+    timeout (180 s here) before failing the step, and rank 0's new engine waited for that
+    worker as long. Now rank 1's new engine says its worker is gone before it joins the new
+    run (peer_gone.py): rank 0's worker fails the step at once, and both ranks read step 1
+    from disk, bit for bit, long before the timeout."""
+    run_ranks(tmp_path, TRAINER, "trainer", {1: {"HOT_LATER": later(before_job_group="kill")}})
+    t0 = time.monotonic()
+    out = run_ranks(tmp_path, LOADER, "loader", {})
+    took = time.monotonic() - t0
+    results = [json.loads(o.strip().splitlines()[-1]) for o in out]
+    for r, res in enumerate(results):
+        assert (res["step"], res["source"], res["same"]) == (1, "disk", True), (r, res)
+    assert took < 120, f"the loaders took {took:.0f}s: the old run's timeout is 180s"
+    assert [c.step for c in verify(tmp_path / "r").checkpoints] == [1]

@@ -1,0 +1,149 @@
+"""A rank's worker that died with its trainer, told to the workers of that run that wait for it.
+
+When every trainer of a multi-rank run dies, each surviving worker persists what its trainer
+staged, and every rank's part of a step is committed together: the workers form a group per
+save (``dist.job_group``). A worker that died as well never comes, and the others waited for
+it the group's whole timeout (``Distributed(timeout=)``, 600 s by default) before failing the
+step; their new trainers waited as long for them (a hot resume waits for a surviving worker
+to offer or end, ``hot._connect``).
+
+The new trainer of that rank knows at once: its old worker's lock is free. So:
+
+* rank 0's engine records its run's side store under the root (``record_run``:
+  ``.asyncckpt-runs/<token>``), removed when the engine closes;
+* each worker notes which run it serves (``note_worker``: ``.asyncckpt-runs/worker<rank>``);
+* a new engine whose rank's last worker is gone (its lock free) says so to that worker's run
+  before it joins its own (``announce_if_gone``: the key ``asyncckpt/<token>/gone`` in that
+  run's side store, served by its rank 0's worker while it lives); a record whose store no
+  longer answers is removed;
+* a worker whose trainer is gone meets its peers before forming a save's group
+  (``meet``): it counts itself in and waits for the others, and fails the save at once when a
+  rank of its run is said to be gone.
+
+One root that every rank shares (a node-local root shows the record to its own node only).
+A rank whose new trainer never starts (its node is lost) still costs the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from .storage import localfs
+
+log = logging.getLogger("asyncckpt")
+
+RUNS_DIR = ".asyncckpt-runs"
+#: Seconds a new engine tries to reach an old run's side store (it is on this job's hosts,
+#: or gone: a dead host must not hold the resume).
+ANNOUNCE_TIMEOUT_S = 5.0
+#: Seconds between looks at the count of workers met and at the "gone" key.
+POLL_S = 0.2
+
+
+class PeerWorkerGone(RuntimeError):
+    """A rank's worker of this run died with its trainer: no save of the run can commit."""
+
+
+def gone_key(token: str) -> str:
+    return f"asyncckpt/{token}/gone"
+
+
+def record_run(root: Path, host: str, port: int, token: str) -> Path:
+    """Rank 0's engine: its run's side store, for the engines of a later run (atomic)."""
+    runs = Path(root) / RUNS_DIR
+    localfs.mkdir(runs, exist_ok=True)
+    path = runs / token
+    localfs.replace_synced(path, f"{host}:{port}\n".encode())
+    return path
+
+
+def forget_run(root: Path, token: str) -> None:
+    with contextlib.suppress(OSError):
+        localfs.remove_tree(Path(root) / RUNS_DIR / token)
+
+
+def recorded_runs(root: Path) -> dict[str, tuple[str, int]]:
+    """token -> (host, port) of every run recorded under ``root``."""
+    out: dict[str, tuple[str, int]] = {}
+    with contextlib.suppress(OSError):
+        for path in (Path(root) / RUNS_DIR).iterdir():
+            if path.name.startswith(localfs.TMP_PREFIX):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                host, port = path.read_text().strip().rsplit(":", 1)
+                out[path.name] = (host, int(port))
+    return out
+
+
+def note_worker(root: str | Path, rank: int, token: str) -> None:
+    """A worker of several ranks: which run it serves, for its rank's next engine."""
+    runs = Path(root) / RUNS_DIR
+    localfs.mkdir(runs, exist_ok=True)
+    localfs.replace_synced(runs / f"worker{rank}", f"{token}\n".encode())
+
+
+def announce_if_gone(root: Path, rank: int) -> str | None:
+    """A new engine of ``rank``, before it joins its own run: if the last worker of this rank
+    on ``root`` is gone (its lock free), tell that worker's run, which may wait for it; returns
+    that run's token once told. Its record goes either way (told, or its store is gone)."""
+    from .storage.localfs import lock_held, lock_path
+
+    note = Path(root) / RUNS_DIR / f"worker{rank}"
+    try:
+        token = note.read_text().strip()
+    except OSError:
+        return None  # no worker of several ranks ran here for this rank
+    if not token or lock_held(lock_path(root, f"worker{rank}")):
+        return None  # alive: it comes to its saves itself
+    told = None
+    where = recorded_runs(root).get(token)
+    if where is not None:
+        told = token if _tell(token, where, rank) else None
+        if told is None:
+            forget_run(root, token)  # its store does not answer: that run is over
+    with contextlib.suppress(OSError):
+        localfs.remove_tree(note)
+    return told
+
+
+def _tell(token: str, where: tuple[str, int], rank: int) -> bool:
+    import torch.distributed as dist
+
+    host, port = where
+    try:
+        td = datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S)
+        dist.TCPStore(host, port, None, False, td).set(gone_key(token), str(rank))
+    except Exception as e:  # noqa: BLE001 - that run is over
+        log.debug("run %s's side store at %s:%d does not answer (%s)", token, host, port, e)
+        return False
+    log.warning(
+        "rank %d: its worker of run %s is gone: told that run's other workers, which fail the "
+        "steps they wait to commit with it instead of waiting out their timeout",
+        rank,
+        token,
+    )
+    return True
+
+
+def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> None:
+    """Count this worker in for the group ``tag`` and wait until every rank's is, or fail
+    with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone."""
+    count = f"asyncckpt/{token}/{tag}/met"
+    gone = gone_key(token)
+    deadline = time.monotonic() + timeout
+    n = store.add(count, 1)
+    while n < world_size:
+        if store.check([gone]):
+            raise PeerWorkerGone(
+                f"rank {store.get(gone).decode()}'s worker is gone (its new trainer said so): "
+                "no save of this run can commit"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{world_size - n} rank(s) never came to the save in {timeout}s")
+        time.sleep(POLL_S)
+        n = store.add(count, 0)

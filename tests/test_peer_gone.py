@@ -1,0 +1,105 @@
+"""A rank's worker gone with its trainer, told to its run's other workers (peer_gone.py): the
+record of a run's side store, the announcement, and the meeting before a save's group that
+fails at once instead of waiting out the group's timeout."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from asyncckpt import peer_gone
+
+
+def _server() -> tuple[dist.TCPStore, int]:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+    return store, store.port
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_whose_worker_is_gone_tells_that_workers_run_only(tmp_path):
+    server, port = _server()
+    peer_gone.record_run(tmp_path, "127.0.0.1", port, "oldrun")
+    peer_gone.record_run(tmp_path, "127.0.0.1", port, "newrun")
+    peer_gone.note_worker(tmp_path, 3, "oldrun")  # rank 3's last worker served oldrun
+    assert peer_gone.announce_if_gone(tmp_path, 3) == "oldrun"  # no lock held: it is gone
+    assert server.get(peer_gone.gone_key("oldrun")) == b"3"
+    assert not server.check([peer_gone.gone_key("newrun")])  # another run: not told
+    assert peer_gone.announce_if_gone(tmp_path, 3) is None  # said once: its note went
+    assert peer_gone.announce_if_gone(tmp_path, 4) is None  # no worker of rank 4 ever ran
+
+
+def test_a_live_worker_is_not_said_gone(tmp_path):
+    from asyncckpt.storage.localfs import lock_file, lock_path, unlock
+
+    server, port = _server()
+    peer_gone.record_run(tmp_path, "127.0.0.1", port, "run")
+    peer_gone.note_worker(tmp_path, 1, "run")
+    fd = lock_file(lock_path(tmp_path, "worker1"), wait=False)  # as the worker holds it
+    assert fd is not None
+    try:
+        assert peer_gone.announce_if_gone(tmp_path, 1) is None
+        assert not server.check([peer_gone.gone_key("run")])
+    finally:
+        unlock(fd)
+
+
+def test_a_run_whose_store_is_gone_is_forgotten(tmp_path):
+    peer_gone.record_run(tmp_path, "127.0.0.1", _free_port(), "deadrun")  # nobody serves it
+    peer_gone.note_worker(tmp_path, 0, "deadrun")
+    assert peer_gone.announce_if_gone(tmp_path, 0) is None
+    assert peer_gone.recorded_runs(tmp_path) == {}
+    peer_gone.record_run(tmp_path, "127.0.0.1", 1234, "x")
+    peer_gone.forget_run(tmp_path, "x")
+    assert peer_gone.recorded_runs(tmp_path) == {}
+
+
+def test_meet_returns_once_every_rank_came(tmp_path):
+    server, _ = _server()
+    other = threading.Thread(target=peer_gone.meet, args=(server, "run", "5.0", 2, 30))
+    other.start()
+    t0 = time.monotonic()
+    peer_gone.meet(server, "run", "5.0", 2, 30)
+    other.join(30)
+    assert not other.is_alive() and time.monotonic() - t0 < 10
+
+
+def test_meet_fails_at_once_when_a_rank_is_said_gone(tmp_path):
+    server, port = _server()
+    peer_gone.record_run(tmp_path, "127.0.0.1", port, "run")
+    errors: list[BaseException] = []
+
+    def waiting() -> None:
+        try:
+            peer_gone.meet(server, "run", "7.0", 2, 600)  # rank 1 never comes
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # waiting for rank 1
+    t0 = time.monotonic()
+    peer_gone.note_worker(tmp_path, 1, "run")
+    assert peer_gone.announce_if_gone(tmp_path, 1) == "run"  # rank 1's new engine, no worker
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - t0 < 5  # not the 600 s timeout
+    assert isinstance(errors[0], peer_gone.PeerWorkerGone)
+    assert "rank 1's worker is gone" in str(errors[0])
+
+
+def test_meet_times_out_when_a_rank_never_comes_and_nobody_says(tmp_path):
+    server, _ = _server()
+    with pytest.raises(TimeoutError, match="1 rank"):
+        peer_gone.meet(server, "run", "9.0", 2, 1.0)
