@@ -16,9 +16,9 @@ The new trainer of that rank knows at once: its old worker's lock is free. So:
   before it joins its own (``announce_if_gone``: the key ``asyncckpt/<token>/gone`` in that
   run's side store, served by its rank 0's worker while it lives); a record whose store no
   longer answers is removed;
-* a worker whose trainer is gone meets its peers before forming a save's group
-  (``meet``): it counts itself in and waits for the others, and fails the save at once when a
-  rank of its run is said to be gone.
+* every worker meets its peers before forming a save's group (``meet``): it counts itself
+  in and waits for the others, and fails the save at once when a rank of its run is said to
+  be gone.
 
 One root that every rank shares (a node-local root shows the record to its own node only).
 A rank whose new trainer never starts (its node is lost) still costs the timeout.
@@ -132,10 +132,19 @@ def _tell(token: str, where: tuple[str, int], rank: int) -> bool:
 
 def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> None:
     """Count this worker in for the group ``tag`` and wait until every rank's is, or fail
-    with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone."""
+    with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone.
+
+    Every worker of the run meets before every save's group (a stand-in, one whose trainer
+    lives and one whose trainer died may form one group together). Waiting is a look at two
+    keys, soon after arriving and then less often (``POLL_S`` at most): ranks that save
+    together arrive close together, so a save waits about as long as before, and the store
+    serves O(1) requests per rank and look (not a wait with a time limit: a timed-out wait on
+    a TCPStore connection can leave its answer to arrive as the answer to the next request).
+    """
     count = f"asyncckpt/{token}/{tag}/met"
     gone = gone_key(token)
     deadline = time.monotonic() + timeout
+    pause = 0.002
     n = store.add(count, 1)
     while n < world_size:
         if store.check([gone]):
@@ -145,5 +154,6 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> N
             )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{world_size - n} rank(s) never came to the save in {timeout}s")
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S)
         n = store.add(count, 0)

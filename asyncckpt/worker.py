@@ -355,7 +355,7 @@ class Worker:
         group = self.job_keys.group(cfg, tag) if cfg is not None else contextlib.nullcontext(None)
         try:
             if cfg is not None:
-                _before_group(cfg, tag, self.trainer_gone)
+                _before_group(cfg, tag)
             with group as pg:
                 local_error: dict | None = None
                 crcs: dict = {}
@@ -731,14 +731,13 @@ def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any 
         inbox.put(e)
 
 
-def _before_group(cfg: Any, tag: str, trainer_gone: bool) -> None:
-    """Before a save's group of every rank's worker: with the trainer gone, a peer's worker
-    may have died with its own; meet the others first, failing fast if so (peer_gone.py)."""
+def _before_group(cfg: Any, tag: str) -> None:
+    """Before a save's group of every rank's worker: meet the others first, failing at once
+    when a peer's worker is said to have died with its trainer (peer_gone.py)."""
     faults.point("before_job_group")
-    if trainer_gone:
-        from .dist import job_store
+    from .dist import job_store
 
-        meet(job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout)
+    meet(job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout)
 
 
 def _watch_parent(parent_pid: int, deadline_s: float) -> None:
