@@ -55,11 +55,16 @@ def gone_key(token: str) -> str:
 
 def record_run(root: Path, host: str, port: int, token: str) -> Path:
     """Rank 0's engine: its run's side store, for the engines of a later run (atomic)."""
-    runs = Path(root) / RUNS_DIR
-    localfs.mkdir(runs, exist_ok=True)
-    path = runs / token
+    path = _runs(root) / token
     localfs.replace_synced(path, f"{host}:{port}\n".encode())
     return path
+
+
+def _runs(root: str | Path) -> Path:
+    """The directory of the records, made if missing."""
+    runs = Path(root) / RUNS_DIR
+    localfs.mkdir(runs, exist_ok=True)
+    return runs
 
 
 def forget_run(root: Path, token: str) -> None:
@@ -82,9 +87,7 @@ def recorded_runs(root: Path) -> dict[str, tuple[str, int]]:
 
 def note_worker(root: str | Path, rank: int, token: str) -> None:
     """A worker of several ranks: which run it serves, for its rank's next engine."""
-    runs = Path(root) / RUNS_DIR
-    localfs.mkdir(runs, exist_ok=True)
-    localfs.replace_synced(runs / f"worker{rank}", f"{token}\n".encode())
+    localfs.replace_synced(_runs(root) / f"worker{rank}", f"{token}\n".encode())
 
 
 def announce_if_gone(root: Path, rank: int) -> str | None:
