@@ -19,12 +19,13 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   is what the trainer keeps: a restarted rank-0 worker serves a fresh store on the same
   address, so no rank has to learn a new one and no other process can take the port meanwhile
   (a client that connects during the restart waits in the socket's backlog for the new worker).
-- **Per save.** Every rank's worker joins a fresh gloo group for the job over that store,
-  through one connection per worker kept across saves (``job_store``): a
-  ``PrefixStore`` per step and attempt, so a restarted worker or a failed save never leaves a
-  broken group behind; rank 0's worker deletes its keys once every rank has left it,
-  sidekeys.py; connected eagerly (``job_group`` says why not lazily). DCP plans and writes
-  each rank's own shards over that group; the workers
+- **Per save.** Every rank's worker uses a gloo group for the job over that store, through
+  one connection per worker kept across saves (``job_store``). The group is kept from one
+  save to the next while every rank holds it; it is formed afresh (a ``PrefixStore`` per
+  step and attempt) when any rank lacks it, so a restarted worker or a failed save never
+  leaves a broken group behind (``job_group``; rank 0's worker deletes the keys once every
+  rank has left them, sidekeys.py; connected eagerly: ``job_group`` says why not lazily).
+  DCP plans and writes each rank's own shards over that group; the workers
   then gather a success flag with their file checksums on rank 0 (gloo detects a dead peer, and
   the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
   manifest, rename the directory into place and write the tracker, then broadcast the outcome.
@@ -324,12 +325,48 @@ def job_store(cfg: DistConfig) -> Any:
     return store
 
 
-@contextlib.contextmanager
-def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
-    """A gloo group of every rank's worker for one job; torn down afterwards.
+#: The job group this worker keeps between saves, and what it was formed over (``job_group``).
+_kept: dict[str, Any] = {}
 
-    It is the worker's default group (DCP's collectives need a registered group), created per
-    job so that a dead or restarted worker leaves nothing broken for the next save.
+
+def _formed_over(cfg: DistConfig) -> tuple:
+    """Everything a kept group depends on: another store, run, rank, size or timeout is
+    another group."""
+    return (cfg.host, cfg.port, cfg.token, cfg.recovery_store, cfg.rank, cfg.world_size,
+            cfg.timeout, cfg.ranks_per_node)  # fmt: skip
+
+
+def holds_group(cfg: DistConfig) -> bool:
+    """Whether this worker keeps a sound job group over ``cfg`` from an earlier save."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and _kept.get("over") == _formed_over(cfg)
+
+
+def drop_group() -> None:
+    """Tear down the kept job group (a failed save, another run): the next job forms one."""
+    import torch.distributed as dist
+
+    _kept.clear()
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def job_group(
+    cfg: DistConfig, tag: str, *, reuse: bool = False, keep: bool = False
+) -> Iterator[Any]:
+    """A gloo group of every rank's worker for one job.
+
+    It is the worker's default group (DCP's collectives need a registered group). Forming one
+    connects every pair of ranks: N(N-1)/2 connections and N(N-1) store reads in all, which
+    every save paid until this release. Now a save's group is kept (``keep=True``) and the
+    next save reuses it (``reuse=True``) when every rank said it still holds it
+    (``peer_gone.meet``); any rank without one (a restarted worker, a failed save, another
+    job's group in between) makes every rank form a fresh group under ``tag``. A group that
+    saw an error is torn down (``drop_group``), so a dead or restarted worker leaves nothing
+    broken for the next save.
 
     Connected eagerly (every pair at creation), not with gloo's lazy connection: lazily, a
     survivor's save hung for minutes past the group's timeout when a peer had died (a pair
@@ -338,22 +375,28 @@ def job_group(cfg: DistConfig, tag: str) -> Iterator[Any]:
     """
     import torch.distributed as dist
 
-    td = datetime.timedelta(seconds=cfg.timeout)
-    store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", job_store(cfg))
     try:
-        dist.init_process_group(
-            "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
-        )
-        try:
-            yield dist.group.WORLD
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        if reuse:
+            if not holds_group(cfg):  # (meet said every rank holds one: this one must)
+                raise RuntimeError(f"job {tag}: asked to reuse a job group this worker lacks")
+        else:
+            drop_group()
+            td = datetime.timedelta(seconds=cfg.timeout)
+            store = dist.PrefixStore(f"asyncckpt/{cfg.token}/{tag}", job_store(cfg))
+            dist.init_process_group(
+                "gloo", store=store, rank=cfg.rank, world_size=cfg.world_size, timeout=td
+            )
+        yield dist.group.WORLD
     except BaseException:
         # A broken group (a peer died or timed out) may leave a store request unanswered on
-        # the connection: the next job starts on a fresh one.
+        # the connection: the next job starts on a fresh one, and a fresh group.
+        drop_group()
         _job_client.pop((cfg.host, cfg.port), None)
         raise
+    if keep:
+        _kept["over"] = _formed_over(cfg)
+    else:
+        drop_group()
 
 
 def all_gather(pg: Any, obj: Any, world_size: int) -> list[Any]:

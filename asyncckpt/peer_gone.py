@@ -16,9 +16,10 @@ The new trainer of that rank knows at once: its old worker's lock is free. So:
   before it joins its own (``announce_if_gone``: the key ``asyncckpt/<token>/gone`` in that
   run's side store, served by its rank 0's worker while it lives); a record whose store no
   longer answers is removed;
-* every worker meets its peers before forming a save's group (``meet``): it counts itself
-  in and waits for the others, and fails the save at once when a rank of its run is said to
-  be gone.
+* every worker meets its peers before a save's group (``meet``): it counts itself in and
+  waits for the others, and fails the save at once when a rank of its run is said to be
+  gone. The meeting also decides whether the group kept from the last save serves again
+  (``dist.job_group``).
 
 One root that every rank shares (a node-local root shows the record to its own node only).
 A rank whose new trainer never starts (its node is lost) still costs the timeout.
@@ -133,9 +134,11 @@ def _tell(token: str, where: tuple[str, int], rank: int) -> bool:
     return True
 
 
-def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> None:
+def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fresh: bool) -> bool:
     """Count this worker in for the group ``tag`` and wait until every rank's is, or fail
-    with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone.
+    with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone. Returns whether
+    the group must be formed afresh: ``fresh`` is this worker's say (it holds no sound group
+    from the last save), and one rank's say is every rank's answer.
 
     Every worker of the run meets before every save's group (a stand-in, one whose trainer
     lives and one whose trainer died may form one group together). Waiting is a look at two
@@ -143,11 +146,16 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> N
     together arrive close together, so a save waits about as long as before, and the store
     serves O(1) requests per rank and look (not a wait with a time limit: a timed-out wait on
     a TCPStore connection can leave its answer to arrive as the answer to the next request).
+    A worker that asks for a fresh group says so before it counts itself in, so every rank
+    reads the same answer once the count is whole.
     """
     count = f"asyncckpt/{token}/{tag}/met"
+    afresh = f"asyncckpt/{token}/{tag}/fresh"
     gone = gone_key(token)
     deadline = time.monotonic() + timeout
     pause = 0.002
+    if fresh:
+        store.set(afresh, "1")
     n = store.add(count, 1)
     while n < world_size:
         if store.check([gone]):
@@ -160,3 +168,4 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float) -> N
         time.sleep(pause)
         pause = min(pause * 2, POLL_S)
         n = store.add(count, 0)
+    return fresh or store.check([afresh])

@@ -1,9 +1,10 @@
 """The side store's per-save keys: removed once no rank can still read them.
 
-Every save forms a fresh gloo group of the workers over the side store (``dist.job_group``,
-a ``PrefixStore`` per step and attempt), and gloo leaves one key per rank there (its address,
-read by a peer when the pair first connects). Nothing else removes them, so a long run grew
-rank 0's worker (which serves the store) by N keys per save, without bound.
+Every save meets under its own prefix (step and attempt: ``peer_gone.meet``'s counter), and a
+save that forms a fresh gloo group of the workers over the side store (``dist.job_group``)
+leaves one key per rank there (its address, read by a peer when the pair first connects).
+Nothing else removes them, so a long run grew rank 0's worker (which serves the store) by N
+keys per save, without bound.
 
 When a key may go: a worker runs its jobs one after the other, so a rank that took part in the
 gather of job J (the commit's agreement: rank 0 receives every rank's result) has left every
@@ -66,11 +67,12 @@ class JobKeys:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def group(self, cfg: _dist.DistConfig, tag: str) -> Iterator[Any]:
-        """``dist.job_group(cfg, tag)``; on rank 0 a clean exit (the job's gather returned:
-        every rank is in this job, past all earlier ones) frees the earlier groups' keys."""
+    def group(self, cfg: _dist.DistConfig, tag: str, reuse: bool = False) -> Iterator[Any]:
+        """``dist.job_group(cfg, tag, reuse=reuse, keep=True)``; on rank 0 a clean exit (the
+        job's gather returned: every rank is in this job, past all earlier ones) frees the
+        earlier jobs' keys."""
         try:
-            with _dist.job_group(cfg, tag) as pg:
+            with _dist.job_group(cfg, tag, reuse=reuse, keep=True) as pg:
                 yield pg
             if cfg.rank == 0:
                 left = [t for t in self.joined if t != tag]

@@ -352,11 +352,8 @@ class Worker:
         self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
         tag = f"{job.step}.{job.attempt}"
-        group = self.job_keys.group(cfg, tag) if cfg is not None else contextlib.nullcontext(None)
         try:
-            if cfg is not None:
-                _before_group(cfg, tag)
-            with group as pg:
+            with _job_group(self.job_keys, cfg, tag) as pg:
                 local_error: dict | None = None
                 crcs: dict = {}
                 try:
@@ -403,6 +400,7 @@ class Worker:
         assert outcome is not None
         _written(self.holder, job)  # (again, if a broken group cut the write short)
         if outcome[0] != "committed":
+            _dist.drop_group()  # (a group a save failed in may be broken: the next forms one)
             if self._offered(job) is not None:
                 # (a new engine that took it fails its start)
                 self.early_offer.withdraw(str(outcome[1].get("message")))
@@ -731,13 +729,23 @@ def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any 
         inbox.put(e)
 
 
-def _before_group(cfg: Any, tag: str) -> None:
-    """Before a save's group of every rank's worker: meet the others first, failing at once
-    when a peer's worker is said to have died with its trainer (peer_gone.py)."""
-    faults.point("before_job_group")
-    from .dist import job_store
+def _job_group(keys: JobKeys, cfg: Any, tag: str) -> Any:
+    """The save's group of every rank's worker (none for one rank), once the workers have
+    met: failing at once when a peer's worker is said to have died with its trainer, and
+    reusing the group kept from the last save when every rank still holds it (peer_gone.py,
+    dist.job_group)."""
+    if cfg is None:
+        return contextlib.nullcontext(None)
+    from . import dist as _dist
 
-    meet(job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout)
+    faults.point("before_job_group")
+    try:
+        fresh = meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout,
+                     not _dist.holds_group(cfg))  # fmt: skip
+    except BaseException:
+        _dist.drop_group()  # (at once: a peer that met after the timeout must not wait in it)
+        raise
+    return keys.group(cfg, tag, reuse=not fresh)
 
 
 def _watch_parent(parent_pid: int, deadline_s: float) -> None:

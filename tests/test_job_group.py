@@ -66,3 +66,72 @@ def test_job_groups_reuse_one_connection_to_the_side_store(monkeypatch):
     with pytest.raises(RuntimeError), _dist.job_group(cfg, "4.0"):
         raise RuntimeError("a peer died")
     assert _dist._job_client == {}  # a broken group's connection is not reused
+
+
+def test_a_kept_group_serves_the_next_job_and_any_error_drops_it(monkeypatch):
+    """Forming a group connects every pair of ranks (N(N-1)/2 connections): a save now keeps
+    its group for the next one. What it was formed over is part of the key, and a job that
+    fails tears it down."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, use_libuv=True)
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", server.port, "tok-kept", timeout=5.0)
+    formed = []
+    real = dist.init_process_group
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda *a, **k: formed.append(1) or real(*a, **k)
+    )
+    try:
+        with _dist.job_group(cfg, "1.0", keep=True) as first:
+            pass
+        assert _dist.holds_group(cfg)
+        with _dist.job_group(cfg, "2.0", reuse=True, keep=True) as second:
+            assert second is first
+        assert len(formed) == 1
+        other_run = _dist.DistConfig(0, 1, 0, "127.0.0.1", server.port, "tok-other", timeout=5.0)
+        assert not _dist.holds_group(other_run)
+        longer = _dist.DistConfig(0, 1, 0, "127.0.0.1", server.port, "tok-kept", timeout=9.0)
+        assert not _dist.holds_group(longer)
+        with pytest.raises(RuntimeError, match="boom"), _dist.job_group(cfg, "3.0", reuse=True):
+            raise RuntimeError("boom")
+        assert not _dist.holds_group(cfg) and not dist.is_initialized()
+        with pytest.raises(RuntimeError, match="lacks"), _dist.job_group(cfg, "4.0", reuse=True):
+            pass
+        with _dist.job_group(cfg, "5.0"):  # keep=False (memory_hold's): torn down after
+            pass
+        assert not dist.is_initialized() and len(formed) == 2
+    finally:
+        _dist.drop_group()
+
+
+def _rank_of_kept_groups(rank: int, port: int, q) -> None:
+    from asyncckpt import peer_gone
+
+    cfg = _dist.DistConfig(rank, 2, rank, "127.0.0.1", port, "tok-2", timeout=30.0)
+    formed = []
+    for step in range(5):
+        if step == 2 and rank == 1:
+            _dist.drop_group()  # as a restarted worker: it holds no group
+        fresh = peer_gone.meet(
+            _dist.job_store(cfg), cfg.token, f"{step}.0", 2, 30, not _dist.holds_group(cfg)
+        )
+        formed.append(fresh)
+        with _dist.job_group(cfg, f"{step}.0", reuse=not fresh, keep=True) as pg:
+            got = _dist.all_gather(pg, (rank, step), 2)
+        assert got == [(0, step), (1, step)], got
+    q.put((rank, formed))
+
+
+def test_two_ranks_reuse_their_group_until_one_lacks_it():
+    """Two processes, five jobs: the group formed at the first is reused, until one rank
+    holds none (a restarted worker): then both form one afresh, and reuse that."""
+    import multiprocessing as mp
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, use_libuv=True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_of_kept_groups, args=(r, server.port, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == dict.fromkeys((0, 1), [True, False, True, False, False])

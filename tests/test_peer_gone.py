@@ -67,12 +67,33 @@ def test_a_run_whose_store_is_gone_is_forgotten(tmp_path):
 
 def test_meet_returns_once_every_rank_came(tmp_path):
     server, _ = _server()
-    other = threading.Thread(target=peer_gone.meet, args=(server, "run", "5.0", 2, 30))
+    other = threading.Thread(target=peer_gone.meet, args=(server, "run", "5.0", 2, 30, False))
     other.start()
     t0 = time.monotonic()
-    peer_gone.meet(server, "run", "5.0", 2, 30)
+    peer_gone.meet(server, "run", "5.0", 2, 30, False)
     other.join(30)
     assert not other.is_alive() and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("says", [(False, False, False), (False, True, False), (True, False, True)])
+def test_one_rank_asking_for_a_fresh_group_is_every_ranks_answer(says):
+    """The meeting decides whether the group kept from the last save serves again: every rank
+    must read the same answer, whichever rank asked and whenever it arrived (a rank reusing
+    a group its peers re-form waits in a collective nobody else joins)."""
+    server, _ = _server()
+    answers: dict[int, bool] = {}
+
+    def rank(r: int) -> None:
+        if r == 2:
+            time.sleep(0.3)  # (the last to arrive)
+        answers[r] = peer_gone.meet(server, "run", f"6.{says}", 3, 30, says[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert answers == dict.fromkeys(range(3), any(says))
 
 
 def test_meet_fails_at_once_when_a_rank_is_said_gone(tmp_path):
@@ -82,7 +103,7 @@ def test_meet_fails_at_once_when_a_rank_is_said_gone(tmp_path):
 
     def waiting() -> None:
         try:
-            peer_gone.meet(server, "run", "7.0", 2, 600)  # rank 1 never comes
+            peer_gone.meet(server, "run", "7.0", 2, 600, False)  # rank 1 never comes
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -102,4 +123,4 @@ def test_meet_fails_at_once_when_a_rank_is_said_gone(tmp_path):
 def test_meet_times_out_when_a_rank_never_comes_and_nobody_says(tmp_path):
     server, _ = _server()
     with pytest.raises(TimeoutError, match="1 rank"):
-        peer_gone.meet(server, "run", "9.0", 2, 1.0)
+        peer_gone.meet(server, "run", "9.0", 2, 1.0, True)

@@ -97,7 +97,7 @@ def test_rank_0_frees_a_group_once_a_later_group_closed_cleanly(monkeypatch) -> 
     (its gather returned: every rank had left the earlier groups); a failed group frees none."""
     from asyncckpt import dist as _dist
 
-    monkeypatch.setattr(_dist, "job_group", lambda cfg, tag: contextlib.nullcontext(tag))
+    monkeypatch.setattr(_dist, "job_group", lambda cfg, tag, **_: contextlib.nullcontext(tag))
     keys = SK.JobKeys()
     freed: list[list[str]] = []
     monkeypatch.setattr(keys, "_submit", lambda cfg, tags: freed.append(tags))
