@@ -22,7 +22,9 @@ The new trainer of that rank knows at once: its old worker's lock is free. So:
   (``dist.job_group``).
 
 One root that every rank shares (a node-local root shows the record to its own node only).
-A rank whose new trainer never starts (its node is lost) still costs the timeout.
+A rank whose new trainer never starts (its node is lost) still costs the timeout. A run's
+record stays while a worker's note names it (a crashed run's rank 0 never removed its own),
+and goes when rank 0 of a later run records its own.
 """
 
 from __future__ import annotations
@@ -55,9 +57,18 @@ def gone_key(token: str) -> str:
 
 
 def record_run(root: Path, host: str, port: int, token: str) -> Path:
-    """Rank 0's engine: its run's side store, for the engines of a later run (atomic)."""
+    """Rank 0's engine: its run's side store, for the engines of a later run (atomic). The
+    records of runs no worker's note names go: only a note leads to a record
+    (``announce_if_gone``), and a run that crashed left its record behind."""
     path = _runs(root) / token
     localfs.replace_synced(path, f"{host}:{port}\n".encode())
+    named = {token}
+    with contextlib.suppress(OSError):
+        for note in (Path(root) / RUNS_DIR).glob("worker*"):
+            with contextlib.suppress(OSError):
+                named.add(note.read_text().strip())
+    for old in set(recorded_runs(root)) - named:
+        forget_run(root, old)
     return path
 
 

@@ -31,8 +31,8 @@ def _free_port() -> int:
 def test_a_rank_whose_worker_is_gone_tells_that_workers_run_only(tmp_path):
     server, port = _server()
     peer_gone.record_run(tmp_path, "127.0.0.1", port, "oldrun")
-    peer_gone.record_run(tmp_path, "127.0.0.1", port, "newrun")
     peer_gone.note_worker(tmp_path, 3, "oldrun")  # rank 3's last worker served oldrun
+    peer_gone.record_run(tmp_path, "127.0.0.1", port, "newrun")
     assert peer_gone.announce_if_gone(tmp_path, 3) == "oldrun"  # no lock held: it is gone
     assert server.get(peer_gone.gone_key("oldrun")) == b"3"
     assert not server.check([peer_gone.gone_key("newrun")])  # another run: not told
@@ -63,6 +63,21 @@ def test_a_run_whose_store_is_gone_is_forgotten(tmp_path):
     peer_gone.record_run(tmp_path, "127.0.0.1", 1234, "x")
     peer_gone.forget_run(tmp_path, "x")
     assert peer_gone.recorded_runs(tmp_path) == {}
+
+
+def test_records_of_crashed_runs_go_when_a_later_run_records_its_own(tmp_path):
+    """A run whose rank 0 crashed never removed its record: each crash left one behind for
+    good. A record only a worker's note leads to is kept; the others go."""
+    for token in ("crashed1", "crashed2"):
+        peer_gone.record_run(tmp_path, "127.0.0.1", 1, token)
+    assert set(peer_gone.recorded_runs(tmp_path)) == {"crashed2"}  # (crashed1: no note)
+    peer_gone.record_run(tmp_path, "127.0.0.1", 1, "waited-for")
+    peer_gone.note_worker(tmp_path, 3, "waited-for")  # a worker of that run may still be met
+    peer_gone.record_run(tmp_path, "127.0.0.1", 2, "now")
+    assert peer_gone.recorded_runs(tmp_path) == {
+        "waited-for": ("127.0.0.1", 1),
+        "now": ("127.0.0.1", 2),
+    }
 
 
 def test_meet_returns_once_every_rank_came(tmp_path):
