@@ -353,6 +353,11 @@ def drop_group() -> None:
             dist.destroy_process_group()
 
 
+def forget_job_store(cfg: DistConfig) -> None:
+    """Drop this worker's connection to the side store: the next ``job_store`` opens one."""
+    _job_client.pop((cfg.host, cfg.port), None)
+
+
 @contextlib.contextmanager
 def job_group(
     cfg: DistConfig, tag: str, *, reuse: bool = False, keep: bool = False
@@ -391,7 +396,7 @@ def job_group(
         # A broken group (a peer died or timed out) may leave a store request unanswered on
         # the connection: the next job starts on a fresh one, and a fresh group.
         drop_group()
-        _job_client.pop((cfg.host, cfg.port), None)
+        forget_job_store(cfg)
         raise
     if keep:
         _kept["over"] = _formed_over(cfg)
@@ -409,11 +414,28 @@ def all_gather(pg: Any, obj: Any, world_size: int) -> list[Any]:
 
 def gather(pg: Any, obj: Any, world_size: int, rank: int) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (None on the others): what only rank 0 needs. An
-    all-gather would hand all N ranks' objects to each of the N ranks (N^2 over the group)."""
+    all-gather would hand all N ranks' objects to each of the N ranks (N^2 over the group).
+
+    Star-shaped: each rank's size goes to rank 0 in one gather of a fixed-size tensor, then
+    its pickled bytes in one message to rank 0. ``dist.gather_object`` all-gathers the sizes
+    (N^2 messages in all) and pads every rank's object to the largest."""
+    import pickle
+
     import torch.distributed as dist
 
-    out: list[Any] | None = [None] * world_size if rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=pg)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(size, sizes, dst=0, group=pg)
+    if rank != 0:
+        dist.send(data, dst=0, group=pg)
+        return None
+    assert sizes is not None
+    out: list[Any] = [obj]
+    for r in range(1, world_size):
+        buf = torch.empty(int(sizes[r].item()), dtype=torch.uint8)
+        dist.recv(buf, src=r, group=pg)
+        out.append(pickle.loads(buf.numpy().tobytes()))
     return out
 
 

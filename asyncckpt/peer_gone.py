@@ -180,3 +180,24 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fres
         pause = min(pause * 2, POLL_S)
         n = store.add(count, 0)
     return fresh or store.check([afresh])
+
+
+def meet_on_side_store(cfg: Any, tag: str, fresh: bool) -> bool:
+    """``meet`` over this worker's connection to the run's side store (``dist.job_store``),
+    and once more over a new connection if that one drops during the meeting: rank 0's
+    worker, which serves the store, was replaced (it serves a fresh one on the same socket),
+    and every count and flag went with the old store, so the meeting starts again there."""
+    import torch.distributed as dist
+
+    from . import dist as _dist
+
+    try:
+        return meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout, fresh)
+    except dist.DistNetworkError as e:
+        if cfg.recovery_store is not None:  # (a file: nothing to reconnect to)
+            raise
+        log.info(
+            "rank %d: the side store dropped during save %s's meeting (%s): again", cfg.rank, tag, e
+        )
+        _dist.forget_job_store(cfg)
+        return meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout, fresh)

@@ -32,7 +32,7 @@ from .formats.dcp import Serialized
 from .hot_serve import Written
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
-from .peer_gone import meet
+from .peer_gone import meet_on_side_store
 from .sidekeys import JobKeys
 from .staging import TensorSpec
 from .storage.local import LocalStore
@@ -740,8 +740,7 @@ def _job_group(keys: JobKeys, cfg: Any, tag: str) -> Any:
 
     faults.point("before_job_group")
     try:
-        fresh = meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout,
-                     not _dist.holds_group(cfg))  # fmt: skip
+        fresh = meet_on_side_store(cfg, tag, not _dist.holds_group(cfg))
     except BaseException:
         _dist.drop_group()  # (at once: a peer that met after the timeout must not wait in it)
         raise

@@ -116,8 +116,28 @@ def _rank_of_kept_groups(rank: int, port: int, q) -> None:
         formed.append(fresh)
         with _dist.job_group(cfg, f"{step}.0", reuse=not fresh, keep=True) as pg:
             got = _dist.all_gather(pg, (rank, step), 2)
-        assert got == [(0, step), (1, step)], got
+            assert got == [(0, step), (1, step)], got
+            # The commit's gather: star-shaped (no all-gather, not even of the sizes), and
+            # every rank's object whole whatever its size.
+            c10d = dist.distributed_c10d  # (what gather_object calls)
+            real = c10d.all_gather
+            c10d.all_gather = dist.all_gather = _no_all_gather  # type: ignore[assignment]
+            try:
+                mine = {"rank": rank, "files": ["x" * 1000] * (rank * 7 + step)}
+                gathered = _dist.gather(pg, mine, 2, rank)
+            finally:
+                c10d.all_gather = dist.all_gather = real
+            if rank == 0:
+                assert gathered == [
+                    {"rank": r, "files": ["x" * 1000] * (r * 7 + step)} for r in (0, 1)
+                ], gathered
+            else:
+                assert gathered is None
     q.put((rank, formed))
+
+
+def _no_all_gather(*args, **kwargs):
+    raise AssertionError("an all-gather in a gather to rank 0")
 
 
 def test_two_ranks_reuse_their_group_until_one_lacks_it():

@@ -139,3 +139,31 @@ def test_meet_times_out_when_a_rank_never_comes_and_nobody_says(tmp_path):
     server, _ = _server()
     with pytest.raises(TimeoutError, match="1 rank"):
         peer_gone.meet(server, "run", "9.0", 2, 1.0, True)
+
+
+def test_a_meeting_cut_by_a_replaced_side_store_meets_again_on_a_new_connection(monkeypatch):
+    """Rank 0's worker serves the side store; when it is killed and replaced while another
+    rank's worker meets for a save, that meeting's connection is reset. The save failed on
+    that rank ("Connection reset by peer") and rank 0's new worker waited the whole timeout
+    for it (tests/test_multirank.py's plan-caching test, 2 of ~10 runs under load)."""
+    from asyncckpt import dist as _dist
+
+    server, port = _server()
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", timeout=30.0)
+
+    class Reset:
+        def set(self, *a):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+        add = check = set
+
+    stores = [Reset(), server]
+    monkeypatch.setattr(_dist, "job_store", lambda cfg: stores.pop(0))
+    forgot = []
+    monkeypatch.setattr(_dist, "forget_job_store", lambda cfg: forgot.append(cfg))
+    assert peer_gone.meet_on_side_store(cfg, "6.0", True) is True
+    assert stores == [] and forgot == [cfg]
+    recovery = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", 30.0, str(server))
+    stores[:] = [Reset(), server]
+    with pytest.raises(dist.DistNetworkError):  # a file store: nothing to reconnect to
+        peer_gone.meet_on_side_store(recovery, "7.0", True)

@@ -496,15 +496,21 @@ def _bytes_of(data: Any) -> Any:
 _PROCESS_ID = uuid.uuid4().hex
 
 
-def _all_layouts(process_group: Any, signature: tuple | None) -> list[Any]:
-    """Every rank's (``_PROCESS_ID``, digest of its plan signature or None), in rank order
-    (one small collective)."""
+def _all_layouts(process_group: Any, signature: tuple | None) -> str | None:
+    """One digest of every rank's (``_PROCESS_ID``, digest of its plan signature), the same
+    on every rank; None if any rank's signature is None. Rank 0 gathers and broadcasts it
+    (O(N) in all; an all-gather handed every rank all N ranks' digests)."""
     import torch.distributed as dist
 
+    from .. import dist as _dist
+
+    rank = dist.get_rank(process_group)
     mine = (_PROCESS_ID, None if signature is None else signature_digest(signature))
-    out: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(out, mine, group=process_group)
-    return out
+    ranks = _dist.gather(process_group, mine, dist.get_world_size(process_group), rank)
+    combined = None
+    if ranks is not None and all(d is not None for _, d in ranks):
+        combined = signature_digest(tuple(ranks))
+    return _dist.broadcast(process_group, combined)
 
 
 def write_flat(
@@ -556,7 +562,7 @@ def write_flat(
         layout: Any = signature
         if not no_dist:
             ranks = _all_layouts(process_group, signature)
-            layout = None if any(d is None for _, d in ranks) else (signature, tuple(ranks))
+            layout = None if ranks is None else (signature, ranks)
         if layout is not None:  # the same on every rank: a rank's None disables it everywhere
             name = f"asyncckpt:{type(planner).__name__}:{plan_cache}"
             planner._enable_plan_caching = True
