@@ -255,7 +255,7 @@ def serve(cfg: DistConfig, listener: socket.socket) -> Any:
     import torch.distributed as dist
 
     td = datetime.timedelta(seconds=cfg.timeout)
-    return dist.TCPStore(
+    store = dist.TCPStore(
         cfg.host,
         cfg.port,
         None,
@@ -265,6 +265,14 @@ def serve(cfg: DistConfig, listener: socket.socket) -> Any:
         use_libuv=True,
         master_listen_fd=listener.detach(),  # the store owns (and closes) this copy
     )
+    # Which store a client reached: a restarted worker serves a new one on the same address,
+    # and a client that lost its connection must know whether what it wrote went with it.
+    store.set(STORE_ID_KEY, uuid.uuid4().hex)
+    return store
+
+
+#: The key under which rank 0's worker names the store it serves (``serve``).
+STORE_ID_KEY = "asyncckpt/store-id"
 
 
 def side_store(cfg: DistConfig, timeout: float | None = None) -> Any:
@@ -322,7 +330,18 @@ def job_store(cfg: DistConfig) -> Any:
             _job_client.pop(key, None)
     store = side_store(cfg)
     _job_client[key] = store
+    # (a store served by ``serve`` names itself at once; a bare one, in tests, does not)
+    _job_store_id[key] = store.get(STORE_ID_KEY).decode() if store.check([STORE_ID_KEY]) else None
     return store
+
+
+def job_store_id(cfg: DistConfig) -> str | None:
+    """Which store this worker's connection (``job_store``) reached, if it said."""
+    return _job_store_id.get((cfg.host, cfg.port))
+
+
+#: The store each connection of ``_job_client`` reached (``serve``'s ``STORE_ID_KEY``).
+_job_store_id: dict[tuple[str, int], str | None] = {}
 
 
 #: The job group this worker keeps between saves, and what it was formed over (``job_group``).

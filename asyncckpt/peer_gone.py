@@ -145,7 +145,17 @@ def _tell(token: str, where: tuple[str, int], rank: int) -> bool:
     return True
 
 
-def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fresh: bool) -> bool:
+def meet(
+    store: Any,
+    token: str,
+    tag: str,
+    world_size: int,
+    timeout: float,
+    fresh: bool,
+    *,
+    rank: int = -1,
+    again: bool = False,
+) -> bool:
     """Count this worker in for the group ``tag`` and wait until every rank's is, or fail
     with ``PeerWorkerGone`` as soon as a rank of the run is said to be gone. Returns whether
     the group must be formed afresh: ``fresh`` is this worker's say (it holds no sound group
@@ -159,12 +169,19 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fres
     a TCPStore connection can leave its answer to arrive as the answer to the next request).
     A worker that asks for a fresh group says so before it counts itself in, so every rank
     reads the same answer once the count is whole.
+
+    Rank 0 also says which save it meets for. ``again``: this meeting started on a store that
+    has since been replaced with rank 0's worker; it fails once rank 0's new worker meets
+    for a later save (it will never come to this one: the save died with the old worker).
     """
     count = f"asyncckpt/{token}/{tag}/met"
     afresh = f"asyncckpt/{token}/{tag}/fresh"
+    at = _rank0_at(token)
     gone = gone_key(token)
     deadline = time.monotonic() + timeout
     pause = 0.002
+    if rank == 0:
+        store.set(at, tag)
     if fresh:
         store.set(afresh, "1")
     n = store.add(count, 1)
@@ -174,6 +191,11 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fres
                 f"rank {store.get(gone).decode()}'s worker is gone (its new trainer said so): "
                 "no save of this run can commit"
             )
+        if again and store.check([at]) and _later(store.get(at).decode(), tag):
+            raise PeerWorkerGone(
+                f"rank 0's worker was replaced during save {tag} and its new one went on to "
+                f"save {store.get(at).decode()}: save {tag} cannot commit"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{world_size - n} rank(s) never came to the save in {timeout}s")
         time.sleep(pause)
@@ -182,22 +204,44 @@ def meet(store: Any, token: str, tag: str, world_size: int, timeout: float, fres
     return fresh or store.check([afresh])
 
 
+def _rank0_at(token: str) -> str:
+    return f"asyncckpt/{token}/rank0-meets"
+
+
+def _later(tag: str, than: str) -> bool:
+    """Whether save ``tag`` ("step.attempt") comes after ``than`` (steps increase, and a
+    step's attempts too)."""
+    try:
+        return tuple(map(int, tag.split("."))) > tuple(map(int, than.split(".")))
+    except ValueError:
+        return False
+
+
 def meet_on_side_store(cfg: Any, tag: str, fresh: bool) -> bool:
     """``meet`` over this worker's connection to the run's side store (``dist.job_store``),
-    and once more over a new connection if that one drops during the meeting: rank 0's
-    worker, which serves the store, was replaced (it serves a fresh one on the same socket),
-    and every count and flag went with the old store, so the meeting starts again there."""
+    and once more over a new connection if that one drops during the meeting *and* the new
+    one reaches another store: rank 0's worker, which serves the store, was replaced (it
+    serves a fresh one on the same socket), and every count and flag went with the old store,
+    so the meeting starts again there. The same store still serving (a connection lost, not
+    the store) fails the save: this worker's count may already be in it."""
     import torch.distributed as dist
 
     from . import dist as _dist
 
+    store = _dist.job_store(cfg)
+    was = _dist.job_store_id(cfg)
+    args = (cfg.token, tag, cfg.world_size, cfg.timeout, fresh)
     try:
-        return meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout, fresh)
+        return meet(store, *args, rank=cfg.rank)
     except dist.DistNetworkError as e:
-        if cfg.recovery_store is not None:  # (a file: nothing to reconnect to)
+        if cfg.recovery_store is not None or was is None:  # (a file; a store with no name)
+            raise
+        _dist.forget_job_store(cfg)
+        store = _dist.job_store(cfg)
+        now = _dist.job_store_id(cfg)
+        if now is None or now == was:
             raise
         log.info(
-            "rank %d: the side store dropped during save %s's meeting (%s): again", cfg.rank, tag, e
+            "rank %d: the side store was replaced during save %s's meeting (%s)", cfg.rank, tag, e
         )
-        _dist.forget_job_store(cfg)
-        return meet(_dist.job_store(cfg), cfg.token, tag, cfg.world_size, cfg.timeout, fresh)
+        return meet(store, *args, rank=cfg.rank, again=True)

@@ -145,7 +145,9 @@ def test_a_meeting_cut_by_a_replaced_side_store_meets_again_on_a_new_connection(
     """Rank 0's worker serves the side store; when it is killed and replaced while another
     rank's worker meets for a save, that meeting's connection is reset. The save failed on
     that rank ("Connection reset by peer") and rank 0's new worker waited the whole timeout
-    for it (tests/test_multirank.py's plan-caching test, 2 of ~10 runs under load)."""
+    for it (tests/test_multirank.py's plan-caching test, 2 of ~10 runs under load). It meets
+    again only where the new connection reached another store: on the same store its count
+    may already be in, and counting it twice would let the others pass without a rank."""
     from asyncckpt import dist as _dist
 
     server, port = _server()
@@ -157,13 +159,43 @@ def test_a_meeting_cut_by_a_replaced_side_store_meets_again_on_a_new_connection(
 
         add = check = set
 
-    stores = [Reset(), server]
-    monkeypatch.setattr(_dist, "job_store", lambda cfg: stores.pop(0))
-    forgot = []
-    monkeypatch.setattr(_dist, "forget_job_store", lambda cfg: forgot.append(cfg))
+    def connections(*named: tuple[object, str | None]) -> list:
+        got = list(named)
+        ids: list = []
+        monkeypatch.setattr(_dist, "job_store", lambda cfg: ids.append(got[0][1]) or got.pop(0)[0])
+        monkeypatch.setattr(_dist, "job_store_id", lambda cfg: ids[-1])
+        return got
+
+    left = connections((Reset(), "old"), (server, "new"))
     assert peer_gone.meet_on_side_store(cfg, "6.0", True) is True
-    assert stores == [] and forgot == [cfg]
+    assert left == []
+    left = connections((Reset(), "same"), (server, "same"))
+    with pytest.raises(dist.DistNetworkError):  # the same store: not counted twice
+        peer_gone.meet_on_side_store(cfg, "7.0", True)
+    left = connections((Reset(), None), (server, "new"))
+    with pytest.raises(dist.DistNetworkError):  # a store that never said which it is
+        peer_gone.meet_on_side_store(cfg, "8.0", True)
     recovery = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", 30.0, str(server))
-    stores[:] = [Reset(), server]
+    left = connections((Reset(), "old"), (server, "new"))
     with pytest.raises(dist.DistNetworkError):  # a file store: nothing to reconnect to
-        peer_gone.meet_on_side_store(recovery, "7.0", True)
+        peer_gone.meet_on_side_store(recovery, "9.0", True)
+
+
+def test_a_meeting_again_fails_once_rank_0s_new_worker_meets_a_later_save():
+    """Met again on the store of rank 0's new worker: if that worker meets for a later save,
+    this one died with the old worker and never completes; waiting would cost the timeout.
+    Rank 0 still behind (the last save's tag) is waited for."""
+    server, _ = _server()
+    peer_gone.meet(server, "run", "5.0", 1, 30, False, rank=0)  # rank 0 met for 5.0
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        peer_gone.meet(server, "run", "6.0", 2, 1.0, False, rank=1, again=True)
+    assert time.monotonic() - t0 >= 0.9  # rank 0 behind: waited for
+    for rank0_at, mine in (("7.0", "6.1"), ("6.3", "6.2")):  # a later step; a later attempt
+        server.set("asyncckpt/run/rank0-meets", rank0_at)
+        t0 = time.monotonic()
+        with pytest.raises(peer_gone.PeerWorkerGone, match=f"went on to save {rank0_at}"):
+            peer_gone.meet(server, "run", mine, 2, 30, False, rank=1, again=True)
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(TimeoutError):  # not met again: rank 0's tag is not looked at
+        peer_gone.meet(server, "run", "6.4", 2, 0.5, False, rank=1)
