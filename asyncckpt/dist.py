@@ -355,11 +355,23 @@ def _formed_over(cfg: DistConfig) -> tuple:
             cfg.timeout, cfg.ranks_per_node)  # fmt: skip
 
 
+#: Seconds a kept job group may sit idle and still serve: an idle connection can be dropped
+#: silently on the way (a firewall's or load balancer's idle timeout, 350 s on some clouds),
+#: and a save on a broken group waits out its timeout. Saves further apart form their own.
+KEEP_IDLE_S = 300.0
+
+
 def holds_group(cfg: DistConfig) -> bool:
-    """Whether this worker keeps a sound job group over ``cfg`` from an earlier save."""
+    """Whether this worker keeps a sound job group over ``cfg`` from a recent save."""
+    import time
+
     import torch.distributed as dist
 
-    return dist.is_initialized() and _kept.get("over") == _formed_over(cfg)
+    return (
+        dist.is_initialized()
+        and _kept.get("over") == _formed_over(cfg)
+        and time.monotonic() - _kept["at"] < KEEP_IDLE_S
+    )
 
 
 def drop_group() -> None:
@@ -418,7 +430,9 @@ def job_group(
         forget_job_store(cfg)
         raise
     if keep:
-        _kept["over"] = _formed_over(cfg)
+        import time
+
+        _kept.update(over=_formed_over(cfg), at=time.monotonic())
     else:
         drop_group()
 

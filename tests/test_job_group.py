@@ -90,6 +90,10 @@ def test_a_kept_group_serves_the_next_job_and_any_error_drops_it(monkeypatch):
         assert not _dist.holds_group(other_run)
         longer = _dist.DistConfig(0, 1, 0, "127.0.0.1", server.port, "tok-kept", timeout=9.0)
         assert not _dist.holds_group(longer)
+        monkeypatch.setattr(_dist, "KEEP_IDLE_S", 0.0)  # idle too long: may be cut on the way
+        assert not _dist.holds_group(cfg)
+        monkeypatch.setattr(_dist, "KEEP_IDLE_S", 300.0)
+        assert _dist.holds_group(cfg)
         with pytest.raises(RuntimeError, match="boom"), _dist.job_group(cfg, "3.0", reuse=True):
             raise RuntimeError("boom")
         assert not _dist.holds_group(cfg) and not dist.is_initialized()
