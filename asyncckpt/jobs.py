@@ -227,6 +227,7 @@ _WORKER_FIGURES: dict[str, Any] = {
     "link_fallbacks": 0,
     "fingerprint_reused_bytes": 0,
     "throttled_seconds": 0.0,
+    "io_threads": 0,
     "escalated_after_seconds": None,
     "escalations": (),
 }

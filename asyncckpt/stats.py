@@ -41,6 +41,9 @@ class SaveStats:
     durable_seconds: float | None = None
     #: seconds the worker held this save's writes: the rate cap and ``pause_writes`` regions
     throttled_seconds: float = 0.0
+    #: shard files this rank's worker wrote at once (``ThrottleConfig(io_threads=)``; under
+    #: ``"auto"`` what it chose for this save); 0 where no worker reported it
+    io_threads: int = 0
     #: with ``durable_within``: seconds into the save at which the worker escalated (None:
     #: it did not need to), and the levers it released
     escalated_after_seconds: float | None = None

@@ -9,7 +9,8 @@ each lever applies to it as a whole:
                          the first ones (where thread pools usually start).
 * ``compute_threads`` -- torch / OpenMP / MKL pools: one thread cannot fan out over all cores.
 * ``ionice``          -- idle I/O class: the trainer's own reads (data loading) go first.
-* ``io_threads``      -- how many files are written at once (DCP ``FileSystemWriter``).
+* ``io_threads``      -- how many files are written at once; ``"auto"`` follows the cores the
+                         trainer left idle since the last save (io_threads.py).
 * ``write_rate_bytes_per_s`` -- a token bucket (``RateLimiter``), applied by the worker's
                          ``Pacer`` before every piece of a shard it writes.
 * ``direct_io``       -- ``O_DIRECT`` shard files (``directio.py``): no page-cache copy and no
@@ -41,6 +42,9 @@ from typing import Any, TypeGuard
 
 import psutil
 
+from .io_threads import IoThreadsSetting
+from .io_threads import check_setting as check_io_threads
+
 log = logging.getLogger("asyncckpt.throttle")
 
 #: Bucket size of a RateLimiter, in seconds of rate: absorbs jitter without long bursts.
@@ -60,7 +64,7 @@ class ThrottleConfig:
     nice: int = 0
     cpu_cores: Sequence[int] | int | None = None
     compute_threads: int | None = None
-    io_threads: int = 1
+    io_threads: IoThreadsSetting = 1
     write_rate_bytes_per_s: float | None = None
     ionice: bool = False
     direct_io: bool = False
@@ -99,8 +103,7 @@ class ThrottleConfig:
             raise ValueError(
                 f"compute_threads must be an int >= 1 or None, got {self.compute_threads!r}"
             )
-        if not _is_int(self.io_threads) or self.io_threads < 1:
-            raise ValueError(f"io_threads must be an int >= 1, got {self.io_threads!r}")
+        check_io_threads(self.io_threads)
         rate = self.write_rate_bytes_per_s
         if rate is not None and (
             isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1e18
@@ -132,12 +135,13 @@ class ThrottleConfig:
         """The default: full speed while the CPU is idle, out of the training's way when not.
 
         nice 19 (the worker runs at full speed on an idle core, and the trainer wins any core
-        both want), one compute thread (the worker only copies bytes), one file written at a
-        time (one sequential stream per disk), ``O_DIRECT`` (no page-cache copy, no writeback
-        by kernel threads outside the worker). No core pinning: the default makes no
+        both want), one compute thread (the worker only copies bytes), as many files written
+        at once as the trainer left cores idle since the last save (``io_threads="auto"``: 1
+        to 4), ``O_DIRECT`` (no page-cache copy, no writeback by kernel threads outside the
+        worker). No core pinning: the default makes no
         assumption about which cores the trainer and its data loaders use.
         """
-        preset = cls(nice=19, compute_threads=1, io_threads=1, direct_io=True)
+        preset = cls(nice=19, compute_threads=1, io_threads="auto", direct_io=True)
         return dataclasses.replace(preset, **changes)  # e.g. durable_within=60
 
     @classmethod

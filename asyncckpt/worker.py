@@ -30,6 +30,7 @@ from .commit import commit_step, every_rank_wrote, write_tracker
 from .differential import LinkSource, known_digests, save_figures
 from .formats.dcp import Serialized
 from .hot_serve import Written
+from .io_threads import IoThreads, local_workers
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
 from .peer_gone import meet_on_side_store
@@ -231,7 +232,7 @@ class Worker:
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.last_paths: dict[str, list] | None = None
         self.store: Any = None  # storage.FsspecStore of config.remote, opened at first use
-        self.io_threads = 1
+        self.io_threads = IoThreads(1)  # files written at once (throttle: io_threads.py)
         self.direct_io = False
         self.pacer: Any = None  # throttle.Pacer: rate cap + pause hint, before every piece
         # DCP's extra writer threads drop their exceptions (the file is left short and the save
@@ -294,7 +295,7 @@ class Worker:
             torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
             return None
         report = apply_throttle(cfg, self.config.local_rank)
-        self.io_threads = cfg.io_threads
+        self.io_threads = IoThreads(cfg.io_threads, local_workers(self.config.dist))
         self.direct_io = cfg.direct_io
         limiter = RateLimiter(cfg.write_rate_bytes_per_s) if cfg.write_rate_bytes_per_s else None
         paused = self.pause is not None and cfg.max_pause_seconds > 0
@@ -313,10 +314,10 @@ class Worker:
             self.pacer.begin(job.saved_at)  # counted per save, reported with its commit
 
     def _pacer_figures(self) -> dict[str, Any]:
-        if self.pacer is None:
-            return {}
+        if self.pacer is None:  # the throttle's figures, with the files written at once
+            return {"io_threads": self.io_threads.last}
         self.pacer.end()
-        return self.pacer.figures()
+        return {**self.pacer.figures(), "io_threads": self.io_threads.last}
 
     def _paused_seconds(self) -> float:
         return self.pacer.paused_seconds if self.pacer is not None else 0.0
@@ -497,7 +498,7 @@ class Worker:
             tmp,
             rank=self.config.dist.rank if self.config.dist is not None else 0,
             process_group=process_group,
-            thread_count=self.io_threads,
+            thread_count=self.io_threads.now(),
             pace=self.pacer,
             direct_io=self.direct_io,
             step=job.step,

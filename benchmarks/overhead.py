@@ -73,6 +73,10 @@ def run_asyncckpt(state: dict, root: Path, saves: int, ref: C.CopyReference, arg
         from asyncckpt import KeepLast
 
         kw["keep"] = KeepLast(args.keep_last)
+    if args.io_threads is not None:
+        from asyncckpt import ThrottleConfig
+
+        kw["throttle"] = ThrottleConfig.background(io_threads=args.io_threads)
 
     async def main() -> None:
         engine = CheckpointEngine(root, **C.engine_kwargs(**kw))
@@ -280,7 +284,15 @@ def main(argv: list[str] | None = None) -> dict:
         help="asyncckpt keeps only the last N checkpoints (0: all, as before); for states "
         "too large to keep --saves of on the disk",
     )
+    p.add_argument(
+        "--io-threads",
+        default=None,
+        help="asyncckpt's ThrottleConfig.background(io_threads=...): a count or 'auto' "
+        "(default: the engine's default, 'auto')",
+    )
     args = p.parse_args(argv)
+    if args.io_threads not in (None, "auto"):
+        args.io_threads = int(args.io_threads)
     if args.quick:
         args.size_gb, args.saves = min(args.size_gb, 0.03), min(args.saves, 2)
     rank = C.init_rank()

@@ -87,7 +87,7 @@ def test_presets_and_resolve() -> None:
 
     assert resolve(True, None) == opt
     default = ThrottleConfig.background()
-    assert default == ThrottleConfig(nice=19, compute_threads=1, io_threads=1, direct_io=True)
+    assert default == ThrottleConfig(nice=19, compute_threads=1, io_threads="auto", direct_io=True)
     assert not off.direct_io and off.max_pause_seconds == 0  # "off" ignores the pause hint
     assert resolve(False, None) == default
     mine = ThrottleConfig(nice=3)
