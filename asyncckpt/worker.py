@@ -192,6 +192,15 @@ def _undo(root: Path, tmp: Path, final: Path, preexisting: bool, step: int) -> N
             pass  # complete and verified; only the tracker lags it
 
 
+def job_tag(job: SaveJob) -> str:
+    """What every rank's worker calls one save in the side store (its meeting and job group's
+    keys) and in its shared temporary's name. A memory checkpoint persisted at the trainer's
+    death has the step and attempt of the disk save its copy was staged for (memory_tier: one
+    attempt for both), and that save may have failed, leaving its meeting's count whole and its
+    group's keys behind (sidekeys: a failed group's stay): so the tier is in the name."""
+    return f"{job.step}.{job.attempt}" + ("" if job.tier == "disk" else f".{job.tier}")
+
+
 def _advance(root: Path, layout: str, step: int) -> dict[str, Any] | None:
     """A node's leader, once every node published ``step``: its tracker (node_commit.py)."""
     try:
@@ -346,13 +355,13 @@ class Worker:
         self.events.send(M.Begun(job.job_id))
         final = self.root / _layout.dir_name(self.config.layout, job.step)
         # Several ranks share one temporary (named alike by every rank); one rank's is its own.
-        token = f"{cfg.token}-{job.attempt}" if cfg is not None else f"{job.job_id}-{os.getpid()}"
+        tag = job_tag(job)  # names this save's meeting, job group and shared temporary
+        token = f"{cfg.token}-{tag}" if cfg is not None else f"{job.job_id}-{os.getpid()}"
         tmp = self.root / _layout.tmp_name(self.config.layout, job.step, token)  # stage's name
         preexisting = final.exists()
         t0 = time.perf_counter()
         self._reset_paused(job)
         outcome: tuple[str, Any] | None = None  # ranks other than 0 get it from rank 0
-        tag = f"{job.step}.{job.attempt}"
         try:
             with _job_group(self.job_keys, cfg, tag) as pg:
                 local_error: dict | None = None

@@ -199,3 +199,34 @@ def test_a_meeting_again_fails_once_rank_0s_new_worker_meets_a_later_save():
         assert time.monotonic() - t0 < 5
     with pytest.raises(TimeoutError):  # not met again: rank 0's tag is not looked at
         peer_gone.meet(server, "run", "6.4", 2, 0.5, False, rank=1)
+
+
+def test_a_memory_checkpoint_persisted_after_its_steps_failed_disk_save_meets_anew():
+    """The memory tier gives a disk save and the memory copy staged with it one attempt. The
+    disk save fails after both ranks met (its count whole, its keys kept); the trainer then
+    dies and the memory copy is persisted: under the disk save's tag, rank 0 would find the
+    count whole and go on without rank 1. Under its own tag it waits for rank 1."""
+    from asyncckpt.worker import SaveJob, job_tag
+
+    def job(tier: str) -> SaveJob:
+        return SaveJob(1, 7, [], None, {}, None, {}, attempt=2, tier=tier)
+
+    disk, memory = job_tag(job("disk")), job_tag(job("memory"))
+    assert disk == "7.2" and memory != disk
+    server, _ = _server()
+    met: list[bool] = []
+    ranks = [
+        threading.Thread(
+            target=lambda r=rank: met.append(
+                peer_gone.meet(server, "run", disk, 2, 10.0, False, rank=r)
+            )
+        )
+        for rank in (0, 1)
+    ]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(15)
+    assert met == [False, False]
+    with pytest.raises(TimeoutError, match="never came"):
+        peer_gone.meet(server, "run", memory, 2, 0.3, False, rank=0)
