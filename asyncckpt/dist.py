@@ -43,6 +43,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -363,8 +364,6 @@ KEEP_IDLE_S = 300.0
 
 def holds_group(cfg: DistConfig) -> bool:
     """Whether this worker keeps a sound job group over ``cfg`` from a recent save."""
-    import time
-
     import torch.distributed as dist
 
     return (
@@ -430,8 +429,6 @@ def job_group(
         forget_job_store(cfg)
         raise
     if keep:
-        import time
-
         _kept.update(over=_formed_over(cfg), at=time.monotonic())
     else:
         drop_group()
