@@ -51,8 +51,9 @@ def auto_count(idle_cores: float, workers_per_node: int = 1, cap: int = AUTO_MAX
 def local_workers(dist: Any = None) -> int:
     """How many workers write from this node: node-local roots name it
     (``DistConfig.ranks_per_node``), else torchrun's ``$LOCAL_WORLD_SIZE``, else 1."""
-    if dist is not None and getattr(dist, "ranks_per_node", 0):
-        return int(dist.ranks_per_node)
+    per_node = getattr(dist, "ranks_per_node", None)
+    if isinstance(per_node, int) and per_node > 0:
+        return per_node
     try:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
