@@ -25,16 +25,20 @@ Soundness (invariant 15) rests on the bytes alone:
 Tensors under ``SMALL_TENSOR_BYTES`` are always copied (one foreach call for all of them costs
 less than fingerprinting them one by one); so are strided CPU tensors (counted: ``fallbacks``).
 
-On a GPU the fingerprint must pay for itself: it reads every byte it may spare the copy of, and
-where the D2H link is fast (an H200: 8 GiB fingerprinted in 0.21 s, copied in 0.16 s) it costs
-more than the copy. Each save measures both (``fingerprint_pays``); once the fingerprint reads
-a byte slower than the copy moves one, GPU tensors are copied without it from then on (logged
-once, counted in ``fallbacks``).
+On a GPU the fingerprint must pay for itself: it reads every byte it may spare the copy of. As
+torch ops (a dozen passes per lane over temporaries) it cost more than the copy where the D2H
+link is fast (an H200: 8 GiB fingerprinted in 0.21 s, copied in 0.16 s); where Triton is
+installed a fused kernel (fingerprint_kernel.py: one read of the bytes) computes the same lanes,
+trusted on a device only once a self-check there matched the torch ops (else the torch ops are
+used: logged once, ``kernel_state``). Whether the fingerprint pays is still measured per save,
+either way (``fingerprint_pays``); once it reads a byte slower than the copy moves one, GPU
+tensors are copied without it from then on (logged once, counted in ``fallbacks``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,13 +46,14 @@ from typing import Any
 
 import torch
 
+from . import fingerprint_kernel
 from .cachekeys import same_key
 from .differential import fingerprint_bytes
 from .errors import StateModifiedWhileStaging
 from .staging import Marks, StagingSlot, _as_bytes, _pool, copy_checked, torn_since
 
-#: ``device_fingerprint`` works through a tensor in pieces of this many 32-bit words (bounds
-#: its temporaries to a few times 64 MiB on the device).
+#: The torch ops of ``device_fingerprint`` work through a tensor in pieces of this many 32-bit
+#: words (bounds their temporaries to three times 64 MiB on the device; the kernel has none).
 _CHUNK_WORDS = 1 << 24
 #: Per lane: a position key and two odd multipliers (murmur3's finaliser, keyed by position).
 _LANES = ((0x2545F491, 0x27D4EB2F, 0x165667B1), (0x3C6EF372, 0x1B873593, 0x2C1B3C6D))
@@ -76,27 +81,162 @@ def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
     Each 32-bit word, keyed by its position, goes through a bijective mix (odd multiplies,
     xor-shifts: int32 arithmetic wraps) and the lanes are exact int64 sums of the mixed words:
     changing one word always changes both lanes, moving words changes their keys. The byte
-    count is added by the caller. Deterministic across devices (integers only)."""
-    raw = t.detach().reshape(-1).view(torch.uint8)
+    count is added by the caller. Deterministic across devices (integers only).
+
+    The fused kernel computes them where it runs and passed its self-check on this device;
+    else the torch ops (``reference_fingerprint``) do, with the very same result."""
+    raw = _raw_bytes(t)
+    usable = fingerprint_kernel.usable_on(raw.device)
+    if usable and _kernel_trusted(raw.device):
+        try:
+            return _fingerprint(raw, fused=True)
+        except Exception as e:  # passed its self-check, failed here: never trusted again
+            _kernel_failed(f"raised on a tensor of {raw.numel()} bytes: {e!r}")
+    if usable or raw.is_cuda:  # one the kernel would have taken
+        _kernel["fallbacks"] += 1
+    return _fingerprint(raw, fused=False)
+
+
+def reference_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """``device_fingerprint`` by torch ops alone: the definition the fused kernel must match."""
+    return _fingerprint(_raw_bytes(t), fused=False)
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _fingerprint(raw: torch.Tensor, fused: bool) -> torch.Tensor:
     n = raw.numel()
     body = n - n % 4
     words = raw[:body].view(torch.int32)
-    lanes = torch.zeros(len(_LANES), dtype=torch.int64, device=raw.device)
-    pieces = [(words[s : s + _CHUNK_WORDS], s) for s in range(0, words.numel(), _CHUNK_WORDS)]
+    lanes = None
+    if fused:
+        lanes = fingerprint_kernel.fused_lanes(words, 0, _LANES)
+        if lanes is None:  # never a silent torch-ops answer where the kernel was asked for
+            raise RuntimeError(f"the fused kernel cannot run on {raw.device}")
+    else:
+        lanes = torch.zeros(len(_LANES), dtype=torch.int64, device=raw.device)
+        for s in range(0, words.numel(), _CHUNK_WORDS):
+            _mix_into(lanes, words[s : s + _CHUNK_WORDS], s)
     if body < n:  # 1-3 trailing bytes, one word (zero-padded; the length tells them apart)
         shifts = torch.arange(n - body, dtype=torch.int32, device=raw.device) * 8
         tail = (raw[body:].to(torch.int32) << shifts).sum(dtype=torch.int32).reshape(1)
-        pieces.append((tail, body // 4))
-    for w, start in pieces:
-        pos = torch.arange(start, start + w.numel(), dtype=torch.int32, device=raw.device)
-        for k, (key, m1, m2) in enumerate(_LANES):
-            x = w ^ (pos * key)
-            x = x * m1
-            x = x ^ ((x >> 16) & 0xFFFF)
-            x = x * m2
-            x = x ^ ((x >> 13) & 0x7FFFF)
-            lanes[k] += x.sum(dtype=torch.int64)
+        _mix_into(lanes, tail, body // 4)
     return lanes
+
+
+def _mix_into(lanes: torch.Tensor, w: torch.Tensor, start: int) -> None:
+    """Add the mixed int32 words ``w`` (the first at word position ``start``) to ``lanes``.
+    In place on two temporaries per piece (the ops, not the buffers, set the bits: int32
+    products wrap, ``>>`` is arithmetic and the mask drops the sign's copies)."""
+    pos = torch.arange(start, start + w.numel(), dtype=torch.int32, device=w.device)
+    x = torch.empty_like(w)
+    y = torch.empty_like(w)
+    for k, (key, m1, m2) in enumerate(_LANES):
+        torch.mul(pos, key, out=x)
+        x.bitwise_xor_(w)
+        x.mul_(m1)
+        torch.bitwise_right_shift(x, 16, out=y)
+        x.bitwise_xor_(y.bitwise_and_(0xFFFF))
+        x.mul_(m2)
+        torch.bitwise_right_shift(x, 13, out=y)
+        x.bitwise_xor_(y.bitwise_and_(0x7FFFF))
+        lanes[k] += x.sum(dtype=torch.int64)
+
+
+# The fused kernel's standing in this process: trusted per device once its self-check there
+# passed; any mismatch or error turns it off for good. ``fallbacks``: GPU tensors (or any the
+# kernel would take) fingerprinted by the torch ops (no Triton, or the kernel turned off).
+_kernel: dict[str, Any] = {"used": False, "reason": "not tried yet", "fallbacks": 0}
+_kernel_devices: set[torch.device] = set()
+_kernel_lock = threading.Lock()
+
+
+def kernel_state() -> dict[str, Any]:
+    """Whether the fused kernel computes device fingerprints (``used``: it passed a device's
+    self-check and was not turned off), why not (``reason``), and how many tensors the torch
+    ops fingerprinted in its stead (``fallbacks``)."""
+    if _kernel["reason"] == "not tried yet" and not fingerprint_kernel.available():
+        return {**_kernel, "reason": "triton is not importable"}
+    return dict(_kernel)
+
+
+def prepare_fingerprint(device: torch.device) -> None:
+    """Run the kernel's self-check (and its compile) on ``device`` now, if it is to run at all:
+    before a save's fingerprints are timed, so ``fingerprint_pays`` weighs the kernel's reads,
+    not its first compile."""
+    if device.type == "cuda" and fingerprint_kernel.usable_on(device):
+        _kernel_trusted(device)
+
+
+def _kernel_trusted(device: torch.device) -> bool:
+    if device in _kernel_devices:
+        return True
+    with _kernel_lock:
+        if _kernel["reason"].startswith("off:"):
+            return False
+        if device in _kernel_devices:
+            return True
+        try:
+            reason = _self_check(device)
+        except Exception as e:
+            reason = f"raised {e!r}"
+        if reason is not None:
+            _kernel_failed(f"self-check on {device}: {reason}")
+            return False
+        _kernel_devices.add(device)
+        _kernel.update(used=True, reason="")
+        return True
+
+
+def _kernel_failed(reason: str) -> None:
+    """Turn the kernel off for the process, said once."""
+    _kernel_devices.clear()
+    if _kernel["reason"].startswith("off:"):
+        return
+    _kernel.update(used=False, reason=f"off: {reason}")
+    log.warning(
+        "device fingerprint: the fused kernel's fast path fell back to torch ops for good "
+        "(%s); fingerprints stay exact, only slower",
+        reason,
+    )
+
+
+def _self_check(device: torch.device) -> str | None:
+    """Why the kernel cannot be trusted on ``device`` (None: it can). A probe of random bytes
+    over several programs, a partial one and three trailing bytes must give the torch ops'
+    lanes; so must word positions that wrap past 2**31, and words not 16-byte aligned; a bit
+    flipped in the partial program must change the kernel's lanes (and still match the torch
+    ops). It runs each of the kernel's compiles a tensor is likely to need."""
+    per = fingerprint_kernel.WORDS_PER_PROGRAM
+    g = torch.Generator().manual_seed(0x5EED)
+    nbytes = 4 * (3 * per + 1000) + 3
+    probe = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+    got = _fingerprint(probe, fused=True)
+    want = _fingerprint(probe, fused=False)
+    if not torch.equal(got, want):
+        return f"lanes {got.tolist()}, torch ops {want.tolist()}"
+    words = probe[: 4 * (per + 1000)].view(torch.int32)
+    start = (1 << 31) - 500  # positions wrap within the first program
+    wrapped = fingerprint_kernel.fused_lanes(words, start, _LANES)
+    want = torch.zeros(len(_LANES), dtype=torch.int64, device=device)
+    _mix_into(want, words, start)
+    if wrapped is None or not torch.equal(wrapped, want):
+        return f"lanes {wrapped} at wrapping positions, torch ops {want.tolist()}"
+    # Words 4 bytes past a 16-byte boundary: the kernel's other compile (scalar loads).
+    unaligned = fingerprint_kernel.fused_lanes(words[1:], 1, _LANES)
+    want = torch.zeros(len(_LANES), dtype=torch.int64, device=device)
+    _mix_into(want, words[1:], 1)
+    if unaligned is None or not torch.equal(unaligned, want):
+        return f"lanes {unaligned} of unaligned words, torch ops {want.tolist()}"
+    probe[4 * (3 * per + 500) + 1] ^= 1 << 5
+    flipped = _fingerprint(probe, fused=True)
+    if torch.equal(flipped, got):
+        return "a flipped bit left the lanes unchanged"
+    if not torch.equal(flipped, _fingerprint(probe, fused=False)):
+        return "lanes of the flipped probe differ from the torch ops'"
+    return None
 
 
 @dataclass
@@ -256,8 +396,9 @@ def _cuda_fingerprints(
         with torch.cuda.device(dev):
             stream = side_stream(dev, ready)
             stream.synchronize()  # the values to save are computed: time the fingerprint alone
-            t0 = time.perf_counter()
             with torch.cuda.stream(stream):
+                prepare_fingerprint(torch.device("cuda", dev))  # not timed: once per device
+                t0 = time.perf_counter()
                 lanes = torch.stack([device_fingerprint(t) for _, t in its])
                 host = lanes.cpu()  # on the copy stream: waits for it, not for the device
             seconds += time.perf_counter() - t0

@@ -372,6 +372,25 @@ def test_cuda_device_fingerprint_is_the_cpu_ones_and_sees_one_bit():
     assert not torch.equal(device_fingerprint(gpu).cpu(), device_fingerprint(t))
 
 
+def test_cuda_fused_fingerprint_kernel_is_trusted_where_triton_is_and_matches_the_torch_ops():
+    """The fused kernel (fingerprint_kernel.py, Triton: in the GPU image) passed its self-check
+    on this GPU and gives the torch ops' lanes on a tensor of several programs and a partial
+    one, odd byte count included; a flipped bit changes them. Where it is turned off, the
+    reason says why (the test fails with it: a kernel written without a GPU must be seen
+    working on one)."""
+    pytest.importorskip("triton", reason="no Triton: the torch ops fingerprint (no kernel)")
+    from asyncckpt.unchanged import device_fingerprint, kernel_state, reference_fingerprint
+
+    g = torch.Generator().manual_seed(1)
+    t = torch.randint(0, 256, (40 * (1 << 20) + 7,), dtype=torch.uint8, generator=g).cuda()
+    got = device_fingerprint(t)
+    assert kernel_state()["used"], kernel_state()
+    assert torch.equal(got, reference_fingerprint(t))
+    t[33 << 20] ^= 1 << 3
+    assert not torch.equal(device_fingerprint(t), got)
+    assert kernel_state()["used"], kernel_state()
+
+
 #: The ways to change a CUDA tensor's bytes, with those no version counter sees.
 CUDA_MUTATIONS = {
     "in_place_op": lambda t: t.mul_(2),
