@@ -173,8 +173,26 @@ def differential_targets(rep: dict[str, Any]) -> list[tuple[str, str, str, str]]
     return rows
 
 
-def main(out: Path, env: Path | None = None) -> int:
-    lines = ["# GPU suite", ""]
+def _test_lines(cases: list[dict[str, str]]) -> list[str]:
+    if not cases:
+        return ["no junit XML: the test step did not run or crashed (see suite.log)"]
+    counts: dict[str, int] = {}
+    for c in cases:
+        counts[c["outcome"]] = counts.get(c["outcome"], 0) + 1
+    lines = [", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
+    lines += ["", "| test | outcome | seconds | reason / message |", "|---|---|---:|---|"]
+    for c in cases:
+        lines.append(f"| {c['test']} | {c['outcome']} | {c['time']} | {c['message']} |")
+    return lines
+
+
+#: The steps each part of the suite runs (``gpu_suite.sh --part``) beside setup and env.
+PARTS = {"1": ("tests", "overhead"), "2": ("training_loop", "restore", "differential")}
+
+
+def main(out: Path, env: Path | None = None, part: str = "all") -> int:
+    lines = ["# GPU suite" + ("" if part == "all" else f", part {part}"), ""]
+    ran = {name for p, names in PARTS.items() if part in ("all", p) for name in names}
     env = env if env is not None else out / "env.txt"
     steps = read_steps(out / "steps.tsv")
     lines += ["## Steps", "", "| step | status | exit code | seconds | required | note |"]
@@ -202,23 +220,16 @@ def main(out: Path, env: Path | None = None) -> int:
     if env.exists():
         lines += ["", "## Machine", "", "```", env.read_text().strip(), "```"]
     cases = read_junit(out / "junit_cuda.xml")
-    lines += ["", "## CUDA tests (tests/test_cuda.py)", ""]
-    if cases:
-        counts: dict[str, int] = {}
-        for c in cases:
-            counts[c["outcome"]] = counts.get(c["outcome"], 0) + 1
-        lines.append(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-        lines += ["", "| test | outcome | seconds | reason / message |", "|---|---|---:|---|"]
-        for c in cases:
-            lines.append(f"| {c['test']} | {c['outcome']} | {c['time']} | {c['message']} |")
-    else:
-        lines.append("no junit XML: the test step did not run or crashed (see suite.log)")
+    if "tests" in ran:
+        lines += ["", "## CUDA tests (tests/test_cuda.py)", ""] + _test_lines(cases)
     for name, describe, rows in (
         ("overhead", overhead_lines, targets_rows),
         ("training_loop", training_lines, targets_rows),
         ("restore", restore_lines, targets_rows),
         ("differential", differential_lines, differential_targets),
     ):
+        if name not in ran:  # another part's step
+            continue
         path = out / f"{name}.json"
         lines += ["", f"## {name}", ""]
         if not path.exists():
@@ -246,5 +257,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description="summary.md for benchmarks/gpu_suite.sh")
     p.add_argument("results", type=Path)
     p.add_argument("--env", type=Path, help="the machine's probe (default RESULTS/env.txt)")
+    p.add_argument("--part", choices=["1", "2", "all"], default="all")
     a = p.parse_args()
-    raise SystemExit(main(a.results, a.env))
+    raise SystemExit(main(a.results, a.env, a.part))

@@ -122,3 +122,44 @@ def test_overhead_dcp_methods_survive_a_stager_that_stages_once(tmp_path, monkey
         ref.close()
     assert len(out["stalls"]) == 3 and out["stager_reused"] is False
     assert overhead.stager_stages_twice() is False
+
+
+def test_a_part_that_does_not_exist_is_refused_before_anything_runs(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--part", "3", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "--part must be 1, 2 or all, got 3" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("part", "shown", "absent"),
+    [
+        ("1", ["## CUDA tests", "## overhead"], ["## training_loop", "## restore"]),
+        ("2", ["## training_loop", "## restore", "## differential"], ["## CUDA tests"]),
+    ],
+)
+def test_a_parts_summary_reports_only_its_own_steps(tmp_path, part, shown, absent):
+    """Each part of the suite is one device call with its own results: the summary must not
+    call the other part's steps missing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    names = ["setup", "env"] + list(gpu_summary.PARTS[part])
+    (tmp_path / "steps.tsv").write_text(
+        "".join(f"{n}\tok\t0\t1\t{'yes' if n in STEPS[:5] else 'no'}\t\n" for n in names)
+    )
+    assert gpu_summary.main(tmp_path, part=part) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert text.startswith(f"# GPU suite, part {part}")
+    for heading in shown:
+        assert heading in text, heading
+    for heading in absent:
+        assert heading not in text, heading
