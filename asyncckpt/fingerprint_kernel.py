@@ -69,7 +69,10 @@ def _kernel() -> Any:
         ITERS: tl.constexpr,
         MASKED: tl.constexpr,
     ):
-        pid = tl.program_id(0) + first
+        # Every int32 product and sum here is written sanitize_overflow=False: the mix wraps on
+        # purpose, and in Triton's debug mode (TRITON_DEBUG=1) each would otherwise get an
+        # overflow assert, and a device-side assert breaks the process's CUDA context.
+        pid = tl.add(tl.program_id(0), first, sanitize_overflow=False)
         # int64 base: a tensor may hold more than 2**31 words; int32 offsets within a program.
         base = pid.to(tl.int64) * (BLOCK * ITERS)
         ptr = words_ptr + base
@@ -79,29 +82,34 @@ def _kernel() -> Any:
         acc0 = tl.zeros([BLOCK], dtype=tl.int64)
         acc1 = tl.zeros([BLOCK], dtype=tl.int64)
         for i in range(ITERS):
-            j = i * BLOCK + tl.arange(0, BLOCK)
+            j = tl.add(
+                tl.mul(i, BLOCK, sanitize_overflow=False),
+                tl.arange(0, BLOCK),
+                sanitize_overflow=False,
+            )
             if MASKED:
                 w = tl.load(ptr + j, mask=j < rem, other=0)
             else:
                 w = tl.load(ptr + j)
-            p = p0 + j
+            p = tl.add(p0, j, sanitize_overflow=False)
             # Constants below 2**31 are int32 to Triton, so every product wraps in int32.
             # Arithmetic shift then mask: the torch code's exact bits.
-            x = (w ^ (p * K0)) * A0
+            x = tl.mul(w ^ tl.mul(p, K0, sanitize_overflow=False), A0, sanitize_overflow=False)
             x = x ^ ((x >> 16) & 0xFFFF)
-            x = x * B0
+            x = tl.mul(x, B0, sanitize_overflow=False)
             x = x ^ ((x >> 13) & 0x7FFFF)
-            y = (w ^ (p * K1)) * A1
+            y = tl.mul(w ^ tl.mul(p, K1, sanitize_overflow=False), A1, sanitize_overflow=False)
             y = y ^ ((y >> 16) & 0xFFFF)
-            y = y * B1
+            y = tl.mul(y, B1, sanitize_overflow=False)
             y = y ^ ((y >> 13) & 0x7FFFF)
             if MASKED:  # words past the end add nothing
                 x = tl.where(j < rem, x, 0)
                 y = tl.where(j < rem, y, 0)
-            acc0 += x.to(tl.int64)
-            acc1 += y.to(tl.int64)
-        tl.store(out_ptr + pid * 2, tl.sum(acc0, axis=0))
-        tl.store(out_ptr + pid * 2 + 1, tl.sum(acc1, axis=0))
+            acc0 = tl.add(acc0, x.to(tl.int64), sanitize_overflow=False)
+            acc1 = tl.add(acc1, y.to(tl.int64), sanitize_overflow=False)
+        row = out_ptr + tl.mul(pid.to(tl.int64), 2, sanitize_overflow=False)
+        tl.store(row, tl.sum(acc0, axis=0))
+        tl.store(row + 1, tl.sum(acc1, axis=0))
 
     return lanes_kernel
 

@@ -150,7 +150,7 @@ def _mix_into(lanes: torch.Tensor, w: torch.Tensor, start: int) -> None:
 # kernel would take) fingerprinted by the torch ops (no Triton, or the kernel turned off).
 _kernel: dict[str, Any] = {"used": False, "reason": "not tried yet", "fallbacks": 0}
 _kernel_devices: set[torch.device] = set()
-_kernel_lock = threading.Lock()
+_kernel_lock = threading.RLock()  # _kernel_failed takes it inside _kernel_trusted too
 
 
 def kernel_state() -> dict[str, Any]:
@@ -185,6 +185,8 @@ def _kernel_trusted(device: torch.device) -> bool:
         if reason is not None:
             _kernel_failed(f"self-check on {device}: {reason}")
             return False
+        if _kernel["reason"].startswith("off:"):  # turned off meanwhile: stays off
+            return False
         _kernel_devices.add(device)
         _kernel.update(used=True, reason="")
         return True
@@ -192,10 +194,11 @@ def _kernel_trusted(device: torch.device) -> bool:
 
 def _kernel_failed(reason: str) -> None:
     """Turn the kernel off for the process, said once."""
-    _kernel_devices.clear()
-    if _kernel["reason"].startswith("off:"):
-        return
-    _kernel.update(used=False, reason=f"off: {reason}")
+    with _kernel_lock:
+        _kernel_devices.clear()
+        if _kernel["reason"].startswith("off:"):
+            return
+        _kernel.update(used=False, reason=f"off: {reason}")
     log.warning(
         "device fingerprint: the fused kernel's fast path fell back to torch ops for good "
         "(%s); fingerprints stay exact, only slower",

@@ -142,6 +142,27 @@ def test_a_kernel_that_passes_its_self_check_is_used_checked_once(
     assert kernel_state() == {"used": True, "reason": "", "fallbacks": 0}
 
 
+def test_a_kernel_turned_off_during_another_devices_self_check_stays_off(
+    monkeypatch, fresh_kernel_state, caplog
+):
+    """One device's self-check passing must not re-enable a kernel that a failure elsewhere
+    turned off while it ran (it set used=True, reason="" over the "off")."""
+    stand_in(monkeypatch, torch_lanes)
+    real = unchanged._self_check
+
+    def meanwhile_off(device):
+        unchanged._kernel_failed("raised on another device meanwhile")
+        return real(device)
+
+    monkeypatch.setattr(unchanged, "_self_check", meanwhile_off)
+    t = random_bytes(4 * W + 7, 5)
+    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+        assert torch.equal(device_fingerprint(t), original_fingerprint(t))
+    state = kernel_state()
+    assert not state["used"] and state["reason"].startswith("off:"), state
+    assert len([r for r in caplog.records if "fell back" in r.getMessage()]) == 1
+
+
 def wrong_by_one(words, start, lanes):
     return torch_lanes(words, start, lanes) + 1
 
@@ -328,3 +349,39 @@ def test_the_kernel_sees_words_moved_not_their_dtype(interpreted):
     assert not interpreted["flip order"]
     assert interpreted["bytes not values"]
     assert interpreted["final state"]["used"]
+
+
+def test_the_kernel_compiles_no_overflow_assert_even_in_tritons_debug_mode():
+    """Its int32 products and sums wrap on purpose. In debug mode (``TRITON_DEBUG=1``) Triton
+    compiles an overflow assert into every int32 ``*`` and ``+`` unless told not to, and on a
+    GPU such an assert breaks the process's CUDA context at the first self-check. Compiled
+    here for an H100/H200 (sm_90) with debug on; the interpreter never checks overflow."""
+    triton = pytest.importorskip("triton", reason="triton is not installed: nothing to compile")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = fk._kernel()
+    assert kernel is not None
+    consts = dict(zip(("K0", "A0", "B0"), unchanged._LANES[0], strict=True))
+    consts.update(zip(("K1", "A1", "B1"), unchanged._LANES[1], strict=True))
+    consts.update(BLOCK=fk.BLOCK, ITERS=fk.ITERS)
+    for masked in (False, True):
+        src = ASTSource(
+            kernel,
+            signature={
+                "words_ptr": "*i32",
+                "out_ptr": "*i64",
+                "first": "i32",
+                "rem": "i32",
+                "start": "i32",
+                **{k: "constexpr" for k in [*consts, "MASKED"]},
+            },
+            constexprs={**consts, "MASKED": masked},
+        )
+        try:
+            ttir = triton.compile(
+                src, target=GPUTarget("cuda", 90, 32), options={"debug": True}
+            ).asm["ttir"]
+        except Exception as e:  # no compiler backend for this wheel on this machine
+            pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+        assert "tt.assert" not in ttir, (masked, [ln for ln in ttir.splitlines() if "assert" in ln])
