@@ -209,10 +209,16 @@ def _rank0_at(token: str) -> str:
 
 
 def _later(tag: str, than: str) -> bool:
-    """Whether save ``tag`` ("step.attempt") comes after ``than`` (steps increase, and a
-    step's attempts too)."""
+    """Whether save ``tag`` ("step.attempt", or "step.attempt.memory": worker.job_tag) comes
+    after ``than``: steps increase, and a step's attempts too; a memory checkpoint persisted
+    at the trainer's death comes after the disk save of its step and attempt."""
+
+    def order(t: str) -> tuple[int, int, bool]:
+        step, attempt, *tier = t.split(".")
+        return int(step), int(attempt), bool(tier)
+
     try:
-        return tuple(map(int, tag.split("."))) > tuple(map(int, than.split(".")))
+        return order(tag) > order(than)
     except ValueError:
         return False
 
