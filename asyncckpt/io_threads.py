@@ -6,20 +6,30 @@ moved 0.97 GB/s and two or four 1.73 GB/s, while one file at a time left asyncck
 best of them. But a trainer that keeps the CPU busy (optimizer offload, data loading) must not
 lose cores to the writer, so the count follows what the CPU did since the last save:
 
-- idle cores are read over the interval since the previous save (psutil's per-core times), on
-  the cores the worker may run on, plus the cores the worker itself used meanwhile (its own
-  last write is not the trainer's load);
-- that is shared among the node's workers (one per local rank), and each writes one file per
-  idle core of its share, at least 1 and at most ``AUTO_MAX``.
+- idle cores are read over the interval since the previous save, on the cores the worker may
+  run on (psutil's per-core times; where their numbering does not match the affinity ids, as
+  with offline CPUs or some containers, the machine's idle time scaled to the allowed cores),
+  plus the cores the worker itself used meanwhile (its own last write is not the trainer's
+  load); under a cgroup v2 CPU quota (``cpu.max``: a Kubernetes limit) no more than the quota
+  left unused;
+- those are shared among the workers that may run on the same cores: one per local rank
+  (``local_workers``), scaled by the share of the machine each may use (ranks pinned to their
+  own cores each see only theirs);
+- one file per whole idle core of that share, at least 1 and at most ``AUTO_MAX``.
 
-The decision is pure (``auto_count``); ``IoThreads`` only takes the readings.
+Any reading that fails (an OS or container that refuses it) makes that save write one file at
+a time, said once in the log. The decision is pure (``auto_count``); ``IoThreads`` takes the
+readings.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
@@ -29,6 +39,9 @@ log = logging.getLogger("asyncckpt.throttle")
 #: ``io_threads="auto"``: never more files at once than this (4 raw writers gained nothing over
 #: 2 on the GPU machine's disk; more threads only add seeks on a disk that is not NVMe).
 AUTO_MAX = 4
+#: Where a cgroup v2 quota is read (the process's own cgroup is the root of its namespace in
+#: a container).
+CGROUP = Path("/sys/fs/cgroup")
 
 IoThreadsSetting = int | Literal["auto"]
 
@@ -41,23 +54,96 @@ def check_setting(value: object) -> None:
         raise ValueError(f"io_threads must be an int >= 1 or 'auto', got {value!r}")
 
 
-def auto_count(idle_cores: float, workers_per_node: int = 1, cap: int = AUTO_MAX) -> int:
+def auto_count(idle_cores: float, workers_per_node: float = 1, cap: int = AUTO_MAX) -> int:
     """Files written at once under ``"auto"``: one per whole idle core of this worker's share of
-    the node's idle cores, at least 1, at most ``cap``."""
-    share = max(0.0, idle_cores) / max(1, workers_per_node)
+    the idle cores, at least 1, at most ``cap``."""
+    share = max(0.0, idle_cores) / max(1.0, workers_per_node)
     return max(1, min(cap, int(share)))
 
 
 def local_workers(dist: Any = None) -> int:
     """How many workers write from this node: node-local roots name it
-    (``DistConfig.ranks_per_node``), else torchrun's ``$LOCAL_WORLD_SIZE``, else 1."""
+    (``DistConfig.ranks_per_node``), else the launcher's local world size (torchrun's
+    ``$LOCAL_WORLD_SIZE``, Slurm's ``$SLURM_NTASKS_PER_NODE``, Open MPI's
+    ``$OMPI_COMM_WORLD_LOCAL_SIZE``), else 1."""
     per_node = getattr(dist, "ranks_per_node", None)
     if isinstance(per_node, int) and per_node > 0:
         return per_node
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        m = re.match(r"\s*(\d+)", os.environ.get(var, ""))  # Slurm may say "8(x2)"
+        if m and int(m.group(1)) > 0:
+            return int(m.group(1))
+    return 1
+
+
+def cgroup_quota(root: Path = CGROUP) -> tuple[float, float] | None:
+    """(quota in cores, CPU seconds the cgroup has used) from cgroup v2's ``cpu.max`` and
+    ``cpu.stat``; None without a quota (``max``) or where they cannot be read."""
     try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        if quota == "max":
+            return None
+        stat = (root / "cpu.stat").read_text()
+        usage = re.search(r"^usage_usec (\d+)$", stat, re.M)
+        if usage is None:
+            return None
+        return int(quota) / int(period), int(usage.group(1)) / 1e6
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """One look at the CPU: when, idle seconds per core (psutil's order), the machine's idle
+    seconds, the cores the worker may use, its own CPU seconds, and the cgroup's quota."""
+
+    at: float
+    per_core_idle: tuple[float, ...]
+    total_idle: float
+    cores: tuple[int, ...]
+    own: float
+    quota: tuple[float, float] | None
+
+
+def read_cpu(cgroup: Path = CGROUP) -> CpuReading:
+    """Raises what psutil raises where the OS refuses (the caller falls back to one file)."""
+    proc = psutil.Process()
+    try:
+        cores = tuple(sorted(proc.cpu_affinity() or []))
+    except AttributeError:  # no affinity on macOS
+        cores = ()
+    per_core = tuple(c.idle + getattr(c, "iowait", 0.0) for c in psutil.cpu_times(percpu=True))
+    total = psutil.cpu_times()
+    return CpuReading(
+        at=time.monotonic(),
+        per_core_idle=per_core,
+        total_idle=total.idle + getattr(total, "iowait", 0.0),
+        cores=cores,
+        own=sum(proc.cpu_times()[:2]),
+        quota=cgroup_quota(cgroup),
+    )
+
+
+def idle_between(before: CpuReading, after: CpuReading) -> tuple[float, float]:
+    """Pure: (idle cores the worker could have used over the interval, the share of the
+    machine's cores it may use). See the module's docstring."""
+    span = after.at - before.at
+    if span <= 0:
+        return 0.0, 1.0
+    ncpu = len(after.per_core_idle) or 1
+    cores = after.cores or tuple(range(ncpu))
+    share = min(1.0, len(cores) / ncpu)
+    numbered = len(before.per_core_idle) == ncpu and all(c < ncpu for c in cores)
+    if numbered:
+        idle = sum(after.per_core_idle[c] - before.per_core_idle[c] for c in cores)
+    else:  # positions in psutil's list are not these ids: the machine's idle, our share of it
+        idle = (after.total_idle - before.total_idle) * share
+    own = after.own - before.own
+    free = (idle + own) / span
+    if before.quota is not None and after.quota is not None:
+        quota, used = after.quota[0], after.quota[1] - before.quota[1]
+        free = min(free, quota - used / span + own / span)  # the quota's unused part
+    return max(0.0, free), share
 
 
 class IoThreads:
@@ -68,45 +154,35 @@ class IoThreads:
         self.setting = setting
         self.workers_per_node = max(1, workers_per_node)
         self.last = setting if isinstance(setting, int) else 1
-        self._cores: list[int] = []
-        self._at = 0.0
-        self._cpu_times: list[float] = []
-        self._own = 0.0
+        self._before: CpuReading | None = None
+        self._failed = False
         if setting == "auto":
-            self._read()  # the first interval starts now
+            self._before = self._read()  # the first interval starts now
 
-    def _read(self) -> tuple[float, float, list[float], float]:
-        proc = psutil.Process()
+    def _read(self) -> CpuReading | None:
         try:
-            self._cores = sorted(proc.cpu_affinity() or [])
-        except (AttributeError, OSError):  # no affinity on macOS
-            self._cores = []
-        idle = [c.idle + getattr(c, "iowait", 0.0) for c in psutil.cpu_times(percpu=True)]
-        own = sum(proc.cpu_times()[:2])
-        prev = (self._at, self._own, self._cpu_times, 0.0)
-        self._at, self._own, self._cpu_times = time.monotonic(), own, idle
-        return prev
+            return read_cpu()
+        except Exception as e:  # psutil's AccessDenied, an unreadable /proc: one file at a time
+            if not self._failed:
+                log.warning("io_threads auto: cannot read the CPU (%r): one file at a time", e)
+            self._failed = True
+            return None
 
-    def idle_cores(self) -> float:
-        """Idle cores (of those the worker may use) since the last reading, plus what the
-        worker itself used in that time."""
-        at, own, before, _ = self._read()
-        span = self._at - at
-        if span <= 0 or not before:
-            return 0.0
-        cores = self._cores or list(range(len(self._cpu_times)))
-        idle = sum(
-            self._cpu_times[c] - before[c]
-            for c in cores
-            if c < min(len(before), len(self._cpu_times))
-        )
-        return max(0.0, (idle + (self._own - own)) / span)
+    def idle_cores(self) -> tuple[float, float]:
+        """Idle cores since the last reading (see ``idle_between``) and this worker's share of
+        the machine; (0, 1) where no reading could be taken."""
+        before, after = self._before, self._read()
+        self._before = after
+        if before is None or after is None:
+            return 0.0, 1.0
+        return idle_between(before, after)
 
     def now(self) -> int:
         """The count for the save about to be written (logged at DEBUG under ``"auto"``)."""
         if self.setting != "auto":
             return self.last
-        idle = self.idle_cores()
-        self.last = auto_count(idle, self.workers_per_node)
+        idle, share = self.idle_cores()
+        # Workers pinned to their own cores each see only theirs: share those among fewer.
+        self.last = auto_count(idle, max(1.0, self.workers_per_node * share))
         log.debug("io_threads auto: %.1f idle core(s) since the last save: %d", idle, self.last)
         return self.last

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
-from asyncckpt import Staging, SyncCheckpointEngine, faults
+from asyncckpt import Staging, SyncCheckpointEngine, ThrottleConfig, faults
 from asyncckpt.errors import SaveFailed, StagingMemoryError
 
 MiB = 1 << 20
@@ -109,14 +109,19 @@ def test_a_state_over_the_budget_is_saved_in_chunks_and_loads_bit_for_bit(tmp_pa
     state = make_state(1)
     budget = int(nbytes(state) * fraction) + 4096  # (the whole state's arena, aligned)
     root = tmp_path / "r"
-    with SyncCheckpointEngine(root, staging=Staging(max_host_bytes=budget)) as engine:
+    throttle = ThrottleConfig.background(io_threads=3)
+    with SyncCheckpointEngine(
+        root, staging=Staging(max_host_bytes=budget), throttle=throttle
+    ) as engine:
         stats = engine.save(1, state).committed_sync(120)
         state2 = make_state(2)
         stats2 = engine.save(2, state2).committed_sync(120)  # the buffers, reused
     if fraction == 1.0:
         assert stats.chunks == 0 and stats2.chunks == 0  # fits: staged whole
+        assert stats.io_threads == stats2.io_threads == 3
     else:
         assert stats.chunks >= 2 / fraction and stats2.chunks == stats.chunks
+        assert stats.io_threads == stats2.io_threads == 1  # one file, chunk by chunk
         assert [p.name for p in step_dir(root, 2).glob("*.distcp")] == ["__0_0.distcp"]
     target = blank(state2)
     with SyncCheckpointEngine(root) as engine:

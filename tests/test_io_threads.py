@@ -41,76 +41,92 @@ def test_a_fixed_count_is_used_as_given_without_reading_the_cpu(monkeypatch):
     assert io.IoThreads(1).now() == 1
 
 
-class _FakeCpu:
-    """psutil's per-core idle times and the worker's own CPU time, moved by hand."""
-
-    def __init__(self, cores: int, affinity: list[int] | None = None) -> None:
-        self.idle = [0.0] * cores
-        self.own = 0.0
-        self.affinity = affinity if affinity is not None else list(range(cores))
-        self.clock = 100.0
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        fake = self
-
-        class Proc:
-            def cpu_affinity(self):
-                return fake.affinity
-
-            def cpu_times(self):
-                return (fake.own, 0.0)
-
-        monkeypatch.setattr(io.psutil, "Process", Proc)
-        monkeypatch.setattr(
-            io.psutil,
-            "cpu_times",
-            lambda percpu: [SimpleNamespace(idle=i, iowait=0.0) for i in fake.idle],
-        )
-        monkeypatch.setattr(io.time, "monotonic", lambda: fake.clock)
-
-    def advance(self, seconds: float, idle_per_core: list[float], own: float = 0.0) -> None:
-        self.clock += seconds
-        self.idle = [i + seconds * f for i, f in zip(self.idle, idle_per_core, strict=True)]
-        self.own += own
+def reading(at, per_core, cores=None, own=0.0, quota=None, total=None) -> io.CpuReading:
+    return io.CpuReading(
+        at=at,
+        per_core_idle=tuple(per_core),
+        total_idle=sum(per_core) if total is None else total,
+        cores=tuple(cores if cores is not None else range(len(per_core))),
+        own=own,
+        quota=quota,
+    )
 
 
-def test_auto_counts_idle_cores_since_the_last_save(monkeypatch):
-    cpu = _FakeCpu(8)
-    cpu.install(monkeypatch)
-    threads = io.IoThreads("auto")
-    cpu.advance(10.0, [0.0, 0.0] + [1.0] * 6)  # the trainer keeps two cores busy
-    assert threads.idle_cores() == pytest.approx(6.0)
-    cpu.advance(10.0, [0.0] * 7 + [0.5])  # then almost all of them
-    assert threads.now() == 1
-    cpu.advance(10.0, [1.0] * 8)
-    assert threads.now() == io.AUTO_MAX
+def test_idle_cores_are_counted_on_the_cores_the_worker_may_use_since_the_last_save():
+    before = reading(0.0, [0.0] * 8)
+    # The trainer kept cores 0 and 1 busy for 10 s; the others idle.
+    after = reading(10.0, [0.0, 0.0] + [10.0] * 6)
+    assert io.idle_between(before, after) == (pytest.approx(6.0), 1.0)
+    pinned = reading(10.0, [0.0, 0.0] + [10.0] * 6, cores=[1, 2])
+    assert io.idle_between(before, pinned) == (pytest.approx(1.0), 0.25)
 
 
-def test_the_workers_own_write_is_not_counted_as_the_trainers_load(monkeypatch):
-    cpu = _FakeCpu(4)
-    cpu.install(monkeypatch)
-    threads = io.IoThreads("auto")
-    # The worker's last write kept 3 cores busy for the whole interval; the trainer none.
-    cpu.advance(10.0, [1.0, 0.0, 0.0, 0.0], own=30.0)
-    assert threads.idle_cores() == pytest.approx(4.0)
-    assert threads.now() == 1  # the reading above started a new interval: nothing idle since
+def test_the_workers_own_write_is_not_counted_as_the_trainers_load():
+    before = reading(0.0, [0.0] * 4)
+    # The worker's last write kept 3 cores busy for the whole 10 s; the trainer none.
+    after = reading(10.0, [10.0, 0.0, 0.0, 0.0], own=30.0)
+    assert io.idle_between(before, after)[0] == pytest.approx(4.0)
 
 
-def test_only_the_cores_the_worker_may_run_on_count_and_the_node_shares_them(monkeypatch):
-    cpu = _FakeCpu(8, affinity=[6, 7])
-    cpu.install(monkeypatch)
-    threads = io.IoThreads("auto")
-    cpu.advance(5.0, [1.0] * 8)
-    assert threads.now() == 2  # 2 idle cores it may use, not 8
-    cpu = _FakeCpu(8)
-    cpu.install(monkeypatch)
-    shared = io.IoThreads("auto", workers_per_node=4)
-    cpu.advance(5.0, [1.0] * 8)
-    assert shared.now() == 2  # 8 idle cores among 4 workers
+def test_a_numbering_that_does_not_match_the_affinity_ids_uses_the_machines_idle_time():
+    """Offline CPUs or a container's renumbering: psutil's list positions are not the ids the
+    affinity names, so the machine's idle time, scaled to the allowed cores, is used."""
+    before = reading(0.0, [0.0] * 4, cores=[10, 11], total=0.0)
+    after = reading(10.0, [5.0] * 4, cores=[10, 11], total=40.0)
+    assert io.idle_between(before, after) == (pytest.approx(2.0), 0.5)
+    shrunk = reading(10.0, [5.0] * 3, total=30.0)  # a CPU went offline in between
+    idle, _ = io.idle_between(reading(0.0, [0.0] * 4, total=0.0), shrunk)
+    assert idle == pytest.approx(3.0)
 
 
-def test_local_workers_from_the_node_local_layout_or_torchrun(monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+def test_a_cgroup_quota_caps_the_idle_cores_at_what_it_leaves_unused():
+    """A pod limited to 2 CPUs on an idle 16-core host must not count 16 idle cores."""
+    before = reading(0.0, [0.0] * 16, quota=(2.0, 100.0))
+    after = reading(10.0, [10.0] * 16, quota=(2.0, 105.0))  # the pod used 0.5 core
+    assert io.idle_between(before, after)[0] == pytest.approx(1.5)
+    busy = reading(10.0, [10.0] * 16, quota=(2.0, 120.0), own=5.0)  # 2 cores, 0.5 the worker's
+    assert io.idle_between(before, busy)[0] == pytest.approx(0.5)
+
+
+def test_cgroup_quota_is_read_from_cpu_max_and_cpu_stat(tmp_path):
+    assert io.cgroup_quota(tmp_path) is None  # no cgroup v2 files
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 1\n")
+    assert io.cgroup_quota(tmp_path) is None  # no quota
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert io.cgroup_quota(tmp_path) == (2.5, 2.5)
+    (tmp_path / "cpu.stat").write_text("garbage\n")
+    assert io.cgroup_quota(tmp_path) is None
+
+
+def test_auto_shares_the_idle_cores_among_the_workers_that_may_use_them(monkeypatch):
+    readings = iter(
+        [
+            reading(0.0, [0.0] * 8),
+            reading(10.0, [10.0] * 8),  # all 8 idle, 4 workers on them: 2 each
+            reading(20.0, [20.0] * 8, cores=[6, 7]),  # pinned to 2 of 8: the share is 1/4
+        ]
+    )
+    monkeypatch.setattr(io, "read_cpu", lambda: next(readings))
+    threads = io.IoThreads("auto", workers_per_node=4)
+    assert threads.now() == 2
+    assert threads.now() == 2  # its own 2 cores, shared by 4 x 1/4 = 1 worker
+
+
+def test_a_reading_the_os_refuses_writes_one_file_at_a_time_said_once(monkeypatch, caplog):
+    def refused():
+        raise io.psutil.AccessDenied(pid=1)
+
+    monkeypatch.setattr(io, "read_cpu", refused)
+    with caplog.at_level("WARNING", logger="asyncckpt.throttle"):
+        threads = io.IoThreads("auto")
+        assert [threads.now() for _ in range(3)] == [1, 1, 1]
+    assert len([r for r in caplog.records if "cannot read the CPU" in r.getMessage()]) == 1
+
+
+def test_local_workers_from_the_node_local_layout_or_the_launcher(monkeypatch):
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
     assert io.local_workers(None) == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert io.local_workers(None) == 8
@@ -118,13 +134,20 @@ def test_local_workers_from_the_node_local_layout_or_torchrun(monkeypatch):
     assert io.local_workers(SimpleNamespace(ranks_per_node=4)) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
     assert io.local_workers(None) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")
+    assert io.local_workers(None) == 8
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert io.local_workers(None) == 4
 
 
 def test_a_real_reading_is_between_nothing_and_every_core():
     threads = io.IoThreads("auto")
     sum(i * i for i in range(200_000))
-    idle = threads.idle_cores()
+    idle, share = threads.idle_cores()
     assert 0.0 <= idle <= io.psutil.cpu_count() + 0.5
+    assert 0.0 < share <= 1.0
     assert 1 <= threads.now() <= io.AUTO_MAX
 
 
