@@ -35,7 +35,7 @@ PART=all
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --part) PART=$2; shift ;;
+    --part) PART=${2:-}; shift ;;
     --out) RES=$2; shift ;;
     --scratch) SCRATCH=$2; shift ;;
     --size-gb) SIZE_GB=$2; shift ;;
