@@ -439,6 +439,8 @@ class Pacer:
         self._sleep = sleep
         self._given_up_on = -1  # the region (by entry count) whose pause ran out
         self.paused_seconds = 0.0
+        self._waiting = 0  # writer threads waiting out a pause now, since _waiting_since
+        self._waiting_since = 0.0
         self.durable_within = durable_within
         self._renice = renice
         self._wall = wall_clock
@@ -526,7 +528,7 @@ class Pacer:
         pause = self._pause
         if pause is None or not pause.active:
             return
-        t0 = start = self._clock()
+        start = self._paused_from()
         region = pause.entries
         while pause.active:
             now = self._clock()
@@ -539,7 +541,23 @@ class Pacer:
                 log.info("pause hint held the writes %.1f s; writing on", self._max_pause)
                 break
             self._sleep(self.POLL_SECONDS)
-        self.paused_seconds += self._clock() - t0
+        self._paused_until()
+
+    def _paused_from(self) -> float:
+        """A writer thread starts waiting out a pause: ``paused_seconds`` counts the wall time
+        while at least one waits (several writer threads waiting at once: not their sum)."""
+        with self._lock:
+            now = self._clock()
+            if self._waiting == 0:
+                self._waiting_since = now
+            self._waiting += 1
+            return now
+
+    def _paused_until(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+            if self._waiting == 0:
+                self.paused_seconds += self._clock() - self._waiting_since
 
 
 def write_all(raw: Any, chunk: memoryview) -> None:

@@ -480,3 +480,35 @@ def test_worker_cores_give_each_local_rank_its_own_block() -> None:
     assert worker_cores([0, 1], 1, 1) == [0]  # 2 cores, 2 ranks: one each
     with pytest.raises(ValueError):
         worker_cores([], 1)
+
+
+def test_a_pause_waited_out_by_several_writer_threads_counts_its_wall_time_once() -> None:
+    """With io_threads > 1 every writer thread waits out the same pause: the save was held
+    for that pause's length, not for the sum of its threads' waits."""
+    pause = WritePause(mp.get_context("spawn"))
+    t = _FakeTime()
+    pacer = _pacer(pause, 30.0, t)
+    both_waiting = threading.Barrier(2, timeout=30)
+    first_sleep: set[int] = set()
+    lock = threading.Lock()
+
+    def on_sleep(now: float) -> None:
+        me = threading.get_ident()
+        if me not in first_sleep:
+            first_sleep.add(me)
+            both_waiting.wait()  # both threads are inside the pause before it can end
+        with lock:
+            if now >= 1.0 and pause.active:
+                pause.exit()
+
+    t.on_sleep = on_sleep
+    pause.enter()
+    writers = [threading.Thread(target=pacer, args=(1 << 20,)) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(30)
+    assert not any(w.is_alive() for w in writers)
+    # The shared fake clock ran from 0 to just past 1.0 s while both waited: once, not twice.
+    assert 1.0 <= pacer.paused_seconds < 1.1, pacer.paused_seconds
+    assert pacer.figures()["throttled_seconds"] == pacer.paused_seconds
