@@ -513,6 +513,8 @@ class Saver:
         """Allocate (and hand to the worker) every staging slot for this state's layout."""
         flat = self.prepare_state(state)
         pin = any_cuda(flat.tensors.values())
+        if pin:
+            self.skipper.warm(flat.tensors)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
         # Disk saves are staged into the memory tier's slots while it is on (the budget
         # caps the disk saves' own slots: the memory tier's are outside it).

@@ -269,6 +269,13 @@ class CopySkipper:
         self._last: tuple[Any, Marks] | None = None  # (layout key, marks) of the last save
         self.on_device = True  # GPU tensors fingerprinted (off once it costs more: ``weigh``)
 
+    def warm(self, tensors: dict[str, torch.Tensor]) -> None:
+        """At ``prepare``: the fused kernel's compile and self-check on each GPU the state is
+        on, so that the first save's stall does not pay for them (seconds on a fresh machine)."""
+        if self.enabled and self.on_device:
+            for device in {t.device for t in tensors.values() if t.is_cuda}:
+                prepare_fingerprint(device)
+
     def plan(
         self,
         slot: StagingSlot,

@@ -7,6 +7,8 @@ two GPUs says so in its skip.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -389,6 +391,27 @@ def test_cuda_fused_fingerprint_kernel_is_trusted_where_triton_is_and_matches_th
     t[33 << 20] ^= 1 << 3
     assert not torch.equal(device_fingerprint(t), got)
     assert kernel_state()["used"], kernel_state()
+
+
+def test_cuda_prepare_runs_the_fused_kernels_self_check_before_the_first_save(tmp_path):
+    """Its compile and self-check take seconds on a fresh machine: ``prepare`` pays them, not
+    the first save's stall. (Run in a new process: this one's kernel may be trusted already.)"""
+    pytest.importorskip("triton", reason="no Triton: no kernel to prepare")
+    code = (
+        "import sys, torch\n"
+        "from asyncckpt import SyncCheckpointEngine\n"
+        "from asyncckpt.unchanged import kernel_state\n"
+        "state = {'w': torch.ones(1 << 22, device='cuda')}\n"
+        "with SyncCheckpointEngine(sys.argv[1]) as engine:\n"
+        "    assert kernel_state()['reason'] == 'not tried yet', kernel_state()\n"
+        "    engine.prepare(state)\n"
+        "    assert kernel_state()['used'], kernel_state()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 #: The ways to change a CUDA tensor's bytes, with those no version counter sees.

@@ -385,3 +385,29 @@ def test_the_kernel_compiles_no_overflow_assert_even_in_tritons_debug_mode():
         except Exception as e:  # no compiler backend for this wheel on this machine
             pytest.skip(f"cannot compile for sm_90 here: {e!r}")
         assert "tt.assert" not in ttir, (masked, [ln for ln in ttir.splitlines() if "assert" in ln])
+
+
+def test_prepare_warms_the_kernel_once_per_gpu_the_state_is_on_and_only_when_it_will_run(
+    monkeypatch,
+):
+    """``CopySkipper.warm`` (called by ``prepare``): the self-check and compile per GPU, not in
+    the first save; nothing for CPU tensors, with differential copies off, or once the device
+    fingerprint was turned off."""
+    from types import SimpleNamespace
+
+    warmed = []
+    monkeypatch.setattr(unchanged, "prepare_fingerprint", warmed.append)
+
+    def on(index):
+        return SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))
+
+    state = {"a": on(0), "b": on(0), "c": on(1), "d": torch.zeros(4)}
+    unchanged.CopySkipper(True).warm(state)
+    assert sorted(d.index for d in warmed) == [0, 1]
+    warmed.clear()
+    unchanged.CopySkipper(False).warm(state)
+    off = unchanged.CopySkipper(True)
+    off.on_device = False
+    off.warm(state)
+    unchanged.CopySkipper(True).warm({"d": torch.zeros(4)})
+    assert warmed == []
