@@ -110,19 +110,22 @@ def _fingerprint(raw: torch.Tensor, fused: bool) -> torch.Tensor:
     n = raw.numel()
     body = n - n % 4
     words = raw[:body].view(torch.int32)
-    lanes = None
-    if fused:
-        lanes = fingerprint_kernel.fused_lanes(words, 0, _LANES)
-        if lanes is None:  # never a silent torch-ops answer where the kernel was asked for
-            raise RuntimeError(f"the fused kernel cannot run on {raw.device}")
-    else:
-        lanes = torch.zeros(len(_LANES), dtype=torch.int64, device=raw.device)
-        for s in range(0, words.numel(), _CHUNK_WORDS):
-            _mix_into(lanes, words[s : s + _CHUNK_WORDS], s)
+    lanes = fingerprint_kernel.fused_lanes(words, 0, _LANES) if fused else _torch_lanes(words, 0)
+    if lanes is None:  # never a silent torch-ops answer where the kernel was asked for
+        raise RuntimeError(f"the fused kernel cannot run on {raw.device}")
     if body < n:  # 1-3 trailing bytes, one word (zero-padded; the length tells them apart)
         shifts = torch.arange(n - body, dtype=torch.int32, device=raw.device) * 8
         tail = (raw[body:].to(torch.int32) << shifts).sum(dtype=torch.int32).reshape(1)
         _mix_into(lanes, tail, body // 4)
+    return lanes
+
+
+def _torch_lanes(words: torch.Tensor, start: int) -> torch.Tensor:
+    """The lanes of the int32 ``words`` (the first at word position ``start``) by torch ops, in
+    pieces of ``_CHUNK_WORDS``: what ``fingerprint_kernel.fused_lanes`` must equal."""
+    lanes = torch.zeros(len(_LANES), dtype=torch.int64, device=words.device)
+    for s in range(0, words.numel(), _CHUNK_WORDS):
+        _mix_into(lanes, words[s : s + _CHUNK_WORDS], start + s)
     return lanes
 
 
@@ -223,14 +226,12 @@ def _self_check(device: torch.device) -> str | None:
     words = probe[: 4 * (per + 1000)].view(torch.int32)
     start = (1 << 31) - 500  # positions wrap within the first program
     wrapped = fingerprint_kernel.fused_lanes(words, start, _LANES)
-    want = torch.zeros(len(_LANES), dtype=torch.int64, device=device)
-    _mix_into(want, words, start)
+    want = _torch_lanes(words, start)
     if wrapped is None or not torch.equal(wrapped, want):
         return f"lanes {wrapped} at wrapping positions, torch ops {want.tolist()}"
     # Words 4 bytes past a 16-byte boundary: the kernel's other compile (scalar loads).
     unaligned = fingerprint_kernel.fused_lanes(words[1:], 1, _LANES)
-    want = torch.zeros(len(_LANES), dtype=torch.int64, device=device)
-    _mix_into(want, words[1:], 1)
+    want = _torch_lanes(words[1:], 1)
     if unaligned is None or not torch.equal(unaligned, want):
         return f"lanes {unaligned} of unaligned words, torch ops {want.tolist()}"
     probe[4 * (3 * per + 500) + 1] ^= 1 << 5
