@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ import xxhash
 from .layout import MANIFEST
 from .manifest import checksum_file, entry_problem
 from .storage.localfs import link_file, write_synced
+from .walltime import OverlapClock
 
 log = logging.getLogger("asyncckpt")
 
@@ -130,13 +130,14 @@ class Linker:
     seed: str
     known: Mapping[tuple[int, int], bytes] = field(default_factory=dict)  # Previous.known
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    fingerprint_seconds: float = 0.0
     reused_bytes: int = 0  # bytes whose digest came from the trainer (not hashed here)
     fallbacks: list[str] = field(default_factory=list)
     _old: dict[str, Any] | None = None
     _old_manifest: dict[str, Any] | None = None
     _index: dict[str, tuple[str, dict[str, Any]]] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # wall time while any writer thread fingerprints a file (several at once: counted once)
+    _hashing: OverlapClock = field(default_factory=OverlapClock)
 
     def __post_init__(self) -> None:
         if self.previous is None:
@@ -173,19 +174,23 @@ class Linker:
         """A file's fingerprint from its items: (describe, bytes, where) with ``where`` the
         (address, nbytes) of the bytes in memory where they are a whole staged view's, else
         None; a staged view the trainer hashed is not hashed again."""
-        t0 = time.perf_counter()
-        fp = FileFingerprint(self.seed)
-        reused = 0
-        for describe, data, where in items:
-            known = self.known.get(where) if where is not None else None
-            if known is not None and where is not None:
-                reused += where[1]
-            fp.add(describe, data, known)
-        digest = fp.hexdigest()
+        with self._hashing.span():
+            fp = FileFingerprint(self.seed)
+            reused = 0
+            for describe, data, where in items:
+                known = self.known.get(where) if where is not None else None
+                if known is not None and where is not None:
+                    reused += where[1]
+                fp.add(describe, data, known)
+            digest = fp.hexdigest()
         with self._lock:
-            self.fingerprint_seconds += time.perf_counter() - t0
             self.reused_bytes += reused
         return digest
+
+    @property
+    def fingerprint_seconds(self) -> float:
+        """Wall time spent fingerprinting this part's files."""
+        return self._hashing.seconds
 
     def try_link(
         self, name: str, digest: str, count: int

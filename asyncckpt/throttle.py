@@ -44,6 +44,7 @@ import psutil
 
 from .io_threads import IoThreadsSetting
 from .io_threads import check_setting as check_io_threads
+from .walltime import OverlapClock
 
 log = logging.getLogger("asyncckpt.throttle")
 
@@ -347,7 +348,11 @@ class RateLimiter:
         self._tokens = float(burst_bytes)  # start full: the first burst goes out at once
         self._last = clock()
         self.bytes_acquired = 0
+        # Wall time some writer slept in debt: concurrent writers' sleeps overlap (each one
+        # ends no earlier than the one reserved before it), so only the part past the last
+        # sleep's end is new.
         self.seconds_waited = 0.0
+        self._slept_until = float("-inf")
 
     def acquire(self, nbytes: int) -> float:
         """Take ``nbytes`` from the bucket, sleeping while in debt. Returns seconds slept."""
@@ -362,7 +367,9 @@ class RateLimiter:
             self._tokens -= nbytes
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
             self.bytes_acquired += nbytes
-            self.seconds_waited += wait
+            if wait > 0:
+                self.seconds_waited += max(0.0, now + wait - max(now, self._slept_until))
+                self._slept_until = max(self._slept_until, now + wait)
         if wait > 0:
             self._sleep(wait)
         return wait
@@ -438,9 +445,8 @@ class Pacer:
         self._clock = clock
         self._sleep = sleep
         self._given_up_on = -1  # the region (by entry count) whose pause ran out
-        self.paused_seconds = 0.0
-        self._waiting = 0  # writer threads waiting out a pause now, since _waiting_since
-        self._waiting_since = 0.0
+        # wall time while at least one writer thread waits out a pause (not their sum)
+        self._paused = OverlapClock(clock)
         self.durable_within = durable_within
         self._renice = renice
         self._wall = wall_clock
@@ -463,7 +469,7 @@ class Pacer:
                 self._renice(False)
             self.escalated_after = None
             self.escalations = []
-            self.paused_seconds = 0.0
+            self._paused.reset()
             self._limited_before = self._limiter.seconds_waited if self._limiter else 0.0
             self._saved_at = saved_at
             if self.durable_within is None or saved_at is None:
@@ -528,36 +534,25 @@ class Pacer:
         pause = self._pause
         if pause is None or not pause.active:
             return
-        start = self._paused_from()
-        region = pause.entries
-        while pause.active:
-            now = self._clock()
-            if pause.entries != region:  # the trainer moved on to a new region: wait anew
-                region, start = pause.entries, now
-            elif region == self._given_up_on:
-                break
-            elif self.escalated_after is not None or now - start >= self._max_pause:
-                self._given_up_on = region
-                log.info("pause hint held the writes %.1f s; writing on", self._max_pause)
-                break
-            self._sleep(self.POLL_SECONDS)
-        self._paused_until()
+        with self._paused.span():
+            start = self._clock()
+            region = pause.entries
+            while pause.active:
+                now = self._clock()
+                if pause.entries != region:  # the trainer moved on to a new region: wait anew
+                    region, start = pause.entries, now
+                elif region == self._given_up_on:
+                    break
+                elif self.escalated_after is not None or now - start >= self._max_pause:
+                    self._given_up_on = region
+                    log.info("pause hint held the writes %.1f s; writing on", self._max_pause)
+                    break
+                self._sleep(self.POLL_SECONDS)
 
-    def _paused_from(self) -> float:
-        """A writer thread starts waiting out a pause: ``paused_seconds`` counts the wall time
-        while at least one waits (several writer threads waiting at once: not their sum)."""
-        with self._lock:
-            now = self._clock()
-            if self._waiting == 0:
-                self._waiting_since = now
-            self._waiting += 1
-            return now
-
-    def _paused_until(self) -> None:
-        with self._lock:
-            self._waiting -= 1
-            if self._waiting == 0:
-                self.paused_seconds += self._clock() - self._waiting_since
+    @property
+    def paused_seconds(self) -> float:
+        """Wall time this save's writes waited out the pause hint."""
+        return self._paused.seconds
 
 
 def write_all(raw: Any, chunk: memoryview) -> None:

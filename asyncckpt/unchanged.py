@@ -93,7 +93,8 @@ def device_fingerprint(t: torch.Tensor) -> torch.Tensor:
         except Exception as e:  # passed its self-check, failed here: never trusted again
             _kernel_failed(f"raised on a tensor of {raw.numel()} bytes: {e!r}")
     if usable or raw.is_cuda:  # one the kernel would have taken
-        _kernel["fallbacks"] += 1
+        with _kernel_lock:  # writer threads fingerprint at once: ``+=`` alone can lose counts
+            _kernel["fallbacks"] += 1
     return _fingerprint(raw, fused=False)
 
 

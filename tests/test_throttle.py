@@ -241,6 +241,21 @@ def test_rate_limiter_debt_with_fake_clock() -> None:
     assert slept == pytest.approx([0.5, 0.001])
 
 
+def test_rate_limiter_counts_concurrent_writers_sleeps_as_wall_time() -> None:
+    """Two writer threads in debt at the same moment sleep side by side: the save was held
+    until the later one woke (2 s), not for the sum of their sleeps (1 s + 2 s)."""
+    now = [0.0]
+    limiter = RateLimiter(1000.0, burst_bytes=1, clock=lambda: now[0], sleep=lambda s: None)
+    limiter.acquire(1)  # empty the bucket
+    # Both reserve at t=0 (neither has woken yet): the first sleeps 1 s, the second 2 s.
+    assert limiter.acquire(1000) == pytest.approx(1.0)
+    assert limiter.acquire(1000) == pytest.approx(2.0)
+    assert limiter.seconds_waited == pytest.approx(2.0)
+    now[0] = 2.0  # both woke; a third writer, alone now, sleeps 1 s more
+    assert limiter.acquire(1000) == pytest.approx(1.0)
+    assert limiter.seconds_waited == pytest.approx(3.0)
+
+
 def test_rate_limiter_none_is_a_noop() -> None:
     def never(_: float) -> None:
         raise AssertionError("a None rate must never sleep")
