@@ -186,12 +186,38 @@ fi
 # -p no:asyncio: these tests use anyio's plugin; pytest-asyncio is not needed for them.
 # Four at once where pytest-xdist is there (the GPU image has it): one after another, the 20
 # tests took ~230 s on an H200, each mostly starting a worker process.
-XDIST=()
-"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n 4)
+# The tests marked serial then run alone: one compares the device fingerprint's rate with the
+# copy's, which the other tests' copies would skew. Their results join junit_cuda.xml.
+XDIST=
+"$PY" -c 'import xdist' 2>/dev/null && XDIST="-n 4"
+cuda_tests() {
+  local rc=0 alone=$WORK/junit_alone.xml
+  local args=(-v -rA -p no:cacheprovider -p no:asyncio -o addopts="" tests/test_cuda.py)
+  # shellcheck disable=SC2086
+  "$PY" -m pytest "${args[@]}" $XDIST -m "not serial" --junitxml="$RES/junit_cuda.xml" || rc=$?
+  "$PY" -m pytest "${args[@]}" -m serial --junitxml="$alone"
+  local alone_rc=$?
+  [ "$alone_rc" = 0 ] || [ "$alone_rc" = 5 ] || rc=$alone_rc # 5: no test is marked serial
+  "$PY" - "$RES/junit_cuda.xml" "$alone" <<'PYEOF' || rc=1
+import sys, xml.etree.ElementTree as ET
+try:
+    merged = ET.parse(sys.argv[1])
+except (OSError, ET.ParseError):
+    sys.exit(0)  # the first run crashed: its exit code already says so
+try:
+    more = ET.parse(sys.argv[2]).getroot()
+except (OSError, ET.ParseError):
+    sys.exit(0)
+for suite in [more] if more.tag == "testsuite" else list(more):
+    merged.getroot().append(suite)
+merged.write(sys.argv[1])
+PYEOF
+  return $rc
+}
 if ! in_part 1; then
   :
-elif run_step tests yes 200 "$PY" -m pytest -v -rA -p no:cacheprovider -p no:asyncio \
-  -o addopts="" "${XDIST[@]}" tests/test_cuda.py --junitxml="$RES/junit_cuda.xml"; then
+elif run_step tests yes 200 bash -c "$(declare -f cuda_tests); PY=$PY RES=$RES WORK=$WORK \
+  XDIST='$XDIST' cuda_tests"; then
   # On the GPU a skip is allowed only where it names what is missing (2 GPUs); on the dry run
   # every test skips (no CUDA) and the summary lists each with its reason.
   read -r skipped unexpected < <("$PY" - "$RES/junit_cuda.xml" "$DRY" <<'EOF'

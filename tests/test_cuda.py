@@ -449,6 +449,7 @@ def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
     assert stats[4].copy_skipped_bytes == 3 << 20  # the changed one copied
 
 
+@pytest.mark.serial  # compares rates: the GPU suite runs it after the others, alone
 def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_copy(tmp_path, caplog):
     """An unchanged 256 MiB state saved 3 times: either the device fingerprint read faster than
     the copy (the later saves skip every large tensor) or it was turned off after the first
