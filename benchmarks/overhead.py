@@ -278,6 +278,14 @@ def main(argv: list[str] | None = None) -> dict:
         "the best of them; issue 35 item 3); empty: skip it",
     )
     p.add_argument(
+        "--parallel-rounds",
+        type=int,
+        default=2,
+        help="rounds of the parallel-writer reference, each writer count once a round, in "
+        "alternating order; each count's best is its figure (one round alone is noisy: the "
+        "first write on a fresh file system ran 2-4x slower than the next on this VM)",
+    )
+    p.add_argument(
         "--keep-last",
         type=int,
         default=0,
@@ -334,7 +342,10 @@ def main(argv: list[str] | None = None) -> dict:
     raw_buf = ref.buf if not ref.cuda else ref.buf  # host bytes of the state
     # The disk's limit: the best of 1, 2 and 4 parallel raw writers of the same bytes.
     writers = [int(w) for w in args.parallel_writers.split(",") if w.strip()]
-    par_write = {w: C.raw_write_parallel(raw_buf, base / "parallel-raw", w) for w in writers}
+    par_write: dict[int, list[float]] = {w: [] for w in writers}
+    for r in range(args.parallel_rounds if writers else 0):
+        for w in writers if r % 2 == 0 else writers[::-1]:
+            par_write[w].append(C.raw_write_parallel(raw_buf, base / "parallel-raw", w))
     results: dict[str, Any] = {}
     raw_all: list[float] = []
     for m in methods:
@@ -373,16 +384,18 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def add_parallel_write(report: dict, nbytes: int, par_write: dict[int, float]) -> None:
-    """The parallel-writer reference, each method's write throughput over its best, and
-    issue 35's target on it (>= 0.9x; judged on the GPU machine, where the trainer leaves the
-    worker its cores)."""
+def add_parallel_write(report: dict, nbytes: int, par_write: dict[int, list[float]]) -> None:
+    """The parallel-writer reference (each writer count's best round), each method's write
+    throughput over the best count's, and issue 35's target on it (>= 0.9x; judged on the GPU
+    machine, where the trainer leaves the worker its cores)."""
+    par_write = {w: runs for w, runs in par_write.items() if runs}
     if not par_write:
         return
-    tputs = {w: nbytes / s for w, s in par_write.items()}
+    tputs = {w: nbytes / min(runs) for w, runs in par_write.items()}
     best = max(tputs, key=tputs.__getitem__)
     report["references"]["parallel_write_fsync"] = {
-        "seconds_by_writers": {str(w): s for w, s in par_write.items()},
+        "seconds_by_writers": {str(w): min(runs) for w, runs in par_write.items()},
+        "rounds_seconds_by_writers": {str(w): runs for w, runs in par_write.items()},
         "throughput_bytes_per_s_by_writers": {str(w): t for w, t in tputs.items()},
         "best_writers": best,
         "best_throughput_bytes_per_s": tputs[best],
