@@ -23,7 +23,8 @@ Soundness (invariant 15) rests on the bytes alone:
   nothing new: a slot never claims bytes it may not hold.
 
 Tensors under ``SMALL_TENSOR_BYTES`` are always copied (one foreach call for all of them costs
-less than fingerprinting them one by one); so are strided CPU tensors (counted: ``fallbacks``).
+less than fingerprinting them one by one); so are strided CPU tensors, and GPU tensors that
+are strided or start off a 4-byte boundary (counted: ``fallbacks``).
 
 On a GPU the fingerprint must pay for itself: it reads every byte it may spare the copy of. As
 torch ops (a dozen passes per lane over temporaries) it cost more than the copy where the D2H
@@ -104,7 +105,13 @@ def reference_fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
+    raw = t.detach().reshape(-1).view(torch.uint8)
+    if raw.data_ptr() % 4:
+        # A view starting off a 4-byte boundary (a bf16 slice at an odd element) cannot be
+        # read as int32 words: fingerprint an aligned copy of its bytes (the same bytes, the
+        # same lanes). ``CopySkipper.plan`` copies such tensors instead of paying for this.
+        raw = raw.clone()
+    return raw
 
 
 def _fingerprint(raw: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -307,7 +314,9 @@ class CopySkipper:
                 # save waited): never read; the copy's own check fails the save as torn.
                 continue
             if t.is_cuda:
-                if t.is_contiguous() and self.on_device:
+                # Off a 4-byte boundary (a bf16 slice at an odd element): not read as words
+                # in place, so copied, never skipped (counted).
+                if t.is_contiguous() and self.on_device and t.data_ptr() % 4 == 0:
                     cuda.append((i, t, held))
                 else:
                     plan.fallbacks += 1

@@ -449,6 +449,40 @@ def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
     assert stats[4].copy_skipped_bytes == 3 << 20  # the changed one copied
 
 
+def test_cuda_a_view_off_a_4_byte_boundary_is_copied_not_fingerprinted(tmp_path):
+    """A bf16 slice of a flat buffer at an odd element (as flat-parameter views are) cannot be
+    read as int32 words in place: it is copied every save, counted as a fallback, never fails
+    the save or turns the fused kernel off; the aligned tensor beside it is still skipped."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncckpt import SyncCheckpointEngine, layout
+    from asyncckpt.unchanged import kernel_state
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.randn(1 << 20, device="cuda", generator=g).to(torch.bfloat16)  # 2 MiB
+    odd = flat[1 : (1 << 20) - 1]
+    assert odd.data_ptr() % 4 == 2
+    aligned = torch.randn(1 << 20, device="cuda", generator=g)  # 4 MiB
+    state = {"model": {"odd": odd, "aligned": aligned}}
+    want, stats = {}, {}
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        for step in (1, 2, 3):
+            if step == 3:
+                odd.mul_(2)
+            want[step] = {k: v.detach().cpu().clone() for k, v in state["model"].items()}
+            stats[step] = engine.save(step, state).committed_sync()
+    for step, w in want.items():
+        target = {"model": {k: torch.empty_like(v) for k, v in w.items()}}
+        dcp.load(target, checkpoint_id=str(tmp_path / layout.dir_name("global_step", step)),
+                 no_dist=True)  # fmt: skip
+        for k in w:
+            assert same_bytes(target["model"][k], w[k]), (step, k)
+    for step in (2, 3):
+        assert stats[step].copy_skip_fallbacks >= 1, step
+        assert stats[step].copy_skipped_bytes in (0, 4 << 20), step  # never the odd one's
+    assert "raised" not in kernel_state()["reason"]
+
+
 @pytest.mark.serial  # compares rates: the GPU suite runs it after the others, alone
 def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_copy(tmp_path, caplog):
     """An unchanged 256 MiB state saved 3 times: either the device fingerprint read faster than

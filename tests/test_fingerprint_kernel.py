@@ -289,6 +289,15 @@ INTERPRETED = textwrap.dedent(
     out["bytes not values"] = torch.equal(
         device_fingerprint(words.view(torch.float32)), device_fingerprint(words)
     )
+    # A bf16 view at an odd element starts off a 4-byte boundary: the same lanes as its bytes
+    # copied, and the kernel stays on (it raised and was turned off for good before).
+    buf = rand(2 * (2 * W + 9), 5).view(torch.bfloat16)
+    odd = buf[1:]
+    out["misaligned"] = [
+        device_fingerprint(odd).tolist(),
+        device_fingerprint(odd.clone()).tolist(),
+        reference_fingerprint(odd.clone()).tolist(),
+    ]
     out["final state"] = u.kernel_state()
     print("RESULT " + json.dumps(out))
     """
@@ -345,6 +354,24 @@ def test_the_kernel_sees_words_moved_not_their_dtype(interpreted):
     assert not interpreted["flip order"]
     assert interpreted["bytes not values"]
     assert interpreted["final state"]["used"]
+
+
+def test_the_kernel_takes_a_view_off_a_4_byte_boundary_and_stays_on(interpreted):
+    got, copied, reference = interpreted["misaligned"]
+    assert got == copied == reference
+    assert interpreted["final state"] == {"used": True, "reason": "", "fallbacks": 0}
+
+
+def test_a_view_off_a_4_byte_boundary_is_fingerprinted_as_its_bytes(fresh_kernel_state):
+    """A bf16 slice at an odd element cannot be read as int32 words in place (it raised, and
+    on a GPU failed the save): its lanes are those of its bytes, copied."""
+    buf = random_bytes(2 * 4099, 8).view(torch.bfloat16)
+    odd = buf[1:4000]
+    assert odd.data_ptr() % 4 == 2
+    want = original_fingerprint(odd.clone())
+    assert torch.equal(device_fingerprint(odd), want)
+    assert torch.equal(reference_fingerprint(odd), want)
+    assert not torch.equal(device_fingerprint(buf[2:4001]), want)  # the bytes, not the place
 
 
 def test_the_kernel_compiles_no_overflow_assert_even_in_tritons_debug_mode():
