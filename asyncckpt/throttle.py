@@ -31,6 +31,7 @@ returned ``AppliedThrottle``, never an exception, since a checkpoint is worth mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -354,8 +355,9 @@ class RateLimiter:
         self.seconds_waited = 0.0
         self._slept_until = float("-inf")
 
-    def acquire(self, nbytes: int) -> float:
-        """Take ``nbytes`` from the bucket, sleeping while in debt. Returns seconds slept."""
+    def acquire(self, nbytes: int, held: OverlapClock | None = None) -> float:
+        """Take ``nbytes`` from the bucket, sleeping while in debt (inside a span of ``held``,
+        the caller's clock of the save's held time). Returns seconds slept."""
         if self.rate is None or nbytes <= 0:
             return 0.0
         # Reserve under the lock, sleep outside it: concurrent writers queue up in debt order
@@ -371,7 +373,8 @@ class RateLimiter:
                 self.seconds_waited += max(0.0, now + wait - max(now, self._slept_until))
                 self._slept_until = max(self._slept_until, now + wait)
         if wait > 0:
-            self._sleep(wait)
+            with held.span() if held is not None else contextlib.nullcontext():
+                self._sleep(wait)
         return wait
 
 
@@ -445,15 +448,17 @@ class Pacer:
         self._clock = clock
         self._sleep = sleep
         self._given_up_on = -1  # the region (by entry count) whose pause ran out
-        # wall time while at least one writer thread waits out a pause (not their sum)
+        # Wall time while at least one writer thread waits out a pause (not their sum), and
+        # while at least one is held by either lever (one thread may sleep on the rate cap
+        # while another waits out the pause: that time counts once).
         self._paused = OverlapClock(clock)
+        self._held = OverlapClock(clock)
         self.durable_within = durable_within
         self._renice = renice
         self._wall = wall_clock
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._saved_at: float | None = None
-        self._limited_before = 0.0  # the limiter's seconds_waited when this save began
         #: seconds into the save (from its ``save`` call) at which it escalated; None: not
         self.escalated_after: float | None = None
         #: the levers escalation released (``write_rate``, ``pause``, ``nice``, ``ionice``)
@@ -470,7 +475,7 @@ class Pacer:
             self.escalated_after = None
             self.escalations = []
             self._paused.reset()
-            self._limited_before = self._limiter.seconds_waited if self._limiter else 0.0
+            self._held.reset()
             self._saved_at = saved_at
             if self.durable_within is None or saved_at is None:
                 return
@@ -515,9 +520,8 @@ class Pacer:
 
     @property
     def throttled_seconds(self) -> float:
-        """Seconds this save was held: by the rate cap and by the pause hint."""
-        limited = self._limiter.seconds_waited - self._limited_before if self._limiter else 0.0
-        return limited + self.paused_seconds
+        """Wall time this save's writes were held: by the rate cap or by the pause hint."""
+        return self._held.seconds
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -530,11 +534,11 @@ class Pacer:
         if self.escalated_after is not None:
             return  # the deadline is near: neither capped nor paused
         if self._limiter is not None:
-            self._limiter.acquire(nbytes)
+            self._limiter.acquire(nbytes, held=self._held)
         pause = self._pause
         if pause is None or not pause.active:
             return
-        with self._paused.span():
+        with self._held.span(), self._paused.span():
             start = self._clock()
             region = pause.entries
             while pause.active:

@@ -527,3 +527,43 @@ def test_a_pause_waited_out_by_several_writer_threads_counts_its_wall_time_once(
     # The shared fake clock ran from 0 to just past 1.0 s while both waited: once, not twice.
     assert 1.0 <= pacer.paused_seconds < 1.1, pacer.paused_seconds
     assert pacer.figures()["throttled_seconds"] == pacer.paused_seconds
+
+
+def test_a_rate_cap_sleep_beside_a_pause_wait_counts_their_wall_time_once() -> None:
+    """One writer thread sleeps on the rate cap while another waits out the pause, both over
+    the same second: the save was held that second, not two (their sum)."""
+    pause = WritePause(mp.get_context("spawn"))
+    t = _FakeTime()
+    inside = threading.Barrier(2, timeout=30)
+    moved = threading.Barrier(2, timeout=30)
+
+    def limiter_sleep(seconds: float) -> None:
+        inside.wait()  # the other thread waits out the pause meanwhile
+        t.now += 1.0
+        moved.wait()
+
+    limiter = RateLimiter(1000.0, burst_bytes=1, clock=t.clock, sleep=limiter_sleep)
+    pacer = _pacer(pause, 30.0, t, limiter)
+    polls = 0
+
+    def on_sleep(now: float) -> None:
+        nonlocal polls
+        if threading.current_thread() is paused:
+            polls += 1
+            if polls == 1:  # its first poll: the pause ends, but this wait is still held
+                inside.wait()  # until the clock moved (the capped thread wakes to no pause)
+                pause.exit()
+                moved.wait()
+
+    t.on_sleep = on_sleep
+    pacer.begin(None)
+    pause.enter()
+    capped = threading.Thread(target=pacer, args=(1001,))  # 1 s in debt
+    paused = threading.Thread(target=pacer, args=(0,))  # 0 bytes: not capped, only paused
+    for w in (capped, paused):
+        w.start()
+    for w in (capped, paused):
+        w.join(30)
+    assert not capped.is_alive() and not paused.is_alive()
+    assert 1.0 <= pacer.paused_seconds < 1.1
+    assert 1.0 <= pacer.throttled_seconds < 1.1, (pacer.throttled_seconds, pacer.paused_seconds)
