@@ -140,7 +140,7 @@ def write_chunked(
     ``directory``; returns the checksums per file. ``objects``: its pre-serialised leaves."""
     plan: ChunkedPlan = job.chunks
     arena = worker.arenas[job.arena_ids[0]]
-    worker.io_threads.last = 1  # one file, chunk by chunk (SaveStats.io_threads says so)
+    worker.io_threads.wrote_one_at_a_time()  # one file, chunk by chunk (SaveStats says so)
     writer = ChunkedWriter(
         directory,
         plan,

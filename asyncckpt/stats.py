@@ -39,10 +39,12 @@ class SaveStats:
     paused_seconds: float = 0.0
     #: seconds from the ``save`` call to the commit (durable: renamed, fsynced, tracker)
     durable_seconds: float | None = None
-    #: seconds the worker held this save's writes: the rate cap and ``pause_writes`` regions
+    #: wall time the worker held this save's writes: the rate cap and ``pause_writes`` regions
+    #: (in a multi-rank save, the committing worker's: rank 0's, or a node leader's)
     throttled_seconds: float = 0.0
-    #: shard files this rank's worker wrote at once (``ThrottleConfig(io_threads=)``; under
-    #: ``"auto"`` what it chose for this save); 0 where no worker reported it
+    #: shard files the worker wrote at once (``ThrottleConfig(io_threads=)``): what its
+    #: writers ran, which may be fewer than set or chosen under ``"auto"`` (fewer shard files,
+    #: a one-file format); in a multi-rank save the committing worker's; 0 where none reported
     io_threads: int = 0
     #: with ``durable_within``: seconds into the save at which the worker escalated (None:
     #: it did not need to), and the levers it released

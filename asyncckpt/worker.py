@@ -324,9 +324,9 @@ class Worker:
 
     def _pacer_figures(self) -> dict[str, Any]:
         if self.pacer is None:  # the throttle's figures, with the files written at once
-            return {"io_threads": self.io_threads.last}
+            return {"io_threads": self.io_threads.used}
         self.pacer.end()
-        return {**self.pacer.figures(), "io_threads": self.io_threads.last}
+        return {**self.pacer.figures(), "io_threads": self.io_threads.used}
 
     def _paused_seconds(self) -> float:
         return self.pacer.paused_seconds if self.pacer is not None else 0.0
@@ -507,7 +507,7 @@ class Worker:
             tmp,
             rank=self.config.dist.rank if self.config.dist is not None else 0,
             process_group=process_group,
-            thread_count=self.io_threads.now(),
+            **self.io_threads.write_options(),
             pace=self.pacer,
             direct_io=self.direct_io,
             step=job.step,

@@ -81,6 +81,9 @@ class WriteOptions:
     plan_cache: str | None = None  # names what is written again and again (dcp's plan cache)
     #: differential.Previous: link unchanged files from the previous checkpoint; None: off
     differential: Any = None
+    #: the writers append how many files each wrote at once (``SaveStats.io_threads``: what
+    #: ran, not what was asked: fewer files than threads, or a one-file format, use fewer)
+    threads_used: list[int] | None = None
 
 
 class Verify:

@@ -317,6 +317,7 @@ class ChecksumWriter(FileSystemWriter):
         sync_files: bool = False,
         records: RecordWriter | None = None,
         differential: Previous | None = None,
+        threads_used: list[int] | None = None,
     ) -> None:
         super().__init__(
             path,
@@ -330,6 +331,7 @@ class ChecksumWriter(FileSystemWriter):
         self.records = records or default_writer
         self.differential = differential
         self.linker: Linker | None = None
+        self.threads_used = threads_used  # gets the files written at once (WriteOptions)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's file layout and records, with small tensors' records written from templates.
@@ -361,6 +363,8 @@ class ChecksumWriter(FileSystemWriter):
             buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
         jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", items) for n, items in enumerate(buckets)]
         threads = min(self.thread_count, len(jobs))
+        if self.threads_used is not None:
+            self.threads_used.append(max(1, threads))
         if threads <= 1:
             # One writer: the next file's fingerprint is taken in a thread of its own while
             # this one is written (hashing ran at ~10 GB/s, the disk at 1-2: hidden that way).
@@ -526,6 +530,7 @@ def write_flat(
     object_paths: Mapping[str, tuple] | None = None,
     differential: Previous | None = None,
     writer: ChecksumWriter | None = None,
+    threads_used: list[int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write a flat state dict as DCP shards into ``directory``; returns crcs per file.
 
@@ -539,6 +544,7 @@ def write_flat(
     ``differential`` (``differential.Previous``): files whose bytes would be the previous
     checkpoint's are hard links to them (a sidecar records the fingerprints).
     ``writer``: the storage writer to use instead (its own options; chunked_write.py).
+    ``threads_used``: gets how many files the writer wrote at once (``WriteOptions``).
     """
     writer = writer or ChecksumWriter(
         directory,
@@ -546,6 +552,7 @@ def write_flat(
         pace=pace,
         direct_io=direct_io,
         differential=differential,
+        threads_used=threads_used,
     )
     no_dist = process_group is None
     planner = planner or _PassThroughPlanner()
@@ -1143,6 +1150,7 @@ class DCPFormat(Format):
             flat,
             location,
             thread_count=options.thread_count,
+            threads_used=options.threads_used,
             pace=options.pace,
             direct_io=options.direct_io,
             process_group=options.process_group,

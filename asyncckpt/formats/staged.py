@@ -208,6 +208,7 @@ def write(
     plan_cache: str | None = None,
     paths: Mapping[str, list] | None = None,
     differential: Any = None,
+    threads_used: list[int] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write one rank's part of a checkpoint into ``directory``; returns crcs of files written
     (by path relative to ``directory``).
@@ -217,11 +218,12 @@ def write(
     place the parts of a checkpoint of components (``formats.components``). ``paths``: the
     prepared ``Prepared.paths`` (dcp records them in ``.metadata`` as DCP's object paths).
     ``differential``: a ``differential.Previous`` for formats that link unchanged files, or None.
+    ``threads_used``: gets how many files each writer wrote at once (``WriteOptions``).
     """
     extra = extra or {}
     paths = paths or {}
     options = WriteOptions(
-        rank, process_group, thread_count, pace, direct_io, plan_cache, differential
+        rank, process_group, thread_count, pace, direct_io, plan_cache, differential, threads_used
     )
     if fmt == components.COMPONENTS:
         return components.write(
