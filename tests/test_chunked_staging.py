@@ -118,7 +118,9 @@ def test_a_state_over_the_budget_is_saved_in_chunks_and_loads_bit_for_bit(tmp_pa
         stats2 = engine.save(2, state2).committed_sync(120)  # the buffers, reused
     if fraction == 1.0:
         assert stats.chunks == 0 and stats2.chunks == 0  # fits: staged whole
-        assert stats.io_threads == stats2.io_threads == 3
+        # 3 asked; one writer per shard file, and this state packs into fewer than 3
+        files = len(list(step_dir(root, 2).glob("*.distcp")))
+        assert stats.io_threads == stats2.io_threads == min(3, files)
     else:
         assert stats.chunks >= 2 / fraction and stats2.chunks == stats.chunks
         assert stats.io_threads == stats2.io_threads == 1  # one file, chunk by chunk
