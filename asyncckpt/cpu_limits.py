@@ -14,7 +14,7 @@ Anything unreadable is None: the caller decides without it (and says so where it
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 #: Where the cgroup filesystems are mounted, and where this process's cgroups are named.
 CGROUP = Path("/sys/fs/cgroup")
@@ -40,35 +40,44 @@ def own_dirs(root: Path = CGROUP, proc_cgroup: Path = PROC_CGROUP) -> dict[str, 
     name (``cpuset``, ``cpu``, ``cpuacct``) for v1. Empty where ``proc_cgroup`` is unreadable."""
     try:
         lines = proc_cgroup.read_text().splitlines()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return {}
     dirs: dict[str, Path] = {}
     for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
+        try:
+            _own_dir(root, line, dirs)
+        except OSError:  # a directory we may not look into (EACCES): this line says nothing
             continue
-        _, controllers, path = parts
-        rel = path.strip().lstrip("/")
-        if controllers == "":  # v2: one hierarchy at the mount's top
-            bases = [root]
-            names = [""]
-        else:  # v1: a mount per controller ("cpu,cpuacct" may be mounted as either name)
-            names = controllers.split(",")
-            bases = [root / controllers, *(root / n for n in names)]
-        for base in bases:
-            if not base.is_dir():
-                continue
-            found = base / rel if rel and (base / rel).is_dir() else base
-            for name in names:
-                dirs.setdefault(name, found)
-            break
     return dirs
+
+
+def _own_dir(root: Path, line: str, dirs: dict[str, Path]) -> None:
+    """Add one ``/proc/self/cgroup`` line's directory to ``dirs``, per controller it names."""
+    parts = line.split(":", 2)
+    if len(parts) != 3:
+        return
+    _, controllers, path = parts
+    rel = path.strip().lstrip("/")
+    if ".." in PurePosixPath(rel).parts:  # outside its namespace's root: read the top
+        rel = ""
+    if controllers == "":  # v2: one hierarchy at the mount's top
+        bases, names = [root], [""]
+    else:  # v1: a mount per controller ("cpu,cpuacct" may be mounted as either name)
+        names = controllers.split(",")
+        bases = [root / controllers, *(root / n for n in names)]
+    for base in bases:
+        if not base.is_dir():
+            continue
+        found = base / rel if rel and (base / rel).is_dir() else base
+        for name in names:
+            dirs.setdefault(name, found)
+        return
 
 
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
 
 

@@ -104,9 +104,16 @@ def reference_fingerprint(t: torch.Tensor) -> torch.Tensor:
     return _fingerprint(_raw_bytes(t), fused=False)
 
 
+def word_aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be read as int32 words in place: its address and its byte
+    offset in its storage (which torch's ``view`` checks: a storage imported misaligned, then
+    sliced back onto a boundary, has one and not the other) both multiples of 4."""
+    return t.data_ptr() % 4 == 0 and (t.storage_offset() * t.element_size()) % 4 == 0
+
+
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     raw = t.detach().reshape(-1).view(torch.uint8)
-    if raw.data_ptr() % 4:
+    if not word_aligned(raw):
         # A view starting off a 4-byte boundary (a bf16 slice at an odd element) cannot be
         # read as int32 words: fingerprint an aligned copy of its bytes (the same bytes, the
         # same lanes). ``CopySkipper.plan`` copies such tensors instead of paying for this.
@@ -316,7 +323,7 @@ class CopySkipper:
             if t.is_cuda:
                 # Off a 4-byte boundary (a bf16 slice at an odd element): not read as words
                 # in place, so copied, never skipped (counted).
-                if t.is_contiguous() and self.on_device and t.data_ptr() % 4 == 0:
+                if t.is_contiguous() and self.on_device and word_aligned(t):
                     cuda.append((i, t, held))
                 else:
                     plan.fallbacks += 1

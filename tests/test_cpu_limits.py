@@ -83,3 +83,33 @@ def test_this_machines_cgroups_read_without_error():
     assert found is None or len(found) >= 1
     q = cl.quota()
     assert q is None or (q[0] > 0 and q[1] >= 0)
+
+
+def test_a_cgroup_path_above_the_namespace_root_reads_the_top(tmp_path):
+    """``0::/../..``: a process outside its cgroup namespace's root. The path led above the
+    mount (to a real directory there), so the top's quota and CPU set were not read."""
+    root, proc = _v2(tmp_path, "/", cpuset="0-3", cpu_max="200000 100000", usage_usec=1000000)
+    for path in ("/..", "/../..", "/a/../../b"):
+        proc.write_text(f"0::{path}\n")
+        assert cl.cpuset(root, proc) == {0, 1, 2, 3}, path
+        assert cl.quota(root, proc) == (2.0, 1.0), path
+
+
+def test_a_cgroup_directory_it_may_not_look_into_says_nothing_instead_of_raising(
+    tmp_path, monkeypatch
+):
+    """Path.is_dir lets EACCES through: the whole CPU reading was lost, every auto save then
+    wrote one file at a time."""
+    root, proc = _v2(tmp_path, "/", cpuset="0-3")
+    real_is_dir = cl.Path.is_dir
+
+    def refused(self):
+        if self == root:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_dir(self)
+
+    monkeypatch.setattr(cl.Path, "is_dir", refused)
+    assert cl.own_dirs(root, proc) == {}
+    assert cl.cpuset(root, proc) is None
+    (tmp_path / "binary").write_bytes(b"\xff\xfe0::/\n")
+    assert cl.own_dirs(root, tmp_path / "binary") == {}

@@ -371,7 +371,19 @@ def test_a_view_off_a_4_byte_boundary_is_fingerprinted_as_its_bytes(fresh_kernel
     want = original_fingerprint(odd.clone())
     assert torch.equal(device_fingerprint(odd), want)
     assert torch.equal(reference_fingerprint(odd), want)
-    assert not torch.equal(device_fingerprint(buf[2:4001]), want)  # the bytes, not the place
+    assert not torch.equal(device_fingerprint(buf[2:4001]), want)  # other bytes, other lanes
+
+
+def test_a_storage_imported_off_a_boundary_and_sliced_back_onto_one_is_fingerprinted():
+    """torch's int32 view checks the byte offset in the storage, not the address: a storage
+    imported misaligned (NumPy, DLPack) and sliced back onto a 4-byte address still raised."""
+    np = pytest.importorskip("numpy")
+    base = np.frombuffer(random_bytes(2 * 4101, 9).numpy().tobytes(), dtype=np.float16)
+    t = torch.from_numpy(base[1:])[1:]  # the storage starts 2 bytes off; the slice, on 4
+    if t.data_ptr() % 4 or (t.storage_offset() * 2) % 4 == 0:
+        pytest.skip("this allocation did not give the misaligned storage the case needs")
+    assert not unchanged.word_aligned(t)
+    assert torch.equal(device_fingerprint(t), original_fingerprint(t.clone()))
 
 
 def test_the_kernel_compiles_no_overflow_assert_even_in_tritons_debug_mode():

@@ -103,6 +103,9 @@ def test_per_cpu_idle_is_read_by_cpu_id_from_proc_stat(tmp_path):
     assert io.per_cpu_idle(tmp_path / "missing") is None
 
 
+@pytest.mark.skipif(
+    not hasattr(io.psutil.Process, "cpu_affinity"), reason="no CPU affinity on this OS"
+)
 def test_a_real_reading_counts_the_affinitys_cores_by_id():
     r = io.read_cpu()
     assert r.cores and set(r.cores) <= set(r.per_core_idle)
