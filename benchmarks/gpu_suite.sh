@@ -216,7 +216,7 @@ PYEOF
 }
 if ! in_part 1; then
   :
-elif run_step tests yes 200 bash -c "$(declare -f cuda_tests); PY=$PY RES=$RES WORK=$WORK \
+elif run_step tests yes 220 bash -c "$(declare -f cuda_tests); PY=$PY RES=$RES WORK=$WORK \
   XDIST='$XDIST' cuda_tests"; then
   # On the GPU a skip is allowed only where it names what is missing (2 GPUs); on the dry run
   # every test skips (no CUDA) and the summary lists each with its reason.
@@ -278,7 +278,7 @@ if ! in_part 1; then
   :
 elif [ "$DRY" = 0 ] && [ "$CUDA" = 0 ]; then
   record overhead SKIPPED - 0 yes "no CUDA device"
-elif run_step overhead yes 200 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
+elif run_step overhead yes 250 "$PY" benchmarks/overhead.py --device "$DEV" --size-gb "$SIZE_GB" \
   "${OVERHEAD_ARGS[@]}" --keep-last 1 --no-paired-raw --no-plot --dir "$SCRATCH" --out "$RES"; then
   if [ "$STEP_RC" != 0 ]; then record overhead FAILED "$STEP_RC" "$STEP_S" yes "$SIZE_NOTE"
   elif ! json_ok "$RES/overhead.json"; then record overhead FAILED 0 "$STEP_S" yes "no valid overhead.json"
