@@ -173,7 +173,6 @@ class IoThreads:
         check_setting(setting)
         self.setting = setting
         self.workers_per_node = max(1, workers_per_node)
-        self.last = setting if isinstance(setting, int) else 1  # the last save's choice
         self._ran: list[int] = []  # what its writers ran (``WriteOptions.threads_used``)
         self._before: CpuReading | None = None
         self._failed = False
@@ -217,10 +216,9 @@ class IoThreads:
     def now(self) -> int:
         """The count for the save about to be written (logged at DEBUG under ``"auto"``)."""
         if isinstance(self.setting, int):
-            self.last = self.setting
-            return self.last
+            return self.setting
         idle, share = self.idle_cores()
         # Workers pinned to their own cores each see only theirs: share those among fewer.
-        self.last = auto_count(idle, max(1.0, self.workers_per_node * share))
-        log.debug("io_threads auto: %.1f idle core(s) since the last save: %d", idle, self.last)
-        return self.last
+        count = auto_count(idle, max(1.0, self.workers_per_node * share))
+        log.debug("io_threads auto: %.1f idle core(s) since the last save: %d", idle, count)
+        return count

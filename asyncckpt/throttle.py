@@ -349,11 +349,6 @@ class RateLimiter:
         self._tokens = float(burst_bytes)  # start full: the first burst goes out at once
         self._last = clock()
         self.bytes_acquired = 0
-        # Wall time some writer slept in debt: concurrent writers' sleeps overlap (each one
-        # ends no earlier than the one reserved before it), so only the part past the last
-        # sleep's end is new.
-        self.seconds_waited = 0.0
-        self._slept_until = float("-inf")
 
     def acquire(self, nbytes: int, held: OverlapClock | None = None) -> float:
         """Take ``nbytes`` from the bucket, sleeping while in debt (inside a span of ``held``,
@@ -369,9 +364,6 @@ class RateLimiter:
             self._tokens -= nbytes
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
             self.bytes_acquired += nbytes
-            if wait > 0:
-                self.seconds_waited += max(0.0, now + wait - max(now, self._slept_until))
-                self._slept_until = max(self._slept_until, now + wait)
         if wait > 0:
             with held.span() if held is not None else contextlib.nullcontext():
                 self._sleep(wait)

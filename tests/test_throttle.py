@@ -241,21 +241,6 @@ def test_rate_limiter_debt_with_fake_clock() -> None:
     assert slept == pytest.approx([0.5, 0.001])
 
 
-def test_rate_limiter_counts_concurrent_writers_sleeps_as_wall_time() -> None:
-    """Two writer threads in debt at the same moment sleep side by side: the save was held
-    until the later one woke (2 s), not for the sum of their sleeps (1 s + 2 s)."""
-    now = [0.0]
-    limiter = RateLimiter(1000.0, burst_bytes=1, clock=lambda: now[0], sleep=lambda s: None)
-    limiter.acquire(1)  # empty the bucket
-    # Both reserve at t=0 (neither has woken yet): the first sleeps 1 s, the second 2 s.
-    assert limiter.acquire(1000) == pytest.approx(1.0)
-    assert limiter.acquire(1000) == pytest.approx(2.0)
-    assert limiter.seconds_waited == pytest.approx(2.0)
-    now[0] = 2.0  # both woke; a third writer, alone now, sleeps 1 s more
-    assert limiter.acquire(1000) == pytest.approx(1.0)
-    assert limiter.seconds_waited == pytest.approx(3.0)
-
-
 def test_rate_limiter_none_is_a_noop() -> None:
     def never(_: float) -> None:
         raise AssertionError("a None rate must never sleep")
@@ -567,3 +552,34 @@ def test_a_rate_cap_sleep_beside_a_pause_wait_counts_their_wall_time_once() -> N
     assert not capped.is_alive() and not paused.is_alive()
     assert 1.0 <= pacer.paused_seconds < 1.1
     assert 1.0 <= pacer.throttled_seconds < 1.1, (pacer.throttled_seconds, pacer.paused_seconds)
+
+
+def test_two_writers_in_debt_at_once_count_their_wall_time_once() -> None:
+    """Two writer threads reserve from the rate cap at the same moment and sleep side by side
+    (1 s and 2 s): the save was held until the later one woke, 2 s, not 3 s (their sum)."""
+    t = _FakeTime()
+    both_asleep = threading.Barrier(2, timeout=30)
+    moved = threading.Barrier(2, timeout=30)
+    slept: list[float] = []
+    lock = threading.Lock()
+
+    def limiter_sleep(seconds: float) -> None:
+        with lock:
+            slept.append(seconds)
+        both_asleep.wait()
+        if seconds > 1.5:  # the later one moves the clock to when both have woken
+            t.now += 2.0
+        moved.wait()
+
+    limiter = RateLimiter(1000.0, burst_bytes=1, clock=t.clock, sleep=limiter_sleep)
+    pacer = _pacer(None, 0.0, t, limiter)
+    pacer.begin(None)
+    limiter.acquire(1)  # empty the bucket; both reserve at t=0 below
+    writers = [threading.Thread(target=pacer, args=(1000,)) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(30)
+    assert not any(w.is_alive() for w in writers)
+    assert sorted(slept) == pytest.approx([1.0, 2.0])
+    assert pacer.throttled_seconds == pytest.approx(2.0)
