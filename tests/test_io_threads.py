@@ -243,3 +243,20 @@ def test_a_fixed_io_threads_setting_holds_after_a_save_written_one_file_at_a_tim
     assert options["thread_count"] == 4 and options["threads_used"] == []
     options["threads_used"].append(4)
     assert threads.used == 4
+
+
+def test_a_full_save_of_fewer_items_than_threads_writes_no_empty_files(tmp_path):
+    """With differential saves off, items split over the threads as DCP splits them; more
+    threads than items wrote empty shard files and reported the setting as what ran."""
+    import torch
+
+    from asyncckpt import Staging, SyncCheckpointEngine, layout
+
+    state = {"a": torch.full((1 << 12,), 1.0), "b": torch.full((1 << 12,), 2.0)}
+    throttle = ThrottleConfig.background(io_threads=8)
+    staging = Staging(differential=False)
+    with SyncCheckpointEngine(tmp_path, throttle=throttle, staging=staging) as engine:
+        ran = engine.save(1, state).committed_sync().io_threads
+    files = list((tmp_path / layout.dir_name("global_step", 1)).glob("*.distcp"))
+    assert all(f.stat().st_size > 0 for f in files), sorted(f.stat().st_size for f in files)
+    assert ran == len(files) < 8

@@ -360,7 +360,9 @@ class ChecksumWriter(FileSystemWriter):
                 plan.items, _item_bytes, lambda i: i.type != WriteItemType.BYTE_IO
             )
         else:
-            buckets = _split_by_size_and_type(self.thread_count, list(plan.items))
+            # No more files than items: DCP writes an empty file per idle thread.
+            bins = max(1, min(self.thread_count, len(plan.items)))
+            buckets = _split_by_size_and_type(bins, list(plan.items))
         jobs = [(f"{prefix}{n}{DEFAULT_SUFFIX}", items) for n, items in enumerate(buckets)]
         threads = min(self.thread_count, len(jobs))
         if self.threads_used is not None:
