@@ -13,7 +13,9 @@ covered by the manifest like any file: per shard file its fingerprint, size, whe
 linked, and each item's (offset, length) so a linked file's ``WriteResult``s (``.metadata``
 offsets) are the previous checkpoint's own. A hard link shares the inode: pruning the older
 checkpoint unlinks a name, never the bytes a newer one holds; a corrupted shared file fails
-the (copied) checksum of every checkpoint that holds it.
+the (copied) checksum of every checkpoint that holds it. A file is linked only after its bytes
+pass that checksum (``try_link``): the new manifest's entry is then proven from the bytes, as a
+written file's is, which the worker's prune relies on when it trusts the step it committed.
 
 The trainer has already hashed most large CPU tensors' staged bytes, with this very function,
 to decide which copies to skip (unchanged.py): the job carries those digests
@@ -210,6 +212,14 @@ class Linker:
             size = os.stat(source, follow_symlinks=False).st_size
             if size != old.get("size") or size != entry.get("size"):
                 self._fallback(f"{source}: size {size} differs from its records: written")
+                return None
+            # Read and checked before it is linked (a read, no write): its checksum goes into
+            # this checkpoint's manifest, and the worker's prune trusts this checkpoint as
+            # checksummed from the bytes. A file that rotted since is written anew.
+            problem = entry_problem(old_name, entry, size, _crc_of(source))
+            if problem is not None:
+                log.warning("differential save: %s: %s; written anew", source, problem)
+                self._fallback(f"{source}: {problem}: written")
                 return None
             link_file(source, self.location / name)
         except OSError as e:  # pruned meanwhile, another filesystem: written instead

@@ -188,6 +188,32 @@ def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(t
     assert sorted(q.step for q in list_quarantined(tmp_path, "global_step")) == [2, 3]
 
 
+def test_a_file_that_rotted_before_the_next_save_is_written_again_not_linked(tmp_path):
+    """Step 2's file of a rots (same size) before step 3. Linking it by size alone copied its
+    old checksum into step 3's manifest, and the worker's prune, trusting step 3 as written,
+    deleted step 1, the last checkpoint that verified (KeepLast(2)). A file is linked only
+    once its bytes match its checksum: step 3 writes a's file anew and stands on its own."""
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(2)) as engine:
+        engine.save(1, state).committed_sync()
+        state["model"]["a"].add_(1)
+        engine.save(2, state).committed_sync()
+        olds = list(step_dir(tmp_path, 1).glob("*.distcp"))
+        (victim,) = [
+            p
+            for p in step_dir(tmp_path, 2).glob("*.distcp")
+            if not any(os.path.samefile(p, q) for q in olds)
+        ]
+        with open(victim, "r+b") as f:
+            f.seek(100)
+            f.write(b"\xff\xfe")
+        stats = engine.save(3, state).committed_sync()
+    assert stats.files_linked == 4 and stats.link_fallbacks == 1, stats
+    assert not os.path.samefile(victim, step_dir(tmp_path, 3) / victim.name)
+    assert {c.step: c.ok for c in verify(tmp_path).checkpoints} == {2: False, 3: True}
+    assert_same(plain_load(step_dir(tmp_path, 3), state), state)
+
+
 def test_a_new_worker_links_from_the_checkpoint_the_tracker_names(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path) as engine:
