@@ -543,7 +543,9 @@ class JobTable:
             # Committed on disk, not in the store: the save failed as the user asked for it.
             err = UploadFailed(
                 f"step {step} is committed locally in {ctx.root} but was not published to "
-                f"{ctx.remote.url}: {info['message']} (the next save uploads it again)"
+                f"{ctx.remote.url}: {info['message']}"
+                # The store's errors pass; the tier's own refusals say what to do themselves.
+                + ("" if info["type"] == "UploadFailed" else " (the next save uploads it again)")
             )
         else:
             err = SaveFailed(f"save of step {step} failed: {info['type']}: {info['message']}")

@@ -278,6 +278,38 @@ def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_a
     assert_same(target, state)
 
 
+def test_a_store_step_holding_another_saves_bytes_is_neither_copied_from_nor_taken_as_up(
+    s3, tmp_path
+):
+    """The local root is lost while the bucket is kept, and the run saves step 1 again with
+    other values. Step 1 was taken as uploaded (the store holds *a* step 1), and step 2's
+    files linked to the new local step 1 were copied inside the store from the store's old
+    step 1: its step 2 failed its checksums. Now step 1's save fails (UploadFailed: the
+    store holds another save of it), and step 2 uploads what the store does not hold."""
+    import shutil
+
+    from asyncckpt import UploadFailed
+
+    tier = RemoteTier(s3.url, storage_options=s3.options)
+    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+        engine.save(1, state_of()).committed_sync()
+    shutil.rmtree(tmp_path / "local")
+    state = state_of()
+    for v in state["model"].values():
+        v.add_(1)
+    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+        with pytest.raises(UploadFailed, match="another save of step 1"):
+            engine.save(1, state).committed_sync()
+        second = engine.save(2, state).committed_sync()
+    assert second.files_linked == 5
+    assert second.uploaded_bytes >= 4 << 20, second  # nothing of it was in the store
+    store = FsspecStore(s3.url, s3.options)
+    assert {c.step: store.check(c.name) for c in store.committed("global_step")} == {
+        1: [],
+        2: [],
+    }
+
+
 def test_megatron_torch_dist_links_unchanged_files_and_megatron_loads_them(tmp_path):
     """torch_dist's shards are DCP files found through ``.metadata`` (megatron's loader never
     reads a file name): they are linked as plain DCP's. Step 1 pruned, step 2 is read back by

@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import json
+import logging
 import os
 import tempfile
 import time
@@ -35,6 +36,8 @@ from .base import FaultPoints, StoredCheckpoint
 
 if TYPE_CHECKING:
     from ..retention import CheckpointInfo
+
+log = logging.getLogger("asyncckpt")
 
 POINTS = FaultPoints(
     publish="before_marker",
@@ -226,10 +229,43 @@ class FsspecStore:
 
     def _linked_in_store(self, staged: Path, files: list[Path]) -> list[tuple[Path, str]]:
         """Files of ``staged`` that are hard links to a file of a sibling step the store has
-        committed (the same inode, whatever its name there), with that file's remote path."""
+        committed (the same inode, whatever its name there), with that file's remote path.
+
+        Only where the store's manifest of that step records the bytes ``staged``'s manifest
+        records for the file (size and checksum): the store's step of that name may be another
+        save's (a run restarted without its local root), whose file a copy would pass off as
+        this one's."""
+        from ..manifest import file_checksum, read_manifest
+
         linked = [p for p in files if p.stat().st_nlink > 1]
         if not linked:
             return []
+        try:
+            ours = read_manifest(staged)["files"]
+        except (OSError, ValueError, KeyError):
+            return []  # uploaded instead
+        theirs: dict[str, dict[str, Any]] = {}
+
+        def same_bytes(p: Path, step_name: str, rel: Path) -> bool:
+            if step_name not in theirs:
+                try:
+                    theirs[step_name] = self.read_manifest(step_name)["files"]
+                except (OSError, ValueError, KeyError):
+                    theirs[step_name] = {}
+            want, have = (
+                ours.get(p.relative_to(staged).as_posix()),
+                theirs[step_name].get(rel.as_posix()),
+            )
+            try:
+                return (
+                    want is not None
+                    and have is not None
+                    and int(want["size"]) == int(have["size"])
+                    and file_checksum(want) == file_checksum(have)
+                )
+            except (KeyError, TypeError, ValueError):
+                return False
+
         inodes: dict[tuple[int, int], tuple[str, Path]] = {}
         for d in staged.parent.iterdir():
             if d == staged or d.is_symlink() or not d.is_dir() or not self.is_committed(d.name):
@@ -245,6 +281,9 @@ class FsspecStore:
             if found is None:
                 continue
             src = self.path(found[0], *found[1].parts)
+            if not same_bytes(p, *found):
+                log.info("%s: %s holds other bytes: uploaded", p, self.url_of(found[0]))
+                continue
             if self.fs.exists(src) and self.fs.size(src) == st.st_size:
                 out.append((p, src))
         return out

@@ -166,6 +166,8 @@ def publish_after_commit(
         published.append(c.step)
     if step not in remote and step not in published:
         raise UploadFailed(f"step {step} is not committed in {local_root}: nothing to upload")
+    if step in remote:
+        _same_save_in_store(store, local_root, layout, step)
     write_tracker(store, layout, max([step, *published]))
     upload_seconds = time.perf_counter() - t0
     deleted: list[int] = []
@@ -192,6 +194,33 @@ def publish_after_commit(
         "remote_pruned": deleted,
         "remote": tier.url,
     }
+
+
+def _same_save_in_store(store: FsspecStore, local_root: Path, layout: str, step: int) -> None:
+    """``UploadFailed`` unless the store's ``step`` holds the local one's files (the same
+    names, sizes and checksums): a step already there counts as published only when it is
+    this save (an upload whose report a crash cut), never another save of the same number (a
+    run restarted without its local root), which is never overwritten in place."""
+    from ..manifest import read_manifest
+
+    name = _layout.dir_name(layout, step)
+    try:
+        ours = _file_entries(read_manifest(local_root / name))
+        theirs = _file_entries(store.read_manifest(name))
+    except (OSError, ValueError, KeyError) as e:
+        raise UploadFailed(f"step {step}: cannot compare with {store.url_of(name)}: {e}") from e
+    if ours != theirs:
+        raise UploadFailed(
+            f"{store.url_of(name)} holds another save of step {step} (its files differ from "
+            f"{local_root / name}'s); a committed step is never overwritten: this one stays "
+            "local only (was the run restarted without its local root? resume from the store)"
+        )
+
+
+def _file_entries(manifest: dict[str, Any]) -> dict[str, tuple[int, tuple[str, int]]]:
+    from ..manifest import file_checksum
+
+    return {n: (int(e["size"]), file_checksum(e)) for n, e in manifest["files"].items()}
 
 
 # ---------------------------------------------------------------------- a URL root's spool
