@@ -487,7 +487,11 @@ def run_steps(steps: Generator[Callable[[], Any], None, T]) -> T:
     try:
         call = next(steps)
         while True:
-            call()
+            try:
+                call()
+            except BaseException as e:  # (KeyboardInterrupt): the steps undo what they hold
+                steps.throw(e)
+                raise
             call = steps.send(None)
     except StopIteration as done:
         return done.value
@@ -498,7 +502,11 @@ async def run_steps_async(steps: Generator[Callable[[], Any], None, T]) -> T:
     try:
         call = next(steps)
         while True:
-            await anyio.to_thread.run_sync(call)
+            try:
+                await anyio.to_thread.run_sync(call)
+            except BaseException as e:  # cancelled: the steps undo what they hold
+                steps.throw(e)
+                raise
             call = steps.send(None)
     except StopIteration as done:
         return done.value

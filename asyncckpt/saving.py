@@ -136,6 +136,7 @@ class Saver:
         self.sigterm = sigterm
         self.is_started = is_started
         self.slots = [StagingSlot(i) for i in range(rules.max_in_flight)]
+        self._giving_back = threading.Lock()  # take_slot vs give_back_slot of one save
         self.budget = (
             HostBudget(rules.max_host_bytes, rules.max_in_flight)
             if rules.max_host_bytes is not None
@@ -184,7 +185,11 @@ class Saver:
         if not self.take_slot(pending, block=False):
             # Other code runs while it waits (the async facade's other tasks, other threads).
             pending.guard = True
-            yield lambda: self.take_slot(pending)
+            try:
+                yield lambda: self.take_slot(pending)
+            except BaseException:  # cancelled as it waited (a timeout around save)
+                self.give_back_slot(pending)
+                raise
         if plan is None:
             return self.finish_save(pending, overlap=opts["overlap"])
         try:  # over the staging budget: copied in chunks as the worker writes them
@@ -285,7 +290,12 @@ class Saver:
             if not block:
                 return False
             self.check_can_save(pending.step)  # raises the failure that freed nothing
-        pending.slot = slot
+        with self._giving_back:
+            if pending.abandoned:  # its caller was cancelled while this thread waited
+                if slot is not None:
+                    self.jobs.unreserve(slot)
+                return False
+            pending.slot = slot
         pending.stats.wait_seconds = time.perf_counter() - pending.started
         if pending.stats.wait_seconds > 0.001:
             log.info(
@@ -294,6 +304,15 @@ class Saver:
                 pending.stats.wait_seconds,
             )
         return True
+
+    def give_back_slot(self, pending: PendingSave) -> None:
+        """The slot of a save abandoned before it staged: back to the table, now or (its
+        ``take_slot`` still waiting in a thread that cannot be interrupted) once taken."""
+        with self._giving_back:
+            pending.abandoned = True
+            if pending.slot is not None:
+                self.jobs.unreserve(pending.slot)
+                pending.slot = None
 
     def finish_save(self, pending: PendingSave, overlap: bool = False) -> SaveHandle:
         """Stage into the reserved slot and hand the job to the worker.
@@ -634,5 +653,6 @@ class PendingSave:
     marks: Marks  # the tensors' version counters and data pointers when save was called (torn)
     slot: int | None = None
     guard: bool = False  # other code ran since save was called: check pointers before the copy
+    abandoned: bool = False  # cancelled before it staged: a slot it takes goes back at once
     ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
     metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked

@@ -282,6 +282,47 @@ async def test_backpressure_waits_for_a_free_buffer_and_reports_it(tmp_path, any
     assert engine.latest_step() == 2
 
 
+@both_backends
+async def test_a_save_cancelled_while_it_waits_for_a_buffer_gives_it_back(tmp_path, anyio_backend):
+    """A save cancelled (a timeout around it) while it waited for the one staging buffer kept
+    the buffer its thread went on to reserve: every later save waited forever."""
+    import anyio
+
+    faults.inject("before_shard_write", "delay:1.0")
+    state = {"w": torch.randn(1000)}
+    async with CheckpointEngine(tmp_path, staging=Staging(max_in_flight=1)) as engine:
+        await engine.save(1, state)
+        with anyio.move_on_after(0.3) as scope:
+            await engine.save(2, state)  # waits for step 1's buffer
+        faults.clear()
+        await engine.wait()
+        with anyio.fail_after(30):
+            h = await engine.save(3, state)
+            await h.committed()
+    assert scope.cancelled_caught or engine.latest_step() == 3
+    assert engine.latest_step() == 3
+
+
+def test_a_save_cancelled_by_asyncio_while_it_waits_for_a_buffer_gives_it_back(tmp_path):
+    """The same under asyncio's own cancellation (``asyncio.wait_for``, ``task.cancel()``)."""
+    import asyncio
+
+    async def run() -> None:
+        faults.inject("before_shard_write", "delay:1.0")
+        state = {"w": torch.randn(1000)}
+        async with CheckpointEngine(tmp_path, staging=Staging(max_in_flight=1)) as engine:
+            await engine.save(1, state)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.save(2, state), 0.3)
+            faults.clear()
+            await engine.wait()
+            h = await asyncio.wait_for(engine.save(3, state), 30)
+            await asyncio.wait_for(h.committed(), 30)
+        assert engine.latest_step() == 3
+
+    asyncio.run(run())
+
+
 async def test_arenas_are_allocated_once_and_reused(tmp_path, anyio_backend):
     state = {"w": torch.randn(256, 256), "b": torch.randn(10)}
     async with CheckpointEngine(tmp_path) as engine:
