@@ -245,8 +245,10 @@ class ReplicaSender:
         self.events = events
         self.cond = threading.Condition()
         self.pending: _Offer | None = None
+        self.sending: int | None = None  # the job taken from ``pending``, until its send ends
         self.reading: int | None = None  # the job whose slot is being read
-        self.cancel: int | None = None  # a job whose slot was released: never read it again
+        # jobs whose slot was released while their send was under way: never read again
+        self.cancelled: set[int] = set()
         self.sock: socket.socket | None = None
         self.thread = threading.Thread(target=self._run, name="asyncckpt-replicate", daemon=True)
         self.thread.start()
@@ -262,16 +264,19 @@ class ReplicaSender:
         """The slot of memory job ``job_id`` is about to be let go: stop reading from it (a
         transfer under way is cut off: the receiver keeps its previous replica)."""
         with self.cond:
-            self.cancel = job_id
+            if self.sending == job_id:
+                self.cancelled.add(job_id)  # dropped when its send ends
             if self.pending is not None and self.pending.job.job_id == job_id:
                 self.pending = None
                 self._report(job_id, "its slot was released before it was sent")
-            if self.reading == job_id:
+            # Until its send is over, whatever stage it is at (waiting for the receiver's
+            # "ready" too): the caller reuses the slot once this returns.
+            if self.sending == job_id:
                 sock = self.sock
                 if sock is not None:
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)
-                self.cond.wait_for(lambda: self.reading != job_id, 30.0)
+                self.cond.wait_for(lambda: self.sending != job_id, 30.0)
 
     def _report(self, job_id: int, error: str | None) -> None:
         from . import messages as M
@@ -284,6 +289,7 @@ class ReplicaSender:
                 self.cond.wait_for(lambda: self.pending is not None)
                 offer, self.pending = self.pending, None
                 assert offer is not None
+                self.sending = offer.job.job_id
             error: str | None
             try:
                 error = self._send(offer)
@@ -292,7 +298,8 @@ class ReplicaSender:
                 self._close()
             finally:
                 with self.cond:
-                    self.reading = None
+                    self.cancelled.discard(offer.job.job_id)
+                    self.reading = self.sending = None
                     self.cond.notify_all()
             if error is not None:
                 log.warning(
@@ -334,7 +341,7 @@ class ReplicaSender:
         if answer[0] != "ready":
             return str(answer[1])
         with self.cond:
-            if self.cancel == job.job_id:
+            if job.job_id in self.cancelled:
                 self._close()  # the receiver waits for bytes that never come: start afresh
                 return "its slot was released before it was sent"
             self.reading = job.job_id

@@ -248,6 +248,31 @@ def test_a_transfer_cut_off_leaves_the_previous_replica(pair):
     assert torch.equal(_held_bytes(receiver, 4), arena4)
 
 
+def test_a_slot_released_before_the_receiver_is_ready_is_never_read(pair, monkeypatch):
+    """Job 1's slot is released while its header waits for the receiver's "ready", then
+    reused by the trainer; another job's release came meanwhile. The sender remembered one
+    released job only, read the reused slot and the receiver held other bytes as step 2."""
+    from asyncckpt import staging
+
+    registry, sender, receiver, events = pair
+    real = staging.check_memory
+
+    def slow(nbytes):  # a receiver slow to say "ready" (allocating, CPU-starved)
+        time.sleep(1.5)
+        return real(nbytes)
+
+    monkeypatch.setattr(staging, "check_memory", slow)
+    job2, arena2 = _job(registry, 1, 2, 7)
+    sender.offer(job2, [])
+    time.sleep(0.3)  # the header is out, waiting for "ready"
+    sender.release(1)
+    arena2.fill_(99)  # the trainer stages another step into the slot
+    sender.release(5)
+    assert events.replicated(1).error is not None
+    time.sleep(0.3)
+    assert 2 not in receiver.steps()
+
+
 def test_a_receiver_without_room_refuses_and_keeps_what_it_held(pair, monkeypatch):
     from asyncckpt import staging
     from asyncckpt.errors import StagingMemoryError
