@@ -68,12 +68,21 @@ _VERSION = operator.attrgetter("_version")
 
 def version_counters(tensors: Iterable[torch.Tensor]) -> list[int]:
     """Each tensor's in-place version counter (``Tensor._version``: bumped by every in-place
-    op through autograd's view of it); empty where torch has none (torn states go unseen)."""
+    op through autograd's view of it); empty where torch has none (torn states go unseen).
+    A tensor made under ``torch.inference_mode`` has none: ``INFERENCE`` stands for it (its
+    writes, possible only inside that mode, move nothing, as ``.data`` writes)."""
+    tensors = list(tensors)
     try:
         return list(map(_VERSION, tensors))
     except AttributeError:
         fell_back("Tensor._version", "no check for tensors modified while staged")
         return []
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return [INFERENCE if t.is_inference() else t._version for t in tensors]
+
+
+#: The version counter ``version_counters`` gives an inference tensor (it has none).
+INFERENCE = -1
 
 
 def host_register(ptr: int, nbytes: int) -> None:

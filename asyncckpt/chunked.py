@@ -36,6 +36,7 @@ import torch
 from . import faults
 from .chunking import ALIGN, Chunk, plan_chunks
 from .errors import SaveFailed, StagingMemoryError, StateModifiedWhileStaging
+from .options import MIN_HOST_BYTES
 from .staging import Marks, StagingSlot, allocate_arena, check_memory, torn_since
 
 log = logging.getLogger("asyncckpt")
@@ -44,6 +45,8 @@ log = logging.getLogger("asyncckpt")
 HEADER = 64
 #: Chunk buffers in the arena: the trainer fills one while the worker writes the other.
 BUFFERS = 2
+# The smallest budget Staging accepts holds the header and two of the smallest buffers.
+assert HEADER + BUFFERS * ALIGN <= MIN_HOST_BYTES
 #: How often each side looks at the other's progress while it waits (seconds).
 POLL_S = 0.0005
 

@@ -194,6 +194,10 @@ class MemoryTier:
             raise ValueError(f"hold_seconds must be a number >= 0, got {hold!r}")
 
 
+#: The smallest ``Staging(max_host_bytes=)``: a page (chunked.py checks its buffers fit).
+MIN_HOST_BYTES = 4096
+
+
 @dataclass(frozen=True)
 class Staging:
     """The host memory ``save`` stages into (staging.py), and how many saves it holds.
@@ -207,10 +211,12 @@ class Staging:
     buffers of about half of it, the worker writing one chunk while ``save`` copies the next;
     ``save`` returns once the last chunk is copied (one snapshot: its stall grows with state /
     budget), and nothing is committed unless every chunk was written. Where chunks cannot be
-    used (``overlap=True``, ``max_in_flight`` > 1, the memory tier, the megatron format,
+    used (``overlap=True``, ``max_in_flight`` > 1, a memory-tier save, the megatron format,
     DTensors, a row of a tensor larger than a chunk) such a state is refused with
-    ``StagingMemoryError`` before anything is written, never left to the OOM killer. The
-    memory tier's own copies (``MemoryTier``) are not counted here.
+    ``StagingMemoryError`` before anything is written, never left to the OOM killer. At least
+    ``MIN_HOST_BYTES`` (a page). The memory tier's own copies (``MemoryTier``) are not counted
+    here, and once it is on a disk save is written from one of them (two copies serve both
+    tiers: memory_tier.py), so this budget bounds nothing then.
     ``differential``: a shard file whose bytes would be the previous checkpoint's
     (fingerprinted with xxh3-128 from the staged bytes, never from version counters) is a hard
     link to that file instead of written again; every checkpoint stays whole (pruning the older
@@ -225,7 +231,8 @@ class Staging:
     differential: bool = True
 
     def __post_init__(self) -> None:
-        _optional_int("max_host_bytes", self.max_host_bytes, 1)
+        # Below a page there is no room for chunked staging's two buffers and header.
+        _optional_int("max_host_bytes", self.max_host_bytes, MIN_HOST_BYTES)
         if not isinstance(self.differential, bool):
             raise TypeError(f"differential must be True or False, got {self.differential!r}")
         if type(self.max_in_flight) is not int or self.max_in_flight < 1:

@@ -129,6 +129,18 @@ def _check_tensor(fqn: str, t: torch.Tensor) -> None:
         raise TypeError(f"{fqn}: a meta tensor has no data to save")
     if t.is_quantized:
         raise TypeError(f"{fqn}: quantized tensors are not supported")
+    if t.dtype in _BITS_DTYPES:  # DCP's writer fails on them (torch.iinfo), as dcp.save does
+        raise TypeError(
+            f"{fqn}: {t.dtype} tensors cannot be saved by DCP; view them as torch.uint8 "
+            "(or int16) to save their bytes"
+        )
+
+
+_BITS_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16")
+    if hasattr(torch, n)
+)
 
 
 def serialize_objects(objects: dict[str, Any]) -> dict[str, bytes]:

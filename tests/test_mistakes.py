@@ -113,3 +113,36 @@ def test_a_missing_huggingface_hub_is_refused_when_the_engine_is_made(tmp_path, 
     with pytest.raises(ImportError, match="huggingface_hub.*pip install"):
         SyncCheckpointEngine(tmp_path / "ckpt", export=export)
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bits8", "bits16", "bits1x8"])
+def test_a_bits_dtype_is_refused_at_save_naming_its_key(tmp_path, dtype):
+    """``torch.bits*`` tensors passed ``save()`` and failed in the worker, naming nothing
+    (DCP cannot write them: ``torch.iinfo`` refuses them)."""
+    import torch
+
+    state = {
+        "w": torch.zeros(8),
+        "raw": torch.zeros(8, dtype=torch.uint8).view(getattr(torch, dtype)),
+    }
+    with SyncCheckpointEngine(tmp_path) as engine:
+        with pytest.raises(TypeError, match="raw"):
+            engine.save(1, state)
+    assert engine.latest_step() is None
+
+
+def test_a_tensor_made_under_inference_mode_is_saved_and_loads_back(tmp_path):
+    """Inference tensors have no version counter; reading it failed every save of a state
+    holding one (``torch.save`` and ``dcp.save`` take them)."""
+    import torch
+
+    with torch.inference_mode():
+        frozen = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: a copy-skip candidate
+    state = {"w": torch.ones(8), "frozen": frozen}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state).committed_sync()
+        engine.save(2, state).committed_sync()
+    target = {"w": torch.zeros(8), "frozen": torch.zeros(1 << 18)}
+    with SyncCheckpointEngine(tmp_path) as engine:
+        assert engine.load_latest(target) == 2
+    assert torch.equal(target["frozen"], frozen) and torch.equal(target["w"], state["w"])

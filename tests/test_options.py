@@ -152,6 +152,7 @@ def test_wrong_types_are_refused_when_the_engine_is_made(tmp_path, kwargs, match
         (lambda: Staging(max_in_flight=True), "max_in_flight"),
         (lambda: Staging(max_host_bytes=0), "max_host_bytes"),
         (lambda: Staging(max_host_bytes=1.5), "max_host_bytes"),
+        (lambda: Staging(max_host_bytes=100), "max_host_bytes"),  # below two chunk buffers
         (lambda: Retention(allow_older_steps="yes"), "allow_older_steps"),
         (lambda: ThrottleConfig(write_timeout=0), "write_timeout"),
     ],
