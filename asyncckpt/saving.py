@@ -137,6 +137,7 @@ class Saver:
         self.is_started = is_started
         self.slots = [StagingSlot(i) for i in range(rules.max_in_flight)]
         self._giving_back = threading.Lock()  # take_slot vs give_back_slot of one save
+        self._budget_moot_said = False
         self.budget = (
             HostBudget(rules.max_host_bytes, rules.max_in_flight)
             if rules.max_host_bytes is not None
@@ -170,6 +171,8 @@ class Saver:
         pending = self.begin_save(step, state, metrics, metadata)
         from . import memory_tier
 
+        if self.budget is not None and not self._budget_moot_said:
+            self._say_if_budget_is_moot(pending)
         if opts["tier"] == "memory":
             return memory_tier.save(self, pending)
         if memory_tier.shares(self, pending, opts["overlap"]):
@@ -304,6 +307,25 @@ class Saver:
                 pending.stats.wait_seconds,
             )
         return True
+
+    def _say_if_budget_is_moot(self, pending: PendingSave) -> None:
+        """Once: the memory tier's slots hold whole states, and disk saves are written from
+        them, so a budget below the state bounds nothing (options.Staging)."""
+        from .staging import plan_arenas
+
+        if not self.memory.active():
+            return
+        staged = sum(plan_arenas(pending.flat.tensors)[1])
+        assert self.budget is not None
+        if staged > self.budget.max_bytes:
+            self._budget_moot_said = True
+            log.warning(
+                "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
+                "stages whole states into its own slots (and disk saves are written from them): "
+                "the budget does not bound them; size host memory for MemoryTier instead",
+                self.budget.max_bytes,
+                staged / 2**20,
+            )
 
     def give_back_slot(self, pending: PendingSave) -> None:
         """The slot of a save abandoned before it staged: back to the table, now or (its

@@ -165,3 +165,22 @@ def test_a_trainer_killed_with_a_shared_disk_save_in_flight_leaves_both_saves(tm
     step, target = load(root)
     assert step == 3
     assert_same(target, state_at(3))
+
+
+def test_a_budget_below_the_state_with_the_memory_tier_on_is_said_once(tmp_path, caplog):
+    """Disk saves are written from the memory tier's whole-state slots: a staging budget
+    below the state bounds nothing then. Its docs said such a state was refused; it was
+    staged whole without a word. Now the first save says so (a warning, once)."""
+    from asyncckpt import Staging
+
+    state = {"a": torch.randn(1 << 20)}  # 4 MiB
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        with SyncCheckpointEngine(
+            tmp_path,
+            staging=Staging(max_host_bytes=1 << 20),
+            schedule=Schedule(memory_every_steps=100),
+        ) as engine:
+            for step in (1, 2):
+                engine.save(step, state).committed_sync()
+    said = [r for r in caplog.records if "does not bound them" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
