@@ -263,14 +263,24 @@ class HotResume:
         not: never an older step while it may still commit). The root is scanned only when
         such an offer came (a load's own scans stay as they were)."""
         src = self.source
-        if src is not None and self.world_size > 1 and src.offer.vote is not None:
+        if src is not None and src.offer.world_size != self.world_size:
+            # A run of another size: never from memory. Its commit first, if it is newer.
+            newest = max((c.step for c in committed()), default=None)
+            if src.offer.staged is None or (newest is not None and src.step <= newest):
+                return None
+            taken = None
+        elif src is not None and self.world_size > 1 and src.offer.vote is not None:
             taken = self._on_every_rank(state, strict, committed)
         elif src is None or src.offer.staged is None:
             return None
-        elif self.committing(max((c.step for c in committed()), default=None)) is None:
-            return None
         else:
-            taken = self.load_committing(state, strict)
+            newest = max((c.step for c in committed()), default=None)
+            if self.committing(newest) is not None:
+                taken = self.load_committing(state, strict)
+            elif self.world_size > 1 and (newest is None or src.step > newest):
+                taken = None  # several ranks, no vote to agree over: not taken
+            else:
+                return None  # committed by now
         if taken is None:
             from .supervisor import wait_for_worker
 
@@ -413,6 +423,11 @@ class HotResume:
         src = self.source
         if src is None:
             return self.reason
+        if src.offer.world_size != self.world_size:
+            return (
+                f"the surviving worker's run had {src.offer.world_size} rank(s), this one "
+                f"{self.world_size}: its memory is one rank's part of that run's step"
+            )
         if src.step != step:
             return f"the surviving worker holds step {src.step}; the newest committed is {step}"
         if self.world_size > 1 and self.vote_cfg is None:

@@ -97,6 +97,9 @@ class Offer:
     # before it was written (hot.py ``EarlyVote``); set on every offer made once the trainer
     # died, so that a rank whose early offer was withdrawn says no there.
     vote: Any = None
+    # The ranks of the run that made it: its memory is one rank's part of a step of that
+    # many, which a run of another size cannot take as its own rank's (hot.py).
+    world_size: int = 1
 
 
 @dataclass
@@ -136,6 +139,8 @@ def make_offer(
         arena = worker.arenas[job.arena_ids[s.arena]]
         largest = memoryview(arena.numpy()).cast("B")[s.offset : s.offset + s.nbytes]
     offer = Offer(job.step, worker.config.rank, written.files, tensors, tuple(sizes), os.getpid())
+    dist = worker.config.dist
+    offer.world_size = dist.world_size if dist is not None else 1
     return offer, fds, largest
 
 

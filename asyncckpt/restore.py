@@ -320,6 +320,12 @@ class Restorer:
             return self._load_latest(state, strict)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
+        if self.hot.source is None:
+            # No worker of this rank offered (none left, or the run changed size): wait for
+            # every other rank's orphan still committing, as ranks with an orphan of their own
+            # do (hot._connect), or the ranks resume different steps. (One that offers has
+            # released its lock: it holds memory only.)
+            _settle_orphans(self.root, self.root_locked)
         only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout):

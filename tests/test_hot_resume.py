@@ -167,6 +167,20 @@ def test_hot_resume_does_not_wait_for_the_commit(tmp_path):
     assert verify(root).ok and steps(root) == [1, 3]
 
 
+def test_a_run_of_another_size_waits_for_the_step_a_worker_offers_while_committing(tmp_path):
+    """A one-rank run dies with step 3 committing; it comes back on two ranks. Its worker's
+    early offer (no vote: one rank's part) is not taken by several ranks, and the load went
+    on to step 1 while step 3 still committed. It now waits for that commit."""
+    from asyncckpt import Distributed
+
+    run_trainer(tmp_path, "memory", hold=120, later={"before_metadata": f"delay:{SLOW_COMMIT_S}"})
+    root = tmp_path / "r"
+    engine = SyncCheckpointEngine(root, keep=None, distributed=Distributed(rank=0, world_size=2))
+    target = blank()
+    assert engine.load_latest(target) == 3, engine.last_load_report
+    assert_same(target, state_at(3))
+
+
 def test_hot_resume_reads_no_file(tmp_path):
     # The worker offers step 3 before it writes a byte of it (here: and then waits
     # SLOW_COMMIT_S before writing): the new engine needs no file of it.
@@ -350,3 +364,27 @@ def test_after_a_withdrawn_offer_the_committed_step_is_offered_from_memory(tmp_p
     with engine:
         pass
     assert verify(root).ok and steps(root) == [1]
+
+
+def test_an_offer_from_a_run_of_another_size_is_never_taken_from_memory(tmp_path, monkeypatch):
+    """A two-rank run's rank 0 offers its part of step 3, still committing, to a one-rank
+    run: that memory is one rank's part. It was loaded as the whole step (and start() then
+    failed the resume as uncommitted). Now the load waits for that commit and reads the disk."""
+    from types import SimpleNamespace
+
+    from asyncckpt import hot, supervisor
+
+    offer, _ = offered(state_at(3))
+    offer.world_size = 2
+    resume = hot.HotResume(tmp_path, 0, 1)
+    resume.source = SimpleNamespace(offer=offer, step=3)
+    waited = []
+    monkeypatch.setattr(supervisor, "wait_for_worker", lambda root, rank: waited.append(rank))
+
+    def loaded(*a, **k):
+        raise AssertionError("taken from memory")
+
+    monkeypatch.setattr(resume, "load_committing", loaded)
+    assert resume.before_commit(None, blank(), True, lambda: [SimpleNamespace(step=1)]) is None
+    assert waited == [0]  # for the commit of step 3 (newer than 1), then the disk
+    assert "2 rank(s)" in resume._refusal(3)

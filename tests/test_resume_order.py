@@ -29,6 +29,22 @@ def test_load_latest_before_start_waits_for_the_orphaned_worker(tmp_path):
     assert engine.latest_step() == 3
 
 
+def test_a_rank_with_no_orphan_of_its_own_waits_for_the_others(tmp_path):
+    """A one-rank run dies with step 2 committing; it comes back on two ranks. Rank 0 waited
+    for its rank's orphaned worker and loaded step 2; rank 1 had no orphan of its own and
+    loaded step 1 at once: a mix of steps. Every rank now waits for every orphan at work."""
+    from asyncckpt import Distributed
+
+    worker = run_trainer(tmp_path, "kill", "delay:4.0")  # step 2 committed after the death
+    assert not gone(worker)
+    engine = SyncCheckpointEngine(
+        tmp_path / "r", keep=None, distributed=Distributed(rank=1, world_size=2)
+    )
+    target = blank()
+    assert engine.load_latest(target) == 2
+    assert_same(target, expected(2))
+
+
 def test_async_load_latest_before_start_waits_too(tmp_path):
     worker = run_trainer(tmp_path, "kill", "delay:4.0")
     assert not gone(worker)
