@@ -220,10 +220,12 @@ class Staging:
     ``differential``: a shard file whose bytes would be the previous checkpoint's
     (fingerprinted with xxh3-128 from the staged bytes, never from version counters) is a hard
     link to that file instead of written again; every checkpoint stays whole (pruning the older
-    one unlinks a name, not the bytes). Plain DCP only: the megatron ``torch_dist`` format
-    writes every file (a log line says so). It also spares the copy: a tensor of 1 MiB or
-    more whose bytes the staging slot already holds (fingerprinted where the tensor lives;
-    counters only pick what is worth fingerprinting) is not copied again (unchanged.py).
+    one unlinks a name, not the bytes). DCP and megatron's ``torch_dist`` (its shards are DCP
+    files); the one-file formats (``megatron_legacy``, ``pt``) write every file (a log line
+    says so). A file is read and checked against its checksum before it is linked. It also
+    spares the copy: a tensor of 1 MiB or more whose bytes the staging slot already holds
+    (fingerprinted where the tensor lives; counters only pick what is worth fingerprinting) is
+    not copied again (unchanged.py).
     """
 
     max_host_bytes: int | None = None
