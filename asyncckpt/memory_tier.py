@@ -341,6 +341,25 @@ def _take_slot(saver: Any, pending: Any) -> int:
             jobs.cond.wait(0.5)
 
 
+def say_if_budget_is_moot(saver: Any, pending: Any) -> bool:
+    """Whether it said (a warning, once per engine: the caller keeps the answer) that
+    ``Staging(max_host_bytes=)`` is below the state while this tier is on: its slots hold
+    whole states and disk saves are written from them, so the budget bounds nothing."""
+    if not saver.memory.active():
+        return False
+    staged = sum(plan_arenas(pending.flat.tensors)[1])
+    if staged <= saver.budget.max_bytes:
+        return False
+    log.warning(
+        "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
+        "stages whole states into its own slots (and disk saves are written from them): the "
+        "budget does not bound them; size host memory for MemoryTier instead",
+        saver.budget.max_bytes,
+        staged / 2**20,
+    )
+    return True
+
+
 def shares(saver: Any, pending: Any, overlap: bool) -> bool:
     """Whether disk save ``pending`` is staged into a memory slot and written from there
     (the module's docstring); when the memory tier is on but it cannot be, says why (once

@@ -314,17 +314,14 @@ class Restorer:
         _log_skipped(report, directory)
 
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
-        # (Before the start, the hot session waits for a worker of an earlier trainer to offer
-        # or end: hot._connect; by step or path, _settle_orphans waits for it.)
+        # (Before the start, the hot session waits for this rank's earlier worker to offer or
+        # end, hot._connect; with no offer, or by step or path, _settle_orphans waits for every
+        # one still committing, or ranks of a run that changed size resume different steps.)
         with self.hot.session():  # a surviving worker's offer, asked for and let go
             return self._load_latest(state, strict)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
         if self.hot.source is None:
-            # No worker of this rank offered (none left, or the run changed size): wait for
-            # every other rank's orphan still committing, as ranks with an orphan of their own
-            # do (hot._connect), or the ranks resume different steps. (One that offers has
-            # released its lock: it holds memory only.)
             _settle_orphans(self.root, self.root_locked)
         only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
@@ -446,20 +443,8 @@ class Restorer:
         except OSError as err:
             log.warning("could not move the corrupt checkpoint %s aside: %s", directory, err)
             return ""
-        self._tracker_past(step)
+        _tracker_past(self.root, self.layout, step)
         return f"moved to {moved} (no longer a checkpoint); "
-
-    def _tracker_past(self, step: int) -> None:
-        """The tracker named the step just quarantined: name the newest one left instead
-        (it must only ever name a committed checkpoint; Megatron's loaders read it)."""
-        from .commit import advance_tracker
-
-        left = self.committed()
-        if _layout.read_tracker(self.root) == step and left:
-            try:
-                advance_tracker(self.root, self.layout, left[-1].step)
-            except OSError as err:
-                log.warning("could not update the tracker of %s: %s", self.root, err)
 
     def _tier(self) -> RemoteTier:
         if self.remote is None:  # (only reached when the engine has an object store)
@@ -544,6 +529,19 @@ class Restorer:
         from .prune import list_checkpoints
 
         return list_checkpoints(self.root, self.layout)
+
+
+def _tracker_past(root: Path, layout: str, step: int) -> None:
+    """The tracker named the step just quarantined: name the newest one left instead (it
+    must only ever name a committed checkpoint; Megatron's loaders read it)."""
+    from .commit import advance_tracker
+
+    left = _layout.scan(root, layout)
+    if _layout.read_tracker(root) == step and left:
+        try:
+            advance_tracker(root, layout, left[-1].step)
+        except OSError as err:
+            log.warning("could not update the tracker of %s: %s", root, err)
 
 
 def _settle_orphans(root: Path, started: bool) -> None:

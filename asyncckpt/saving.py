@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
@@ -172,7 +172,7 @@ class Saver:
         from . import memory_tier
 
         if self.budget is not None and not self._budget_moot_said:
-            self._say_if_budget_is_moot(pending)
+            self._budget_moot_said = memory_tier.say_if_budget_is_moot(self, pending)
         if opts["tier"] == "memory":
             return memory_tier.save(self, pending)
         if memory_tier.shares(self, pending, opts["overlap"]):
@@ -307,25 +307,6 @@ class Saver:
                 pending.stats.wait_seconds,
             )
         return True
-
-    def _say_if_budget_is_moot(self, pending: PendingSave) -> None:
-        """Once: the memory tier's slots hold whole states, and disk saves are written from
-        them, so a budget below the state bounds nothing (options.Staging)."""
-        from .staging import plan_arenas
-
-        if not self.memory.active():
-            return
-        staged = sum(plan_arenas(pending.flat.tensors)[1])
-        assert self.budget is not None
-        if staged > self.budget.max_bytes:
-            self._budget_moot_said = True
-            log.warning(
-                "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
-                "stages whole states into its own slots (and disk saves are written from them): "
-                "the budget does not bound them; size host memory for MemoryTier instead",
-                self.budget.max_bytes,
-                staged / 2**20,
-            )
 
     def give_back_slot(self, pending: PendingSave) -> None:
         """The slot of a save abandoned before it staged: back to the table, now or (its
@@ -514,7 +495,7 @@ class Saver:
             paths=flat.paths,  # set to None by the caller when the worker has them already
             metrics=dict(pending.metrics),
             metadata=pending.metadata,
-            prune=self._prune_request(pending.step),
+            prune=prune_request(self.rules, pending.step, self.jobs.resumed_from, self.pinned),
             extra=flat.extra,
             attempt=attempt,
             saved_at=stats.saved_at,
@@ -529,24 +510,6 @@ class Saver:
             },
             tier=tier,
             digests=digests,
-        )
-
-    def _prune_request(self, step: int) -> PruneRequest | None:
-        rules, resumed_from = self.rules, self.jobs.resumed_from
-        if rules.keep is None or not rules.prunes_here:
-            return None
-        return PruneRequest(
-            policy=rules.keep,
-            # The commit of a newer step ends the protection of the resumed-from one.
-            resumed_from=(
-                resumed_from
-                if resumed_from is not None
-                and (resumed_from >= step or rules.keep_resumed == "run")
-                else None
-            ),
-            pinned=tuple(self.pinned),
-            run_id=rules.run_id,
-            scope=rules.prune_scope,
         )
 
     # ------------------------------------------------------------------ prepare()
@@ -600,6 +563,26 @@ class Saver:
     def release_slots(self) -> None:
         for slot in self.slots:
             slot.release()
+
+
+def prune_request(
+    rules: SaveRules, step: int, resumed_from: int | None, pinned: Iterable[int]
+) -> PruneRequest | None:
+    """What the worker prunes after committing ``step`` (None: this rank prunes nothing)."""
+    if rules.keep is None or not rules.prunes_here:
+        return None
+    return PruneRequest(
+        policy=rules.keep,
+        # The commit of a newer step ends the protection of the resumed-from one.
+        resumed_from=(
+            resumed_from
+            if resumed_from is not None and (resumed_from >= step or rules.keep_resumed == "run")
+            else None
+        ),
+        pinned=tuple(pinned),
+        run_id=rules.run_id,
+        scope=rules.prune_scope,
+    )
 
 
 def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
