@@ -187,6 +187,12 @@ def file_checksum(entry: dict[str, Any]) -> tuple[str, int]:
 METADATA_MAX_BYTES = 64 * 1024
 
 
+def recorded_bytes(entry: dict[str, Any]) -> tuple[int, tuple[str, int]]:
+    """What a manifest entry says of its file's bytes: (size, (algorithm, checksum)); two
+    entries that say the same describe the same bytes."""
+    return int(entry["size"]), file_checksum(entry)
+
+
 def check_metadata(metadata: Any) -> dict[str, Any]:
     """The user's per-checkpoint metadata as it will be stored (a JSON copy: later changes to
     the caller's dict do not reach the checkpoint); raises at ``save()``, before anything is

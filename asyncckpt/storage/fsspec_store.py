@@ -235,7 +235,7 @@ class FsspecStore:
         records for the file (size and checksum): the store's step of that name may be another
         save's (a run restarted without its local root), whose file a copy would pass off as
         this one's."""
-        from ..manifest import file_checksum, read_manifest
+        from ..manifest import read_manifest, recorded_bytes
 
         linked = [p for p in files if p.stat().st_nlink > 1]
         if not linked:
@@ -260,8 +260,7 @@ class FsspecStore:
                 return (
                     want is not None
                     and have is not None
-                    and int(want["size"]) == int(have["size"])
-                    and file_checksum(want) == file_checksum(have)
+                    and recorded_bytes(want) == recorded_bytes(have)
                 )
             except (KeyError, TypeError, ValueError):
                 return False

@@ -218,9 +218,9 @@ def _same_save_in_store(store: FsspecStore, local_root: Path, layout: str, step:
 
 
 def _file_entries(manifest: dict[str, Any]) -> dict[str, tuple[int, tuple[str, int]]]:
-    from ..manifest import file_checksum
+    from ..manifest import recorded_bytes
 
-    return {n: (int(e["size"]), file_checksum(e)) for n, e in manifest["files"].items()}
+    return {n: recorded_bytes(e) for n, e in manifest["files"].items()}
 
 
 # ---------------------------------------------------------------------- a URL root's spool
