@@ -21,6 +21,9 @@ The protocol (``StepAgreement.choose``, every rank once per load, in the same or
 4. Every rank counts itself as having read all it needed; rank 0 waits for the count
    before it goes on (its worker serves the store, and its engine may close right after its
    load), then deletes the load's keys: the store does not grow with loads.
+5. Each holder deletes the replicas no node can need any more now that every node holds the
+   step on its own disk (``local_recovery.replicas_not_needed``, decided by rank 0 with the
+   plan): replicas do not pile up on a node's disk with every node lost.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ from .local_recovery import (
     LoadChoice,
     ReplicaServer,
     commit_fetched,
+    drop_replicas,
     fetch_replica,
     held_replicas,
+    replicas_not_needed,
     which_step_to_load,
 )
 
@@ -99,7 +104,7 @@ class StepAgreement:
                 for k in keys:
                     store.delete_key(k)
             store.wait([prefix + "plan"], timeout)
-            choice, addrs = pickle.loads(store.get(prefix + "plan"))
+            choice, addrs, drop = pickle.loads(store.get(prefix + "plan"))
             nodes = sorted({r // per for r in choice.fetch})
             failed: list[str] = []
             done = [f"{prefix}fetched/{n}" for n in nodes]
@@ -120,6 +125,8 @@ class StepAgreement:
                     f"not loading step {choice.step}: fetching it from a replica failed: "
                     + "; ".join(failed)
                 )
+            if cfg.rank in drop:  # every node now holds the step: what no node can need
+                drop_replicas(self.root, self.layout, drop[cfg.rank])
         finally:
             if server is not None:
                 server.close()
@@ -172,9 +179,10 @@ class StepAgreement:
         store.set(f"{prefix}fetched/{node}", outcome)
 
 
-def _plan(said: dict[int, dict], per: int, world_size: int) -> tuple[LoadChoice, dict]:
-    """Rank 0's decision from every rank's word: the step every rank loads and the replica
-    servers' addresses (``addrs``: holder rank -> [host, port])."""
+def _plan(said: dict[int, dict], per: int, world_size: int) -> tuple[LoadChoice, dict, dict]:
+    """Rank 0's decision from every rank's word: the step every rank loads, the replica
+    servers' addresses (``addrs``: holder rank -> [host, port]), and the replicas each
+    holder drops once the load's fetches are done (``replicas_not_needed``)."""
     on_disk = {r: s["disk"] for r, s in said.items()}
     replicas: dict[int, tuple[int, list[int]]] = {}
     addrs = {r: s["addr"] for r, s in said.items() if s["addr"]}
@@ -182,4 +190,9 @@ def _plan(said: dict[int, dict], per: int, world_size: int) -> tuple[LoadChoice,
         for node, held_steps in s["held"].items():
             for r in range(int(node) * per, (int(node) + 1) * per):
                 replicas[r] = (holder, held_steps)
-    return which_step_to_load(on_disk, replicas, world_size), addrs
+    choice = which_step_to_load(on_disk, replicas, world_size)
+    drop: dict = {}
+    if choice.step is not None:
+        held = {r: {int(n): t for n, t in s["held"].items()} for r, s in said.items()}
+        drop = replicas_not_needed(choice.step, on_disk, held, per, world_size)
+    return choice, addrs, drop

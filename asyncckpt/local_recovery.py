@@ -151,6 +151,74 @@ def which_step_to_load(
     return LoadChoice(step, fetch, False, f"every rank loads step {step} ({where})")
 
 
+def replicas_not_needed(
+    step: int,
+    on_disk: Mapping[int, Iterable[int]],
+    held: Mapping[int, Mapping[int, Iterable[int]]],
+    per: int,
+    world_size: int,
+) -> dict[int, dict[int, list[int]]]:
+    """Which replicas no node can need any more once every rank loaded ``step`` (the
+    agreement's choice; every node then holds it on its own disk): holder rank -> node ->
+    steps. ``held``: holder rank -> node -> the steps it holds of that node's directories.
+
+    A replica of node ``n``'s step ``t`` is kept while ``t`` could still be a step every rank
+    loads: ``t`` is ``step``, or older and every rank outside node ``n`` can still get it (its
+    own disk or a replica). Dropped: a step newer than ``step`` (the run goes on from
+    ``step`` and saves those steps again: a replica of the old one beside the new ones would
+    be a mix of two runs), and an older step some other rank no longer has (its node pruned
+    it; it never comes back). So a node holds a peer's directories only while the retention
+    of the other nodes keeps those steps, and at most until the next load after that."""
+    gettable = {r: set(on_disk.get(r, ())) for r in range(world_size)}
+    for by_node in held.values():
+        for node, steps in by_node.items():
+            for r in range(int(node) * per, (int(node) + 1) * per):
+                gettable.setdefault(r, set()).update(steps)
+    out: dict[int, dict[int, list[int]]] = {}
+    for holder, by_node in held.items():
+        for node, steps in by_node.items():
+            others = [r for r in range(world_size) if r // per != int(node)]
+            gone = sorted(
+                t
+                for t in set(steps)
+                if t > step or (t < step and any(t not in gettable[r] for r in others))
+            )
+            if gone:
+                out.setdefault(holder, {})[int(node)] = gone
+    return out
+
+
+def drop_replicas(root: str | os.PathLike, layout: str, drop: Mapping[int, Iterable[int]]) -> None:
+    """Delete the replicas ``drop`` names (node -> steps) from a node's root, each renamed
+    away before its space is reclaimed (prune.trash_and_delete), and a node's whole
+    ``replica_root`` once nothing of it is left. A failure is logged, never raised: the load
+    it follows has succeeded, and the next load drops what is left."""
+    from .prune import trash_and_delete
+
+    for node, steps in drop.items():
+        held = replica_root(root, node)
+        steps = sorted(steps)
+        try:
+            for step in steps:
+                trash_and_delete(held, held / _layout.dir_name(layout, step))
+            if not _layout.scan(held, layout):  # nothing of it left: tracker, leftovers too
+                trash_and_delete(held.parent, held)
+            elif _layout.read_tracker(held) in steps:  # (read by no load: never dangling)
+                from .storage.local import LocalStore
+
+                for name in _layout.tracker_names(layout):
+                    with contextlib.suppress(FileNotFoundError):
+                        LocalStore(held).delete(name)
+            log.warning(
+                "dropped this node's replica(s) of node %d's step(s) %s: no node can load them "
+                "any more",
+                node,
+                steps,
+            )
+        except OSError as e:
+            log.warning("could not drop the replicas of node %d's steps %s: %s", node, steps, e)
+
+
 # ------------------------------------------------------------------ the fetch
 
 

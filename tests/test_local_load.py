@@ -4,6 +4,7 @@ replica of step 3 (as the stand-ins leave it); node 1's root is empty (a replace
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -15,6 +16,12 @@ from asyncckpt import verify
 from asyncckpt.dist import DistConfig
 from asyncckpt.errors import NoValidCheckpoint
 from asyncckpt.local_load import StepAgreement
+from asyncckpt.local_recovery import (
+    held_replicas,
+    replica_root,
+    replica_roots,
+    replicas_not_needed,
+)
 
 
 def _agree(roots: dict[int, Path], disk: dict[int, list[int]]) -> dict[int, object]:
@@ -71,3 +78,69 @@ def test_no_replica_and_an_empty_disk_gets_no_step_on_every_rank(tmp_path):
         choice = out[rank].choice
         assert choice.step is None and choice.fell_back
         assert "rank(s) [1] have no step" in choice.reason
+
+
+def _more_replicas(node0: Path, of: int, steps: list[int]) -> None:
+    """Copies of node ``of``'s replica of step 3 on node 0, as replicas of ``steps``."""
+    held = replica_root(node0, of)
+    for step in steps:
+        shutil.copytree(held / L.dir_name("global_step", 3), held / L.dir_name("global_step", step))
+
+
+def test_after_the_load_a_holder_drops_the_replicas_no_node_can_need(tmp_path):
+    """Replicas were never deleted: every node loss left its directories on the holder's disk
+    for good. Node 0 holds node 1's replicas of steps 1, 2, 3 and 5 and has steps 1 and 3 on
+    its own disk; every rank loads step 3 (node 1 fetching it). Kept: 3 (the step loaded, a
+    second copy until the next load) and 1 (node 0 still has it: a step both could load).
+    Dropped: 2 (node 0 pruned it: never loadable again) and 5 (newer than the step the run
+    goes on from: it saves a step 5 of its own)."""
+    node0, _ = _replica_of_rank(tmp_path, 1, 3)
+    _more_replicas(node0, 1, [1, 2, 5])
+    (replica_root(node0, 1) / "latest_checkpointed_iteration.txt").write_text("5")
+    assert held_replicas(node0, "global_step") == {1: [1, 2, 3, 5]}
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    out = _agree({0: node0, 1: node1}, {0: [1, 3], 1: []})
+    assert out[0].choice.step == out[1].choice.step == 3, out
+    assert held_replicas(node0, "global_step") == {1: [1, 3]}
+    assert L.read_tracker(replica_root(node0, 1)) is None  # it named step 5: gone with it
+    assert L.read_tracker(node1) == 3
+    assert not [p for p in replica_root(node0, 1).iterdir() if L.is_leftover(p.name)]
+
+
+def test_a_node_with_nothing_left_to_hold_loses_its_replica_root(tmp_path):
+    """Node 1 kept its disk (steps 1 and 3) and node 0 holds only its replica of step 5,
+    which no rank of node 0 has: every rank loads step 3 from its own disk, and node 0's
+    ``.asyncckpt-replicas/node1`` goes whole (tracker included)."""
+    node0, _ = _replica_of_rank(tmp_path, 1, 3)
+    _more_replicas(node0, 1, [5])
+    held = replica_root(node0, 1)
+    shutil.rmtree(held / L.dir_name("global_step", 3))
+    (held / "latest_checkpointed_iteration.txt").write_text("5")
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    out = _agree({0: node0, 1: node1}, {0: [1, 3], 1: [1, 3]})
+    assert out[0].choice.step == 3 and out[0].source == out[1].source == "disk", out
+    assert held_replicas(node0, "global_step") == {}
+    assert not held.exists()
+    assert replica_roots(node0) == []
+
+
+def test_a_failed_fetch_drops_nothing(tmp_path):
+    """The load failed (a damaged replica): every replica stays for the next try."""
+    node0, node1, _ = _damaged_replica(tmp_path, 1, 3)
+    _more_replicas(node0, 1, [2, 5])
+    out = _agree({0: node0, 1: node1}, {0: [1, 3], 1: []})
+    assert isinstance(out[0], NoValidCheckpoint), out
+    assert held_replicas(node0, "global_step") == {1: [2, 3, 5]}
+
+
+def test_which_replicas_no_node_can_need():
+    """The rule alone, two nodes of two ranks and a third holder: holder -> node -> steps."""
+    on_disk = {0: [1, 3, 4], 1: [1, 3, 4], 2: [], 3: [], 4: [3, 4], 5: [3, 4]}
+    held = {0: {1: [2, 3, 4, 6]}, 4: {1: [1, 3], 0: [5]}}
+    drop = replicas_not_needed(4, on_disk, held, per=2, world_size=6)
+    # Holder 0 of node 1: 2 is on no other rank, 6 is past the step loaded; 3 is on every
+    # other rank's disk. Holder 4: node 1's step 1 is not on ranks 4 and 5; node 0's 5 is new.
+    assert drop == {0: {1: [2, 6]}, 4: {1: [1], 0: [5]}}
+    assert replicas_not_needed(4, on_disk, {0: {1: [3, 4]}}, per=2, world_size=6) == {}
