@@ -170,14 +170,19 @@ class ChunkSignals:
             time.sleep(POLL_S)
 
 
-def hold_arena(slot: StagingSlot, nbytes: int, pin: bool) -> bool:
+def hold_arena(
+    slot: StagingSlot, nbytes: int, pin: bool, let_go: Callable[[StagingSlot], None] | None
+) -> bool:
     """Give ``slot`` one arena of ``nbytes`` and no tensor specs (the chunk buffers), unless
-    it has it already; True if newly allocated (the worker must be sent it)."""
+    it has it already; True if newly allocated (the worker must be sent it). ``let_go``: as
+    for ``StagingSlot.ensure``."""
     key = ("asyncckpt-chunks", nbytes)
-    if slot.key == key and slot.arenas and (slot.pinned or not pin):
+    if slot.lays_out(key, pin):
         return False
     check_memory(nbytes - slot.nbytes)
     slot.release()
+    if let_go is not None:
+        let_go(slot)
     slot.arenas = [allocate_arena(nbytes, pin)]
     slot.pinned, slot.nbytes, slot.key = pin, nbytes, key
     StagingSlot._next_id += 1
@@ -314,7 +319,7 @@ def stage(saver: Any, pending: Any, plan: ChunkedPlan) -> Any:
     stats, handle = pending.stats, pending.handle
     pin = any(t.is_cuda for t in tensors.values())
     t0 = time.perf_counter()
-    if hold_arena(slot, plan.arena_bytes, pin):
+    if hold_arena(slot, plan.arena_bytes, pin, saver.let_go):
         stats.alloc_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     job_id, attempt = saver.jobs.add(pending.step, handle, slot_idx)

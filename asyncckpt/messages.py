@@ -95,6 +95,14 @@ class FaultFired:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """An arena the trainer freed (``Drop``) is no longer mapped by the worker: its shared
+    memory is given back (engine: ``WorkerLink.undropped``)."""
+
+    arena_id: int
+
+
+@dataclass(frozen=True)
 class Mapped:
     """An arena was received (mapped): from now on the worker needs its trainer no more to
     write a save staged in it (engine: ``WorkerLink.unmapped``)."""

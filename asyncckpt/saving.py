@@ -15,6 +15,7 @@ may block, which the async facade runs in a thread and the sync facade runs in p
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -143,6 +144,7 @@ class Saver:
             if rules.max_host_bytes is not None
             else None
         )
+        self.let_go = None if self.budget is None else functools.partial(let_worker_go, self)
         # The last state's flattening, replayed while its structure holds (flatplan.py).
         self.flatten_cache = FlattenCache()
         # Which tensors a slot holds already, byte for byte, need no copy (unchanged.py).
@@ -382,7 +384,7 @@ class Saver:
         slot = self.slots[slot_idx]
         pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
-        allocated = slot.ensure(flat.tensors, pin, pending.key, self.budget)
+        allocated = slot.ensure(flat.tensors, pin, pending.key, self.budget, self.let_go)
         t1 = time.perf_counter()
         if allocated:
             stats.alloc_seconds = t1 - t0
@@ -533,9 +535,9 @@ class Saver:
         plan = chunked.over_budget(self, flat, key) if budget is not None else None
         for i in slots[:1] if plan is not None else slots:
             if plan is not None:  # staged in chunks: the chunk buffers, within the budget
-                chunked.hold_arena(self.slots[i], plan.arena_bytes, pin)
+                chunked.hold_arena(self.slots[i], plan.arena_bytes, pin, self.let_go)
             else:
-                self.slots[i].ensure(flat.tensors, pin, key, budget)
+                self.slots[i].ensure(flat.tensors, pin, key, budget, self.let_go)
             if self.is_started():
                 try:
                     with self.sigterm.handing_off():
@@ -585,14 +587,42 @@ def prune_request(
     )
 
 
-def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
-    # The worker first drops the arenas of this slot's old layout (both processes must
-    # let go of them for the shared memory to be freed), then maps the new ones.
+def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
+    """Under a budget, between the release of a re-laid-out slot's arenas and the allocation
+    of its new ones: the worker unmaps the old ones, and this waits for its word (``Dropped``;
+    its reader thread answers at once, also while a save is being written). Both processes
+    map an arena, and its memory comes back only once both let go: else the host would hold
+    the old layout and the new one together, up to twice the budget. A worker that dies
+    meanwhile let go by dying."""
+    if not saver.is_started():
+        return
+    link = saver.worker.link
+    with saver.worker.sending():
+        dropped = _send_drops(slot, link)
+    with saver.jobs.cond:
+        while dropped & link.undropped:
+            if link is not saver.worker.link or not saver.is_started():
+                return
+            saver.jobs.cond.wait(0.5)
+
+
+def _send_drops(slot: StagingSlot, link: WorkerLink) -> set[int]:
+    """Tell the worker to drop the arenas of this slot's old layout (both processes must let
+    go of them for the shared memory to be freed); returns their ids."""
+    dropped = set()
     for aid in slot.take_retired():
         if aid in link.arenas:
+            link.undropped.add(aid)  # until the worker's Dropped (let_worker_go)
             M.send(link.conn, M.encode(M.Drop(aid)))
             link.arenas.discard(aid)
             link.specs = {k for k in link.specs if aid not in k}
+            dropped.add(aid)
+    return dropped
+
+
+def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
+    # The worker first drops the arenas of this slot's old layout, then maps the new ones.
+    _send_drops(slot, link)
     for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
         if aid not in link.arenas:
             link.unmapped.add(aid)  # until the worker's Mapped (Saver.wait_mapped)

@@ -13,7 +13,7 @@ import io
 import operator
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,17 +292,22 @@ class StagingSlot:
         pin: bool,
         key: tuple | None = None,
         budget: HostBudget | None = None,
+        let_go: Callable[[StagingSlot], None] | None = None,
     ) -> bool:
         """Allocate arenas for this layout unless they exist; True if newly allocated.
-        ``budget``: refuse (``StagingMemoryError``) a layout that does not fit in it."""
+        ``budget``: refuse (``StagingMemoryError``) a layout that does not fit in it.
+        ``let_go``: called between the release of the old arenas and the allocation of the
+        new ones (saving.let_worker_go: the worker unmaps them first)."""
         key = layout_key(tensors) if key is None else key
-        if same_key(key, self.key) and self.arenas and (self.pinned or not pin):
+        if self.lays_out(key, pin):
             return False
         specs, sizes = plan_arenas(tensors)
         if budget is not None:
             budget.check(sum(sizes))
         check_memory(sum(sizes) - self.nbytes)
         self.release()
+        if let_go is not None:
+            let_go(self)
         self.arenas = [allocate_arena(n, pin) for n in sizes]
         self.pinned = pin
         self.nbytes = sum(sizes)
@@ -323,6 +328,10 @@ class StagingSlot:
         self.dst_bytes = {i: _bytes_of_view(self.views[i]) for i in self.large}
         self.key = key
         return True
+
+    def lays_out(self, key: tuple | None, pin: bool) -> bool:
+        """True if this slot's arenas are laid out for ``key`` (page-locked if ``pin``)."""
+        return same_key(key, self.key) and bool(self.arenas) and (self.pinned or not pin)
 
     def release(self) -> None:
         self.retired.extend(self.arena_ids)

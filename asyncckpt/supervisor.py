@@ -51,6 +51,7 @@ class WorkerLink:
     memory_paths: Any = None  # the paths the last Hold carried
     arenas: set[int] = field(default_factory=set)
     unmapped: set[int] = field(default_factory=set)  # sent, and no Mapped back yet
+    undropped: set[int] = field(default_factory=set)  # Drop sent, and no Dropped back yet
     specs: set[tuple[int, ...]] = field(default_factory=set)
     paths: Any = None
 
@@ -235,6 +236,9 @@ class WorkerSupervisor:
         elif isinstance(msg, M.Mapped):
             self.link.unmapped.discard(msg.arena_id)
             self.jobs.on_event(msg)  # wakes a save waiting for it
+        elif isinstance(msg, M.Dropped):
+            self.link.undropped.discard(msg.arena_id)
+            self.jobs.on_event(msg)  # wakes a save waiting for it (saving.let_worker_go)
         else:
             self.jobs.on_event(msg)
 

@@ -260,7 +260,7 @@ class Worker:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(
             target=_receive,
-            args=(self.jobs, self.events, inbox, self.replication),
+            args=(self.jobs, self.events, inbox, self.replication, self.arenas),
             name="asyncckpt-receive",
             daemon=True,
         ).start()
@@ -279,13 +279,12 @@ class Worker:
             if isinstance(msg, BaseException):
                 raise msg
             if isinstance(msg, M.Arena):
-                self.arenas[msg.arena_id] = msg.tensor
+                pass  # mapped by the reader thread (_receive)
             elif isinstance(msg, M.Specs):
                 self.specs[msg.arena_ids] = msg.specs
             elif isinstance(msg, M.Paths):
                 self.last_paths = msg.paths
-            elif isinstance(msg, M.Drop):
-                self.arenas.pop(msg.arena_id, None)
+            elif isinstance(msg, M.Drop):  # (unmapped by the reader thread: _receive)
                 self.specs = {k: v for k, v in self.specs.items() if msg.arena_id not in k}
             elif isinstance(msg, M.Save):
                 if msg.job.memory_job_id is not None and self.holder is not None:
@@ -722,18 +721,33 @@ def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
     }
 
 
-def _receive(jobs: Any, events: Any, inbox: queue.SimpleQueue, replication: Any = None) -> None:
+def _receive(
+    jobs: Any,
+    events: Any,
+    inbox: queue.SimpleQueue,
+    replication: Any = None,
+    arenas: dict[int, torch.Tensor] | None = None,
+) -> None:
     """The worker's reader thread: the trainer's messages as they come, also while a save is
     being written. An arena's shared memory is mapped by receiving it, which needs its trainer
     alive (the descriptor is fetched from it), so the trainer waits for ``Mapped`` before a
-    save that sent one returns. The main loop handles them in order."""
+    save that sent one returns. ``arenas`` (the worker's) are kept here: an arena goes in
+    before any job staged in it is queued, and out (``Dropped``) as soon as the trainer
+    drops it (a slot re-laid out: its jobs were written), so its memory comes back while
+    a save is written. The main loop handles the messages in order."""
     try:
         while True:
             msg = jobs.recv()
-            if isinstance(msg, M.Arena):
-                events.send(M.Mapped(msg.arena_id))
             if replication is not None:  # its sender reads the arenas beside the main loop
                 replication.registry.note(msg)
+            if isinstance(msg, M.Arena):
+                if arenas is not None:
+                    arenas[msg.arena_id] = msg.tensor
+                    msg = M.Arena(msg.arena_id, None)  # (the inbox holds no reference to it)
+                events.send(M.Mapped(msg.arena_id))
+            if isinstance(msg, M.Drop) and arenas is not None:
+                arenas.pop(msg.arena_id, None)
+                events.send(M.Dropped(msg.arena_id))
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
         inbox.put(e)
