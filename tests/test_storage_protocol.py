@@ -300,3 +300,38 @@ def test_the_cli_answers_alike_over_a_path_and_a_url(s3, tmp_path, capsys):
     assert ld["deleted"] == [1] and ld["kept"]["2"] == ["newest that verifies"]
     assert [c.step for c in remote.committed("global_step")] == [2, 3]
     assert [c.step for c in local_store.committed("global_step")] == [2, 3]
+
+
+def test_a_local_seal_makes_the_names_in_every_sub_directory_durable(tmp_path, monkeypatch):
+    """A file's name is durable once its directory is fsynced. The seal fsynced the step's
+    own directory only, so the names of files in its sub-directories (components' `model/`,
+    a fetched replica's or a node commit's nested files, which the writers leave to the
+    seal) could be lost to a power cut after the commit was announced."""
+    import os
+
+    from asyncckpt.storage import localfs
+
+    store = LocalStore(tmp_path / "root")
+    store.create_root()
+    staged = store.stage(L.dir_name("global_step", 3), "tok")
+    for rel in ("top.bin", "model/__0_0.distcp", "optim/state/deep/__0_0.distcp"):
+        (staged / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staged / rel).write_bytes(b"x")
+    (staged / "empty").mkdir()
+    synced: list[str] = []
+    real = localfs.os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(localfs.os, "fsync", spy)
+    store.seal(staged, staged.name)
+    want = {str(p) for p in [staged, *staged.rglob("*")] if p.is_dir()}
+    assert want == {
+        str(staged / d) for d in ("", "model", "optim", "optim/state", "optim/state/deep", "empty")
+    }
+    assert want <= set(synced), sorted(want - set(synced))
+    # Deepest first: a directory's own name is made durable after what it holds.
+    assert synced.index(str(staged / "optim/state/deep")) < synced.index(str(staged / "optim"))
+    assert synced[-1] == str(staged)

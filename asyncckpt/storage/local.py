@@ -249,8 +249,9 @@ class LocalStore:
         return out
 
     def seal(self, staged: Path, name: str, on_file: Callable[[int], None] | None = None) -> int:
-        """The directory's names durable (each file was fsynced by its writer)."""
-        localfs.fsync_dir(staged)
+        """Every name in the directory's tree durable (each file was fsynced by its writer;
+        sub-directories' names are left to this: components, a fetched replica)."""
+        localfs.fsync_tree(staged)
         return 0
 
     def publish(

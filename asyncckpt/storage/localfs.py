@@ -53,6 +53,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every directory under ``path`` and ``path`` itself, deepest first (links not
+    followed): every name in the tree durable. A directory's fsync covers only the names
+    directly in it, and writers leave their sub-directories' names to the seal."""
+    for here, _dirs, _files in os.walk(os.fspath(path), topdown=False, onerror=_raise):
+        fsync_dir(here)
+
+
+def _raise(e: OSError) -> None:
+    raise e  # (os.walk skips a directory it cannot list without a word)
+
+
 def write_synced(path: str | os.PathLike, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` and fsync it (the directory is fsynced by whoever commits)."""
     with open(path, "wb") as f:
