@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from .framing import listen, recv_exact, recv_into, recv_obj, send_obj
+from .manifest import checksum
 
 log = logging.getLogger("asyncckpt")
 
@@ -348,14 +349,19 @@ class ReplicaSender:
         from . import faults
 
         faults.point_of(job.faults, "mid_replication")
+        crcs = []
         for arena in arenas:
-            view = _bytes_of(arena)
+            view, crc = _bytes_of(arena), 0
             for i in range(0, len(view), CHUNK):
-                sock.sendall(view[i : i + CHUNK])
+                piece = view[i : i + CHUNK]
+                crc = checksum(piece, crc)  # of the bytes sent, as they are sent
+                sock.sendall(piece)
+            crcs.append(crc)
         with self.cond:
             self.reading = None  # every byte is out of the slot
             self.cond.notify_all()
         sock.sendall(_END)
+        send_obj(sock, ("crcs", crcs))
         answer = recv_obj(sock)
         return None if answer[0] == "held" else str(answer[1])
 
@@ -490,6 +496,22 @@ class ReplicaReceiver:
             recv_into(sock, _bytes_of(b.tensor))
         if recv_exact(sock, len(_END)) != _END:
             raise EOFError("a replica without its end mark")
+        # End to end: the sender's checksums of what it sent against the bytes held here (a
+        # stand-in would commit a flipped bit with a manifest made from it: a silent error).
+        kind, sent = recv_obj(sock)
+        got = [checksum(_bytes_of(b.tensor)) for b in arenas.values()]
+        if kind != "crcs" or list(sent) != got:
+            bad = [i for i, (a, b) in enumerate(zip(sent, got, strict=False)) if a != b]
+            log.warning("rank %d's replica of step %d arrived damaged", self.rep.source, job.step)
+            send_obj(
+                sock,
+                (
+                    "damaged",
+                    f"rank {self.cfg.rank} received it damaged: arena(s) "
+                    f"{bad} differ from the sender's checksums; not held",
+                ),
+            )
+            return
         job.arena_ids = ids
         with self.lock:
             self.held[job.step] = Replica(job, arenas)

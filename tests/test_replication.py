@@ -292,6 +292,40 @@ def test_a_receiver_without_room_refuses_and_keeps_what_it_held(pair, monkeypatc
     assert receiver.steps() == [2]
 
 
+def test_a_replica_damaged_on_the_way_is_refused_and_the_sender_told(pair, monkeypatch):
+    """One byte flipped between the sender's memory and the receiver's (the NIC, the wire:
+    TCP's 16-bit checksum misses some): the receiver held it, and a stand-in would have
+    committed the flipped byte with a manifest made from it. Now the sender's checksums of
+    what it sent are checked against what arrived: refused, the sender's handle says so, what
+    was held before stays, and the next replica goes through."""
+    registry, sender, receiver, events = pair
+    job2, arena2 = _job(registry, 1, 2, 7)
+    sender.offer(job2, [])
+    assert events.replicated(1).error is None
+    real = R.recv_into
+    flips = [1]
+
+    def flipping(sock, view):
+        real(sock, view)
+        if flips and len(view) > 1000:
+            flips.pop()
+            view[len(view) // 2] ^= 0x10
+
+    monkeypatch.setattr(R, "recv_into", flipping)
+    job3, _ = _job(registry, 2, 3, 9)
+    sender.offer(job3, [2])
+    error = events.replicated(2).error
+    assert error is not None and "received it damaged" in error, error
+    assert not flips  # the flip happened
+    assert receiver.steps() == [2]
+    assert torch.equal(_held_bytes(receiver, 2), arena2)
+    job4, arena4 = _job(registry, 3, 4, 11)
+    sender.offer(job4, [2])
+    assert events.replicated(3).error is None
+    assert receiver.steps() == [2, 4]
+    assert torch.equal(_held_bytes(receiver, 4), arena4)
+
+
 def test_a_stand_in_is_a_plain_process_mapping_the_replicas_memory(monkeypatch):
     """The stand-in (replication.spawn_stand_in) is a subprocess given the replica buffers by
     descriptor: it reads the bytes held, and what it writes is the holder's memory."""
