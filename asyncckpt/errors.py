@@ -35,12 +35,22 @@ class StateModifiedWhileStaging(CheckpointError):
     was written.
     """
 
-    def __init__(self, keys: list[str], storage: list[str] | None = None) -> None:
+    def __init__(
+        self, keys: list[str], storage: list[str] | None = None, unseen: list[str] | None = None
+    ) -> None:
         self.keys = list(keys)
         self.storage = list(storage or [])
-        moved = set(self.storage)
+        #: of ``keys``, those found by comparing bytes after an overlapped save's copy (no
+        #: version counter moved: a write through ``.data``, NumPy; bytecheck.py)
+        self.unseen = list(unseen or [])
+        moved = set(self.storage) | set(self.unseen)
         written = [k for k in self.keys if k not in moved]
         parts = []
+        if self.unseen:
+            parts.append(
+                f"{len(self.unseen)} tensor(s) whose bytes changed while being staged though "
+                f"no version counter moved (a write through .data or NumPy): {_few(self.unseen)}"
+            )
         if written:
             parts.append(
                 f"{len(written)} tensor(s) modified in place while being staged: {_few(written)}"

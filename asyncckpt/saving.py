@@ -384,13 +384,13 @@ class Saver:
         slot = self.slots[slot_idx]
         pin = any_cuda(flat.tensors.values())
         t0 = time.perf_counter()
-        allocated = slot.ensure(flat.tensors, pin, pending.key, self.budget, self.let_go)
+        if slot.ensure(flat.tensors, pin, pending.key, self.budget, self.let_go):
+            stats.alloc_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        if allocated:
-            stats.alloc_seconds = t1 - t0
         torn, skips = stage_checked(
-            self.skipper, slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready
-        )
+            self.skipper, slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready,
+            check_bytes=stats.overlapped,
+        )  # fmt: skip
         stats.stage_seconds = time.perf_counter() - t1
         stats.staged_bytes = slot.nbytes
         note_skips(stats, skips)

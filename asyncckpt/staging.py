@@ -285,6 +285,8 @@ class StagingSlot:
         # Ids of arenas released since the engine last looked: the worker still maps them
         # until it is told to drop them (engine._send_arenas), or the memory is never freed.
         self.retired: list[int] = []
+        # The small tensors packed for the byte check of overlapped saves (bytecheck.py).
+        self.byte_check: Any = None
 
     def ensure(
         self,
@@ -343,6 +345,7 @@ class StagingSlot:
         self.small_plan = empty_plan()
         self.key, self.pinned, self.nbytes = None, False, 0
         self.held = {}
+        self.byte_check = None
 
     def take_retired(self) -> list[int]:
         """The ids of arenas released since the last call (for the worker to drop)."""

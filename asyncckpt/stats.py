@@ -89,6 +89,9 @@ class SaveStats:
     copy_skipped_bytes: int = 0
     copy_fingerprint_seconds: float = 0.0
     copy_skip_fallbacks: int = 0
+    #: overlapped saves: seconds spent comparing the CPU tensors' bytes with the staged ones
+    #: after the copy (the torn-state check from the bytes, bytecheck.py), in the background
+    copy_check_seconds: float = 0.0
 
     @property
     def blocked_seconds(self) -> float:

@@ -267,6 +267,7 @@ class SkipPlan:
     cuda_record: dict[int, bytes] = field(default_factory=dict)  # GPU: the source's, pre-copy
     skipped_bytes: int = 0
     fingerprint_seconds: float = 0.0
+    check_seconds: float = 0.0  # the compare of the bytes after an overlapped copy (bytecheck.py)
     fallbacks: int = 0
     # Large CPU tensors: xxh3-128 of the bytes the slot holds once staged, the very digest the
     # worker's file fingerprint takes of them (``worker_digests``: it need not hash them again).
@@ -444,9 +445,12 @@ def stage_checked(
     guard: bool,
     pin: bool,
     ready: dict[int, Any] | None = None,
+    check_bytes: bool = False,
 ) -> tuple[StateModifiedWhileStaging | None, SkipPlan]:
     """``copy_checked`` and the torn check after it, skipping what ``slot`` holds already:
-    the torn state (or None) and the plan (its figures for ``SaveStats``)."""
+    the torn state (or None) and the plan (its figures for ``SaveStats``). ``check_bytes``:
+    then compare the CPU tensors' bytes with the staged ones (an overlapped save: the loop
+    ran during the copy; bytecheck.py), the seconds in ``plan.check_seconds``."""
     plan = skipper.plan(slot, tensors, marks, ready) if skipper is not None else SkipPlan()
     t0 = time.perf_counter()
     try:
@@ -456,6 +460,14 @@ def stage_checked(
         raise
     if torn is None:
         torn = torn_since(tensors, marks)
+    if torn is None and check_bytes:
+        from .bytecheck import changed_since_copied
+
+        t1 = time.perf_counter()
+        unseen = changed_since_copied(slot, tensors)
+        plan.check_seconds = time.perf_counter() - t1
+        if unseen:
+            torn = StateModifiedWhileStaging(unseen, unseen=unseen)
     if torn is not None:
         # The copied views may hold two moments; skipped views were not written (kept).
         return torn, plan
@@ -479,4 +491,5 @@ def note_skips(stats: Any, plan: SkipPlan) -> None:
     """A save's copy-skipping figures into its ``SaveStats``."""
     stats.copy_skipped_bytes = plan.skipped_bytes
     stats.copy_fingerprint_seconds = plan.fingerprint_seconds
+    stats.copy_check_seconds = plan.check_seconds
     stats.copy_skip_fallbacks = plan.fallbacks

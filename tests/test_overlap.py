@@ -321,3 +321,65 @@ def test_overlap_benchmark_runs_quick(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["failed_overlapped_saves"] == 0
     assert set(rep["ratios"]) >= {"overlap_stall_vs_copy", "fwd_bwd_slowdown_overlap"}
+
+
+# ------------------------------------------------------------------ writes no counter sees
+def _big_and_small() -> dict:
+    """A large tensor (copied by the copy pool, before ``mid_stage``) and a small one (copied
+    after it, with the rest of the small ones)."""
+    return {"model": {"big": torch.zeros(512, 1024), "small": torch.zeros(16)}, "step": 0}
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda t: t.data.add_(1.0),  # .data: its own counter
+        lambda t: t.detach().numpy().__iadd__(1.0),  # a NumPy view: no counter
+        lambda t: t.data.copy_(torch.ones_like(t)),  # an RL weight sync's .data.copy_()
+    ],
+    ids=["data", "numpy", "data_copy"],
+)
+def test_an_overlapped_save_fails_on_a_write_no_counter_sees(tmp_path, monkeypatch, write):
+    """The loop writes a tensor the copy already read, where no version counter moves, while
+    the rest is still copied: the checkpoint would hold that tensor from before the write and
+    the others from after. The counters cannot see it; the compare of the bytes after the copy
+    does (bytecheck.py): the save fails naming it, nothing is committed."""
+    state = _big_and_small()
+    big = state["model"]["big"]
+    armed: list[bool] = []
+    Gate(monkeypatch, during=lambda: armed and write(big))
+    with SyncCheckpointEngine(tmp_path) as engine:
+        engine.save(1, state, overlap=True).committed_sync(60)
+        armed.append(True)  # the second save's copy sees the write
+        handle = engine.save(2, state, overlap=True)
+        with pytest.raises(SaveFailed) as info:
+            handle.committed_sync(60)
+    torn = info.value.__cause__
+    assert isinstance(torn, StateModifiedWhileStaging), info.value
+    assert torn.unseen == torn.keys == ["model.big"], torn.unseen
+    assert "no version counter moved (a write through .data or NumPy)" in str(torn)
+    assert committed_steps(tmp_path) == [1]
+
+
+def test_an_overlapped_save_commits_the_state_at_the_end_of_its_copy(tmp_path, monkeypatch):
+    """A write through ``.data`` to a tensor not yet copied (the small one, copied after
+    ``mid_stage``) is in the checkpoint, with the other tensors as they were: one instant, the
+    end of the copy; and the compare's time is reported."""
+    state = _big_and_small()
+    small = state["model"]["small"]
+    Gate(monkeypatch, during=lambda: small.data.fill_(7.0))
+    with SyncCheckpointEngine(tmp_path) as engine:
+        stats = engine.save(1, state, overlap=True).committed_sync(60)
+        target = _big_and_small()
+        target["model"] = {k: torch.full_like(v, -1) for k, v in target["model"].items()}
+        assert engine.load_latest(target) == 1
+    assert stats.copy_check_seconds > 0
+    assert torch.equal(target["model"]["small"], torch.full((16,), 7.0))
+    assert torch.equal(target["model"]["big"], torch.zeros(512, 1024))
+
+
+def test_a_blocking_save_compares_no_bytes(tmp_path):
+    """The caller's thread is inside ``save`` for a blocking save: no compare, no cost."""
+    with SyncCheckpointEngine(tmp_path) as engine:
+        stats = engine.save(1, _big_and_small()).committed_sync(60)
+    assert stats.copy_check_seconds == 0

@@ -1,0 +1,189 @@
+"""The torn-state check from the bytes, for overlapped saves: after the copy, every CPU
+tensor's bytes are compared with what its staging view holds.
+
+Why: the training loop runs while an overlapped save copies, and the torn-state check of
+version counters and data pointers (staging.torn_since) cannot see writes that move no
+counter: through ``.data`` (``p.data.copy_(w)``, the weight syncs of RL trainers), NumPy views
+(``t.numpy()[:] = ...``) or a tensor made under ``torch.inference_mode``. Such a write that
+lands during the copy on a tensor already copied would leave the checkpoint with that tensor
+from before and the rest from after (invariant 13); one on a tensor not yet copied is seen by
+this compare only if it lands after that tensor's copy.
+
+What it proves: every tensor compared held, when compared, the bytes its view holds, so
+(unless a tensor changed and changed back) each was constant from its copy to its compare,
+and the compares start after the last copy: the staged bytes are the state at one instant,
+the end of the copy. It is exact (bytes, not a fingerprint).
+
+Not covered: tensors on a GPU (their copy is queued on a stream: the counters still apply),
+and a blocking save (the caller's thread is inside ``save``; only another thread can write).
+Cost: one more read of the sources and of the staged bytes, in the background
+(``SaveStats.copy_check_seconds``). Large tensors are compared in place in pieces on the copy
+threads (NumPy lets go of the GIL); the small ones (thousands, in a model's norms and biases)
+are first packed, sources and staged views alike, by two ``torch._foreach_copy_`` calls into
+two scratch buffers kept per slot layout (twice their bytes, up to ``PACK_MAX_BYTES``; beyond
+it the rest are compared one by one, ~40 us each, and a log line says so once), then compared
+whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._torch import foreach_copy_
+from .staging import StagingSlot, _as_bytes, _pool, cpu_copy_threads
+
+log = logging.getLogger("asyncckpt")
+
+#: Bytes compared per piece: a large tensor is split so that the copy threads share it, and
+#: each compare's temporary (a bool per byte) stays this small.
+PIECE = 4 << 20
+#: The most bytes of small tensors packed per slot layout (two buffers of this many at most).
+PACK_MAX_BYTES = 256 << 20
+_ALIGN = 64
+
+_said_unpacked = False
+
+
+def changed_since_copied(slot: StagingSlot, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of the CPU tensors whose bytes differ from what ``slot``'s views hold now
+    (``slot`` was just staged from ``tensors``; a tensor whose copy was skipped, its view
+    holding its bytes already, is compared the same way)."""
+    keys = list(tensors)
+    srcs = list(tensors.values())
+    small = set(slot.small)
+    pieces: list[tuple[int, Any, Any]] = []  # (index, source bytes, staged bytes)
+    one_by_one: list[int] = []
+    for i, spec in enumerate(slot.specs):
+        if spec.nbytes == 0 or i in small or srcs[i].is_cuda:
+            continue
+        one_by_one.append(i)
+    packed = _packed(slot, [i for i in slot.small if not srcs[i].is_cuda])
+    if packed is not None:
+        pieces.extend(packed.pieces(srcs, slot))
+        one_by_one.extend(packed.left)
+    for i in one_by_one:
+        src, dst = _source_bytes(srcs[i]), _staged_bytes(slot, i)
+        if src.nbytes != dst.nbytes:
+            pieces.append((i, None, None))  # (resized under the copy: the pointers said so)
+            continue
+        for at in range(0, src.nbytes, PIECE):
+            pieces.append((i, src[at : at + PIECE], dst[at : at + PIECE]))
+    threads = cpu_copy_threads()
+    if threads > 1 and len(pieces) > 1:
+        same = list(_pool(threads).map(_same, pieces))
+    else:
+        same = [_same(p) for p in pieces]
+    changed: set[int] = set()
+    for (i, src, dst), ok in zip(pieces, same, strict=True):
+        if ok:
+            continue
+        if i >= 0 or packed is None:
+            changed.add(i)
+        else:  # a packed piece: which of its tensors
+            changed.update(packed.which(src, dst))
+    return [keys[i] for i in sorted(changed)]
+
+
+@dataclass
+class _Packed:
+    """The small tensors of one slot layout packed end to end, twice: the sources'
+    bytes and the staged views' bytes (``pieces``); ``left``: those beyond the cap."""
+
+    key: Any
+    order: list[int]
+    offsets: list[int]
+    src_views: list[torch.Tensor]
+    dst_views: list[torch.Tensor]
+    src_buf: torch.Tensor
+    dst_buf: torch.Tensor
+    left: list[int]
+
+    def pieces(self, srcs: list[torch.Tensor], slot: StagingSlot) -> list[tuple[int, Any, Any]]:
+        if not self.order:
+            return []
+        with torch.no_grad():
+            foreach_copy_(self.src_views, [srcs[i] for i in self.order])
+            foreach_copy_(self.dst_views, [slot.views[i] for i in self.order])
+        a, b = self.src_buf.numpy(), self.dst_buf.numpy()
+        # Index -1 - at: a packed piece starting at byte ``at`` (``which`` says whose).
+        return [(-1 - at, a[at : at + PIECE], b[at : at + PIECE]) for at in range(0, a.size, PIECE)]
+
+    def which(self, src: Any, dst: Any) -> list[int]:
+        """The tensors whose bytes differ within a packed piece (the rare path)."""
+        start = int(src.ctypes.data - self.src_buf.data_ptr())
+        out = []
+        for i, off, view in zip(self.order, self.offsets, self.src_views, strict=True):
+            n = view.numel() * view.element_size()
+            lo, hi = max(off, start), min(off + n, start + src.size)
+            if lo < hi and not np.array_equal(
+                src[lo - start : hi - start], dst[lo - start : hi - start]
+            ):
+                out.append(i)
+        return out
+
+
+def _packed(slot: StagingSlot, indices: list[int]) -> _Packed | None:
+    """The packing of ``indices`` (small CPU tensors) for ``slot``'s layout, kept on the slot
+    (made again when the layout or which tensors are on the CPU changes)."""
+    global _said_unpacked
+    if not indices:
+        return None
+    key = (slot.arena_ids and tuple(slot.arena_ids), tuple(indices))
+    kept = slot.byte_check
+    if kept is not None and kept.key == key:
+        return kept
+    order, offsets, at = [], [], 0
+    left = []
+    for i in indices:
+        n = slot.specs[i].nbytes
+        if at + n > PACK_MAX_BYTES:
+            left.append(i)
+            continue
+        order.append(i)
+        offsets.append(at)
+        at += -(-n // _ALIGN) * _ALIGN  # each view at an offset its dtype can start at
+    if left and not _said_unpacked:
+        _said_unpacked = True
+        log.info(
+            "the byte check of overlapped saves compares %d small tensors one by one (beyond "
+            "the %d bytes of them it packs)",
+            len(left),
+            PACK_MAX_BYTES,
+        )
+    # Zeroed: the padding between views is compared too, and never written.
+    src_buf = torch.zeros(at, dtype=torch.uint8)
+    dst_buf = torch.zeros(at, dtype=torch.uint8)
+
+    def views(buf: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            buf[o : o + slot.specs[i].nbytes].view(slot.specs[i].dtype).view(slot.specs[i].shape)
+            for i, o in zip(order, offsets, strict=True)
+        ]
+
+    packed = _Packed(key, order, offsets, views(src_buf), views(dst_buf), src_buf, dst_buf, left)
+    slot.byte_check = packed  # (dropped with the slot's layout: StagingSlot.release)
+    return packed
+
+
+def _same(piece: tuple[int, Any, Any]) -> bool:
+    _, src, dst = piece
+    return src is not None and bool(np.array_equal(src, dst))
+
+
+def _source_bytes(t: torch.Tensor) -> Any:
+    src = _as_bytes(t)
+    if src is None:  # strided, conjugate, negative: as the copy resolved it
+        src = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        src = src.view(torch.uint8).numpy()
+    return src
+
+
+def _staged_bytes(slot: StagingSlot, i: int) -> Any:
+    if i in slot.dst_bytes:
+        return slot.dst_bytes[i]
+    return slot.views[i].reshape(-1).view(torch.uint8).numpy()
