@@ -22,7 +22,8 @@ threads (NumPy lets go of the GIL); the small ones (thousands, in a model's norm
 are first packed, sources and staged views alike, by two ``torch._foreach_copy_`` calls into
 two scratch buffers kept per slot layout (twice their bytes, up to ``PACK_MAX_BYTES``; beyond
 it the rest are compared one by one, ~40 us each, and a log line says so once), then compared
-whole.
+whole. Under ``Staging(max_host_bytes=)`` nothing is packed (the scratch would sit outside the
+budget): every small tensor is compared one by one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from ._torch import foreach_copy_
-from .staging import StagingSlot, _as_bytes, _pool, cpu_copy_threads
+from .staging import Marks, StagingSlot, _as_bytes, _pool, cpu_copy_threads
 
 log = logging.getLogger("asyncckpt")
 
@@ -49,10 +50,15 @@ _ALIGN = 64
 _said_unpacked = False
 
 
-def changed_since_copied(slot: StagingSlot, tensors: dict[str, torch.Tensor]) -> list[str]:
+def changed_since_copied(
+    slot: StagingSlot, tensors: dict[str, torch.Tensor], marks: Marks | None = None
+) -> list[str]:
     """The keys of the CPU tensors whose bytes differ from what ``slot``'s views hold now
     (``slot`` was just staged from ``tensors``; a tensor whose copy was skipped, its view
-    holding its bytes already, is compared the same way)."""
+    holding its bytes already, is compared the same way). ``marks``: as the copy does, no
+    source is read before its storage is found where it was when ``save`` was called
+    (``StateModifiedWhileStaging`` if one was freed or replaced: never read through a
+    dangling pointer; the loop must still not free one until ``handle.staged()``)."""
     keys = list(tensors)
     srcs = list(tensors.values())
     small = set(slot.small)
@@ -62,7 +68,10 @@ def changed_since_copied(slot: StagingSlot, tensors: dict[str, torch.Tensor]) ->
         if spec.nbytes == 0 or i in small or srcs[i].is_cuda:
             continue
         one_by_one.append(i)
-    packed = _packed(slot, [i for i in slot.small if not srcs[i].is_cuda])
+    small_cpu = [i for i in slot.small if not srcs[i].is_cuda]
+    if marks is not None:
+        marks.check_pointers(tensors, srcs, one_by_one + small_cpu)
+    packed = _packed(slot, small_cpu)
     if packed is not None:
         pieces.extend(packed.pieces(srcs, slot))
         one_by_one.extend(packed.left)
@@ -133,6 +142,7 @@ def _packed(slot: StagingSlot, indices: list[int]) -> _Packed | None:
     global _said_unpacked
     if not indices:
         return None
+    limit = PACK_MAX_BYTES if slot.pack_check else 0  # (not under a staging budget)
     key = (slot.arena_ids and tuple(slot.arena_ids), tuple(indices))
     kept = slot.byte_check
     if kept is not None and kept.key == key:
@@ -141,7 +151,7 @@ def _packed(slot: StagingSlot, indices: list[int]) -> _Packed | None:
     left = []
     for i in indices:
         n = slot.specs[i].nbytes
-        if at + n > PACK_MAX_BYTES:
+        if at + n > limit:
             left.append(i)
             continue
         order.append(i)
@@ -151,9 +161,10 @@ def _packed(slot: StagingSlot, indices: list[int]) -> _Packed | None:
         _said_unpacked = True
         log.info(
             "the byte check of overlapped saves compares %d small tensors one by one (beyond "
-            "the %d bytes of them it packs)",
+            "the %d bytes of them it packs%s)",
             len(left),
-            PACK_MAX_BYTES,
+            limit,
+            "" if slot.pack_check else ": none under Staging(max_host_bytes=)",
         )
     # Zeroed: the padding between views is compared too, and never written.
     src_buf = torch.zeros(at, dtype=torch.uint8)

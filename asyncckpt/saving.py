@@ -136,7 +136,7 @@ class Saver:
         self.schedule = schedule
         self.sigterm = sigterm
         self.is_started = is_started
-        self.slots = [StagingSlot(i) for i in range(rules.max_in_flight)]
+        self.slots = [StagingSlot(i, not rules.max_host_bytes) for i in range(rules.max_in_flight)]
         self._giving_back = threading.Lock()  # take_slot vs give_back_slot of one save
         self._budget_moot_said = False
         self.budget = (
@@ -597,8 +597,11 @@ def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
     if not saver.is_started():
         return
     link = saver.worker.link
-    with saver.worker.sending():
-        dropped = _send_drops(slot, link)
+    try:
+        with saver.worker.sending():
+            dropped = _send_drops(slot, link)
+    except OSError:  # the worker is dead: its mappings went with it (send_job says so)
+        return
     with saver.jobs.cond:
         while dropped & link.undropped:
             if link is not saver.worker.link or not saver.is_started():

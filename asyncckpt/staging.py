@@ -264,8 +264,11 @@ class StagingSlot:
 
     _next_id = 0
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, pack_check: bool = True) -> None:
         self.index = index
+        # Whether the byte check may pack small tensors into scratch buffers (bytecheck.py):
+        # not under a staging budget, which they would sit outside of.
+        self.pack_check = pack_check
         self.key: tuple | None = None
         self.arena_ids: list[int] = []
         self.arenas: list[torch.Tensor] = []

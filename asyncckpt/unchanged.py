@@ -464,10 +464,14 @@ def stage_checked(
         from .bytecheck import changed_since_copied
 
         t1 = time.perf_counter()
-        unseen = changed_since_copied(slot, tensors)
+        try:
+            unseen = changed_since_copied(slot, tensors, marks)
+        except StateModifiedWhileStaging as e:  # a storage freed or replaced: never read
+            unseen, torn = [], e
         plan.check_seconds = time.perf_counter() - t1
         if unseen:
-            torn = StateModifiedWhileStaging(unseen, unseen=unseen)
+            # A write the counters do see may have landed since torn_since: named as such.
+            torn = torn_since(tensors, marks) or StateModifiedWhileStaging(unseen, unseen=unseen)
     if torn is not None:
         # The copied views may hold two moments; skipped views were not written (kept).
         return torn, plan

@@ -101,3 +101,34 @@ def test_a_state_grown_over_the_budget_drops_its_whole_buffers_before_the_chunks
     buffers are allocated only once the worker let go of the 30 MiB ones."""
     peak = _save_two_layouts(tmp_path, _state(30 * MiB // 4, 1), _state(60 * MiB // 4, 2), 40 * MiB)
     assert 0 < peak <= 40 * MiB, peak / MiB
+
+
+def test_a_relayout_just_after_the_worker_died_fails_as_a_worker_death(tmp_path, monkeypatch):
+    """Under a budget the old arenas' Drop is sent before the new ones are allocated, before
+    the save waits for a worker: with the worker just killed and its death not yet handled,
+    the save raised a bare ``BrokenPipeError``. Now the dead worker is left to ``send_job``,
+    which waits for the new one (committed) or says ``WorkerDied``."""
+    import signal
+
+    from asyncckpt import WorkerDied, supervisor
+
+    real = supervisor.WorkerSupervisor._on_death
+
+    def slow(self, proc, reason):  # a busy host: the death is handled half a second late
+        time.sleep(0.5)
+        return real(self, proc, reason)
+
+    monkeypatch.setattr(supervisor.WorkerSupervisor, "_on_death", slow)
+    with SyncCheckpointEngine(tmp_path / "ckpt", staging=Staging(max_host_bytes=8 * MiB)) as e:
+        e.save(1, _state(MiB // 4, 1)).committed_sync(60)
+        pid = e.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        while (
+            Path(f"/proc/{pid}").exists()
+            and Path(f"/proc/{pid}/stat").read_text().split()[2] not in "ZX"
+        ):
+            time.sleep(0.001)
+        try:
+            e.save(2, _state(MiB // 4 + 1, 2)).committed_sync(120)  # another layout
+        except WorkerDied:
+            pass

@@ -87,3 +87,78 @@ def test_a_new_layout_packs_anew():
     more["extra"].data.add_(1.0)
     assert bytecheck.changed_since_copied(slot, more) == ["extra"]
     assert slot.byte_check is not first
+
+
+# ------------------------------------------------------------------ found in review
+def test_a_storage_freed_after_the_copy_is_never_read_by_the_compare():
+    """The loop frees a storage (FSDP: ``untyped_storage().resize_(0)``) between the copy and
+    the compare: the compare read it through a null pointer (the trainer died, SIGSEGV). Now
+    the pointers are checked first, as the copy does: a torn state naming it."""
+    from asyncckpt.errors import StateModifiedWhileStaging
+    from asyncckpt.staging import Marks
+
+    frees = {
+        "small5": lambda t: t.untyped_storage().resize_(0),
+        # (a storage once read through NumPy cannot be resized: swapped for another instead)
+        "big": lambda t: t.set_(torch.zeros(3)),
+    }
+    for key, free in frees.items():
+        tensors = _state()
+        marks = Marks.of(tensors)
+        slot = _staged(tensors)
+        free(tensors[key])
+        with pytest.raises(StateModifiedWhileStaging) as info:
+            bytecheck.changed_since_copied(slot, tensors, marks)
+        assert info.value.storage == [key]
+
+
+def test_an_in_place_write_after_the_copy_is_named_as_one(tmp_path, monkeypatch):
+    """A write the version counter sees, landing after the copy's counter check and before
+    the compare: the save fails (its bytes are not the staged ones) and says what it was, not
+    "no version counter moved"."""
+    from asyncckpt import SaveFailed, StateModifiedWhileStaging, SyncCheckpointEngine, unchanged
+
+    state = {"w": torch.randn(256), "b": torch.randn(256)}
+    real = unchanged.torn_since
+    calls = []
+
+    def then_write(tensors, marks):
+        out = real(tensors, marks)
+        if not calls:
+            calls.append(1)
+            state["b"].add_(1.0)  # just after the copy's check
+        return out
+
+    monkeypatch.setattr(unchanged, "torn_since", then_write)
+    with SyncCheckpointEngine(tmp_path) as engine:
+        with pytest.raises(SaveFailed) as info:
+            engine.save(1, state, overlap=True).committed_sync(60)
+    torn = info.value.__cause__
+    assert isinstance(torn, StateModifiedWhileStaging)
+    assert torn.keys == ["b"] and torn.unseen == [], torn
+    assert "modified in place" in str(torn) and "no version counter" not in str(torn)
+
+
+def test_under_a_staging_budget_nothing_is_packed(tmp_path, monkeypatch, caplog):
+    """The packing's two scratch buffers sat outside ``Staging(max_host_bytes=)``: 6 MiB of
+    small tensors under an 8 MiB budget took 18 MiB. Under a budget every small tensor is
+    compared one by one (slower, no scratch), and the log says so; a write is still found."""
+    from asyncckpt import Staging, SyncCheckpointEngine
+
+    monkeypatch.setattr(bytecheck, "_said_unpacked", False)
+    state = {f"p{i}": torch.randn(16384) for i in range(96)}  # 96 x 64 KiB, all small
+    with SyncCheckpointEngine(tmp_path, staging=Staging(max_host_bytes=8 << 20)) as engine:
+        with caplog.at_level("INFO", logger="asyncckpt"):
+            engine.save(1, state, overlap=True).committed_sync(60)
+        slots = engine._engine.saver.slots
+        assert [s.byte_check for s in slots if s.byte_check is not None] == [
+            s.byte_check for s in slots if s.byte_check is not None and not s.byte_check.order
+        ]
+        held = sum(s.byte_check.src_buf.nbytes for s in slots if s.byte_check is not None)
+        assert held == 0
+    assert "none under Staging(max_host_bytes=)" in caplog.text
+    slot = StagingSlot(0, pack_check=False)
+    slot.ensure(state, pin=False)
+    slot.copy_in(state, any_cuda=False)
+    state["p70"].data.add_(1.0)
+    assert bytecheck.changed_since_copied(slot, state) == ["p70"]
