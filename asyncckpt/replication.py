@@ -10,9 +10,12 @@ its own memory. The trainer never waits for it: the ``Hold`` reaches the worker 
 Transport: a TCP connection per pair, the receiver's address published in the side store
 (``asyncckpt/<token>/replica/<rank>``). A replica is a header (the ``SaveJob`` with its specs
 and paths: what writing that rank's files as that rank would takes), the receiver's go-ahead
-(or its refusal: no memory for it), the arenas' bytes, and an end mark. The receiver reads
-into buffers of its own that hold no replica and swaps them in only once the end mark came:
-a sender that dies mid-transfer leaves the previous replica, never a torn one. A sender whose
+(or its refusal: no memory for it), the arenas' bytes, an end mark and a CRC-32C of each
+arena (checked before the replica is held). The receiver reads into buffers of its own that
+hold no replica the sender still keeps (the header's ``keep``; those it let go of are reused)
+and swaps them in only once all of it came and checked: a sender that dies mid-transfer, or a
+replica damaged on the way, leaves the replicas the sender still keeps, never a torn one. A
+sender whose
 slot is released mid-transfer (the trainer needs it for a newer save) aborts the transfer the
 same way before the slot is let go (``ReplicaSender.release``).
 

@@ -587,6 +587,10 @@ def prune_request(
     )
 
 
+#: The longest ``let_worker_go`` waits for the worker's word (its reader thread answers at once).
+DROP_WAIT_S = 60.0
+
+
 def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
     """Under a budget, between the release of a re-laid-out slot's arenas and the allocation
     of its new ones: the worker unmaps the old ones, and this waits for its word (``Dropped``;
@@ -602,9 +606,18 @@ def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
             dropped = _send_drops(slot, link)
     except OSError:  # the worker is dead: its mappings went with it (send_job says so)
         return
+    deadline = time.monotonic() + DROP_WAIT_S
     with saver.jobs.cond:
         while dropped & link.undropped:
             if link is not saver.worker.link or not saver.is_started():
+                return
+            if time.monotonic() > deadline:  # (no hang for the budget's sake: said, not waited)
+                log.warning(
+                    "the worker did not say it let go of %d old staging buffer(s) in %.0f s: "
+                    "the new ones are allocated beside them (over Staging(max_host_bytes=))",
+                    len(dropped & link.undropped),
+                    DROP_WAIT_S,
+                )
                 return
             saver.jobs.cond.wait(0.5)
 

@@ -132,3 +132,37 @@ def test_a_relayout_just_after_the_worker_died_fails_as_a_worker_death(tmp_path,
             e.save(2, _state(MiB // 4 + 1, 2)).committed_sync(120)  # another layout
         except WorkerDied:
             pass
+
+
+def test_a_worker_that_never_says_it_let_go_delays_a_relayout_only_so_long(
+    tmp_path, monkeypatch, caplog
+):
+    """The worker's word (``Dropped``) lost: the relayout waited for it forever. Now it waits
+    ``DROP_WAIT_S`` at most, says so, and the save goes on (over the budget for a while)."""
+    import threading
+
+    from asyncckpt import messages as M
+    from asyncckpt import saving, supervisor
+
+    monkeypatch.setattr(saving, "DROP_WAIT_S", 0.5)
+    real = supervisor.WorkerSupervisor._on_event
+
+    def deaf(self, msg):
+        if not isinstance(msg, M.Dropped):
+            real(self, msg)
+
+    monkeypatch.setattr(supervisor.WorkerSupervisor, "_on_event", deaf)
+    done: list[object] = []
+    with SyncCheckpointEngine(tmp_path / "ckpt", staging=Staging(max_host_bytes=8 * MiB)) as e:
+        e.save(1, _state(MiB // 4, 1)).committed_sync(60)
+
+        def second() -> None:
+            done.append(e.save(2, _state(MiB // 4 + 1, 2)).committed_sync(60))
+
+        with caplog.at_level("WARNING", logger="asyncckpt"):
+            t = threading.Thread(target=second, daemon=True)
+            t.start()
+            t.join(60)
+        assert not t.is_alive(), "the relayout waited for the worker's word forever"
+    assert done and done[0].step == 2
+    assert "did not say it let go of 1 old staging buffer(s)" in caplog.text
