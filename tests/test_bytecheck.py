@@ -144,13 +144,14 @@ def test_under_a_staging_budget_nothing_is_packed(tmp_path, monkeypatch, caplog)
     small tensors under an 8 MiB budget took 18 MiB. Under a budget every small tensor is
     compared one by one (slower, no scratch), and the log says so; a write is still found."""
     from asyncckpt import Staging, SyncCheckpointEngine
+    from asyncckpt.testing import parts
 
     monkeypatch.setattr(bytecheck, "_said_unpacked", False)
     state = {f"p{i}": torch.randn(16384) for i in range(96)}  # 96 x 64 KiB, all small
     with SyncCheckpointEngine(tmp_path, staging=Staging(max_host_bytes=8 << 20)) as engine:
         with caplog.at_level("INFO", logger="asyncckpt"):
             engine.save(1, state, overlap=True).committed_sync(60)
-        slots = engine._engine.saver.slots
+        slots = parts(engine).saver.slots
         assert [s.byte_check for s in slots if s.byte_check is not None] == [
             s.byte_check for s in slots if s.byte_check is not None and not s.byte_check.order
         ]
