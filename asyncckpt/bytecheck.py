@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ._torch import foreach_copy_
-from .staging import Marks, StagingSlot, _as_bytes, _pool, cpu_copy_threads
+from .staging import Marks, StagingSlot, _as_bytes, _bytes_of_view, _pool, cpu_copy_threads
 
 log = logging.getLogger("asyncckpt")
 
@@ -94,7 +94,7 @@ def changed_since_copied(
         if i >= 0 or packed is None:
             changed.add(i)
         else:  # a packed piece: which of its tensors
-            changed.update(packed.which(src, dst))
+            changed.update(packed.which(-1 - i, src, dst))
     return [keys[i] for i in sorted(changed)]
 
 
@@ -122,9 +122,9 @@ class _Packed:
         # Index -1 - at: a packed piece starting at byte ``at`` (``which`` says whose).
         return [(-1 - at, a[at : at + PIECE], b[at : at + PIECE]) for at in range(0, a.size, PIECE)]
 
-    def which(self, src: Any, dst: Any) -> list[int]:
-        """The tensors whose bytes differ within a packed piece (the rare path)."""
-        start = int(src.ctypes.data - self.src_buf.data_ptr())
+    def which(self, start: int, src: Any, dst: Any) -> list[int]:
+        """The tensors whose bytes differ within the packed piece at byte ``start`` (the rare
+        path)."""
         out = []
         for i, off, view in zip(self.order, self.offsets, self.src_views, strict=True):
             n = view.numel() * view.element_size()
@@ -197,4 +197,4 @@ def _source_bytes(t: torch.Tensor) -> Any:
 def _staged_bytes(slot: StagingSlot, i: int) -> Any:
     if i in slot.dst_bytes:
         return slot.dst_bytes[i]
-    return slot.views[i].reshape(-1).view(torch.uint8).numpy()
+    return _bytes_of_view(slot.views[i])
