@@ -311,13 +311,17 @@ def relayed_failure(what: str, cause: str) -> Exception:
     return RuntimeError(text)
 
 
-def job_store(cfg: DistConfig) -> Any:
+def job_store(cfg: DistConfig, *, named: bool = False) -> Any:
     """The side store for a job group: one client connection per worker, reused by every
     job. A connection per save made every rank reconnect to the one store each save (N
     connections per save at the store, a storm at 10,000 ranks); on this machine's network
     stack 1 in ~10 of 32 simultaneous reconnections took 5 s, which every rank of the save
     then waited for. A reused connection that no longer answers (rank 0's worker restarted
-    and serves a fresh store) is replaced before the job uses it."""
+    and serves a fresh store) is replaced before the job uses it.
+
+    ``named``: the store is known to be one ``serve`` names, so a new connection waits (up to
+    the run's timeout) for its name: a restarted worker's store accepts the clients queued in
+    its socket's backlog before it has set it."""
     if cfg.recovery_store is not None:
         return side_store(cfg)
     key = (cfg.host, cfg.port)
@@ -332,6 +336,8 @@ def job_store(cfg: DistConfig) -> Any:
     store = side_store(cfg)
     _job_client[key] = store
     # (a store served by ``serve`` names itself at once; a bare one, in tests, does not)
+    if named:
+        store.wait([STORE_ID_KEY])  # (the client's timeout: the run's)
     _job_store_id[key] = store.get(STORE_ID_KEY).decode() if store.check([STORE_ID_KEY]) else None
     return store
 

@@ -243,7 +243,7 @@ def meet_on_side_store(cfg: Any, tag: str, fresh: bool) -> bool:
         if cfg.recovery_store is not None or was is None:  # (a file; a store with no name)
             raise
         _dist.forget_job_store(cfg)
-        store = _dist.job_store(cfg)
+        store = _dist.job_store(cfg, named=True)  # (``was`` says ``serve`` names it)
         now = _dist.job_store_id(cfg)
         if now is None or now == was:
             raise

@@ -162,7 +162,9 @@ def test_a_meeting_cut_by_a_replaced_side_store_meets_again_on_a_new_connection(
     def connections(*named: tuple[object, str | None]) -> list:
         got = list(named)
         ids: list = []
-        monkeypatch.setattr(_dist, "job_store", lambda cfg: ids.append(got[0][1]) or got.pop(0)[0])
+        monkeypatch.setattr(
+            _dist, "job_store", lambda cfg, **kw: ids.append(got[0][1]) or got.pop(0)[0]
+        )
         monkeypatch.setattr(_dist, "job_store_id", lambda cfg: ids[-1])
         return got
 
@@ -233,3 +235,71 @@ def test_a_memory_checkpoint_persisted_after_its_steps_failed_disk_save_meets_an
     assert met == [False, False]
     with pytest.raises(TimeoutError, match="never came"):
         peer_gone.meet(server, "run", memory, 2, 0.3, False, rank=0)
+
+
+_SERVE_LATE = """
+import datetime, sys, time
+import torch.distributed as dist
+from asyncckpt import dist as _dist
+fd, port, delay, name = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30),
+                      wait_for_workers=False, use_libuv=True, master_listen_fd=fd)
+time.sleep(delay)  # as dist.serve: the store accepts first, and names itself after
+store.set(_dist.STORE_ID_KEY, name)
+time.sleep(120)
+"""
+
+
+def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch):
+    """Rank 0's new worker serves its store as soon as the store listens and names it just
+    after (``dist.serve``). A rank whose meeting was cut reconnects at once, in the socket's
+    backlog, and asked for the name before it was set: "a store that never said which it is",
+    so it gave the save up (the plan-caching test of tests/test_multirank.py, once in a CI
+    run). The new store is waited for to name itself; that worker meets again there."""
+    import subprocess
+    import sys
+
+    from asyncckpt import dist as _dist
+    from asyncckpt.framing import listen
+
+    listener = listen()  # the trainer's socket: it outlives every worker serving on it
+    port = listener.getsockname()[1]
+
+    def serve(delay: float, name: str) -> subprocess.Popen:
+        fd = listener.fileno()
+        argv = [sys.executable, "-c", _SERVE_LATE, str(fd), str(port), str(delay), name]
+        return subprocess.Popen(argv, pass_fds=(fd,))
+
+    old = serve(0.0, "old")
+    new = None
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", timeout=30.0)
+    try:
+        deadline = time.monotonic() + 60
+        while _dist.job_store_id(cfg) != "old" and time.monotonic() < deadline:
+            _dist.forget_job_store(cfg)
+            _dist.job_store(cfg)  # (connects once the old store serves; named at once)
+            time.sleep(0.1)
+        assert _dist.job_store_id(cfg) == "old"
+        real_meet = peer_gone.meet
+        calls: list[bool] = []
+
+        def meet_while_rank_0s_worker_is_replaced(store, *args, **kw):
+            nonlocal new
+            if not calls:  # the first meeting: its store's server dies under it
+                old.kill()
+                old.wait(30)
+                new = serve(3.0, "new")
+            calls.append(kw.get("again", False))
+            return real_meet(store, *args, **kw)
+
+        monkeypatch.setattr(peer_gone, "meet", meet_while_rank_0s_worker_is_replaced)
+        assert peer_gone.meet_on_side_store(cfg, "6.0", False) is False
+        assert calls == [False, True]  # cut, then met again on the new store
+        assert _dist.job_store_id(cfg) == "new"
+    finally:
+        _dist.forget_job_store(cfg)
+        for p in (old, new):
+            if p is not None:
+                p.kill()
+                p.wait(30)
+        listener.close()
