@@ -364,7 +364,7 @@ class EngineParts:
         open_and_clean()
 
     def _open_and_clean(self) -> None:
-        from .local_recovery import replica_roots
+        from .local_recovery import clean_replica_leftovers
         from .prune import clean_leftovers
 
         rank = self.ranks.rank
@@ -385,9 +385,8 @@ class EngineParts:
         if rank != 0 and not (_node_local(self.ranks, self.opts) and self.ranks.local_rank == 0):
             return
         removed = clean_leftovers(self.root)
-        # A stand-in's write into a replica cut short (node-local roots: local_recovery.py).
-        for held in replica_roots(self.root):
-            removed += [f"{held.relative_to(self.root)}/{n}" for n in clean_leftovers(held)]
+        # A stand-in's write cut short, a dropped replica not yet removed (local_recovery.py).
+        removed += clean_replica_leftovers(self.root)
         if removed:
             log.warning("removed leftovers of an interrupted run in %s: %s", self.root, removed)
         if self.remote is not None:  # uploads cut by a crash: prefixes with no marker

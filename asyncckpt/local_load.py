@@ -33,6 +33,7 @@ import datetime
 import json
 import logging
 import pickle
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,7 @@ class StepAgreement:
         self.root = Path(root)
         self.layout = layout
         self.loads = 0  # every rank loads as often as the others: one key prefix per load
+        self.reclaiming: threading.Thread | None = None  # dropped replicas' space (tests join)
 
     def choose(self, steps: Iterable[int]) -> Agreed:
         from .dist import side_store
@@ -126,7 +128,7 @@ class StepAgreement:
                     + "; ".join(failed)
                 )
             if cfg.rank in drop:  # every node now holds the step: what no node can need
-                drop_replicas(self.root, self.layout, drop[cfg.rank])
+                self.reclaiming = drop_replicas(self.root, self.layout, drop[cfg.rank])
         finally:
             if server is not None:
                 server.close()

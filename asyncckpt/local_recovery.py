@@ -188,27 +188,33 @@ def replicas_not_needed(
     return out
 
 
-def drop_replicas(root: str | os.PathLike, layout: str, drop: Mapping[int, Iterable[int]]) -> None:
-    """Delete the replicas ``drop`` names (node -> steps) from a node's root, each renamed
-    away before its space is reclaimed (prune.trash_and_delete), and a node's whole
-    ``replica_root`` once nothing of it is left. A failure is logged, never raised: the load
-    it follows has succeeded, and the next load drops what is left."""
-    from .prune import trash_and_delete
+def drop_replicas(
+    root: str | os.PathLike, layout: str, drop: Mapping[int, Iterable[int]]
+) -> threading.Thread | None:
+    """Take the replicas ``drop`` names (node -> steps) out of a node's root, and a node's
+    whole ``replica_root`` once nothing of it is left; returns the thread reclaiming their
+    space, if any. Each is renamed to a trash name here (from then on no scan lists it); the
+    removal runs behind, off the load's critical path: deleting gigabytes of shards file by
+    file took as long as the training waited for it. A failure is logged, never raised: the
+    load it follows has succeeded, and the next start removes what is left
+    (``clean_replica_leftovers``)."""
+    from .storage.local import LocalStore
 
+    retired: list[tuple[Any, Path]] = []
     for node, steps in drop.items():
         held = replica_root(root, node)
         steps = sorted(steps)
         try:
-            for step in steps:
-                trash_and_delete(held, held / _layout.dir_name(layout, step))
+            store = LocalStore(held)
+            gone = [(store, store.retire(_layout.dir_name(layout, step))) for step in steps]
             if not _layout.scan(held, layout):  # nothing of it left: tracker, leftovers too
-                trash_and_delete(held.parent, held)
+                parent = LocalStore(held.parent)
+                gone = [(parent, parent.retire(held.name))]  # (the trash inside goes with it)
             elif _layout.read_tracker(held) in steps:  # (read by no load: never dangling)
-                from .storage.local import LocalStore
-
                 for name in _layout.tracker_names(layout):
                     with contextlib.suppress(FileNotFoundError):
-                        LocalStore(held).delete(name)
+                        store.delete(name)
+            retired += gone
             log.warning(
                 "dropped this node's replica(s) of node %d's step(s) %s: no node can load them "
                 "any more",
@@ -217,6 +223,36 @@ def drop_replicas(root: str | os.PathLike, layout: str, drop: Mapping[int, Itera
             )
         except Exception as e:  # noqa: BLE001 - the load succeeded: never failed by this
             log.warning("could not drop the replicas of node %d's steps %s: %s", node, steps, e)
+    if not retired:
+        return None
+    reclaimer = threading.Thread(
+        target=_reclaim, args=(retired,), name="asyncckpt-replica-reclaim", daemon=True
+    )
+    reclaimer.start()
+    return reclaimer
+
+
+def _reclaim(retired: list[tuple[Any, Path]]) -> None:
+    for store, trash in retired:
+        try:
+            store.reclaim(trash)
+        except Exception as e:  # noqa: BLE001 - a leftover the next start removes
+            log.warning("could not remove %s (the next start does): %s", trash, e)
+
+
+def clean_replica_leftovers(root: str | os.PathLike) -> list[str]:
+    """Remove what a crash left of the replicas under a node's root: a stand-in's write cut
+    short, a dropped replica (or a whole node's) not yet removed. Only at start, holding the
+    root's lock (a temporary in flight looks like a leftover); names relative to ``root``."""
+    from .storage.local import LocalStore
+
+    base = Path(root) / REPLICAS_DIR
+    if not base.is_dir():
+        return []
+    removed = [f"{REPLICAS_DIR}/{n}" for n in LocalStore(base).clean_leftovers()]
+    for held in replica_roots(root):
+        removed += [f"{held.relative_to(root)}/{n}" for n in LocalStore(held).clean_leftovers()]
+    return removed
 
 
 # ------------------------------------------------------------------ the fetch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,15 +25,20 @@ from asyncckpt.local_recovery import (
 )
 
 
-def _agree(roots: dict[int, Path], disk: dict[int, list[int]]) -> dict[int, object]:
-    """Every rank's ``choose`` at once: its outcome, or the exception it raised."""
+def _agree(
+    roots: dict[int, Path], disk: dict[int, list[int]], *, reclaimed: bool = True
+) -> dict[int, object]:
+    """Every rank's ``choose`` at once: its outcome, or the exception it raised; with
+    ``reclaimed``, once the space of the replicas it dropped is reclaimed too."""
     server = dist.TCPStore("127.0.0.1", 0, None, True)
     out: dict[int, object] = {}
+    agreements: list[StepAgreement] = []
 
     def one(rank: int) -> None:
         cfg = DistConfig(rank, 2, 0, "127.0.0.1", server.port, "t", timeout=60, ranks_per_node=1)
+        agreements.append(StepAgreement(cfg, roots[rank], "global_step"))
         try:
-            out[rank] = StepAgreement(cfg, roots[rank], "global_step").choose(disk[rank])
+            out[rank] = agreements[-1].choose(disk[rank])
         except Exception as e:  # noqa: BLE001 - checked by the test
             out[rank] = e
 
@@ -41,6 +47,9 @@ def _agree(roots: dict[int, Path], disk: dict[int, list[int]]) -> dict[int, obje
         t.start()
     for t in threads:
         t.join(120)
+    for a in agreements if reclaimed else ():
+        if a.reclaiming is not None:
+            a.reclaiming.join(60)
     return out
 
 
@@ -144,3 +153,55 @@ def test_which_replicas_no_node_can_need():
     # other rank's disk. Holder 4: node 1's step 1 is not on ranks 4 and 5; node 0's 5 is new.
     assert drop == {0: {1: [2, 6]}, 4: {1: [1], 0: [5]}}
     assert replicas_not_needed(4, on_disk, {0: {1: [3, 4]}}, per=2, world_size=6) == {}
+
+
+def test_dropped_replicas_leave_the_namespace_at_once_and_their_space_behind_the_load(
+    tmp_path, monkeypatch
+):
+    """Deleting the dropped replicas (gigabytes of shards, file by file) ran inside the load:
+    the training waited for it. They are renamed away during the load and removed behind it;
+    a removal cut short (the process exits) is a leftover the next start removes."""
+    from asyncckpt.local_recovery import REPLICAS_DIR, clean_replica_leftovers
+    from asyncckpt.storage import localfs
+
+    node0, _ = _replica_of_rank(tmp_path, 1, 3)
+    _more_replicas(node0, 1, [2, 5])
+    node1 = tmp_path / "node1"
+    node1.mkdir()
+    release = threading.Event()
+    real_remove_tree = localfs.remove_tree
+    removing: list[str] = []
+
+    def remove_tree_held_back(path, *a, **kw):
+        removing.append(Path(path).name)
+        release.wait(30)  # (the load must not wait for this)
+        return real_remove_tree(path, *a, **kw)
+
+    monkeypatch.setattr(localfs, "remove_tree", remove_tree_held_back)
+    out = _agree({0: node0, 1: node1}, {0: [1, 3], 1: []}, reclaimed=False)
+    assert not release.is_set()
+    assert out[0].choice.step == out[1].choice.step == 3, out
+    assert held_replicas(node0, "global_step") == {1: [3]}  # out of the namespace already
+    trash = [p.name for p in replica_root(node0, 1).iterdir() if L.is_leftover(p.name)]
+    assert len(trash) == 2, trash  # steps 2 and 5, their space not yet reclaimed
+    # The process exits before the removal: the next start removes the trash.
+    monkeypatch.setattr(localfs, "remove_tree", real_remove_tree)
+    removed = clean_replica_leftovers(node0)
+    assert sorted(removed) == sorted(f"{REPLICAS_DIR}/node1/{n}" for n in trash)
+    release.set()
+    time.sleep(0.2)  # (the reclaimer finds them gone: no error)
+    assert held_replicas(node0, "global_step") == {1: [3]}
+    assert not [p for p in replica_root(node0, 1).iterdir() if L.is_leftover(p.name)]
+
+
+def test_a_whole_node_dropped_leaves_no_trash_beside_the_replica_roots(tmp_path):
+    """A node's whole replica root is renamed to a trash name in ``.asyncckpt-replicas``,
+    which no start looked in: a removal cut short there stayed for good."""
+    from asyncckpt.local_recovery import REPLICAS_DIR, clean_replica_leftovers
+
+    node0, _ = _replica_of_rank(tmp_path, 1, 3)
+    base = node0 / REPLICAS_DIR
+    left = base / L.trash_name("node7", "deadbeef0000")
+    (left / "global_step_1").mkdir(parents=True)
+    assert clean_replica_leftovers(node0) == [f"{REPLICAS_DIR}/{left.name}"]
+    assert not left.exists() and held_replicas(node0, "global_step") == {1: [3]}
