@@ -319,9 +319,10 @@ def job_store(cfg: DistConfig, *, named: bool = False) -> Any:
     then waited for. A reused connection that no longer answers (rank 0's worker restarted
     and serves a fresh store) is replaced before the job uses it.
 
-    ``named``: the store is known to be one ``serve`` names, so a new connection waits (up to
-    the run's timeout) for its name: a restarted worker's store accepts the clients queued in
-    its socket's backlog before it has set it."""
+    ``named``: the store is known to be one ``serve`` names (so is any store after one that
+    said its name), so a new connection waits (up to the run's timeout) for its name: a
+    restarted worker's store accepts the clients queued in its socket's backlog before it has
+    set it, and a connection that recorded no name could not tell that store from the next."""
     if cfg.recovery_store is not None:
         return side_store(cfg)
     key = (cfg.host, cfg.port)
@@ -333,6 +334,7 @@ def job_store(cfg: DistConfig, *, named: bool = False) -> Any:
         except Exception as e:  # noqa: BLE001 - reconnect; if that fails, the job fails
             log.info("the side store's connection is gone (%s): reconnecting", e)
             _job_client.pop(key, None)
+    named = named or _job_store_id.get(key) is not None
     store = side_store(cfg)
     _job_client[key] = store
     # (a store served by ``serve`` names itself at once; a bare one, in tests, does not)

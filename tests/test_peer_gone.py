@@ -250,45 +250,70 @@ time.sleep(120)
 """
 
 
+class _Served:
+    """Side stores served as rank 0's workers serve them (``dist.serve``), each a process on
+    the one listening socket its trainer keeps; ``serve(delay, name)`` starts the next one,
+    which names itself ``delay`` seconds after it accepts."""
+
+    def __init__(self) -> None:
+        from asyncckpt.framing import listen
+
+        self.listener = listen()
+        self.port = self.listener.getsockname()[1]
+        self.procs: list = []
+
+    def serve(self, delay: float, name: str):
+        import subprocess
+        import sys
+
+        fd = self.listener.fileno()
+        argv = [sys.executable, "-c", _SERVE_LATE, str(fd), str(self.port), str(delay), name]
+        self.procs.append(subprocess.Popen(argv, pass_fds=(fd,)))
+        return self.procs[-1]
+
+    def connect(self, cfg) -> None:
+        """This worker's connection (``job_store``), once the first store serves."""
+        from asyncckpt import dist as _dist
+
+        deadline = time.monotonic() + 60
+        while _dist.job_store_id(cfg) is None and time.monotonic() < deadline:
+            _dist.forget_job_store(cfg)
+            _dist.job_store(cfg)
+            time.sleep(0.1)
+
+    def close(self, cfg) -> None:
+        from asyncckpt import dist as _dist
+
+        _dist.forget_job_store(cfg)
+        _dist._job_store_id.pop((cfg.host, cfg.port), None)
+        for p in self.procs:
+            p.kill()
+            p.wait(30)
+        self.listener.close()
+
+
 def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch):
     """Rank 0's new worker serves its store as soon as the store listens and names it just
     after (``dist.serve``). A rank whose meeting was cut reconnects at once, in the socket's
     backlog, and asked for the name before it was set: "a store that never said which it is",
     so it gave the save up (the plan-caching test of tests/test_multirank.py, once in a CI
     run). The new store is waited for to name itself; that worker meets again there."""
-    import subprocess
-    import sys
-
     from asyncckpt import dist as _dist
-    from asyncckpt.framing import listen
 
-    listener = listen()  # the trainer's socket: it outlives every worker serving on it
-    port = listener.getsockname()[1]
-
-    def serve(delay: float, name: str) -> subprocess.Popen:
-        fd = listener.fileno()
-        argv = [sys.executable, "-c", _SERVE_LATE, str(fd), str(port), str(delay), name]
-        return subprocess.Popen(argv, pass_fds=(fd,))
-
-    old = serve(0.0, "old")
-    new = None
-    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", timeout=30.0)
+    served = _Served()
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
+    old = served.serve(0.0, "old")
     try:
-        deadline = time.monotonic() + 60
-        while _dist.job_store_id(cfg) != "old" and time.monotonic() < deadline:
-            _dist.forget_job_store(cfg)
-            _dist.job_store(cfg)  # (connects once the old store serves; named at once)
-            time.sleep(0.1)
+        served.connect(cfg)
         assert _dist.job_store_id(cfg) == "old"
         real_meet = peer_gone.meet
         calls: list[bool] = []
 
         def meet_while_rank_0s_worker_is_replaced(store, *args, **kw):
-            nonlocal new
             if not calls:  # the first meeting: its store's server dies under it
                 old.kill()
                 old.wait(30)
-                new = serve(3.0, "new")
+                served.serve(3.0, "new")
             calls.append(kw.get("again", False))
             return real_meet(store, *args, **kw)
 
@@ -297,9 +322,26 @@ def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch)
         assert calls == [False, True]  # cut, then met again on the new store
         assert _dist.job_store_id(cfg) == "new"
     finally:
-        _dist.forget_job_store(cfg)
-        for p in (old, new):
-            if p is not None:
-                p.kill()
-                p.wait(30)
-        listener.close()
+        served.close(cfg)
+
+
+def test_a_connection_replaced_between_saves_learns_the_new_stores_name():
+    """Rank 0's worker replaced between two saves: the next save's ``job_store`` reconnects
+    (the old connection fails its check) and read the new store's name before it was set:
+    none. A meeting of that save cut by yet another replacement then could not tell the
+    stores apart and gave the save up. A store after a named one is waited for to say its."""
+    from asyncckpt import dist as _dist
+
+    served = _Served()
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
+    old = served.serve(0.0, "old")
+    try:
+        served.connect(cfg)
+        assert _dist.job_store_id(cfg) == "old"
+        old.kill()
+        old.wait(30)
+        served.serve(3.0, "new")
+        _dist.job_store(cfg)  # the next save's: reconnects, in the backlog
+        assert _dist.job_store_id(cfg) == "new"
+    finally:
+        served.close(cfg)
