@@ -328,7 +328,13 @@ class Restorer:
         if not remote and not _check_root(self.root, self.layout):
             return None
         # A step a surviving worker offers while committing it: from memory now (hot.py).
-        taken = self.hot.before_commit(self.load_dir, state, strict, self.committed)
+        # Never on node-local roots (``only``): the step every rank loads is agreed, and a
+        # step offered before its write is newer than any agreed (workers there offer none).
+        taken = (
+            None
+            if only is not None
+            else self.hot.before_commit(self.load_dir, state, strict, self.committed)
+        )
         if taken is not None:
             self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
             return taken[0]

@@ -388,3 +388,50 @@ def test_an_offer_from_a_run_of_another_size_is_never_taken_from_memory(tmp_path
     assert resume.before_commit(None, blank(), True, lambda: [SimpleNamespace(step=1)]) is None
     assert waited == [0]  # for the commit of step 3 (newer than 1), then the disk
     assert "2 rank(s)" in resume._refusal(3)
+
+
+def test_on_node_local_roots_an_offer_never_outruns_the_agreed_step(tmp_path, monkeypatch):
+    """On node-local roots every rank loads the step the ranks agreed on (local_load.py). An
+    offer made before the write (staged, voted) skipped that agreement: a rank agreed on step
+    1 took step 2 from memory. Workers there never make such an offer (worker.py), but the
+    load itself relied on that; now it never asks. A committed offer of another step is
+    refused as before. The agreement is a stand-in answering step 1; the root holds 1 and 2."""
+    from types import SimpleNamespace
+
+    from asyncckpt import hot
+    from asyncckpt.hot_serve import Offer
+    from asyncckpt.loadcheck import LoadReport
+    from asyncckpt.local_load import Agreed
+    from asyncckpt.local_recovery import LoadChoice
+    from asyncckpt.restore import Restorer
+
+    root = tmp_path / "root"
+    with SyncCheckpointEngine(root, keep=None) as engine:
+        for step in (1, 2):
+            engine.save(step, {"w": torch.full((4,), float(step))}).committed_sync(60)
+
+    class AgreedOnStep1:
+        def choose(self, steps):
+            return Agreed(LoadChoice(1, {}, True, "step 2 is not on every node"), "disk", "")
+
+    def load_with(offer: Offer) -> tuple[int | None, dict]:
+        source = SimpleNamespace(offer=offer, step=offer.step, tensors={}, close=lambda: None)
+        monkeypatch.setattr(hot, "ask", lambda root, rank: (source, ""))
+        restorer = Restorer(
+            root, "global_step", "dcp", None, verify_on_load=True, legacy=None, rank=0,
+            world_size=2, remote=None, on_loaded=lambda step: None,
+        )  # fmt: skip
+        restorer.agreement = AgreedOnStep1()
+        restorer.hot.together = True
+        target = {"w": torch.zeros(4)}
+        return restorer.load_latest(target), target
+
+    # What a node-local worker offers: step 2 committed (no staged memory, no vote).
+    step, target = load_with(Offer(2, 0, (), {}, (), 0, world_size=2))
+    assert step == 1 and torch.equal(target["w"], torch.full((4,), 1.0))
+    # A staged, voted offer of step 2 that every rank would take: still step 1, from disk.
+    monkeypatch.setattr(hot, "load_offered", lambda *a, **k: LoadReport())
+    monkeypatch.setattr(hot, "agree", lambda *a, **k: (True, ""))
+    voted = Offer(2, 0, (), {}, (), 0, staged={}, objects={}, paths={}, vote=object(), world_size=2)
+    step, target = load_with(voted)
+    assert step == 1 and torch.equal(target["w"], torch.full((4,), 1.0))
