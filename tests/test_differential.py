@@ -310,6 +310,52 @@ def test_a_store_step_holding_another_saves_bytes_is_neither_copied_from_nor_tak
     }
 
 
+def test_a_store_object_damaged_since_its_upload_is_not_copied_into_the_next_step(s3, tmp_path):
+    """Bit rot in the store's step 1 (same sizes): step 2's linked files were copied from it
+    inside the store, unread, and the new step was trusted by the store's prune, which left
+    the store holding only a damaged step 2 though every local byte was whole. Each object is
+    now checksummed before the store copies it; a damaged one is uploaded from the local file
+    instead (the worker's log names it)."""
+    tier = RemoteTier(s3.url, storage_options=s3.options, keep=KeepLast(1))
+    store = FsspecStore(s3.url, s3.options)
+    state = state_of()
+    with SyncCheckpointEngine(tmp_path / "local", keep=None, remote=tier) as engine:
+        engine.save(1, state).committed_sync()
+        fs = s3.fs()
+        damaged = sorted(
+            o
+            for o in fs.find(store.path(layout.dir_name("global_step", 1)))
+            if o.endswith(".distcp")
+        )
+        assert len(damaged) >= 2
+        for obj in damaged[:-1]:  # every shard but one: that one is still copied
+            data = bytearray(fs.cat_file(obj))
+            data[len(data) // 2] ^= 0xFF
+            fs.pipe_file(obj, bytes(data))
+        assert store.check(layout.dir_name("global_step", 1))
+        state["model"]["a"].add_(1)
+        second = engine.save(2, state).committed_sync()
+    local2 = tmp_path / "local" / layout.dir_name("global_step", 2)
+    linked = {p.name for p in local2.glob("*.distcp") if p.stat().st_nlink > 1}
+    copied_from_damage = linked & {o.rsplit("/", 1)[-1] for o in damaged[:-1]}
+    assert second.files_linked >= len(linked) and copied_from_damage, (linked, damaged)
+    store = FsspecStore(s3.url, s3.options)
+    assert [c.step for c in store.committed("global_step")] == [2]
+    assert store.check(layout.dir_name("global_step", 2)) == []
+    # Uploaded: a's file (changed), every linked one whose object was damaged, and the small
+    # files (.metadata, the sidecar, the manifest: under 64 KiB); the linked shard whose
+    # object was whole (1 MiB) is still copied in the store.
+    shards = {p.name: p.stat().st_size for p in local2.glob("*.distcp")}
+    want = sum(size for name, size in shards.items() if name not in linked - copied_from_damage)
+    assert linked - copied_from_damage, linked
+    assert want <= second.uploaded_bytes < want + (64 << 10), (want, second.uploaded_bytes)
+    target = fresh_like(state)
+    dcp.load(
+        target, checkpoint_id=tmp_path / "local" / layout.dir_name("global_step", 2), no_dist=True
+    )
+    assert_same(target, state)
+
+
 def test_megatron_torch_dist_links_unchanged_files_and_megatron_loads_them(tmp_path):
     """torch_dist's shards are DCP files found through ``.metadata`` (megatron's loader never
     reads a file name): they are linked as plain DCP's. Step 1 pruned, step 2 is read back by
