@@ -158,7 +158,15 @@ class Linker:
         sidecar = (rel / (self.prefix + SIDECAR)).as_posix()
         want = files.get(sidecar)
         path = self.previous / (self.prefix + SIDECAR)
-        if want is None or entry_problem(sidecar, want, path.stat().st_size, _crc_of(path)):
+        try:
+            problem = want is None or entry_problem(
+                sidecar, want, path.stat().st_size, _crc_of(path)
+            )
+        except OSError as e:  # pruned meanwhile (another process's prune): nothing to link
+            self._fallback(f"{path} went while read ({e}): every file written")
+            self._old = None
+            return
+        if problem:
             self._fallback(f"{path} fails its manifest entry: every file written")
             self._old = None
             return

@@ -385,3 +385,29 @@ def test_megatron_torch_dist_links_unchanged_files_and_megatron_loads_them(tmp_p
         assert not (tmp_path / "m" / layout.dir_name("megatron", 1)).exists()
         _megatron_load("plain", tmp_path / "m" / layout.dir_name("megatron", 2))
     assert step2.is_dir()
+
+
+def test_a_previous_checkpoint_pruned_while_its_fingerprints_are_read_is_written_anew(
+    tmp_path, monkeypatch
+):
+    """Another process's prune removed the previous checkpoint between the read of its
+    fingerprints and the look at their file: the save failed with FileNotFoundError. Nothing
+    is linked then; every file is written (and the fallback says why)."""
+    from asyncckpt import differential
+
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(1, state_of()).committed_sync()
+    previous = step_dir(tmp_path, 1)
+    real_read_json = differential._read_json
+
+    def read_then_pruned(path):
+        out = real_read_json(path)
+        if path.name.endswith(differential.SIDECAR):
+            (previous / path.name).unlink()  # (as a prune renaming the step away would)
+        return out
+
+    monkeypatch.setattr(differential, "_read_json", read_then_pruned)
+    linker = differential.Linker(
+        location=tmp_path / "new", prefix="__0_", previous=previous, seed="s"
+    )
+    assert linker.fallbacks and "went while read" in linker.fallbacks[0], linker.fallbacks
