@@ -144,7 +144,7 @@ class EngineParts:
         self.root, self.remote, self.local_keep = _resolve_root(root, opts)
         # A URL root: self.root is its spool, a local copy of what the store holds.
         self.spooled = isinstance(root, str) and self.remote is not None and opts.remote is None
-        _check_export(opts.export)
+        _check_export(opts.export, self.root)
         self.layout = _layout.check_layout(opts.layout)
         self.components: dict[str, Component] | None = None
         if opts.components is not None:
@@ -511,13 +511,20 @@ async def run_steps_async(steps: Generator[Callable[[], Any], None, T]) -> T:
         return done.value
 
 
-def _check_export(export: Any) -> None:
+def _check_export(export: Any, root: Path) -> None:
     if export is None:
         return
     from .export import HFExport, _require_safetensors
 
     if not isinstance(export, HFExport):
         raise TypeError(f"export must be an HFExport, not {export!r}")
+    # The export's own steps, tracker and pruning in the checkpoint root would write into
+    # committed checkpoints and delete them by the export's keep.
+    if os.path.realpath(export.path) == os.path.realpath(root):
+        raise ValueError(
+            f"HFExport(path={os.fspath(export.path)!r}) is the checkpoint root: the export "
+            "needs a directory of its own (its steps, tracker and pruning are its own)"
+        )
     _require_safetensors()  # here, not in the worker after the first due step has committed
 
 

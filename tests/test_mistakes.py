@@ -115,6 +115,19 @@ def test_a_missing_huggingface_hub_is_refused_when_the_engine_is_made(tmp_path, 
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "hf").exists()
 
 
+def test_an_export_into_the_checkpoint_root_is_refused_when_the_engine_is_made(tmp_path):
+    """``HFExport(path=<the checkpoint root>)`` was refused only by the worker, at the first
+    due step (``ExportFailed`` after that step committed): a misconfigured run learnt of it
+    one export interval in. Now the engine is not made."""
+    from asyncckpt.export import HFExport
+
+    root = tmp_path / "ckpt"
+    for path in (root, tmp_path / "ckpt" / ".." / "ckpt"):
+        with pytest.raises(ValueError, match="is the checkpoint root"):
+            SyncCheckpointEngine(root, export=HFExport(every_steps=1, path=path))
+    assert not root.exists()
+
+
 @pytest.mark.parametrize("dtype", ["bits8", "bits16", "bits1x8"])
 def test_a_bits_dtype_is_refused_at_save_naming_its_key(tmp_path, dtype):
     """``torch.bits*`` tensors passed ``save()`` and failed in the worker, naming nothing
