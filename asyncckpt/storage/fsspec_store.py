@@ -291,33 +291,8 @@ class FsspecStore:
         # way): the store's object is read and checksummed before the store copies it; one
         # that rotted since its upload is uploaded from the local file instead.
         with cf.ThreadPoolExecutor(min(self.threads, len(out))) as pool:
-            whole = list(pool.map(lambda c: self._object_whole(c[1], c[2]), out))
+            whole = list(pool.map(lambda c: _object_whole(self.fs, c[1], c[2]), out))
         return [(p, src) for (p, src, _), ok in zip(out, whole, strict=True) if ok]
-
-    def _object_whole(self, path: str, entry: dict[str, Any]) -> bool:
-        """Whether the store's object at ``path`` holds the bytes its manifest ``entry``
-        records (streamed once and checksummed); a damaged or unreadable one is logged."""
-        from ..manifest import checksum_stream, file_checksum
-
-        try:
-            algorithm, want = file_checksum(entry)
-            with self.fs.open(path, "rb") as f:
-                got = checksum_stream(f, None, algorithm)[0]
-        except Exception as e:  # noqa: BLE001 - not copied: the local file is uploaded
-            log.warning("asyncckpt: could not read %s to copy it (%s): uploaded instead", path, e)
-            return False
-        if got != want:
-            log.warning(
-                "asyncckpt: %s is damaged in the store (%s %#x, its manifest says %#x): not "
-                "copied into the new step, its local file uploaded instead; the store's "
-                "checkpoint holding it fails `asyncckpt verify`",
-                path,
-                algorithm,
-                got,
-                want,
-            )
-            return False
-        return True
 
     def _copy_all(self, pairs: list[tuple[str, str]]) -> None:
         with cf.ThreadPoolExecutor(min(self.threads, len(pairs))) as pool:
@@ -507,6 +482,32 @@ class FsspecStore:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _object_whole(fs: Any, path: str, entry: dict[str, Any]) -> bool:
+    """Whether the store's object at ``path`` holds the bytes its manifest ``entry``
+    records (streamed once and checksummed); a damaged or unreadable one is logged."""
+    from ..manifest import checksum_stream, file_checksum
+
+    try:
+        algorithm, want = file_checksum(entry)
+        with fs.open(path, "rb") as f:
+            got = checksum_stream(f, None, algorithm)[0]
+    except Exception as e:  # noqa: BLE001 - not copied: the local file is uploaded
+        log.warning("asyncckpt: could not read %s to copy it (%s): uploaded instead", path, e)
+        return False
+    if got != want:
+        log.warning(
+            "asyncckpt: %s is damaged in the store (%s %#x, its manifest says %#x): not "
+            "copied into the new step, its local file uploaded instead; the store's "
+            "checkpoint holding it fails `asyncckpt verify`",
+            path,
+            algorithm,
+            got,
+            want,
+        )
+        return False
+    return True
 
 
 __all__ = ["FsspecStore"]
