@@ -401,7 +401,8 @@ def _add_prune(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--clean-leftovers",
         action="store_true",
-        help="also remove temporaries and trash (only when no engine writes to ROOT)",
+        help="also remove temporaries and trash (refused, exit 1, while an engine holds "
+        "ROOT's lock: its saves in flight are temporaries too)",
     )
     p.add_argument(
         "--no-verify",
@@ -474,7 +475,19 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
     err = Console(stderr=True, markup=False, soft_wrap=True)
     for message in result.warnings.values():
         err.print(f"warning: {message}", style="yellow")
-    cleaned = store.clean_leftovers(layout) if args.clean_leftovers and not args.dry_run else []
+    cleaned: list[str] = []
+    live: list[str] = []
+    if args.clean_leftovers and not args.dry_run:
+        live = _live_writers(store)
+        if live:  # its temporaries look exactly like leftovers: removing them fails its save
+            err.print(
+                f"error: not removing leftovers: a live engine holds {store.url}'s locks "
+                f"({', '.join(live)}); its saves in flight are temporaries too. Stop it first "
+                "(each engine removes the leftovers of a crash itself when it starts)",
+                style="red",
+            )
+        else:
+            cleaned = store.clean_leftovers(layout)
     verb = "would delete" if args.dry_run else "deleted"
     if args.json:
         out = {
@@ -486,6 +499,7 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
             "kept": {str(k): v for k, v in result.kept.items()},
             "errors": {str(k): v for k, v in result.errors.items()},
             "cleaned": cleaned,
+            "clean_refused_live_locks": live,
             "corrupt": {str(k): v for k, v in result.corrupt.items()},
             "warnings": list(result.warnings.values()),
         }
@@ -504,7 +518,15 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
             console.print(f"removed leftover: {name}")
         for step, msg in result.errors.items():
             console.print(f"error deleting step {step}: {msg}", style="red")
-    return 1 if result.errors else 0
+    return 1 if result.errors or live else 0
+
+
+def _live_writers(store: Any) -> list[str]:
+    """The locks a live engine holds on a local root (none known for an object store)."""
+    from .storage.local import LocalStore
+    from .storage.localfs import held_locks
+
+    return held_locks(store.root) if isinstance(store, LocalStore) else []
 
 
 @subcommand

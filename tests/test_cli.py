@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncckpt import ThrottleConfig
 from asyncckpt import layout as L
@@ -124,6 +125,30 @@ def test_prune_json_keep_every_and_clean(root, capsys):
         "KeepEvery(20)",
     ]
     assert data["cleaned"] == [".tmp-global_step_70-dead"]
+
+
+def test_clean_leftovers_is_refused_while_an_engine_holds_the_root(tmp_path, capsys):
+    """A live engine's save in flight is a temporary, exactly like a crash's leftover:
+    ``prune --clean-leftovers`` removed it and that save failed. The root's locks are looked
+    at first: held, nothing is removed and the exit code says so."""
+    from asyncckpt import SyncCheckpointEngine
+
+    leftover = tmp_path / L.tmp_name("global_step", 70, "inflight")
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+        engine.save(1, {"w": torch.zeros(4)}).committed_sync(60)
+        leftover.mkdir()  # (as a save in flight holds it)
+        code, out, err = run(
+            capsys, "prune", str(tmp_path), "--keep-last", "1", "--clean-leftovers"
+        )
+        assert code == 1 and leftover.exists(), (out, err)
+        assert "not removing leftovers: a live engine holds" in err and ".lock.rank0" in err
+        code, out, _ = run(
+            capsys, "prune", str(tmp_path), "--keep-last", "1", "--clean-leftovers", "--json"
+        )
+        assert code == 1 and json.loads(out)["clean_refused_live_locks"], out
+    assert leftover.exists()
+    code, out, _ = run(capsys, "prune", str(tmp_path), "--keep-last", "1", "--clean-leftovers")
+    assert code == 0 and not leftover.exists(), out  # the engine is gone: a leftover now
 
 
 @pytest.mark.parametrize(

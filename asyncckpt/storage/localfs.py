@@ -272,6 +272,18 @@ def lock_held(path: str | os.PathLike) -> bool:
     return False
 
 
+def held_locks(root: str | os.PathLike) -> list[str]:
+    """The names of ``root``'s lock files (``lock_path``) some process holds now: a live
+    engine's ranks and workers."""
+    try:
+        names = sorted(
+            e.name for e in os.scandir(os.fspath(root)) if e.name.startswith(f"{LOCK_NAME}.")
+        )
+    except OSError:
+        return []
+    return [n for n in names if lock_held(Path(root) / n)]
+
+
 __all__ = [
     "copy_tree",
     "direct_child",
@@ -281,6 +293,7 @@ __all__ = [
     "lock_dir",
     "lock_file",
     "link_tree",
+    "held_locks",
     "lock_held",
     "lock_path",
     "locked_elsewhere",
