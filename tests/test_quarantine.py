@@ -85,6 +85,21 @@ def test_the_tracker_moves_off_a_quarantined_step(tmp_path):
     assert (tmp_path / L.SKYRL_TRACKER).read_text().strip() == "1"
 
 
+def test_quarantining_the_only_checkpoint_removes_the_tracker(tmp_path):
+    """Nothing left to name: the tracker kept naming the quarantined step (invariant 1);
+    Megatron's loader would look for a step that is gone instead of starting fresh."""
+    save_steps(tmp_path, [1])
+    flip_a_byte(tmp_path / L.dir_name("global_step", 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with SyncCheckpointEngine(tmp_path) as engine:
+            with pytest.raises(CheckpointError):
+                engine.load_latest(state(0))
+    assert steps_on_disk(tmp_path) == [] and len(list_quarantined(tmp_path, "global_step")) == 1
+    assert L.read_tracker(tmp_path) is None
+    assert not any((tmp_path / n).exists() for n in L.tracker_names("global_step"))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "manifest", "missing"])
 def test_other_damage_is_quarantined_too(tmp_path, damage):
     save_steps(tmp_path, (1, 2))
