@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -83,8 +84,32 @@ class Holder:
         self.deferred: dict[int, Any] = {}
         self.early: set[int] = set()
         self.last_hold = 0
+        # The worker's mapped arenas, and whether its reader thread ended (watch_arenas).
+        self.arenas: dict[int, Any] | None = None
+        self.received_all: threading.Event | None = None
         self.thread = threading.Thread(target=self._run, name="asyncckpt-holder", daemon=True)
         self.thread.start()
+
+    def watch_arenas(self, arenas: dict[int, Any], received_all: threading.Event) -> None:
+        """Count a ``Hold`` only once the memory of its slot is mapped in this worker
+        (``arenas``, filled by its reader thread until ``received_all``): a slot's first use
+        sends its memory on the jobs pipe and the ``Hold`` on this one; the trainer killed
+        between the two left a ``Hold`` of memory this worker never had, which replaced
+        (and released) the one held before. That save's ``save()`` had not returned (it
+        waits for the mapping), the one before's had."""
+        self.arenas, self.received_all = arenas, received_all
+
+    def _mapped(self, job: Any) -> bool:
+        """Wait until ``job``'s arenas are mapped (True), or the reader thread ended first
+        without mapping them (False: the trainer is gone)."""
+        arenas, ended = self.arenas, self.received_all
+        if arenas is None or ended is None:
+            return True
+        while not all(a in arenas for a in job.arena_ids):
+            if ended.is_set():
+                return all(a in arenas for a in job.arena_ids)
+            time.sleep(0.002)
+        return True
 
     def _run(self) -> None:
         from . import messages as M
@@ -105,6 +130,14 @@ class Holder:
                 if job.paths is None:
                     job.paths = self.last_paths
                 self.last_paths = job.paths
+                if not self._mapped(job):  # its save() never returned: the one held stays
+                    log.warning(
+                        "the memory checkpoint of step %d never reached this worker (the "
+                        "trainer died handing it over): step(s) %s stay held",
+                        job.step,
+                        sorted(j.step for j in self.held.values()),
+                    )
+                    continue
                 with self.lock:
                     self.last_hold = max(self.last_hold, job.job_id)
                     if msg.writing and job.job_id not in self.early:
@@ -176,6 +209,9 @@ class FixedHolder:
 
     def wait_closed(self, timeout: float) -> bool:
         return True
+
+    def watch_arenas(self, arenas: dict[int, Any], received_all: threading.Event) -> None:
+        pass  # (its jobs' memory is its own)
 
     def take(self) -> list[Any]:
         jobs, self.jobs = self.jobs, []

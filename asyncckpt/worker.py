@@ -238,6 +238,7 @@ class Worker:
         self.jobs = jobs
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
+        self.received_all = threading.Event()  # the reader thread (_receive) has ended
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.last_paths: dict[str, list] | None = None
         self.store: Any = None  # storage.FsspecStore of config.remote, opened at first use
@@ -258,9 +259,12 @@ class Worker:
 
     def run(self) -> None:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
+        if self.holder is not None:  # a Hold counts once its slot's memory is mapped here
+            self.holder.watch_arenas(self.arenas, self.received_all)
         threading.Thread(
             target=_receive,
             args=(self.jobs, self.events, inbox, self.replication, self.arenas),
+            kwargs={"parent_pid": self.config.parent_pid, "ended": self.received_all},
             name="asyncckpt-receive",
             daemon=True,
         ).start()
@@ -277,6 +281,10 @@ class Worker:
                 _persist_held(self)
                 raise msg
             if isinstance(msg, BaseException):
+                if _trainer_gone(self.config.parent_pid):  # (its memory could not be mapped)
+                    log.warning("the trainer is gone (%s): as at the end of its pipe", msg)
+                    self.trainer_gone = True
+                    _persist_held(self)
                 raise msg
             if isinstance(msg, M.Arena):
                 pass  # mapped by the reader thread (_receive)
@@ -721,12 +729,20 @@ def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
     }
 
 
+def _trainer_gone(parent_pid: int) -> bool:
+    """Whether the trainer that started this worker is gone (0: no trainer to watch)."""
+    return parent_pid != 0 and os.getppid() != parent_pid
+
+
 def _receive(
     jobs: Any,
     events: Any,
     inbox: queue.SimpleQueue,
     replication: Any = None,
     arenas: dict[int, torch.Tensor] | None = None,
+    *,
+    parent_pid: int = 0,
+    ended: threading.Event | None = None,
 ) -> None:
     """The worker's reader thread: the trainer's messages as they come, also while a save is
     being written. An arena's shared memory is mapped by receiving it, which needs its trainer
@@ -734,9 +750,17 @@ def _receive(
     save that sent one returns. ``arenas`` (the worker's) are kept here: an arena goes in
     before any job staged in it is queued, and out (``Dropped``) as soon as the trainer
     drops it (a slot re-laid out: its jobs were written), so its memory comes back while
-    a save is written. The main loop handles the messages in order."""
+    a save is written. The main loop handles the messages in order.
+
+    The trainer's death ends the pipe, unless a process it forked keeps its end open (a
+    forked logger, a data-loading process): then, once the pipe holds nothing more, the
+    trainer's being gone ends it the same way (else the memory checkpoint it held was never
+    written: ``Worker.run`` writes it at the pipe's end)."""
     try:
         while True:
+            while parent_pid and not jobs.poll(RECEIVE_POLL_S):
+                if _trainer_gone(parent_pid):
+                    raise EOFError("the trainer is gone (another process holds its pipe open)")
             msg = jobs.recv()
             if replication is not None:  # its sender reads the arenas beside the main loop
                 replication.registry.note(msg)
@@ -750,7 +774,13 @@ def _receive(
                 events.send(M.Dropped(msg.arena_id))
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
+        if ended is not None:
+            ended.set()
         inbox.put(e)
+
+
+#: Seconds the reader thread waits for a message before it looks whether the trainer lives.
+RECEIVE_POLL_S = 0.5
 
 
 def _job_group(keys: JobKeys, cfg: Any, tag: str) -> Any:
