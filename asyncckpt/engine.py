@@ -784,8 +784,13 @@ class EngineBase:
         return "memory" if self._engine.saver.memory.due(step) else None
 
     def protect(self, step: int) -> None:
-        """Never prune ``step``, whatever the retention policy."""
-        self._engine.saver.pinned.add(_check_step(step))
+        """Never prune ``step``, whatever the retention policy; saves already handed to the
+        worker included (it returns once the worker said so)."""
+        from .pins import protect_in_worker
+
+        step = _check_step(step)
+        self._engine.saver.pinned.add(step)
+        protect_in_worker(self._engine.saver, step)
 
     @contextlib.contextmanager
     def pause_writes(self) -> Iterator[None]:

@@ -413,7 +413,7 @@ class JobTable:
                     if self.slot_owner[i] == job_id:
                         self.slot_owner[i] = None
                         self.cond.notify_all()
-            elif isinstance(msg, (M.Mapped, M.Dropped)):
+            elif isinstance(msg, (M.Mapped, M.Dropped, M.Protected)):
                 self.cond.notify_all()  # the supervisor updated its link (Saver.wait_mapped)
             elif isinstance(msg, M.Replicated):
                 waiting = self.replicating.pop(msg.job_id, None)

@@ -48,6 +48,13 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class Protect:
+    """``engine.protect(step)``: no prune of this worker deletes ``step`` (pins.py)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class Save:
     job: Any  # worker.SaveJob
 
@@ -100,6 +107,14 @@ class Dropped:
     memory is given back (engine: ``WorkerLink.undropped``)."""
 
     arena_id: int
+
+
+@dataclass(frozen=True)
+class Protected:
+    """The worker keeps ``step`` from every prune from now on (``Protect``; engine:
+    ``WorkerLink.unprotected``)."""
+
+    step: int
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class WorkerLink:
     arenas: set[int] = field(default_factory=set)
     unmapped: set[int] = field(default_factory=set)  # sent, and no Mapped back yet
     undropped: set[int] = field(default_factory=set)  # Drop sent, and no Dropped back yet
+    unprotected: set[int] = field(default_factory=set)  # Protect sent, no Protected back yet
     specs: set[tuple[int, ...]] = field(default_factory=set)
     paths: Any = None
 
@@ -239,6 +240,9 @@ class WorkerSupervisor:
         elif isinstance(msg, M.Dropped):
             self.link.undropped.discard(msg.arena_id)
             self.jobs.on_event(msg)  # wakes a save waiting for it (saving.let_worker_go)
+        elif isinstance(msg, M.Protected):
+            self.link.unprotected.discard(msg.step)
+            self.jobs.on_event(msg)  # wakes protect() waiting for it (pins.py)
         else:
             self.jobs.on_event(msg)
 

@@ -34,6 +34,7 @@ from .io_threads import IoThreads, local_workers
 from .manifest import build_manifest, fsync_file
 from .node_commit import commit_across_nodes, leads_node
 from .peer_gone import meet_on_side_store
+from .pins import WorkerPins
 from .sidekeys import JobKeys
 from .staging import TensorSpec
 from .storage.local import LocalStore
@@ -115,7 +116,8 @@ class PruneRequest:
     run_id: str | None = None
     scope: str = "all"
 
-    def run(self, root: Path, config: WorkerConfig, step: int) -> Any:
+    def run(self, root: Path, config: WorkerConfig, step: int, pinned: tuple[int, ...] = ()) -> Any:
+        """``pinned``: steps protected after this request was made (pins.WorkerPins)."""
         from .prune import prune
 
         # ``step`` is the checkpoint this worker has just committed, checksummed as it was
@@ -128,7 +130,7 @@ class PruneRequest:
             self.policy,
             tracker_step=_layout.read_tracker(root),
             resumed_from=self.resumed_from,
-            pinned=self.pinned,
+            pinned=(*self.pinned, *pinned),
             run_id=self.run_id,
             scope=self.scope,
             trusted=(step,),
@@ -239,6 +241,7 @@ class Worker:
         self.events = events
         self.arenas: dict[int, torch.Tensor] = {}
         self.received_all = threading.Event()  # the reader thread (_receive) has ended
+        self.pins = WorkerPins()  # engine.protect() since the start: kept by every prune
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.last_paths: dict[str, list] | None = None
         self.store: Any = None  # storage.FsspecStore of config.remote, opened at first use
@@ -259,15 +262,7 @@ class Worker:
 
     def run(self) -> None:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        if self.holder is not None:  # a Hold counts once its slot's memory is mapped here
-            self.holder.watch_arenas(self.arenas, self.received_all)
-        threading.Thread(
-            target=_receive,
-            args=(self.jobs, self.events, inbox, self.replication, self.arenas),
-            kwargs={"parent_pid": self.config.parent_pid, "ended": self.received_all},
-            name="asyncckpt-receive",
-            daemon=True,
-        ).start()
+        _start_receiving(self, inbox)
         report = self._apply_throttle()
         self.events.send(M.Ready(os.getpid(), report))
         _redo_exports(self.config, self.root)  # (jobs sent meanwhile wait in the inbox)
@@ -583,7 +578,7 @@ class Worker:
                 self.root,
                 self.config.layout,
                 job.step,
-                pinned=job.prune.pinned if job.prune is not None else (),
+                pinned=(*(job.prune.pinned if job.prune is not None else ()), *self.pins.steps),
                 resumed_from=job.prune.resumed_from if job.prune is not None else None,
             )
         except BaseException as e:  # noqa: BLE001 - reported on the save's handle
@@ -667,7 +662,8 @@ class Worker:
 
     def _prune(self, job_id: int | None, request: Any, step: int) -> None:
         try:
-            report = request.run(self.root, self.config, step)
+            with self.pins.pruning() as pinned:  # (protect() since the request was made)
+                report = request.run(self.root, self.config, step, pinned)
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
@@ -729,6 +725,23 @@ def _writer(job: SaveJob, rank: int) -> dict[str, Any]:
     }
 
 
+def _start_receiving(worker: Worker, inbox: queue.SimpleQueue) -> None:
+    """Start ``worker``'s reader thread (``_receive``), its messages into ``inbox``."""
+    if worker.holder is not None:  # a Hold counts once its slot's memory is mapped here
+        worker.holder.watch_arenas(worker.arenas, worker.received_all)
+    threading.Thread(
+        target=_receive,
+        args=(worker.jobs, worker.events, inbox, worker.replication, worker.arenas),
+        kwargs={
+            "parent_pid": worker.config.parent_pid,
+            "ended": worker.received_all,
+            "pins": worker.pins,
+        },
+        name="asyncckpt-receive",
+        daemon=True,
+    ).start()
+
+
 def _trainer_gone(parent_pid: int) -> bool:
     """Whether the trainer that started this worker is gone (0: no trainer to watch)."""
     return parent_pid != 0 and os.getppid() != parent_pid
@@ -743,6 +756,7 @@ def _receive(
     *,
     parent_pid: int = 0,
     ended: threading.Event | None = None,
+    pins: WorkerPins | None = None,
 ) -> None:
     """The worker's reader thread: the trainer's messages as they come, also while a save is
     being written. An arena's shared memory is mapped by receiving it, which needs its trainer
@@ -772,6 +786,11 @@ def _receive(
             if isinstance(msg, M.Drop) and arenas is not None:
                 arenas.pop(msg.arena_id, None)
                 events.send(M.Dropped(msg.arena_id))
+            if isinstance(msg, M.Protect):  # here, not queued behind the save being written
+                if pins is not None:
+                    pins.add(msg.step)
+                events.send(M.Protected(msg.step))
+                continue
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone
         if ended is not None:

@@ -98,6 +98,29 @@ async def test_protect_and_resumed_from_are_never_pruned(tmp_path):
         assert steps_on_disk(tmp_path) == [1, 10]
 
 
+def test_protect_reaches_a_save_already_handed_to_the_worker(tmp_path):
+    """A save's prune kept the steps pinned when the save was handed over: ``protect(10)``
+    while save 20 was being written returned, and that save's prune deleted step 10. Now
+    the pin reaches the worker before ``protect`` returns."""
+    state = {"w": torch.arange(100.0)}
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
+        engine.save(10, state).committed_sync(60)
+        faults.inject("before_rename", "delay", seconds=2.0)
+        try:
+            handle = engine.save(20, state)  # in flight: held 2 s before its commit
+            engine.protect(10)
+            handle.committed_sync(60)
+        finally:
+            faults.clear()
+        engine.wait()
+        assert steps_on_disk(tmp_path) == [10, 20]
+        engine.save(30, state).committed_sync(60)  # later saves keep it too
+        deadline = time.monotonic() + 30  # (the prune follows the commit)
+        while steps_on_disk(tmp_path) != [10, 30] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert steps_on_disk(tmp_path) == [10, 30]
+
+
 @pytest.mark.parametrize("n, kept", [(1, [30, 1000]), (2, [20, 30, 1000])])
 def test_allow_older_steps_never_prunes_the_step_it_just_committed(tmp_path, n, kept):
     """Issue 28 item 4: a stale higher step (an older run's 1000) made every new save of an
