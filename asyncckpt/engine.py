@@ -28,7 +28,7 @@ import torch.multiprocessing as tmp
 from typing_extensions import Unpack
 
 from . import layout as _layout
-from . import memory_tier, peer_gone
+from . import memory_tier, peer_gone, pins
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
@@ -254,6 +254,7 @@ class EngineParts:
         self.saver.memory.every_steps = opts.schedule.memory_every_steps
         self.saver.memory.persist_on_close = opts.memory.persist_on_close
         self.saver.memory.replicas = opts.memory.replicas
+        self.restorer.kept_while_read = functools.partial(pins.kept_while_read, self.saver)
         self.started = False
         self.lock_fd: int | None = None
 
@@ -786,11 +787,9 @@ class EngineBase:
     def protect(self, step: int) -> None:
         """Never prune ``step``, whatever the retention policy; saves already handed to the
         worker included (it returns once the worker said so)."""
-        from .pins import protect_in_worker
-
         step = _check_step(step)
         self._engine.saver.pinned.add(step)
-        protect_in_worker(self._engine.saver, step)
+        pins.protect_in_worker(self._engine.saver, step)
 
     @contextlib.contextmanager
     def pause_writes(self) -> Iterator[None]:

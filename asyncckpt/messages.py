@@ -49,7 +49,16 @@ class Drop:
 
 @dataclass(frozen=True)
 class Protect:
-    """``engine.protect(step)``: no prune of this worker deletes ``step`` (pins.py)."""
+    """``engine.protect(step)``: no prune of this worker deletes ``step`` (pins.py);
+    ``while_read``: until ``Unprotect`` (the trainer loads it)."""
+
+    step: int
+    while_read: bool = False
+
+
+@dataclass(frozen=True)
+class Unprotect:
+    """The load that sent ``Protect(step, while_read=True)`` is over."""
 
     step: int
 

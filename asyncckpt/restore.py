@@ -10,6 +10,7 @@ checkpoint, loudly, when one is unusable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -88,6 +89,20 @@ class _Damaged(CorruptCheckpoint):
         self.problems = problems
 
 
+def _kept_while_read(load_dir: Callable[..., LoadReport]) -> Callable[..., LoadReport]:
+    """``load_dir`` with no prune of the running worker deleting that step meanwhile."""
+
+    @functools.wraps(load_dir)
+    def reading(self: Restorer, state: Any, directory: Path, strict: bool = True,
+                step: int | None = None, *args: Any, **kwargs: Any) -> LoadReport:  # fmt: skip
+        if step is None or directory.parent != self.root:
+            return load_dir(self, state, directory, strict, step, *args, **kwargs)
+        with self.kept_while_read(step):
+            return load_dir(self, state, directory, strict, step, *args, **kwargs)
+
+    return reading
+
+
 class Restorer:
     """Loads into a target from one root (and its remote tier).
 
@@ -131,10 +146,13 @@ class Restorer:
         self.agreement: Any = None  # local_load.StepAgreement (node-local roots), at start
         self.agreed: Any = None  # its outcome for the load in progress (local_load.Agreed)
         self.root_locked = False  # the engine started: lock_root waited for an orphan
+        # The running worker prunes nothing a load reads (engine: pins.kept_while_read).
+        self.kept_while_read: Callable[[int], Any] = lambda step: contextlib.nullcontext()
 
     def committed(self) -> list[_layout.CommittedDir]:
         return _layout.scan(self.root, self.layout)
 
+    @_kept_while_read
     def load_dir(
         self,
         state: Any,

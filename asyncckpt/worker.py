@@ -786,10 +786,11 @@ def _receive(
             if isinstance(msg, M.Drop) and arenas is not None:
                 arenas.pop(msg.arena_id, None)
                 events.send(M.Dropped(msg.arena_id))
-            if isinstance(msg, M.Protect):  # here, not queued behind the save being written
+            if isinstance(msg, (M.Protect, M.Unprotect)):  # not behind the save written now
                 if pins is not None:
-                    pins.add(msg.step)
-                events.send(M.Protected(msg.step))
+                    pins.on(msg)
+                if isinstance(msg, M.Protect):
+                    events.send(M.Protected(msg.step))
                 continue
             inbox.put(msg)
     except BaseException as e:  # noqa: BLE001 - EOFError: the trainer is gone

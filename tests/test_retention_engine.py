@@ -121,6 +121,40 @@ def test_protect_reaches_a_save_already_handed_to_the_worker(tmp_path):
         assert steps_on_disk(tmp_path) == [10, 30]
 
 
+def test_a_step_being_loaded_is_not_pruned_under_the_load(tmp_path, monkeypatch):
+    """Rolling back to step 10 while save 20 commits with ``KeepLast(1)``: that save's prune
+    deleted step 10 half-way through its read (``Vanished``; invariant 3: never one being
+    loaded). A load now pins its step in the worker while it reads. (A large checkpoint's
+    read is a sleep before the read here.)"""
+    from asyncckpt import restore
+
+    read = restore.Restorer.load_dir.__wrapped__  # (the read itself, below the pin)
+
+    def slow_read(self, *args, **kwargs):
+        time.sleep(3.0)
+        return read(self, *args, **kwargs)
+
+    state = {"w": torch.arange(100.0)}
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
+        engine.save(10, state).committed_sync(60)
+        faults.inject("before_rename", "delay", seconds=1.0)
+        try:
+            handle = engine.save(20, {"w": torch.arange(100.0) + 1})  # commits in ~1 s
+            monkeypatch.setattr(restore.Restorer, "load_dir", restore._kept_while_read(slow_read))
+            target = {"w": torch.zeros(100)}
+            assert engine.load(target, step=10) == 10
+            assert torch.equal(target["w"], state["w"])
+            handle.committed_sync(60)
+        finally:
+            faults.clear()
+            monkeypatch.undo()
+        engine.save(30, state).committed_sync(60)  # the pin went with the load
+        deadline = time.monotonic() + 30
+        while steps_on_disk(tmp_path) != [30] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert steps_on_disk(tmp_path) == [30]
+
+
 @pytest.mark.parametrize("n, kept", [(1, [30, 1000]), (2, [20, 30, 1000])])
 def test_allow_older_steps_never_prunes_the_step_it_just_committed(tmp_path, n, kept):
     """Issue 28 item 4: a stale higher step (an older run's 1000) made every new save of an
