@@ -93,6 +93,18 @@ def test_write_tracker_only_moves_forward(tmp_path):
     assert C.write_tracker(tmp_path, "global_step", 3) and L.read_tracker(tmp_path) == 3
 
 
+def test_the_tracker_never_moves_back_past_a_step_listed_under_another_spelling(tmp_path):
+    """``global_step_0100`` is listed as step 100 (a scan parses the number), but only
+    ``global_step_100`` held the tracker: an older step's commit moved it from 100 to 50
+    while step 100 was committed, and every prune then refused (the tracker lags)."""
+    odd = tmp_path / "global_step_0100"
+    odd.mkdir()
+    (odd / L.DCP_METADATA).write_bytes(b"")  # (listed as a checkpoint written elsewhere)
+    assert C.write_tracker(tmp_path, "global_step", 100)
+    assert not C.write_tracker(tmp_path, "global_step", 50)
+    assert L.read_tracker(tmp_path) == 100
+
+
 # ------------------------------------------------------------------------------ item 6
 
 

@@ -283,8 +283,12 @@ class LocalStore:
         if (
             current is not None
             and current > step
-            # A tracker naming a step that is not there (deleted by hand) protects nothing.
-            and (self.root / _layout.dir_name(layout, current)).is_dir()
+            # A tracker naming a step that is not there (deleted by hand) protects nothing;
+            # one that is, also under a name a scan lists (``global_step_0100``), does.
+            and (
+                (self.root / _layout.dir_name(layout, current)).is_dir()
+                or any(c.step == current for c in _layout.scan(self.root, layout))
+            )
         ):
             return False
         for name in _layout.tracker_names(layout):
