@@ -53,11 +53,13 @@ LEGACY_PP_SUFFIX = "_{pp:03d}"
 LEGACY_EP_SUFFIX = "_{ep:03d}"
 
 _PATTERNS = {
-    "global_step": re.compile(r"^global_step_(\d+)$"),
-    "megatron": re.compile(r"^iter_(\d{7,})$"),
+    # ASCII digits only: a str pattern's \d also matches other scripts' digits, which int()
+    # reads ("global_step_\u0663" would be a second name of step 3).
+    "global_step": re.compile(r"^global_step_(\d+)$", re.ASCII),
+    "megatron": re.compile(r"^iter_(\d{7,})$", re.ASCII),
     # torchtitan's CheckpointManager writes ``{folder}/step-{N}``; anchored here, so
     # ``global_step_N`` is never read as one.
-    "torchtitan": re.compile(r"^step-(\d+)$"),
+    "torchtitan": re.compile(r"^step-(\d+)$", re.ASCII),
 }
 
 #: What torchtitan's ``CheckpointManager._find_load_step`` looks for: ``re.search`` of this in
@@ -194,7 +196,8 @@ def read_tracker(root: str | os.PathLike) -> int | None:
         text = (Path(root) / TRACKER).read_text().strip()
     except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return None
-    return int(text) if text.isdigit() else None
+    # (ASCII: "²" is a digit to str.isdigit and no number to int)
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def detect_layout(root: str | os.PathLike, default: str = "global_step") -> str:

@@ -345,3 +345,14 @@ def test_sigterm_during_close_still_commits_the_staged_save(tmp_path):
     )
     assert out.returncode == -signal.SIGTERM, out.stderr
     assert committed(tmp_path) == [1] and L.read_tracker(tmp_path) == 1
+
+
+def test_only_ascii_digits_name_a_step(tmp_path):
+    """A tracker holding "²" (a digit to ``str.isdigit``, no number to ``int``) crashed every
+    reader of it with ValueError; a directory named with another script's digits
+    ("global_step_\u0663", read by ``int`` as 3) was a second name of step 3."""
+    (tmp_path / L.TRACKER).write_text("\u00b2\n")
+    assert L.read_tracker(tmp_path) is None
+    for layout, name in (("global_step", "global_step_\u0663"), ("megatron", "iter_\u0663" * 7)):
+        assert L.parse_dir_name(layout, name) is None
+    assert L.parse_dir_name("global_step", "global_step_3") == 3
