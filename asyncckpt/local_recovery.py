@@ -204,9 +204,11 @@ def drop_replicas(
     for node, steps in drop.items():
         held = replica_root(root, node)
         steps = sorted(steps)
+        gone: list[tuple[Any, Path]] = []  # (what a failure part-way retired is reclaimed too)
         try:
             store = LocalStore(held)
-            gone = [(store, store.retire(_layout.dir_name(layout, step))) for step in steps]
+            for step in steps:
+                gone.append((store, store.retire(_layout.dir_name(layout, step))))
             if not _layout.scan(held, layout):  # nothing of it left: tracker, leftovers too
                 parent = LocalStore(held.parent)
                 gone = [(parent, parent.retire(held.name))]  # (the trash inside goes with it)
@@ -214,7 +216,6 @@ def drop_replicas(
                 for name in _layout.tracker_names(layout):
                     with contextlib.suppress(FileNotFoundError):
                         store.delete(name)
-            retired += gone
             log.warning(
                 "dropped this node's replica(s) of node %d's step(s) %s: no node can load them "
                 "any more",
@@ -223,6 +224,7 @@ def drop_replicas(
             )
         except Exception as e:  # noqa: BLE001 - the load succeeded: never failed by this
             log.warning("could not drop the replicas of node %d's steps %s: %s", node, steps, e)
+        retired += gone
     if not retired:
         return None
     reclaimer = threading.Thread(

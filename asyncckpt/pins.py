@@ -3,16 +3,21 @@
 A save's prune request carries the steps pinned when the save was handed to the worker
 (``saving.prune_request``); a ``protect`` called after that, while the save was written,
 never reached its prune, which deleted the step the caller had just protected. So the pin
-is also sent to the worker (``Protect``), where its reader thread adds it at once, also
-while a save is being written, to the steps every prune of that worker keeps
-(``WorkerPins``); ``protect`` returns once the worker said so (``Protected``). The worker
-prunes holding the same lock, so a prune is either over when the pin lands or sees it.
+is also sent to the worker (``Protect``), whose reader thread hands it at once, also while
+a save is being written, to a thread that adds it to the steps every prune of that worker
+keeps (``WorkerPins``); ``protect`` returns once the worker said so (``Protected``). The
+worker prunes holding the same lock, so a prune is either over when the pin lands or sees
+it. A load pins the step it reads the same way, until it is over (``kept_while_read``).
+
+Not covered: only this rank's worker hears of a pin, and on a shared root only rank 0's
+worker prunes (call ``protect`` on every rank; another rank's load is not pinned there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -29,16 +34,40 @@ PROTECT_WAIT_S = 60.0
 
 class WorkerPins:
     """The worker's side: the steps pinned since it started, those being loaded by its
-    trainer now, and the lock its prunes hold."""
+    trainer now, and the lock its prunes hold. The reader thread hands each message over
+    (``submit``) and goes on: it must never wait for a prune (the arenas and drops behind
+    it would wait too); a thread of its own applies them in order and answers."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.steps: set[int] = set()
         self.reading: dict[int, int] = {}  # step -> loads of it in progress
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, msg: Any, events: Any) -> None:
+        """A ``Protect`` or ``Unprotect`` from the trainer (the reader thread: never waits)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._apply, args=(events,), name="asyncckpt-pins", daemon=True
+            )
+            self._thread.start()
+        self._todo.put(msg)
+
+    def _apply(self, events: Any) -> None:
+        while True:
+            msg = self._todo.get()
+            self.on(msg)
+            if isinstance(msg, M.Protect):
+                events.send(M.Protected(msg.step))
+
+    def kept(self) -> tuple[int, ...]:
+        """The steps pinned now, without waiting (the remote tier's prune)."""
+        with self.lock:
+            return tuple(sorted(self.steps | set(self.reading)))
 
     def on(self, msg: Any) -> None:
-        """A ``Protect`` (or its end, ``Unprotect``), from the reader thread: waits for a
-        prune running now to end."""
+        """Apply a ``Protect`` (or its end, ``Unprotect``): waits for a prune running now."""
         with self.lock:
             if isinstance(msg, M.Unprotect):
                 left = self.reading.get(msg.step, 0) - 1
@@ -58,12 +87,13 @@ class WorkerPins:
             yield tuple(sorted(self.steps | set(self.reading)))
 
 
-def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> bool:
+def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any:
     """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
     of ``engine.protect``); nothing to do before the start (every request carries it).
-    ``while_read``: until ``Unprotect`` (a load of it). Whether the worker has it."""
+    ``while_read``: until ``Unprotect`` (a load of it). Returns the worker link it was sent
+    on (None: not sent), whether or not the word came in time."""
     if not saver.is_started():
-        return False
+        return None
     link = saver.worker.link
     try:
         with saver.worker.sending():
@@ -71,12 +101,14 @@ def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> boo
             M.send(link.conn, M.encode(M.Protect(step, while_read)))
     except OSError:  # the worker is dead: saves it had fail; the next requests carry the pin
         link.unprotected.discard(step)
-        return False
+        return None
+    if threading.current_thread() is saver.worker.reader:
+        return link  # (an on_commit callback: the word comes on this very thread)
     deadline = time.monotonic() + PROTECT_WAIT_S
     with saver.jobs.cond:
         while step in link.unprotected:
             if link is not saver.worker.link or not saver.is_started():
-                return False  # replaced: the saves it had failed with it
+                break  # replaced: the saves it had failed with it
             if time.monotonic() > deadline:
                 log.warning(
                     "the worker did not confirm protect(%d) in %.0f s: a save already handed "
@@ -84,20 +116,19 @@ def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> boo
                     step,
                     PROTECT_WAIT_S,
                 )
-                return False
+                break
             saver.jobs.cond.wait(0.5)
-    return True
+    return link
 
 
 @contextlib.contextmanager
 def kept_while_read(saver: Any, step: int) -> Iterator[None]:
     """No prune of the running worker deletes ``step`` while the block reads it (invariant
     3: a load of an older step while a save commits and prunes it failed half-way)."""
-    held = protect_in_worker(saver, step, while_read=True)
-    link = saver.worker.link if held else None
+    link = protect_in_worker(saver, step, while_read=True)
     try:
         yield
-    finally:
-        if held and link is saver.worker.link:
+    finally:  # (also when its word came late: the pin it sent must end)
+        if link is not None and link is saver.worker.link:
             with contextlib.suppress(OSError), saver.worker.sending():
                 M.send(link.conn, M.encode(M.Unprotect(step)))

@@ -110,6 +110,7 @@ class WorkerSupervisor:
         # What the current worker holds (arenas, specs, paths); a new worker, a new link.
         self.link = WorkerLink()
         self.reader: threading.Thread | None = None
+        self.send_lock = threading.RLock()  # (sending: whole messages, one thread at a time)
         self.stopping = False
         self.restarts = 0
         self.last_event_at = time.monotonic()  # the worker's last sign of life (write_timeout)
@@ -194,15 +195,18 @@ class WorkerSupervisor:
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
         """Messages to the worker: one interrupted part-way would leave half a message in the
-        pipe, and the worker could never read past it. Replace the worker then."""
-        try:
-            yield
-        except OSError:
-            raise
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.proc.kill()
-            raise
+        pipe, and the worker could never read past it. Replace the worker then. One thread at
+        a time: a save is sent in parts (header, body), and ``protect`` or a load's pin may
+        be sent from another thread meanwhile."""
+        with self.send_lock:
+            try:
+                yield
+            except OSError:
+                raise
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.proc.kill()
+                raise
 
     # ------------------------------------------------------------------ reader thread
     def _read_events(self) -> None:

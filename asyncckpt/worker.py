@@ -578,7 +578,7 @@ class Worker:
                 self.root,
                 self.config.layout,
                 job.step,
-                pinned=(*(job.prune.pinned if job.prune is not None else ()), *self.pins.steps),
+                pinned=(*(job.prune.pinned if job.prune is not None else ()), *self.pins.kept()),
                 resumed_from=job.prune.resumed_from if job.prune is not None else None,
             )
         except BaseException as e:  # noqa: BLE001 - reported on the save's handle
@@ -788,8 +788,8 @@ def _receive(
                 events.send(M.Dropped(msg.arena_id))
             if isinstance(msg, (M.Protect, M.Unprotect)):  # not behind the save written now
                 if pins is not None:
-                    pins.on(msg)
-                if isinstance(msg, M.Protect):
+                    pins.submit(msg, events)
+                elif isinstance(msg, M.Protect):
                     events.send(M.Protected(msg.step))
                 continue
             inbox.put(msg)
