@@ -15,11 +15,13 @@ are announced here, between the store's primitives, under the names ``store.poin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from . import faults
+from . import layout as _layout
 from .storage.base import Store
 from .storage.local import LocalStore
 from .storage.localfs import fsync_dir, new_token, remove_tree, write_synced
@@ -39,6 +41,7 @@ __all__ = [
     "write_synced",
     "write_tracker",
     "advance_tracker",
+    "remove_tracker",
 ]
 
 
@@ -171,6 +174,14 @@ def finish_commit(root: LocalStore | Path, layout: str, step: int) -> bool:
 def advance_tracker(root: Store | Path, layout: str, step: int) -> bool:
     """``write_tracker`` without its fault point."""
     return _store(root).write_tracker(layout, step)
+
+
+def remove_tracker(root: LocalStore | Path, layout: str) -> None:
+    """Delete the tracker file(s) of a local root (it names no checkpoint left there)."""
+    store = root if isinstance(root, LocalStore) else LocalStore(root)
+    for name in _layout.tracker_names(layout):
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(name)
 
 
 def publish_committed(

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from . import layout as _layout
-from .commit import commit_step
+from .commit import commit_step, remove_tracker
 from .framing import listen, recv_into, recv_obj, send_obj
 from .manifest import check_files, read_manifest
 from .storage.localfs import fsync_dir, fsync_file, makedirs
@@ -213,9 +213,7 @@ def drop_replicas(
                 parent = LocalStore(held.parent)
                 gone = [(parent, parent.retire(held.name))]  # (the trash inside goes with it)
             elif _layout.read_tracker(held) in steps:  # (read by no load: never dangling)
-                for name in _layout.tracker_names(layout):
-                    with contextlib.suppress(FileNotFoundError):
-                        store.delete(name)
+                remove_tracker(store, layout)
             log.warning(
                 "dropped this node's replica(s) of node %d's step(s) %s: no node can load them "
                 "any more",

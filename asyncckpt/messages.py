@@ -9,6 +9,8 @@ the pipe stays whole, instead of leaving half a message the worker can never rea
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -185,3 +187,18 @@ def encode(msg: Any) -> bytes:
 def send(conn: Any, payload: bytes) -> None:
     """Write an ``encode``d message: the only part that can be cut short part-way."""
     conn.send_bytes(payload)
+
+
+def wait_for_word(saver: Any, link: Any, waiting: Callable[[], bool], limit: float) -> bool:
+    """Wait while ``waiting()`` (the worker's answer to a message sent on ``link`` has not
+    come), at most ``limit`` s; True if it gave up then (the caller says so). A worker
+    replaced or an engine stopped meanwhile ends the wait: that worker answers nothing."""
+    deadline = time.monotonic() + limit
+    with saver.jobs.cond:
+        while waiting():
+            if link is not saver.worker.link or not saver.is_started():
+                return False
+            if time.monotonic() > deadline:
+                return True
+            saver.jobs.cond.wait(0.5)
+    return False

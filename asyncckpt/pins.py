@@ -19,7 +19,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,9 +61,12 @@ class WorkerPins:
                 events.send(M.Protected(msg.step))
 
     def kept(self) -> tuple[int, ...]:
-        """The steps pinned now, without waiting (the remote tier's prune)."""
+        """The steps pinned now (the remote tier's prune, never run beside a local one)."""
         with self.lock:
-            return tuple(sorted(self.steps | set(self.reading)))
+            return self._kept()
+
+    def _kept(self) -> tuple[int, ...]:
+        return tuple(sorted(self.steps | set(self.reading)))
 
     def on(self, msg: Any) -> None:
         """Apply a ``Protect`` (or its end, ``Unprotect``): waits for a prune running now."""
@@ -84,7 +86,7 @@ class WorkerPins:
     def pruning(self) -> Iterator[tuple[int, ...]]:
         """Held for a whole prune (plan and deletions); yields the steps it must keep."""
         with self.lock:
-            yield tuple(sorted(self.steps | set(self.reading)))
+            yield self._kept()
 
 
 def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any:
@@ -104,20 +106,13 @@ def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any
         return None
     if threading.current_thread() is saver.worker.reader:
         return link  # (an on_commit callback: the word comes on this very thread)
-    deadline = time.monotonic() + PROTECT_WAIT_S
-    with saver.jobs.cond:
-        while step in link.unprotected:
-            if link is not saver.worker.link or not saver.is_started():
-                break  # replaced: the saves it had failed with it
-            if time.monotonic() > deadline:
-                log.warning(
-                    "the worker did not confirm protect(%d) in %.0f s: a save already handed "
-                    "to it may still prune that step (saves from now on keep it)",
-                    step,
-                    PROTECT_WAIT_S,
-                )
-                break
-            saver.jobs.cond.wait(0.5)
+    if M.wait_for_word(saver, link, lambda: step in link.unprotected, PROTECT_WAIT_S):
+        log.warning(
+            "the worker did not confirm protect(%d) in %.0f s: a save already handed to it "
+            "may still prune that step (saves from now on keep it)",
+            step,
+            PROTECT_WAIT_S,
+        )
     return link
 
 

@@ -559,7 +559,7 @@ def _tracker_past(root: Path, layout: str, step: int) -> None:
     """The tracker named the step just quarantined: name the newest one left instead, or
     remove it when none is left (it must only ever name a committed checkpoint; Megatron's
     loaders read it)."""
-    from .commit import advance_tracker
+    from .commit import advance_tracker, remove_tracker
 
     left = _layout.scan(root, layout)
     if _layout.read_tracker(root) != step:
@@ -568,11 +568,7 @@ def _tracker_past(root: Path, layout: str, step: int) -> None:
         if left:
             advance_tracker(root, layout, left[-1].step)
         else:  # none left: no tracker (Megatron's loaders then start fresh, as we do)
-            from .storage.local import LocalStore
-
-            for name in _layout.tracker_names(layout):
-                with contextlib.suppress(FileNotFoundError):
-                    LocalStore(root).delete(name)
+            remove_tracker(root, layout)
     except OSError as err:
         log.warning("could not update the tracker of %s: %s", root, err)
 

@@ -606,20 +606,14 @@ def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
             dropped = _send_drops(slot, link)
     except OSError:  # the worker is dead: its mappings went with it (send_job says so)
         return
-    deadline = time.monotonic() + DROP_WAIT_S
-    with saver.jobs.cond:
-        while dropped & link.undropped:
-            if link is not saver.worker.link or not saver.is_started():
-                return
-            if time.monotonic() > deadline:  # (no hang for the budget's sake: said, not waited)
-                log.warning(
-                    "the worker did not say it let go of %d old staging buffer(s) in %.0f s: "
-                    "the new ones are allocated beside them (over Staging(max_host_bytes=))",
-                    len(dropped & link.undropped),
-                    DROP_WAIT_S,
-                )
-                return
-            saver.jobs.cond.wait(0.5)
+    if M.wait_for_word(saver, link, lambda: bool(dropped & link.undropped), DROP_WAIT_S):
+        # (no hang for the budget's sake: said, not waited)
+        log.warning(
+            "the worker did not say it let go of %d old staging buffer(s) in %.0f s: "
+            "the new ones are allocated beside them (over Staging(max_host_bytes=))",
+            len(dropped & link.undropped),
+            DROP_WAIT_S,
+        )
 
 
 def _send_drops(slot: StagingSlot, link: WorkerLink) -> set[int]:

@@ -744,7 +744,9 @@ def _start_receiving(worker: Worker, inbox: queue.SimpleQueue) -> None:
 
 def _trainer_gone(parent_pid: int) -> bool:
     """Whether the trainer that started this worker is gone (0: no trainer to watch)."""
-    return parent_pid != 0 and os.getppid() != parent_pid
+    from .chunked_write import trainer_alive
+
+    return not trainer_alive(parent_pid)()
 
 
 def _receive(

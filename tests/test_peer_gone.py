@@ -281,6 +281,12 @@ class _Served:
             _dist.job_store(cfg)
             time.sleep(0.1)
 
+    def replace(self, old, delay: float, name: str) -> None:
+        """Rank 0's worker ``old`` killed, a new one serving (named after ``delay`` s)."""
+        old.kill()
+        old.wait(30)
+        self.serve(delay, name)
+
     def close(self, cfg) -> None:
         from asyncckpt import dist as _dist
 
@@ -292,7 +298,23 @@ class _Served:
         self.listener.close()
 
 
-def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch):
+@pytest.fixture
+def served_old():
+    """A store served as ``"old"``, this worker connected to it: (served, cfg, old)."""
+    from asyncckpt import dist as _dist
+
+    served = _Served()
+    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
+    old = served.serve(0.0, "old")
+    try:
+        served.connect(cfg)
+        assert _dist.job_store_id(cfg) == "old"
+        yield served, cfg, old
+    finally:
+        served.close(cfg)
+
+
+def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch, served_old):
     """Rank 0's new worker serves its store as soon as the store listens and names it just
     after (``dist.serve``). A rank whose meeting was cut reconnects at once, in the socket's
     backlog, and asked for the name before it was set: "a store that never said which it is",
@@ -300,48 +322,30 @@ def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch)
     run). The new store is waited for to name itself; that worker meets again there."""
     from asyncckpt import dist as _dist
 
-    served = _Served()
-    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
-    old = served.serve(0.0, "old")
-    try:
-        served.connect(cfg)
-        assert _dist.job_store_id(cfg) == "old"
-        real_meet = peer_gone.meet
-        calls: list[bool] = []
+    served, cfg, old = served_old
+    real_meet = peer_gone.meet
+    calls: list[bool] = []
 
-        def meet_while_rank_0s_worker_is_replaced(store, *args, **kw):
-            if not calls:  # the first meeting: its store's server dies under it
-                old.kill()
-                old.wait(30)
-                served.serve(3.0, "new")
-            calls.append(kw.get("again", False))
-            return real_meet(store, *args, **kw)
+    def meet_while_rank_0s_worker_is_replaced(store, *args, **kw):
+        if not calls:  # the first meeting: its store's server dies under it
+            served.replace(old, 3.0, "new")
+        calls.append(kw.get("again", False))
+        return real_meet(store, *args, **kw)
 
-        monkeypatch.setattr(peer_gone, "meet", meet_while_rank_0s_worker_is_replaced)
-        assert peer_gone.meet_on_side_store(cfg, "6.0", False) is False
-        assert calls == [False, True]  # cut, then met again on the new store
-        assert _dist.job_store_id(cfg) == "new"
-    finally:
-        served.close(cfg)
+    monkeypatch.setattr(peer_gone, "meet", meet_while_rank_0s_worker_is_replaced)
+    assert peer_gone.meet_on_side_store(cfg, "6.0", False) is False
+    assert calls == [False, True]  # cut, then met again on the new store
+    assert _dist.job_store_id(cfg) == "new"
 
 
-def test_a_connection_replaced_between_saves_learns_the_new_stores_name():
+def test_a_connection_replaced_between_saves_learns_the_new_stores_name(served_old):
     """Rank 0's worker replaced between two saves: the next save's ``job_store`` reconnects
     (the old connection fails its check) and read the new store's name before it was set:
     none. A meeting of that save cut by yet another replacement then could not tell the
     stores apart and gave the save up. A store after a named one is waited for to say its."""
     from asyncckpt import dist as _dist
 
-    served = _Served()
-    cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
-    old = served.serve(0.0, "old")
-    try:
-        served.connect(cfg)
-        assert _dist.job_store_id(cfg) == "old"
-        old.kill()
-        old.wait(30)
-        served.serve(3.0, "new")
-        _dist.job_store(cfg)  # the next save's: reconnects, in the backlog
-        assert _dist.job_store_id(cfg) == "new"
-    finally:
-        served.close(cfg)
+    served, cfg, old = served_old
+    served.replace(old, 3.0, "new")
+    _dist.job_store(cfg)  # the next save's: reconnects, in the backlog
+    assert _dist.job_store_id(cfg) == "new"

@@ -273,7 +273,7 @@ class FsspecStore:
                 if q.is_file() and not q.is_symlink():
                     st = q.stat()
                     inodes.setdefault((st.st_dev, st.st_ino), (d.name, q.relative_to(d)))
-        out: list[tuple[Path, str, dict[str, Any]]] = []
+        out: list[tuple[Path, str, dict[str, Any], int]] = []
         for p in linked:
             st = p.stat()
             found = inodes.get((st.st_dev, st.st_ino))
@@ -284,15 +284,15 @@ class FsspecStore:
                 log.info("%s: %s holds other bytes: uploaded", p, self.url_of(found[0]))
                 continue
             if self.fs.exists(src) and self.fs.size(src) == st.st_size:
-                out.append((p, src, theirs[found[0]][found[1].as_posix()]))
+                out.append((p, src, theirs[found[0]][found[1].as_posix()], st.st_size))
         if not out:
             return []
         # A new checkpoint never inherits damage (the local link checks its source the same
         # way): the store's object is read and checksummed before the store copies it; one
         # that rotted since its upload is uploaded from the local file instead.
         with cf.ThreadPoolExecutor(min(self.threads, len(out))) as pool:
-            whole = list(pool.map(lambda c: _object_whole(self.fs, c[1], c[2]), out))
-        return [(p, src) for (p, src, _), ok in zip(out, whole, strict=True) if ok]
+            whole = list(pool.map(lambda c: _object_whole(self.fs, *c[1:]), out))
+        return [(p, src) for (p, src, _, _), ok in zip(out, whole, strict=True) if ok]
 
     def _copy_all(self, pairs: list[tuple[str, str]]) -> None:
         with cf.ThreadPoolExecutor(min(self.threads, len(pairs))) as pool:
@@ -484,27 +484,26 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _object_whole(fs: Any, path: str, entry: dict[str, Any]) -> bool:
-    """Whether the store's object at ``path`` holds the bytes its manifest ``entry``
-    records (streamed once and checksummed); a damaged or unreadable one is logged."""
-    from ..manifest import checksum_stream, file_checksum
+def _object_whole(fs: Any, path: str, entry: dict[str, Any], size: int) -> bool:
+    """Whether the store's object at ``path`` (``size`` bytes) holds the bytes its manifest
+    ``entry`` records, by the one rule ``check`` applies (streamed once and checksummed); a
+    damaged or unreadable one is logged."""
+    from ..manifest import checksum_stream, entry_problem
+
+    def read_checksum(algorithm: str) -> int:
+        with fs.open(path, "rb") as f:
+            return checksum_stream(f, None, algorithm)[0]
 
     try:
-        algorithm, want = file_checksum(entry)
-        with fs.open(path, "rb") as f:
-            got = checksum_stream(f, None, algorithm)[0]
+        problem = entry_problem(path, entry, size, read_checksum)
     except Exception as e:  # noqa: BLE001 - not copied: the local file is uploaded
         log.warning("asyncckpt: could not read %s to copy it (%s): uploaded instead", path, e)
         return False
-    if got != want:
+    if problem is not None:
         log.warning(
-            "asyncckpt: %s is damaged in the store (%s %#x, its manifest says %#x): not "
-            "copied into the new step, its local file uploaded instead; the store's "
-            "checkpoint holding it fails `asyncckpt verify`",
-            path,
-            algorithm,
-            got,
-            want,
+            "asyncckpt: damaged in the store: %s. Not copied into the new step, its local "
+            "file uploaded instead; the store's checkpoint holding it fails `asyncckpt verify`",
+            problem,
         )
         return False
     return True
