@@ -11,16 +11,18 @@ terminal (``asyncckpt.progress.RichProgress``); pipes and files get none.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from asyncckpt import layout as L
+from asyncckpt import pinfile
 from asyncckpt.errors import CheckpointError
 from asyncckpt.paths import check_local_root, is_url
 from asyncckpt.progress import RichProgress
@@ -277,7 +279,8 @@ def _run_ls(args: argparse.Namespace, console: Console) -> int:
     quick = not args.verify
     infos, problems, _ = _checked(store, layout, quick)
     tracker = store.read_tracker()
-    protected = plan_prune(infos, None, tracker_step=tracker).keep
+    pinned = pinfile.live_pins(store.root) if isinstance(store, LocalStore) else {}
+    protected = plan_prune(infos, None, tracker_step=tracker, pinned=pinned).keep
     writes, leftovers, pending = _background(store, layout)
     usage = _usage(store, layout, infos)
     entries = _ls_entries(infos, problems, protected)
@@ -364,7 +367,8 @@ def _add_prune(sub: argparse._SubParsersAction) -> None:
         "nor the one the tracker names). Before deleting anything, the kept checkpoints are "
         "checked against their manifests (every byte, newest first, until one verifies); if "
         "none does, the newest one that verifies is kept too ('newest that verifies'), and if "
-        "nothing verifies nothing is deleted. --no-verify skips that read.",
+        "nothing verifies nothing is deleted. --no-verify skips that read. Steps a running "
+        "engine protects (engine.protect) are kept too.",
     )
     _add_root(p)
     p.add_argument("--keep-last", type=int, metavar="N")
@@ -456,22 +460,50 @@ def _check_metric(store: Any, layout: str, metric: str) -> None:
     )
 
 
+class _EnginePins:
+    """What live engines protect on a local root (``engine.protect``, pinfile.py): read
+    before the plan, and again before each deletion (a protect while this process read)."""
+
+    def __init__(self, store: Any) -> None:
+        self.root = store.root if isinstance(store, LocalStore) else None
+        self.seen: dict[int, list[tuple[int, int]]] = (
+            pinfile.live_pins(self.root) if self.root is not None else {}
+        )
+
+    @contextlib.contextmanager
+    def deleting(self) -> Iterator[Container[int]]:
+        if self.root is None:
+            yield ()
+            return
+        with pinfile.deleting(self.root) as now:
+            for step, who in now.items():
+                self.seen.setdefault(step, who)
+            yield now
+
+    def of(self, kept: Iterable[int]) -> dict[int, list[tuple[int, int]]]:
+        return {s: self.seen[s] for s in sorted(kept) if s in self.seen}
+
+
 def _run_prune(args: argparse.Namespace, console: Console) -> int:
     policy = _policy(args)
     store, layout = _open(args)
     if args.keep_best is not None:
         _check_metric(store, layout, args.metric)
+    engines = _EnginePins(store)
     with _progress() as bar:
         result = prune(
             store,
             layout,
             policy,
+            pinned=engines.seen,
             dry_run=args.dry_run,
             allow_tracker_lag=args.allow_tracker_lag,
             verify=not args.no_verify,
             progress=bar,
             warn=False,  # printed below, on stderr
+            deleting=engines.deleting,
         )
+    pinned = engines.of(result.kept)
     err = Console(stderr=True, markup=False, soft_wrap=True)
     for message in result.warnings.values():
         err.print(f"warning: {message}", style="yellow")
@@ -500,6 +532,10 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
             "errors": {str(k): v for k, v in result.errors.items()},
             "cleaned": cleaned,
             "clean_refused_live_locks": live,
+            "protected_by_engines": {
+                str(step): [{"rank": r, "pid": pid} for r, pid in who]
+                for step, who in pinned.items()
+            },
             "corrupt": {str(k): v for k, v in result.corrupt.items()},
             "warnings": list(result.warnings.values()),
         }
@@ -508,6 +544,9 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
         rows = [(str(s), ", ".join(r)) for s, r in result.kept.items()]
         console.print(f"policy: {policy!r}")
         console.print(_table("kept", rows, ("step", "why")))
+        for step, who in pinned.items():
+            holders = "; ".join(f"rank {r}, pid {pid}" for r, pid in who)
+            console.print(f"protected by a live engine: step {step} ({holders})")
         console.print(f"{verb}: {', '.join(map(str, result.deleted)) or 'nothing'}")
         if result.gone:  # a race with the engine's own prune: done, not an error
             console.print(

@@ -29,6 +29,7 @@ from typing_extensions import Unpack
 
 from . import layout as _layout
 from . import memory_tier, peer_gone, pins
+from .differential import KeepRule
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
@@ -277,6 +278,7 @@ class EngineParts:
             replication=self.replication,
             hot_hold_s=float(self.opts.memory.hold_seconds),
             differential=self.opts.staging.differential,
+            keep=KeepRule(self.local_keep, self.opts.retention.scope, self.run_id),
         )
 
     def _on_loaded(self, step: int) -> None:
@@ -375,6 +377,8 @@ class EngineParts:
             self.remote.open().probe()
         self.lock_fd = lock_root(self.root, rank, self.opts.write_timeout)
         self.restorer.root_locked = True  # lock_root waited for an orphaned worker
+        if self.saver.pinned:  # protect() before the start: other processes see it now
+            pins.publish_pins(self.saver)
         try:  # a step loaded while the earlier worker committed it: committed? (hot.py)
             self.restorer.hot.check_committed(self.layout)
         except BaseException:
@@ -445,6 +449,7 @@ class EngineParts:
             self.supervisor.stop()
             self.saver.release_slots()
             if self.lock_fd is not None:
+                pins.withdraw_pins(self.saver)  # (before the lock: the pins end with it)
                 os.close(self.lock_fd)
                 self.lock_fd = None
             self.rendezvous.close()
@@ -788,8 +793,7 @@ class EngineBase:
         """Never prune ``step``, whatever the retention policy; saves already handed to the
         worker included (it returns once the worker said so)."""
         step = _check_step(step)
-        self._engine.saver.pinned.add(step)
-        pins.protect_in_worker(self._engine.saver, step)
+        pins.protect(self._engine.saver, step)
 
     @contextlib.contextmanager
     def pause_writes(self) -> Iterator[None]:

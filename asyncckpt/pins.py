@@ -9,6 +9,9 @@ keeps (``WorkerPins``); ``protect`` returns once the worker said so (``Protected
 worker prunes holding the same lock, so a prune is either over when the pin lands or sees
 it. A load pins the step it reads the same way, until it is over (``kept_while_read``).
 
+Other processes (``python -m asyncckpt prune``) see the engine's pins in a file under the
+root while the engine runs (``publish_pins``, pinfile.py); a load's pin stays in the worker.
+
 Not covered: only this rank's worker hears of a pin, and on a shared root only rank 0's
 worker prunes (call ``protect`` on every rank; another rank's load is not pinned there).
 """
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import messages as M
+from . import pinfile
 
 log = logging.getLogger("asyncckpt")
 
@@ -89,6 +93,15 @@ class WorkerPins:
             yield self._kept()
 
 
+def protect(saver: Any, step: int) -> None:
+    """``engine.protect``: every later save's prune keeps ``step``, the worker's prunes of
+    saves already handed to it, and other processes' (``python -m asyncckpt prune``)."""
+    saver.pinned.add(step)
+    if saver.is_started():  # (else at the start: the root is not the engine's before)
+        publish_pins(saver)
+    protect_in_worker(saver, step)
+
+
 def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any:
     """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
     of ``engine.protect``); nothing to do before the start (every request carries it).
@@ -114,6 +127,30 @@ def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any
             PROTECT_WAIT_S,
         )
     return link
+
+
+def publish_pins(saver: Any) -> None:
+    """The engine's pins (``saver.pinned``) where other processes see them, while it holds
+    the root: at its start and at each ``protect``."""
+    rules = saver.rules
+    try:
+        pinfile.publish(rules.root, rules.rank, saver.pinned)
+    except OSError as e:  # protect still holds in this engine's own prunes
+        log.warning(
+            "could not record the protected steps %s under %s (%s): `python -m asyncckpt "
+            "prune` run beside this engine does not know of them",
+            sorted(saver.pinned),
+            rules.root,
+            e,
+        )
+
+
+def withdraw_pins(saver: Any) -> None:
+    """At the engine's stop, before it lets go of the root: its pins end with it."""
+    try:
+        pinfile.withdraw(saver.rules.root, saver.rules.rank)
+    except OSError as e:  # (ignored anyway once the engine's lock is free)
+        log.debug("could not remove the pins file under %s: %s", saver.rules.root, e)
 
 
 @contextlib.contextmanager

@@ -33,12 +33,13 @@ checkpoint still in flight (temporary directories) and trash not yet removed -- 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -249,6 +250,7 @@ def prune(
     progress: Progress | None = None,
     warn: bool = True,
     committed_step: int | None = None,
+    deleting: Callable[[], contextlib.AbstractContextManager[Container[int]]] | None = None,
 ) -> PruneResult:
     """Apply ``policy`` to the committed checkpoints of ``root`` (a ``Store``, or a path).
 
@@ -264,6 +266,8 @@ def prune(
     result's ``warnings`` to the caller (the worker: the engine reports them in the trainer).
     ``committed_step``: the step whose commit this prune follows, never deleted (and nothing
     above it: ``retention.plan_prune``).
+    ``deleting``: held around each deletion, yields the steps pinned by then (another
+    process's ``engine.protect`` while this one read: ``pinfile.deleting``); one is kept.
     """
     store = as_store(root)
     L.check_layout(layout)
@@ -303,23 +307,26 @@ def prune(
             list(plan.delete), plan.keep, dry_run=True, warnings=notes, corrupt=corrupt
         )
     deleted, errors, gone = [], {}, []
+    kept = plan.keep
     for step in plan.delete:
-        try:
-            delete(store, names[step])
-        except OSError as e:
-            if isinstance(e, FileNotFoundError) and not store.exists(names[step]):
-                # Deleted meanwhile by another pruner (the engine's worker after a commit,
-                # racing the CLI): what was asked for is done, not an error.
-                log.info("asyncckpt: step %s was already deleted by another process", step)
-                gone.append(step)
+        with deleting() if deleting is not None else contextlib.nullcontext(()) as pinned_now:
+            if step in pinned_now:
+                kept = dict(sorted({**kept, step: ["protected"]}.items()))
                 continue
-            log.warning("asyncckpt: pruning step %s failed: %s", step, e)
-            errors[step] = str(e)
-            continue
+            try:
+                delete(store, names[step])
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) and not store.exists(names[step]):
+                    # Deleted meanwhile by another pruner (the engine's worker after a
+                    # commit, racing the CLI): what was asked for is done, not an error.
+                    log.info("asyncckpt: step %s was already deleted by another process", step)
+                    gone.append(step)
+                    continue
+                log.warning("asyncckpt: pruning step %s failed: %s", step, e)
+                errors[step] = str(e)
+                continue
         deleted.append(step)
-    return PruneResult(
-        deleted, plan.keep, errors=errors, warnings=notes, corrupt=corrupt, gone=gone
-    )
+    return PruneResult(deleted, kept, errors=errors, warnings=notes, corrupt=corrupt, gone=gone)
 
 
 def _keep_one_that_verifies(
