@@ -1,23 +1,49 @@
-"""The workers' side channel on the wire: a listener, pickled messages with a length prefix,
-and raw bytes received into a buffer. One module for everything that talks worker to worker
-over TCP (replication.py's replicas, local_recovery.py's fetch of a replica from a peer's
-disk), so the framing is spelled once.
+"""The workers' connections on the wire: one module for everything that talks worker to
+worker over TCP (replication.py's replicas, local_recovery.py's fetch of a replica from a
+peer's disk), so the format is spelled once.
 
-Only peer workers of the same job connect (their addresses are in the job's side store), so
-an object on the wire is trusted as a pickle is between the processes of one job.
+A message is a JSON header with a length prefix, then the raw byte segments it declares:
+
+    !I length | JSON object {"kind": ..., ..., "segments": [n0, n1, ...]} | n0 bytes | n1 ...
+
+Nothing on a socket is unpickled: a header is parsed as JSON (at most ``MAX_HEADER_BYTES``,
+checked before anything is allocated for it) and read field by field by its receiver; bytes
+travel as segments, whose total the receiver checks before it allocates them
+(``recv_msg(segment_room=)``). The bulk of a transfer (a replica's arenas, a replica's files)
+follows a message as plain bytes into buffers the receiver sized and checked itself.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
 import socket
 import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["listen", "recv_exact", "recv_into", "recv_obj", "send_obj"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "Message",
+    "ProtocolError",
+    "encode_header",
+    "listen",
+    "recv_exact",
+    "recv_into",
+    "recv_msg",
+    "send_msg",
+]
 
-#: The length prefix of a pickled message.
-_LEN = struct.Struct("!Q")
+#: The length prefix of a message's JSON header.
+_LEN = struct.Struct("!I")
+#: The largest header read (a replica's specs: ~150 bytes a tensor, 64 MiB covers 400,000).
+MAX_HEADER_BYTES = 64 << 20
+#: The most segments one message declares.
+MAX_SEGMENTS = 1 << 20
+
+
+class ProtocolError(ConnectionError):
+    """A peer's message that breaks the format: the connection is dropped, nothing is kept."""
 
 
 def listen() -> socket.socket:
@@ -27,9 +53,92 @@ def listen() -> socket.socket:
     return socket.create_server(("", 0))
 
 
-def send_obj(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
+# ------------------------------------------------------------------ messages
+
+
+@dataclass(frozen=True)
+class Message:
+    """A header (``kind`` and its fields, as JSON parsed them) and its byte segments."""
+
+    header: dict[str, Any]
+    segments: list[bytes]
+
+    @property
+    def kind(self) -> str:
+        return str(self.header["kind"])
+
+
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """A header's bytes on the wire, its length first."""
+    data = json.dumps(header, separators=(",", ":")).encode()
+    if len(data) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"a {header.get('kind')!r} header of {len(data)} bytes is over the "
+            f"{MAX_HEADER_BYTES} bytes a peer reads"
+        )
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(
+    sock: socket.socket,
+    header: Mapping[str, Any],
+    segments: Sequence[bytes | memoryview] = (),
+) -> None:
+    """Send one message: ``header`` (a JSON object with a ``"kind"``) and ``segments``."""
+    if segments:
+        header = {**header, "segments": [len(s) for s in segments]}
+    sock.sendall(encode_header(header))
+    for s in segments:
+        sock.sendall(s)
+
+
+def recv_msg(sock: socket.socket, *, segment_room: Callable[[int], None] | None = None) -> Message:
+    """Read one message. ``segment_room(total)`` is called with its segments' total size
+    before they are allocated; if it raises, the segments are read past (into one small
+    buffer, so the connection stays in step) and its error is raised. Without it, a message
+    that declares segments is refused. ProtocolError for anything malformed."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > MAX_HEADER_BYTES:
+        raise ProtocolError(f"a header of {n} bytes, over the {MAX_HEADER_BYTES} bytes read")
+    try:
+        header = json.loads(recv_exact(sock, n))
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+        raise ProtocolError(f"a header that is not JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+        raise ProtocolError("a header that is not a JSON object with a string 'kind'")
+    sizes = header.pop("segments", [])
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) > MAX_SEGMENTS
+        or not all(type(s) is int and s >= 0 for s in sizes)
+    ):
+        raise ProtocolError(f"a {header['kind']!r} header with malformed segment sizes")
+    total = sum(sizes)
+    if total:
+        if segment_room is None:
+            raise ProtocolError(f"a {header['kind']!r} message carries no segments")
+        try:
+            segment_room(total)
+        except Exception:
+            _skip(sock, total)
+            raise
+    return Message(header, [recv_exact(sock, s) for s in sizes])
+
+
+def _skip(sock: socket.socket, n: int) -> None:
+    """Read ``n`` bytes and keep none of them."""
+    buf = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        k = min(n, len(buf))
+        recv_into(sock, buf[:k])
+        n -= k
+
+
+def expect(msg: Message, *kinds: str) -> Message:
+    """``msg`` if it is one of ``kinds``; else ProtocolError."""
+    if msg.kind not in kinds:
+        raise ProtocolError(f"expected a message of kind {' or '.join(kinds)}, got {msg.kind!r}")
+    return msg
 
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
@@ -46,8 +155,3 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into(sock, memoryview(buf))
     return bytes(buf)
-
-
-def recv_obj(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    return pickle.loads(recv_exact(sock, n))  # noqa: S301 - a peer worker of this job

@@ -29,8 +29,8 @@ says so (``LoadChoice.reason``). If no step can be had by every rank, none (the 
 refuse to start some ranks fresh while others resume).
 
 The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder node's local
-rank 0 serves its root's replica directories over TCP during the load's agreement (framing.py;
-its address in the side store); the replacement node's local rank 0 asks for (node, step),
+rank 0 serves its root's replica directories over TCP during the load's agreement (framing.py:
+JSON headers, the files' bytes raw, nothing unpickled; its address in the side store); the replacement node's local rank 0 asks for (node, step),
 receives the manifest and then every file it lists into a temporary of its own root, and
 checks every checksum before anything is kept; then commits them with the usual commit
 (manifest, rename, tracker): a cut connection or a wrong byte leaves nothing committed.
@@ -50,7 +50,7 @@ from typing import Any
 
 from . import layout as _layout
 from .commit import commit_step, remove_tracker
-from .framing import listen, recv_into, recv_obj, send_obj
+from .framing import Message, expect, listen, recv_into, recv_msg, send_msg
 from .manifest import check_files, read_manifest
 from .storage.localfs import fsync_dir, fsync_file, makedirs
 
@@ -284,21 +284,22 @@ class ReplicaServer:
     def _one(self, sock: socket.socket) -> None:
         with sock:
             try:
-                kind, node, step = recv_obj(sock)
-                if kind != "get" or not isinstance(node, int) or not isinstance(step, int):
+                ask = expect(recv_msg(sock), "get").header
+                node, step = ask.get("node"), ask.get("step")
+                if type(node) is not int or type(step) is not int:
                     return  # (never a path from the wire)
                 where = replica_dir(self.root, self.layout, node, step)
                 try:
                     manifest = read_manifest(where)
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
-                    send_obj(sock, ("missing", f"{where}: {e}"))
+                    send_msg(sock, {"kind": "missing", "why": f"{where}: {e}"})
                     return
                 files = manifest.get("files", {})
                 short = check_files(where, {"files": files}, quick=True)  # sizes only
                 if short:  # said at once: the asking rank would wait for bytes never sent
-                    send_obj(sock, ("damaged", f"{where}: {'; '.join(short)}"))
+                    send_msg(sock, {"kind": "damaged", "why": f"{where}: {'; '.join(short)}"})
                     return
-                send_obj(sock, ("manifest", manifest))
+                send_msg(sock, {"kind": "manifest", "manifest": manifest})
                 for rel in files:
                     with open(where / rel, "rb") as f:
                         sock.sendfile(f)
@@ -317,20 +318,19 @@ def fetch_replica(address: tuple[str, int], node: int, step: int, into: Path) ->
     against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
     them, the connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
-        send_obj(sock, ("get", node, step))
-        answer = recv_obj(sock)
-        if answer[0] == "damaged":
+        send_msg(sock, {"kind": "get", "node": node, "step": step})
+        answer = expect(recv_msg(sock), "manifest", "missing", "damaged")
+        if answer.kind == "damaged":
             raise OSError(
-                f"the peer's replica of node {node}'s step {step} is damaged: {answer[1]}"
+                f"the peer's replica of node {node}'s step {step} is damaged: {_why(answer)}"
             )
-        if answer[0] != "manifest":
-            raise FileNotFoundError(f"no replica of node {node}'s step {step}: {answer[1]}")
-        manifest: dict[str, Any] = answer[1]
-        for rel, entry in manifest.get("files", {}).items():
+        if answer.kind != "manifest":
+            raise FileNotFoundError(f"no replica of node {node}'s step {step}: {_why(answer)}")
+        manifest, files = _files_of(answer.header.get("manifest"), f"node {node}'s step {step}")
+        for rel, left in files:
             path = into / rel
             makedirs(path.parent)  # inside the temporary: its seal makes the names durable
             with open(path, "wb") as f:
-                left = int(entry["size"])
                 buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
                 while left:
                     n = min(left, len(buf))
@@ -343,6 +343,25 @@ def fetch_replica(address: tuple[str, int], node: int, step: int, into: Path) ->
         raise OSError(f"node {node}'s step {step} fetched with errors: {'; '.join(problems)}")
     fsync_dir(into)
     return manifest
+
+
+def _files_of(manifest: Any, what: str) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """A peer's manifest and its files, in its order: (name, size), each checked before any
+    byte of them is read; OSError naming what is wrong."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or not isinstance(files, dict):
+        raise OSError(f"the peer sent no manifest of {what}")
+    out = []
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if type(size) is not int or size < 0:
+            raise OSError(f"the peer's manifest of {what} gives {rel!r} no size")
+        out.append((rel, size))
+    return manifest, out
+
+
+def _why(answer: Message) -> str:
+    return str(answer.header.get("why", answer.kind))
 
 
 def commit_fetched(

@@ -9,15 +9,16 @@ its own memory. The trainer never waits for it: the ``Hold`` reaches the worker 
 
 Transport: a TCP connection per pair, the receiver's address published in the side store
 (``asyncckpt/<token>/replica/<rank>``). A replica is a header (the ``SaveJob`` with its specs
-and paths: what writing that rank's files as that rank would takes), the receiver's go-ahead
-(or its refusal: no memory for it), the arenas' bytes, an end mark and a CRC-32C of each
-arena (checked before the replica is held). The receiver reads into buffers of its own that
-hold no replica the sender still keeps (the header's ``keep``; those it let go of are reused)
-and swaps them in only once all of it came and checked: a sender that dies mid-transfer, or a
-replica damaged on the way, leaves the replicas the sender still keeps, never a torn one. A
-sender whose
-slot is released mid-transfer (the trainer needs it for a newer save) aborts the transfer the
-same way before the slot is let go (``ReplicaSender.release``).
+and paths: what writing that rank's files as that rank would takes; as JSON data and byte
+segments, jobwire.py says field by field what travels, framing.py how), the receiver's
+go-ahead (or its refusal: no memory for it), the arenas' bytes, an end mark and a CRC-32C of
+each arena (checked before the replica is held). Nothing from the wire is unpickled. The
+receiver reads into buffers of its own that hold no replica the sender still keeps (the
+header's ``keep``; those it let go of are reused) and swaps them in only once all of it came
+and checked: a sender that dies mid-transfer, or a replica damaged on the way, leaves the
+replicas the sender still keeps, never a torn one. A sender whose slot is released
+mid-transfer (the trainer needs it for a newer save) aborts the transfer the same way before
+the slot is let go (``ReplicaSender.release``).
 
 What a node holds: per rank, its two memory slots, and two replica buffers of the rank it
 receives from (the two steps that rank holds: the newest and the one common to every rank),
@@ -56,7 +57,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .framing import listen, recv_exact, recv_into, recv_obj, send_obj
+from .framing import Message, expect, listen, recv_exact, recv_into, recv_msg, send_msg
+from .jobwire import NotReplicable, decode_replica, encode_replica
 from .manifest import checksum
 
 log = logging.getLogger("asyncckpt")
@@ -321,7 +323,7 @@ class ReplicaSender:
             host, port = raw.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_obj(sock, ("hello", self.cfg.rank))
+            send_msg(sock, {"kind": "hello", "rank": self.cfg.rank})
             with self.cond:
                 self.sock = sock
         return self.sock
@@ -337,13 +339,16 @@ class ReplicaSender:
         """One replica: header, the receiver's go, the bytes, the end mark, its answer."""
         job = offer.job
         arenas, specs = self.registry.get(job, 60.0)
-        sock = self._connect()
-        header = replace(job, specs=list(specs), faults={})
         sizes = [int(a.numel()) for a in arenas]
-        send_obj(sock, ("replica", header, sizes, offer.keep))
-        answer = recv_obj(sock)
-        if answer[0] != "ready":
-            return str(answer[1])
+        try:
+            header, segments = encode_replica(job, list(specs), sizes, offer.keep)
+        except NotReplicable as e:  # the save stands; its handle says why it has no replica
+            return str(e)
+        sock = self._connect()
+        send_msg(sock, header, segments)
+        answer = expect(recv_msg(sock), "ready", "refused")
+        if answer.kind != "ready":
+            return _why(answer)
         with self.cond:
             if job.job_id in self.cancelled:
                 self._close()  # the receiver waits for bytes that never come: start afresh
@@ -364,9 +369,14 @@ class ReplicaSender:
             self.reading = None  # every byte is out of the slot
             self.cond.notify_all()
         sock.sendall(_END)
-        send_obj(sock, ("crcs", crcs))
-        answer = recv_obj(sock)
-        return None if answer[0] == "held" else str(answer[1])
+        send_msg(sock, {"kind": "crcs", "crcs": crcs})
+        answer = expect(recv_msg(sock), "held", "damaged")
+        return None if answer.kind == "held" else _why(answer)
+
+
+def _why(answer: Message) -> str:
+    """The receiver's reason for not holding a replica, as it said it."""
+    return str(answer.header.get("why", f"the receiver said {answer.kind!r}"))
 
 
 # ------------------------------------------------------------------ the receiver's side
@@ -444,39 +454,51 @@ class ReplicaReceiver:
             return
         while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, peer = self.listener.accept()
             except OSError:
                 return
             threading.Thread(
-                target=self._connection, args=(sock,), name="asyncckpt-replica-in", daemon=True
+                target=self._connection,
+                args=(sock, peer),
+                name="asyncckpt-replica-in",
+                daemon=True,
             ).start()
 
-    def _connection(self, sock: socket.socket) -> None:
+    def _connection(self, sock: socket.socket, peer: Any) -> None:
         with sock:
             try:
-                hello = recv_obj(sock)
-                if hello != ("hello", self.rep.source):
-                    log.warning("replica connection refused: %r", hello)
-                    return
-                self.connected = True
-                self.gone.clear()
+                hello = expect(recv_msg(sock), "hello")
+                if hello.header.get("rank") != self.rep.source:
+                    raise ConnectionError(f"it is not rank {self.rep.source}")
+            except (EOFError, OSError) as e:  # a stranger: nothing the run holds changes
+                log.warning(
+                    "rank %d refused a replica connection from %s: %s", self.cfg.rank, peer, e
+                )
+                return
+            self.connected = True
+            self.gone.clear()
+            try:
                 while True:
                     self._one(sock)
-            except (EOFError, OSError, pickle.UnpicklingError):
+            except (EOFError, OSError):
                 self.gone.set()  # mid-transfer or between: what is held stays whole
 
     def _one(self, sock: socket.socket) -> None:
-        kind, job, sizes, keep = recv_obj(sock)
-        if kind != "replica":
-            raise EOFError(f"unexpected message {kind!r}")
+        from .errors import StagingMemoryError
+        from .staging import check_memory
+
+        try:
+            msg = recv_msg(sock, segment_room=check_memory)  # (its objects' bytes)
+        except StagingMemoryError as e:
+            send_msg(sock, {"kind": "refused", "why": f"rank {self.cfg.rank} cannot hold it: {e}"})
+            return
+        job, sizes, keep = decode_replica(expect(msg, "replica"))
         with self.lock:  # the steps the source let go of go here too
             spare = [r for s, r in self.held.items() if s not in keep]
             self.held = {s: r for s, r in self.held.items() if s in keep}
         reuse = [b for r in spare for b in r.arenas.values()]
         arenas: dict[int, SharedBuffer] = {}
         try:
-            from .staging import check_memory
-
             need = sum(n for n in sizes) - sum(b.nbytes for b in reuse)
             if need > 0:
                 check_memory(need)
@@ -491,34 +513,32 @@ class ReplicaReceiver:
                 arenas[self.next_id] = same
                 ids.append(self.next_id)
         except Exception as e:  # noqa: BLE001 - refused: the sender says so on its handle
-            send_obj(sock, ("refused", f"rank {self.cfg.rank} cannot hold it: {e}"))
+            send_msg(sock, {"kind": "refused", "why": f"rank {self.cfg.rank} cannot hold it: {e}"})
             return
         del reuse
-        send_obj(sock, ("ready",))
+        send_msg(sock, {"kind": "ready"})
         for b in arenas.values():
             recv_into(sock, _bytes_of(b.tensor))
         if recv_exact(sock, len(_END)) != _END:
             raise EOFError("a replica without its end mark")
         # End to end: the sender's checksums of what it sent against the bytes held here (a
         # stand-in would commit a flipped bit with a manifest made from it: a silent error).
-        kind, sent = recv_obj(sock)
+        sent = expect(recv_msg(sock), "crcs").header.get("crcs")
         got = [checksum(_bytes_of(b.tensor)) for b in arenas.values()]
-        if kind != "crcs" or list(sent) != got:
+        if not isinstance(sent, list) or sent != got:
+            sent = sent if isinstance(sent, list) else []
             bad = [i for i, (a, b) in enumerate(zip(sent, got, strict=False)) if a != b]
             log.warning("rank %d's replica of step %d arrived damaged", self.rep.source, job.step)
-            send_obj(
-                sock,
-                (
-                    "damaged",
-                    f"rank {self.cfg.rank} received it damaged: arena(s) "
-                    f"{bad} differ from the sender's checksums; not held",
-                ),
+            why = (
+                f"rank {self.cfg.rank} received it damaged: arena(s) {bad} differ from the "
+                "sender's checksums; not held"
             )
+            send_msg(sock, {"kind": "damaged", "why": why})
             return
         job.arena_ids = ids
         with self.lock:
             self.held[job.step] = Replica(job, arenas)
-        send_obj(sock, ("held", job.job_id))
+        send_msg(sock, {"kind": "held", "job_id": job.job_id})
 
     def steps(self) -> list[int]:
         with self.lock:
