@@ -36,7 +36,15 @@ import numpy as np
 import torch
 
 from ._torch import foreach_copy_
-from .staging import Marks, StagingSlot, _as_bytes, _bytes_of_view, _pool, cpu_copy_threads
+from .staging import (
+    Marks,
+    StagingSlot,
+    _as_bytes,
+    _bytes_of_view,
+    _pool,
+    cpu_copy_threads,
+    read_only_bytes,
+)
 
 log = logging.getLogger("asyncckpt")
 
@@ -189,8 +197,7 @@ def _same(piece: tuple[int, Any, Any]) -> bool:
 def _source_bytes(t: torch.Tensor) -> Any:
     src = _as_bytes(t)
     if src is None:  # strided, conjugate, negative: as the copy resolved it
-        src = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        src = src.view(torch.uint8).numpy()
+        src = read_only_bytes(t.detach().resolve_conj().resolve_neg().contiguous())
     return src
 
 

@@ -37,7 +37,14 @@ from . import faults
 from .chunking import ALIGN, Chunk, plan_chunks
 from .errors import SaveFailed, StagingMemoryError, StateModifiedWhileStaging
 from .options import MIN_HOST_BYTES
-from .staging import Marks, StagingSlot, allocate_arena, check_memory, torn_since
+from .staging import (
+    Marks,
+    StagingSlot,
+    allocate_arena,
+    check_memory,
+    read_only_bytes,
+    torn_since,
+)
 
 log = logging.getLogger("asyncckpt")
 
@@ -199,7 +206,7 @@ def _copy_piece(dst: torch.Tensor, t: torch.Tensor, spec: ChunkedTensor, piece: 
     if src.dim() > 0 and piece.nbytes != spec.row_bytes * src.shape[0]:
         src = src[piece.start // spec.row_bytes : piece.stop // spec.row_bytes]
     if not src.is_cuda and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
-        np.copyto(raw.numpy(), src.reshape(-1).view(torch.uint8).numpy())
+        np.copyto(raw.numpy(), read_only_bytes(src))  # (the arena's own bytes: ours)
     else:  # on a GPU, or strided: torch's copy into a typed view of the bytes
         raw.view(src.dtype).view(src.shape).copy_(src)
 

@@ -449,7 +449,37 @@ def _as_bytes(t: torch.Tensor) -> Any:
     """The bytes of a dense CPU tensor as a numpy array (no copy), or None to use torch."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    return read_only_bytes(t)
+
+
+class _Borrowed:
+    """A NumPy array's view of a tensor's bytes, made from its data pointer: the array keeps
+    this object (and so the tensor) alive as its ``base``."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor, nbytes: int) -> None:
+        self.tensor = t
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), True),  # read-only: nothing of the caller's is written
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def read_only_bytes(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor as a read-only flat uint8 NumPy array (no copy).
+
+    Not ``t.numpy()``: torch marks a storage exported to NumPy non-resizable for good, and
+    the caller's tensors must stay as they were (``t.resize_()``,
+    ``t.untyped_storage().resize_(0)`` still work after a save, as after ``dcp.save``).
+    Reading through the pointer is as safe as torch's own copy: the caller must not free
+    the storage while the save reads it (``Marks.check_pointers`` sees one freed before)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.asarray(_Borrowed(t, nbytes))
 
 
 def _bytes_of_view(view: torch.Tensor) -> Any:
