@@ -43,8 +43,8 @@ import datetime
 import logging
 import mmap
 import os
-import pickle
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,8 +57,10 @@ from .errors import CheckpointError, StateMismatch, UncommittedResume
 from .formats.hotread import HotDeclined, HotRead
 from .hot_agree import agree, wait_count
 from .hot_load import HotSpoiled, load_offered
-from .hot_serve import DONE, HEADER, TAKEN, Offer, peer_uid, socket_name
+from .hot_offer import HEADER, MAGIC, MAX_OFFER_BYTES, decode_offer
+from .hot_serve import DONE, TAKEN, Offer, peer_uid, socket_name
 from .loadcheck import LoadReport
+from .peerdata import Malformed
 
 log = logging.getLogger("asyncckpt")
 
@@ -113,7 +115,9 @@ def _unmap(views: list[memoryview], maps: list[mmap.mmap]) -> None:
 
 
 def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
-    """The offer of a surviving worker of ``rank`` on ``root`` (this node), or None and why."""
+    """The offer of a surviving worker of ``rank`` on ``root`` (this node), or None and why.
+    An offer that is not what hot_serve.py sends (another user's process, a pickle, a header
+    or a field out of place) is refused, logged, and the load reads the disk."""
     sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     assert sock is not None
     fds: list[int] = []
@@ -123,11 +127,19 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
             return None, NO_WORKER
         if peer_uid(sock) != os.getuid():
             return None, "the process offering memory is another user's: not used"
-        head, fds, _, _ = socket.recv_fds(sock, HEADER.size, MAX_ARENAS)
-        (length,) = HEADER.unpack(_exactly(sock, head, HEADER.size))
-        offer: Offer = pickle.loads(_exactly(sock, b"", length))
-        if len(fds) != len(offer.sizes):
-            return None, "the offer came without its memory"
+        head, fds, flags, _ = socket.recv_fds(sock, HEADER.size, MAX_ARENAS)
+        if flags & socket.MSG_CTRUNC:
+            raise Malformed(f"refused the surviving worker's offer: over {MAX_ARENAS} descriptors")
+        magic, length = HEADER.unpack(_exactly(sock, head, HEADER.size))
+        if magic != MAGIC:
+            raise Malformed(
+                f"refused the surviving worker's offer: its header ({magic!r}) is not this "
+                "asyncckpt's (a worker of another version, or another program)"
+            )
+        if length > MAX_OFFER_BYTES:
+            raise Malformed(f"refused the surviving worker's offer: {length} bytes long")
+        offer = decode_offer(_exactly(sock, b"", length), len(fds))
+        _check_memory(fds, offer.sizes)
         maps = [
             mmap.mmap(fd, n, flags=MAP_FLAGS, prot=mmap.PROT_READ)
             for fd, n in zip(fds, offer.sizes, strict=True)
@@ -135,13 +147,29 @@ def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
         sock.sendall(TAKEN)  # mapped: the worker may exit, the memory lives while mapped here
         source, sock = HotSource(offer, maps, sock), None
         return source, ""
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError) as e:
+    except Malformed as e:
+        log.warning("rank %d: %s; reading from disk", rank, e)
+        return None, str(e)
+    except (OSError, EOFError, ValueError) as e:
         return None, f"asking the surviving worker failed: {e}"
     finally:
         for fd in fds:
             os.close(fd)
         if sock is not None:
             sock.close()
+
+
+def _check_memory(fds: list[int], sizes: tuple[int, ...]) -> None:
+    """Each descriptor is shared memory (a regular file: a pipe or a device is not mapped) at
+    least as large as its arena, else ``Malformed``."""
+    for i, (fd, n) in enumerate(zip(fds, sizes, strict=True)):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size < n:
+            raise Malformed(
+                f"refused the surviving worker's offer: descriptor {i} is not its arena's "
+                f"memory ({'a regular file' if stat.S_ISREG(st.st_mode) else 'not a file'} of "
+                f"{st.st_size} bytes, {n} offered)"
+            )
 
 
 def _connect(sock: socket.socket, root: Path, rank: int) -> bool:

@@ -14,17 +14,21 @@ there (hot.py ``spoiled``).
 A rank that never says (no offer reached it, a crash) makes the others wait the side store's
 timeout, then read the disk; a rank whose worker died with its trainer is told to the old run
 by its new engine before that (peer_gone.py), so its peers' workers never offer the step.
+
+A word is JSON (``encode_word``), never a pickle: the side store takes writes from anyone who
+reaches it. A word that is not what this module writes (``decode_word``) is refused: the rank
+that read it keeps nothing from memory and reads the disk, as after any failed agreement.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from typing import Any
 
 from .hot_serve import Offer
 from .manifest import checksum
+from .peerdata import Reader, dumps, loads
 
 #: What one rank says: (step, {tensor key: CRC-32C}, {object key: CRC-32C}), or None (no).
 Word = tuple[int, dict[str, int], dict[str, int]] | None
@@ -47,20 +51,46 @@ def agree(offer: Offer, rank: int, world_size: int, took: bool) -> tuple[bool, s
         from .dist import side_store
 
         store = side_store(cfg)
-        store.set(prefix + str(rank), pickle.dumps(mine))
+        store.set(prefix + str(rank), encode_word(mine))
         if mine is None:  # (a "no" needs no other word)
             store.add(prefix + "heard", 1)
             return False, "this rank did not take it"
         keys = [prefix + str(r) for r in range(world_size)]
         store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-        words: list[Word] = [pickle.loads(store.get(k)) for k in keys]
+        said = [store.get(k) for k in keys]
         store.add(prefix + "heard", 1)
         if rank == 0:  # its old worker serves the store: the others read first
             wait_count(store, prefix + "heard", world_size, cfg.timeout)
+        words = [
+            decode_word(raw, f"the side store's {k!r}") for k, raw in zip(keys, said, strict=True)
+        ]
     except Exception as e:  # noqa: BLE001 - no agreement: the disk, on every rank
         return False, f"the ranks could not agree over the side store: {e}"
     why = judge(words)
     return why is None, why or ""
+
+
+def encode_word(word: Word) -> bytes:
+    """``word`` as the side store keeps it (JSON)."""
+    if word is None:
+        return dumps(None)
+    step, tensors, objects = word
+    return dumps({"step": step, "tensors": tensors, "objects": objects})
+
+
+def decode_word(raw: bytes, what: str) -> Word:
+    """The word ``encode_word`` wrote, or ``peerdata.Malformed`` (``what``: where it came
+    from)."""
+    value = loads(raw, what)
+    if value is None:
+        return None
+    r = Reader(what)
+    v = r.record(value, "", ("step", "tensors", "objects"))
+    return (
+        r.integer(v["step"], "step"),
+        r.by_name(v["tensors"], "tensors", r.crc),
+        r.by_name(v["objects"], "objects", r.crc),
+    )
 
 
 def judge(words: list[Word]) -> str | None:

@@ -22,11 +22,13 @@ for ``hold_seconds`` over a local socket named after the root and the rank (an a
 socket: this node only, this user only); the worker lock is released once the commit is over.
 
 What travels: the step, the files this rank wrote for it, where each tensor's bytes lie in the
-arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``). The new engine maps
-them and checks every byte it copies against the manifest (or the offered checksums); nothing
-offered here is trusted beyond being a place to copy from. The offer goes once: the memory is
-freed when the new engine unmaps it (or when this process exits, at ``hold_seconds``, if
-nobody came).
+arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``): a fixed header and
+JSON (hot_offer.py), never a pickle. Each side checks that the other runs as this user
+(``SO_PEERCRED``) before anything else. The new engine decodes the offer field by field, maps
+the arenas and checks every byte it copies against the manifest (or the offered checksums);
+nothing offered here is trusted beyond being a place to copy from. The offer goes once: the
+memory is freed when the new engine unmaps it (or when this process exits, at
+``hold_seconds``, if nobody came).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import pickle
 import socket
 import struct
 import threading
@@ -45,15 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import faults
+from .hot_offer import HEADER, MAGIC, Offer, encode_offer
 from .manifest import checksum
 
 log = logging.getLogger("asyncckpt")
 
-#: The first bytes of an offer: the length of the pickled ``Offer`` that follows.
-HEADER = struct.Struct("<Q")
 #: SO_PEERCRED's ``struct ucred``: pid, uid, gid.
 UCRED = struct.Struct("3i")
 #: How long one client may take to read the offer before the next one is served.
@@ -74,32 +72,6 @@ def peer_uid(conn: socket.socket) -> int:
     """The user id of the process at the other end of ``conn``."""
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
     return UCRED.unpack(raw)[1]
-
-
-@dataclass
-class Offer:
-    """A step a surviving worker holds: what a new engine needs to map and find its bytes."""
-
-    step: int
-    rank: int
-    files: tuple[str, ...]  # the files this rank wrote for the step (their records hold it)
-    tensors: dict[str, tuple[int, int, int]]  # DCP key -> (arena index, byte offset, nbytes)
-    sizes: tuple[int, ...]  # each arena's bytes (one descriptor each, in this order)
-    pid: int
-    # Offered before it is written (``offer_staged``): each tensor's (dtype, shape, CRC-32C)
-    # from the staged memory, the objects (torch.save bytes) and the paths to unflatten the
-    # flat keys: a load needs no file. None: a committed step (its files say the rest).
-    staged: dict[str, tuple[torch.dtype, tuple[int, ...], int]] | None = None
-    objects: dict[str, bytes] | None = None
-    paths: dict[str, list] | None = None
-    # Several ranks: the old run's side store (``dist.DistConfig``, served by its rank 0's
-    # worker until its offer is read), where the new ranks agree on taking a step offered
-    # before it was written (hot.py ``EarlyVote``); set on every offer made once the trainer
-    # died, so that a rank whose early offer was withdrawn says no there.
-    vote: Any = None
-    # The ranks of the run that made it: its memory is one rank's part of a step of that
-    # many, which a run of another size cannot take as its own rank's (hot.py).
-    world_size: int = 1
 
 
 @dataclass
@@ -161,6 +133,10 @@ def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
     offer, fds, largest = made
     if early is not None:  # withdrawn: the other ranks may wait for this rank's "no"
         offer.vote = worker.config.dist
+    payload = _encoded(offer)
+    if payload is None:
+        release_lock()
+        return
     faults.point("before_hot_serve", largest)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -188,7 +164,7 @@ def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
             except TimeoutError:
                 break
             with conn:
-                if _hand_over(conn, offer, fds):
+                if _hand_over(conn, payload, fds, offer.step):
                     log.info("step %d was taken from memory by a new engine", offer.step)
                     return
         log.warning("nobody took step %d from memory in %.0fs: freed", offer.step, hold_s)
@@ -196,18 +172,28 @@ def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
         sock.close()
 
 
-def _hand_over(conn: socket.socket, offer: Offer, fds: list[int]) -> bool:
-    """Send ``offer`` and the descriptors; True once the client said it mapped them."""
+def _encoded(offer: Offer) -> bytes | None:
+    """``offer`` as it goes on the socket (hot_offer.py), or None (logged: not offered)."""
+    try:
+        return encode_offer(offer)
+    except ValueError as e:
+        log.warning("cannot offer step %d to a new engine: %s", offer.step, e)
+        return None
+
+
+def _hand_over(conn: socket.socket, payload: bytes, fds: list[int], step: int) -> bool:
+    """Send the encoded offer and the descriptors; True once the client said it mapped them.
+    A process of another user gets nothing; one whose answer is not ``TAKEN`` took nothing."""
     try:
         if peer_uid(conn) != os.getuid():
-            return False  # another user's process: not for it
+            log.warning("a process of another user asked for step %d's memory: refused", step)
+            return False
         conn.settimeout(CLIENT_TIMEOUT_S)
-        payload = pickle.dumps(offer, protocol=pickle.HIGHEST_PROTOCOL)
-        socket.send_fds(conn, [HEADER.pack(len(payload))], fds)
+        socket.send_fds(conn, [HEADER.pack(MAGIC, len(payload))], fds)
         conn.sendall(payload)
         return conn.recv(1) == TAKEN
     except OSError as e:
-        log.warning("handing step %d over to a new engine failed: %s", offer.step, e)
+        log.warning("handing step %d over to a new engine failed: %s", step, e)
         return False
 
 
@@ -226,8 +212,11 @@ def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
     offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
     offer.objects, offer.paths = dict(job.objects), job.paths
     offer.vote = worker.config.dist
+    payload = _encoded(offer)
+    if payload is None:
+        return None
     faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
-    early = EarlyOffer(offer, fds, views)
+    early = EarlyOffer(offer, payload, fds, views)
     if not early.listen(socket_name(worker.root, offer.rank)):
         return None
     log.warning(
@@ -258,10 +247,13 @@ UNBIND_WAIT_S = 2.0
 
 class EarlyOffer:
     """An offer served on a thread of its own while the main thread writes and commits its
-    step. ``views``: the offered tensors' bytes, checked again once written (``unchanged``)."""
+    step (``payload``: the offer encoded). ``views``: the offered tensors' bytes, checked
+    again once written (``unchanged``)."""
 
-    def __init__(self, offer: Offer, fds: list[int], views: dict[str, memoryview]) -> None:
-        self.offer, self.fds, self.views = offer, fds, views
+    def __init__(
+        self, offer: Offer, payload: bytes, fds: list[int], views: dict[str, memoryview]
+    ) -> None:
+        self.offer, self.payload, self.fds, self.views = offer, payload, fds, views
         self.sock: socket.socket | None = None
         self.stop = threading.Event()
         self.taken = threading.Event()
@@ -335,7 +327,7 @@ class EarlyOffer:
                 except TimeoutError:
                     continue
                 with conn:
-                    if not _hand_over(conn, self.offer, self.fds):
+                    if not _hand_over(conn, self.payload, self.fds, self.offer.step):
                         continue
                     self.taken.set()
                     self._unbind()  # one taker: the name is free while it reads

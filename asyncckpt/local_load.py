@@ -24,15 +24,21 @@ The protocol (``StepAgreement.choose``, every rank once per load, in the same or
 5. Each holder deletes the replicas no node can need any more now that every node holds the
    step on its own disk (``local_recovery.replicas_not_needed``, decided by rank 0 with the
    plan): replicas do not pile up on a node's disk with every node lost.
+
+Every value in the store is JSON, decoded by type (``decode_word``, ``decode_plan``,
+``decode_outcome``), never a pickle: the side store takes writes from anyone who reaches it.
+A value that is not what this module writes is refused and fails the load (the rank that read
+it raises ``NoValidCheckpoint``, saying which key and why; rank 0 refusing a rank's word
+publishes its refusal as the plan, so every rank fails at once instead of waiting for a plan).
+No rank then picks a step on its own (that could load a mix of steps), nothing is fetched or
+dropped, and nothing on any disk changes: loading again is safe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
-import pickle
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,10 +58,25 @@ from .local_recovery import (
     replicas_not_needed,
     which_step_to_load,
 )
+from .peerdata import Malformed, Reader, dumps, loads
 
 log = logging.getLogger("asyncckpt")
 
 __all__ = ["Agreed", "StepAgreement"]
+
+#: What rank 0 publishes: the choice, the replica servers' addresses (holder rank -> (host,
+#: port)) and the replicas each holder drops (holder rank -> node -> steps).
+Plan = tuple[LoadChoice, dict[int, tuple[str, int]], dict[int, dict[int, list[int]]]]
+
+
+@dataclass(frozen=True)
+class Word:
+    """What one rank says: the steps its node's root holds committed, the replicas it holds
+    (node -> steps; a node's local rank 0 only) and its replica server's address, if any."""
+
+    disk: list[int]
+    held: dict[int, list[int]]
+    addr: tuple[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -91,30 +112,34 @@ class StepAgreement:
         held = held_replicas(self.root, self.layout) if leader else {}
         server = ReplicaServer(self.root, self.layout) if held else None
         try:
-            mine: dict[str, Any] = {"disk": sorted(steps), "held": held, "addr": None}
+            addr = None
             if server is not None:
                 from .replication import _my_address
 
-                mine["addr"] = [_my_address(cfg), server.port]
-            store.set(prefix + str(cfg.rank), json.dumps(mine))
+                addr = (_my_address(cfg), server.port)
+            store.set(prefix + str(cfg.rank), encode_word(Word(sorted(steps), held, addr)))
             timeout = datetime.timedelta(seconds=cfg.timeout)
             if cfg.rank == 0:  # rank 0 alone reads every rank's word (N requests, not N^2)
                 keys = [prefix + str(r) for r in range(cfg.world_size)]
                 store.wait(keys, timeout)
-                said = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
-                store.set(prefix + "plan", pickle.dumps(_plan(said, per, cfg.world_size)))
+                store.set(prefix + "plan", _decide(store, keys, per, cfg.world_size))
                 for k in keys:
                     store.delete_key(k)
             store.wait([prefix + "plan"], timeout)
-            choice, addrs, drop = pickle.loads(store.get(prefix + "plan"))
+            refused = ""
+            try:
+                what = f"the side store's {prefix + 'plan'!r}"
+                choice, addrs, drop = decode_plan(store.get(prefix + "plan"), what, cfg.world_size)
+            except Malformed as e:  # no step: this rank fails its load (below), nothing else
+                log.error("rank %d: %s", cfg.rank, e)
+                choice, addrs, drop, refused = LoadChoice(None), {}, {}, str(e)
             nodes = sorted({r // per for r in choice.fetch})
             failed: list[str] = []
             done = [f"{prefix}fetched/{n}" for n in nodes]
             if choice.step is not None and nodes:
                 self._fetch(store, prefix, choice, addrs, nodes, leader)
                 store.wait(done, timeout)
-                failed = [store.get(k).decode() for k in done]
-                failed = [f for f in failed if f != "ok"]
+                failed = [f for f in (_outcome(store, k) for k in done) if f != "ok"]
             # Rank 0's worker serves the store: rank 0 goes on (and may close its engine)
             # only once every rank read all it needs from it; then it removes the load's keys.
             store.add(prefix + "read", 1)
@@ -122,6 +147,13 @@ class StepAgreement:
                 with contextlib.suppress(Exception):  # (kept, if not: a few keys per load)
                     for k in [prefix + "plan", prefix + "read", *done]:
                         store.delete_key(k)
+            if refused:
+                raise NoValidCheckpoint(
+                    f"not loading: the ranks could not agree on the step to load: {refused}. "
+                    "Nothing was loaded, fetched or dropped; load again. A value there that "
+                    "asyncckpt did not write means another program writes to the run's side "
+                    "store (its port is open to the job's network)"
+                )
             if failed:
                 raise NoValidCheckpoint(
                     f"not loading step {choice.step}: fetching it from a replica failed: "
@@ -146,7 +178,7 @@ class StepAgreement:
         store: Any,
         prefix: str,
         choice: LoadChoice,
-        addrs: dict[int, list],
+        addrs: dict[int, tuple[str, int]],
         nodes: list[int],
         leader: bool,
     ) -> None:
@@ -178,23 +210,122 @@ class StepAgreement:
         except Exception as e:  # noqa: BLE001 - told to every rank, which all refuse
             local.discard(tmp)
             outcome = f"node {node} from rank {holder}: {type(e).__name__}: {e}"
-        store.set(f"{prefix}fetched/{node}", outcome)
+        store.set(f"{prefix}fetched/{node}", dumps(outcome))
 
 
-def _plan(said: dict[int, dict], per: int, world_size: int) -> tuple[LoadChoice, dict, dict]:
+def _decide(store: Any, keys: list[str], per: int, world_size: int) -> bytes:
+    """Rank 0's plan from every rank's word under ``keys``, encoded; a word it refuses makes
+    the plan that refusal (every rank then fails its load, saying so)."""
+    try:
+        said = {r: decode_word(store.get(k), f"the side store's {k!r}") for r, k in enumerate(keys)}
+    except Malformed as e:
+        log.error("rank 0: %s", e)
+        return encode_refusal(str(e))
+    return encode_plan(*_plan(said, per, world_size))
+
+
+def _plan(said: dict[int, Word], per: int, world_size: int) -> Plan:
     """Rank 0's decision from every rank's word: the step every rank loads, the replica
-    servers' addresses (``addrs``: holder rank -> [host, port]), and the replicas each
+    servers' addresses (``addrs``: holder rank -> (host, port)), and the replicas each
     holder drops once the load's fetches are done (``replicas_not_needed``)."""
-    on_disk = {r: s["disk"] for r, s in said.items()}
+    on_disk = {r: s.disk for r, s in said.items()}
     replicas: dict[int, tuple[int, list[int]]] = {}
-    addrs = {r: s["addr"] for r, s in said.items() if s["addr"]}
+    addrs = {r: s.addr for r, s in said.items() if s.addr}
     for holder, s in said.items():
-        for node, held_steps in s["held"].items():
-            for r in range(int(node) * per, (int(node) + 1) * per):
+        for node, held_steps in s.held.items():
+            for r in range(node * per, (node + 1) * per):
                 replicas[r] = (holder, held_steps)
     choice = which_step_to_load(on_disk, replicas, world_size)
-    drop: dict = {}
+    drop: dict[int, dict[int, list[int]]] = {}
     if choice.step is not None:
-        held = {r: {int(n): t for n, t in s["held"].items()} for r, s in said.items()}
+        held = {r: s.held for r, s in said.items()}
         drop = replicas_not_needed(choice.step, on_disk, held, per, world_size)
     return choice, addrs, drop
+
+
+# ------------------------------------------------------------------ the store's values (JSON)
+#: The most characters of a refusal passed on in the plan.
+MAX_REFUSAL = 2000
+
+
+def encode_word(word: Word) -> bytes:
+    held = {str(n): steps for n, steps in word.held.items()}
+    return dumps({"disk": word.disk, "held": held, "addr": list(word.addr) if word.addr else None})
+
+
+def decode_word(raw: bytes, what: str) -> Word:
+    """A rank's word as ``encode_word`` wrote it, or ``Malformed``."""
+    r = Reader(what)
+    v = r.record(loads(raw, what), "", ("disk", "held", "addr"))
+    return Word(
+        r.items(v["disk"], "disk", r.integer),
+        r.by_number(v["held"], "held", lambda x, at: r.items(x, at, r.integer)),
+        None if v["addr"] is None else _address(r, v["addr"], "addr"),
+    )
+
+
+def encode_plan(
+    choice: LoadChoice, addrs: dict[int, tuple[str, int]], drop: dict[int, dict[int, list[int]]]
+) -> bytes:
+    return dumps(
+        {
+            "step": choice.step,
+            "fetch": {str(r): holder for r, holder in choice.fetch.items()},
+            "fell_back": choice.fell_back,
+            "reason": choice.reason,
+            "addrs": {str(r): list(a) for r, a in addrs.items()},
+            "drop": {str(h): {str(n): t for n, t in d.items()} for h, d in drop.items()},
+        }
+    )
+
+
+def encode_refusal(why: str) -> bytes:
+    return dumps({"refused": why[:MAX_REFUSAL]})
+
+
+def decode_plan(raw: bytes, what: str, world_size: int) -> Plan:
+    """Rank 0's plan as ``encode_plan`` wrote it; ``Malformed`` if it is not one, or if it
+    is rank 0's refusal of a rank's word (``encode_refusal``)."""
+    r = Reader(what)
+    value = loads(raw, what)
+    if isinstance(value, dict) and value.keys() == {"refused"}:
+        raise Malformed(f"rank 0 {r.text(value['refused'], 'refused')[:MAX_REFUSAL]}")
+    keys = ("step", "fetch", "fell_back", "reason", "addrs", "drop")
+    v = r.record(value, "", keys)
+    last = world_size - 1
+    rank = lambda x, at: r.integer(x, at, 0, last)  # noqa: E731
+    steps = lambda x, at: r.items(x, at, r.integer)  # noqa: E731
+    choice = LoadChoice(
+        None if v["step"] is None else r.integer(v["step"], "step"),
+        r.by_number(v["fetch"], "fetch", rank, last),
+        r.flag(v["fell_back"], "fell_back"),
+        r.text(v["reason"], "reason"),
+    )
+    addrs = r.by_number(v["addrs"], "addrs", lambda x, at: _address(r, x, at), last)
+    drop = r.by_number(v["drop"], "drop", lambda x, at: r.by_number(x, at, steps, last), last)
+    return choice, addrs, drop
+
+
+def decode_outcome(raw: bytes, what: str) -> str:
+    """A fetching node's word ("ok", or why its fetch failed), or ``Malformed``."""
+    return Reader(what).text(loads(raw, what), "")
+
+
+def _outcome(store: Any, key: str) -> str:
+    """A fetching node's word; one refused counts as that fetch's failure."""
+    try:
+        return decode_outcome(store.get(key), f"the side store's {key!r}")
+    except Malformed as e:
+        log.error("%s", e)
+        return str(e)
+
+
+def _address(r: Reader, v: Any, at: str) -> tuple[str, int]:
+    """A replica server's (host, port)."""
+    pair = r.items(v, at, lambda x, _: x)
+    if len(pair) != 2:
+        r.fail(at, f"expected [host, port], got {len(pair)} item(s)")
+    host = r.text(pair[0], f"{at}[0]")
+    if not host or len(host) > 255:
+        r.fail(f"{at}[0]", "not a host name")
+    return host, r.integer(pair[1], f"{at}[1]", 1, 65535)
