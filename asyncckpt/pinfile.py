@@ -57,14 +57,16 @@ def _pins_locked(root: str | os.PathLike) -> Iterator[None]:
 
 
 def publish(root: str | os.PathLike, rank: int, steps: Iterable[int]) -> None:
-    """Write this process's pins of ``rank`` on ``root`` (the engine holds ``rank<r>``)."""
-    note = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "rank": rank,
-        "steps": sorted(set(steps)),
-    }
+    """Write this process's pins of ``rank`` on ``root`` (the engine holds ``rank<r>``).
+    ``steps`` is read under the lock: of two threads' ``protect``, the last file written
+    holds both pins."""
     with _pins_locked(root):
+        note = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "rank": rank,
+            "steps": sorted(set(steps)),
+        }
         localfs.write_note(pin_file(root, rank), json.dumps(note).encode())
 
 

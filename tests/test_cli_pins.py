@@ -125,3 +125,37 @@ def test_a_protect_while_the_cli_verifies_is_seen_before_the_deletion(
         out = capsys.readouterr().out
         assert "deleted: 2" in out and "protected by a live engine: step 1" in out, out
         assert _steps(tmp_path) == {1, 3}
+
+
+def test_of_two_threads_protecting_at_once_the_last_file_holds_both_pins(tmp_path, monkeypatch):
+    """Each ``protect`` writes the whole set; one that read it before another thread's pin
+    but wrote after it dropped that pin from the file."""
+    import contextlib
+    import threading
+    import time
+
+    from asyncckpt import pinfile
+
+    pinned = {1}
+    other_done = threading.Event()
+    real = pinfile._pins_locked
+    calls = []
+
+    @contextlib.contextmanager
+    def first_waits(root):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:  # the first protect is overtaken before it has the lock
+            assert other_done.wait(60)
+        with real(root):
+            yield
+
+    monkeypatch.setattr(pinfile, "_pins_locked", first_waits)
+    first = threading.Thread(target=pinfile.publish, args=(tmp_path, 0, pinned), name="first")
+    first.start()
+    while not calls:  # (the first is in)
+        time.sleep(0.01)
+    pinned.add(2)
+    pinfile.publish(tmp_path, 0, pinned)
+    other_done.set()
+    first.join(60)
+    assert json.loads((tmp_path / ".asyncckpt-pins.rank0.json").read_text())["steps"] == [1, 2]
