@@ -25,6 +25,13 @@ passes a fact about the bytes, not an "unchanged" verdict: the trainer's "unchan
 relative to what its slot held, which need not be what the last *written* checkpoint holds
 (slots alternate; a memory save is not written). The link is still decided here, against the
 previous checkpoint's own file fingerprints.
+
+Which checkpoint a save links from (``LinkSource``, ``link_source``): a hard link shares the
+inode, so one damaged file fails every checkpoint that holds a name of it. When retention keeps
+two or more steps, a save links only from a checkpoint that shares no file with some step the
+prune after it keeps (``KeepRule.kept_beside``): then that kept step shares no file with the new
+one either, and one damaged file leaves one of the two whole (invariant 19). With ``KeepLast(2)``
+the two kept steps take turns: each save links from the step its prune removes.
 """
 
 from __future__ import annotations
@@ -32,16 +39,30 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
 from .layout import MANIFEST
 from .manifest import checksum_file, entry_problem
+from .retention import (
+    SCOPES,
+    CheckpointInfo,
+    KeepAll,
+    KeepEvery,
+    KeepLast,
+    KeepSteps,
+    RetentionPolicy,
+    Union,
+    plan_prune,
+)
 from .storage.localfs import link_file, write_synced
 from .walltime import OverlapClock
 
@@ -363,16 +384,135 @@ def known_digests(
     return out
 
 
-class LinkSource:
-    """The worker's memory of what the next save may link from: the last checkpoint it
-    committed, or at its first save the one the tracker names (committed by definition)."""
+#: A file's identity on its filesystem, (st_dev, st_ino): names with one identity are one file,
+#: and damage to its bytes is damage to every checkpoint holding one of the names.
+FileId = tuple[int, int]
+T = TypeVar("T")
 
-    def __init__(self, root: Path, layout: str, enabled: bool) -> None:
+
+def link_source(
+    candidates: Sequence[int],
+    kept: Collection[int],
+    files: Callable[[int], AbstractSet[T] | None],
+) -> int | None:
+    """The step a save links its unchanged files from, or None: it writes every file.
+
+    ``candidates``: committed steps, in the order preferred; ``kept``: the committed steps the
+    prune after this save keeps beside the new one; ``files(step)``: the identities of that
+    step's files a link could share (None: unknown, the step went meanwhile: neither a source
+    nor a guard).
+
+    The new checkpoint holds files of its own and links to the source's, so linking from ``d``
+    is allowed only where some kept step shares no file with ``d``: that step then shares none
+    with the new one either, and one damaged file leaves one of the two whole. With nothing
+    kept beside the new step (``KeepLast(1)``) there is nothing to guard: the first candidate.
+    """
+    if not kept:
+        return next(iter(candidates), None)
+    for d in candidates:
+        mine = files(d)
+        if mine is None:
+            continue
+        for k in kept:
+            theirs = files(k) if k != d else None
+            if theirs is not None and mine.isdisjoint(theirs):
+                return d
+    return None
+
+
+#: Policies that decide from steps alone: predicting them reads no manifest.
+_STEP_POLICIES = (KeepLast, KeepEvery, KeepSteps, KeepAll)
+
+
+def _leaves(policy: RetentionPolicy) -> list[RetentionPolicy]:
+    if isinstance(policy, Union):
+        return [leaf for p in policy.policies for leaf in _leaves(p)]
+    return [policy]
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """What the prune after each commit keeps on this root: the engine's ``keep=`` (None:
+    nothing is pruned), ``Retention(scope=)`` and its run. The worker chooses the checkpoint a
+    save links from against it (``link_source``), on every rank (only one rank prunes)."""
+
+    policy: RetentionPolicy | None = None
+    scope: str = "all"
+    run_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES or (self.scope == "run" and self.run_id is None):
+            raise ValueError(f"scope {self.scope!r} (run_id {self.run_id!r}): not a prune's")
+
+    def kept_beside(self, checkpoints: Sequence[CheckpointInfo], new: CheckpointInfo) -> set[int]:
+        """The steps of ``checkpoints`` the prune that follows ``new``'s commit keeps, ``new``
+        aside: ``retention.plan_prune`` as the worker's prune calls it, less what only ever
+        keeps more (the tracker, which names the newest or the new step; pins; the step the run
+        resumed from; a kept step that verifies). Never fewer than the prune keeps."""
+        others = [c for c in checkpoints if c.step != new.step]
+        plan = plan_prune(
+            [*others, new],
+            self.policy,
+            run_id=self.run_id,
+            scope=self.scope,
+            committed_step=new.step,
+        )
+        return set(plan.keep) - {new.step}
+
+    def reads_steps_only(self) -> bool:
+        """Whether the policy keeps by steps alone (no manifest is read to predict it)."""
+        if self.scope != "all":
+            return False  # another run's steps are kept: its manifests say whose
+        if self.policy is None:
+            return True
+        return all(type(p) in _STEP_POLICIES for p in _leaves(self.policy))
+
+
+def about_new(
+    step: int,
+    metrics: Mapping[str, float],
+    run_id: str | None,
+    metadata: Mapping[str, Any],
+    tier: str,
+) -> CheckpointInfo:
+    """The step being written, as its manifest will describe it to the prune."""
+    return CheckpointInfo.from_manifest(
+        {
+            "step": step,
+            "committed_at": time.time(),
+            "metrics": dict(metrics),
+            "run_id": run_id,
+            "metadata": dict(metadata),
+            "tier": tier,
+        }
+    )
+
+
+class LinkSource:
+    """The worker's choice of what the next save may link from: among the committed
+    checkpoints, the last one it committed first (at its first save the one the tracker
+    names), then the newest, the first that ``link_source`` allows against what the prune
+    after that save keeps (``keep``). ``rank``: whose files (DCP's ``__<rank>_`` names) this
+    worker links, the only ones whose identities it compares."""
+
+    def __init__(
+        self,
+        root: Path,
+        layout: str,
+        enabled: bool,
+        keep: KeepRule | None = None,
+        rank: int = 0,
+    ) -> None:
         self.root = root
         self.layout = layout
         self.enabled = enabled
+        self.keep = keep if keep is not None else KeepRule()
+        self.prefix = f"__{rank}_"
         self.last: Path | None = None
         self._said: set[str] = set()
+        # A committed directory never changes: what was read of it, by (name, its inode).
+        self._files: dict[tuple[str, int], frozenset[FileId]] = {}
+        self._infos: dict[tuple[str, int], CheckpointInfo] = {}
 
     def previous(
         self,
@@ -380,10 +520,13 @@ class LinkSource:
         fmt: str,
         extra: Any,
         known: Mapping[tuple[int, int], bytes] | None = None,
+        *,
+        new: CheckpointInfo,
     ) -> Previous | None:
-        """For the save being written into ``tmp``: None with differential off (or a format
-        that does not link: said once in the log). ``extra``: the job's (a carried format);
-        ``known``: the trainer's digests of staged views (``known_digests``)."""
+        """For the save of ``new`` (``about_new``) being written into ``tmp``: None with
+        differential off (or a format that does not link: said once in the log). ``extra``:
+        the job's (a carried format); ``known``: the trainer's digests of staged views
+        (``known_digests``)."""
         if not self.enabled:
             return None
         if not _links(fmt, extra):
@@ -395,14 +538,84 @@ class LinkSource:
                     fmt,
                 )
             return None
-        if self.last is None:
-            from .layout import dir_name, read_tracker
+        return Previous(self._source(new), tmp, known or {})
 
+    def _source(self, new: CheckpointInfo) -> Path | None:
+        from .layout import dir_name, read_tracker, scan
+
+        committed = {c.step: c.path for c in scan(self.root, self.layout)}
+        if self.last is None:
             step = read_tracker(self.root)
             if step is not None:
                 self.last = self.root / dir_name(self.layout, step)
-        last = self.last
-        return Previous(last if last is not None and last.is_dir() else None, tmp, known or {})
+        first = [s for s, p in committed.items() if p == self.last]
+        candidates = first + sorted((s for s in committed if s not in first), reverse=True)
+        if not candidates:
+            return None
+        live = {self._key(p) for p in committed.values()}  # forget what was pruned
+        self._files = {k: v for k, v in self._files.items() if k in live}
+        self._infos = {k: v for k, v in self._infos.items() if k in live}
+        kept = self.keep.kept_beside(self._describe(committed), new)
+        chosen = link_source(candidates, kept, lambda s: self._identities(committed[s]))
+        if chosen != candidates[0]:
+            how = "writes every file" if chosen is None else f"links from step {chosen}"
+            log.info(
+                "differential save of step %d %s, not from step %d: one of the steps kept "
+                "beside it (%s) must share no file with it, so that one damaged file never "
+                "takes every kept step",
+                new.step,
+                how,
+                candidates[0],
+                ", ".join(map(str, sorted(kept))),
+            )
+        return committed[chosen] if chosen is not None else None
+
+    @staticmethod
+    def _key(path: Path) -> tuple[str, int]:
+        try:
+            return (path.name, os.stat(path, follow_symlinks=False).st_ino)
+        except OSError:
+            return (path.name, -1)
+
+    def _describe(self, committed: Mapping[int, Path]) -> list[CheckpointInfo]:
+        """What the prune's policy looks at, of each committed step (a step gone: left out)."""
+        from .storage.local import read_checkpoint_info
+
+        if self.keep.reads_steps_only():
+            return [CheckpointInfo(step, 0.0, path=path) for step, path in committed.items()]
+        out = []
+        for step, path in committed.items():
+            key = self._key(path)
+            if key not in self._infos:
+                try:
+                    self._infos[key] = read_checkpoint_info(path, step)
+                except OSError:
+                    continue
+            out.append(self._infos[key])
+        return out
+
+    def _identities(self, path: Path) -> frozenset[FileId] | None:
+        """The identities of this rank's files under the committed ``path`` (None: gone)."""
+        key = self._key(path)
+        if key[1] < 0:
+            return None
+        if key not in self._files:
+            found: set[FileId] = set()
+
+            def fail(e: OSError) -> None:
+                raise e
+
+            try:
+                for where, _, names in os.walk(path, onerror=fail):
+                    for name in names:
+                        if name.startswith(self.prefix):
+                            st = os.lstat(os.path.join(where, name))
+                            if stat.S_ISREG(st.st_mode):
+                                found.add((st.st_dev, st.st_ino))
+            except OSError:
+                return None
+            self._files[key] = frozenset(found)
+        return self._files[key]
 
     def committed(self, final: Path) -> None:
         self.last = final

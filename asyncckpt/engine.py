@@ -29,6 +29,7 @@ from typing_extensions import Unpack
 
 from . import layout as _layout
 from . import memory_tier, peer_gone, pins
+from .differential import KeepRule
 from .errors import CheckpointError
 from .formats import check_format, default_format
 from .formats.components import COMPONENTS, Component, check_spec
@@ -277,6 +278,7 @@ class EngineParts:
             replication=self.replication,
             hot_hold_s=float(self.opts.memory.hold_seconds),
             differential=self.opts.staging.differential,
+            keep=KeepRule(self.local_keep, self.opts.retention.scope, self.run_id),
         )
 
     def _on_loaded(self, step: int) -> None:

@@ -27,7 +27,14 @@ from . import faults
 from . import layout as _layout
 from . import messages as M
 from .commit import commit_step, every_rank_wrote, write_tracker
-from .differential import LinkSource, known_digests, save_figures
+from .differential import (
+    KeepRule,
+    LinkSource,
+    Previous,
+    about_new,
+    known_digests,
+    save_figures,
+)
 from .formats.dcp import Serialized
 from .hot_serve import Written
 from .io_threads import IoThreads, local_workers
@@ -70,6 +77,9 @@ class WorkerConfig:
     hot_hold_s: float = 0.0
     # Staging(differential=): link files unchanged since the last checkpoint (differential.py)
     differential: bool = False
+    # What the prune after each commit keeps (every rank: only one prunes): a save links only
+    # from a checkpoint that a kept step shares no file with (differential.link_source).
+    keep: KeepRule | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +211,8 @@ class Worker:
         self.last_written: Written | None = None
         self.trainer_gone = False
         self.early_offer: Any = None  # hot_serve.EarlyOffer: a step offered before written
-        self.links = LinkSource(self.root, config.layout, config.differential)
+        rank = config.dist.rank if config.dist is not None else 0  # (whose files it links)
+        self.links = LinkSource(self.root, config.layout, config.differential, config.keep, rank)
         self.job_keys = JobKeys()  # the job groups; rank 0 frees their side-store keys
         self.jobs = jobs
         self.events = events
@@ -482,9 +493,7 @@ class Worker:
             world_size=self.config.dist.world_size if self.config.dist is not None else 1,
             plan_cache="save",  # one persistent worker: DCP's plans are reused while they hold
             paths=job.paths,
-            differential=self.links.previous(
-                tmp, self.config.fmt, job.extra, known_digests(views, job.digests)
-            ),
+            differential=_link_from(self.links, self.config, job, tmp, views),
         )
 
     def _commit_all(
@@ -633,6 +642,15 @@ class Worker:
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+def _link_from(
+    links: LinkSource, config: WorkerConfig, job: SaveJob, tmp: Path, views: dict[str, Any]
+) -> Previous | None:
+    """What ``job``'s save (written into ``tmp``, of staged ``views``) may link from."""
+    new = about_new(job.step, job.metrics, config.run_id, job.metadata, job.tier)
+    known = known_digests(views, job.digests)
+    return links.previous(tmp, config.fmt, job.extra, known, new=new)
 
 
 def _export(

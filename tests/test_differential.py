@@ -58,6 +58,15 @@ def step_dir(root: Path, step: int) -> Path:
     return root / layout.dir_name("global_step", step)
 
 
+def file_of(directory: Path, fqn: str) -> Path:
+    """The shard file holding ``fqn`` (DCP's ``.metadata`` says where each item is)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(directory)).read_metadata()
+    (name,) = {v.relative_path for k, v in md.storage_data.items() if k.fqn == fqn}
+    return directory / name
+
+
 def plain_load(directory: Path, want: dict) -> dict:
     target = fresh_like(want)
     dcp.load(target, checkpoint_id=str(directory), no_dist=True)
@@ -96,19 +105,25 @@ def test_a_small_tensor_or_an_object_changed_rewrites_their_file_only(tmp_path):
 
 
 def test_an_unchanged_state_is_linked_not_written(tmp_path):
+    """Everything kept: step 2 writes every file (linked, steps 1 and 2 would share them all,
+    and one damaged file would take both); step 3 links every file from step 2 (step 1 shares
+    none of them)."""
     state = state_of()
-    with SyncCheckpointEngine(tmp_path, keep=KeepLast(2)) as engine:
+    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         first = engine.save(1, state).committed_sync()
         second = engine.save(2, state).committed_sync()
+        third = engine.save(3, state).committed_sync()
     assert first.files_linked == 0 and first.bytes_skipped == 0
     assert first.bytes_written >= 4 << 20
+    assert second.files_linked == 0 and second.bytes_written == first.bytes_written, second
     # Nothing changed: every shard file is linked (same inode), none written.
-    assert second.files_linked == 5 and second.bytes_written == 0, second
-    assert second.bytes_skipped == first.bytes_written
-    assert second.fingerprint_seconds > 0
-    shards = sorted(p.name for p in step_dir(tmp_path, 2).glob("*.distcp"))
+    assert third.files_linked == 5 and third.bytes_written == 0, third
+    assert third.bytes_skipped == first.bytes_written
+    assert third.fingerprint_seconds > 0
+    shards = sorted(p.name for p in step_dir(tmp_path, 3).glob("*.distcp"))
     for name in shards:
-        assert os.path.samefile(step_dir(tmp_path, 1) / name, step_dir(tmp_path, 2) / name)
+        assert os.path.samefile(step_dir(tmp_path, 2) / name, step_dir(tmp_path, 3) / name)
+        assert not os.path.samefile(step_dir(tmp_path, 1) / name, step_dir(tmp_path, 3) / name)
 
 
 def test_disk_usage_counts_a_linked_file_once(tmp_path):
@@ -116,10 +131,13 @@ def test_disk_usage_counts_a_linked_file_once(tmp_path):
     with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
         engine.save(1, state).committed_sync()
         one = engine.disk_usage()["committed_bytes"]
-        engine.save(2, state).committed_sync()
+        engine.save(2, state).committed_sync()  # (every file anew: see the test above)
         two = engine.disk_usage()["committed_bytes"]
-    # Step 2 adds its manifest, .metadata and sidecar: well under 10% of step 1.
-    assert one >= 4 << 20 and two - one < one // 10, (one, two)
+        engine.save(3, state).committed_sync()
+        three = engine.disk_usage()["committed_bytes"]
+    # Step 3 adds its manifest, .metadata and sidecar: well under 10% of step 1.
+    assert one >= 4 << 20 and two >= 2 * one - (one // 10), (one, two)
+    assert three - two < one // 10, (one, two, three)
 
 
 def test_pruning_the_older_checkpoint_leaves_the_newer_whole(tmp_path):
@@ -140,10 +158,10 @@ def test_pruning_the_older_checkpoint_leaves_the_newer_whole(tmp_path):
 def test_a_corrupt_shared_file_is_reported_by_every_checkpoint_that_holds_it(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
-        engine.save(1, state).committed_sync()
-        engine.save(2, state).committed_sync()
-    shared = max(step_dir(tmp_path, 2).glob("*.distcp"), key=lambda p: p.stat().st_size)
-    assert os.path.samefile(shared, step_dir(tmp_path, 1) / shared.name)
+        for step in (1, 2, 3):  # (step 3 links from step 2, which shares no file with 1)
+            engine.save(step, state).committed_sync()
+    shared = max(step_dir(tmp_path, 3).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert os.path.samefile(shared, step_dir(tmp_path, 2) / shared.name)
     with open(shared, "r+b") as f:
         f.seek(1000)
         byte = f.read(1)
@@ -151,13 +169,14 @@ def test_a_corrupt_shared_file_is_reported_by_every_checkpoint_that_holds_it(tmp
         f.write(bytes([byte[0] ^ 0xFF]))
     report = verify(tmp_path)
     bad = {c.step: c.problems for c in report.checkpoints if not c.ok}
-    assert set(bad) == {1, 2}, report
+    assert set(bad) == {2, 3}, report  # step 1 holds a file of its own
     assert all(any(shared.name in p for p in problems) for problems in bad.values())
 
 
 def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(tmp_path):
-    """Step 3 links a's file from step 2; damaged, it fails both: the load quarantines both
-    and restores step 1, whose a differs."""
+    """Step 2 writes every file (it would share them all with step 1), step 3 links them from
+    step 2; a's file, damaged, fails both: the load quarantines both and restores step 1,
+    whose a differs."""
     import warnings
 
     from asyncckpt.prune import list_quarantined
@@ -169,12 +188,7 @@ def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(t
         state["model"]["a"].add_(1)
         engine.save(2, state).committed_sync()
         assert engine.save(3, state).committed_sync().files_linked == 5
-    olds = list(step_dir(tmp_path, 1).glob("*.distcp"))
-    (victim,) = [  # a's file: step 2's, linked by step 3, not step 1's
-        p
-        for p in step_dir(tmp_path, 3).glob("*.distcp")
-        if not any(os.path.samefile(p, q) for q in olds)
-    ]
+    victim = file_of(step_dir(tmp_path, 3), "model.a")  # step 2's, linked by step 3
     assert os.path.samefile(victim, step_dir(tmp_path, 2) / victim.name)
     with open(victim, "r+b") as f:
         f.seek(100)
@@ -189,40 +203,41 @@ def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(t
 
 
 def test_a_file_that_rotted_before_the_next_save_is_written_again_not_linked(tmp_path):
-    """Step 2's file of a rots (same size) before step 3. Linking it by size alone copied its
-    old checksum into step 3's manifest, and the worker's prune, trusting step 3 as written,
-    deleted step 1, the last checkpoint that verified (KeepLast(2)). A file is linked only
-    once its bytes match its checksum: step 3 writes a's file anew and stands on its own."""
+    """With KeepLast(2) step 4 links from step 2 (the step its prune removes; step 3 shares
+    no file with it), and step 2's file of a rots (same size) before step 4. Linking it by
+    size alone copied its old checksum into step 4's manifest, and the worker's prune,
+    trusting step 4 as written, deleted the last checkpoint that verified. A file is linked
+    only once its bytes match its checksum: step 4 writes a's file anew and stands on its own."""
     state = state_of()
     with SyncCheckpointEngine(tmp_path, keep=KeepLast(2)) as engine:
         engine.save(1, state).committed_sync()
         state["model"]["a"].add_(1)
         engine.save(2, state).committed_sync()
-        olds = list(step_dir(tmp_path, 1).glob("*.distcp"))
-        (victim,) = [
-            p
-            for p in step_dir(tmp_path, 2).glob("*.distcp")
-            if not any(os.path.samefile(p, q) for q in olds)
-        ]
+        engine.save(3, state).committed_sync()  # links from step 1: a is written
+        victim = file_of(step_dir(tmp_path, 2), "model.a")
+        rotted = victim.stat().st_ino
         with open(victim, "r+b") as f:
             f.seek(100)
             f.write(b"\xff\xfe")
-        stats = engine.save(3, state).committed_sync()
+        stats = engine.save(4, state).committed_sync()
     assert stats.files_linked == 4 and stats.link_fallbacks == 1, stats
-    assert not os.path.samefile(victim, step_dir(tmp_path, 3) / victim.name)
-    assert {c.step: c.ok for c in verify(tmp_path).checkpoints} == {2: False, 3: True}
-    assert_same(plain_load(step_dir(tmp_path, 3), state), state)
+    assert file_of(step_dir(tmp_path, 4), "model.a").stat().st_ino != rotted
+    assert {c.step: c.ok for c in verify(tmp_path).checkpoints} == {3: True, 4: True}
+    assert_same(plain_load(step_dir(tmp_path, 4), state), state)
 
 
 def test_a_new_worker_links_from_the_checkpoint_the_tracker_names(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.save(1, state).committed_sync()
+        engine.save(2, state).committed_sync()  # (every file anew: it shares none with 1)
     state["model"]["b"].add_(1)
     with SyncCheckpointEngine(tmp_path) as engine:
-        stats = engine.save(2, state).committed_sync()
+        stats = engine.save(3, state).committed_sync()
     assert stats.files_linked == 4
-    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+    a = file_of(step_dir(tmp_path, 3), "model.a")
+    assert os.path.samefile(a, step_dir(tmp_path, 2) / a.name)
+    assert_same(plain_load(step_dir(tmp_path, 3), state), state)
 
 
 def test_a_tampered_sidecar_is_not_trusted(tmp_path):
@@ -231,12 +246,13 @@ def test_a_tampered_sidecar_is_not_trusted(tmp_path):
     state = state_of()
     with SyncCheckpointEngine(tmp_path, keep=KeepLast(3)) as engine:
         engine.save(1, state).committed_sync()
-        sidecar = step_dir(tmp_path, 1) / "__0_fingerprints.json"
+        engine.save(2, state).committed_sync()  # (step 3 links from it: 1 shares no file)
+        sidecar = step_dir(tmp_path, 2) / "__0_fingerprints.json"
         sidecar.write_text(sidecar.read_text().replace('"linked": false', '"linked": true '))
         state["model"]["a"].add_(1)
-        stats = engine.save(2, state).committed_sync()
+        stats = engine.save(3, state).committed_sync()
     assert stats.files_linked == 0 and stats.link_fallbacks == 1
-    assert_same(plain_load(step_dir(tmp_path, 2), state), state)
+    assert_same(plain_load(step_dir(tmp_path, 3), state), state)
 
 
 def test_differential_false_writes_every_file(tmp_path):
@@ -262,7 +278,8 @@ def test_the_remote_tier_copies_linked_files_in_the_store_and_each_step_stands_a
 
     tier = RemoteTier(s3.url, storage_options=s3.options)
     state = state_of()
-    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+    # (One step kept on disk: step 2 links from step 1; the store keeps both.)
+    with SyncCheckpointEngine(tmp_path / "local", keep=KeepLast(1), remote=tier) as engine:
         first = engine.save(1, state).committed_sync()
         state["model"]["a"].add_(1)
         second = engine.save(2, state).committed_sync()
@@ -297,7 +314,8 @@ def test_a_store_step_holding_another_saves_bytes_is_neither_copied_from_nor_tak
     state = state_of()
     for v in state["model"].values():
         v.add_(1)
-    with SyncCheckpointEngine(tmp_path / "local", remote=tier) as engine:
+    # (One step kept on disk: step 2 may link from the new step 1.)
+    with SyncCheckpointEngine(tmp_path / "local", keep=KeepLast(1), remote=tier) as engine:
         with pytest.raises(UploadFailed, match="another save of step 1"):
             engine.save(1, state).committed_sync()
         second = engine.save(2, state).committed_sync()
@@ -311,20 +329,22 @@ def test_a_store_step_holding_another_saves_bytes_is_neither_copied_from_nor_tak
 
 
 def test_a_store_object_damaged_since_its_upload_is_not_copied_into_the_next_step(s3, tmp_path):
-    """Bit rot in the store's step 1 (same sizes): step 2's linked files were copied from it
+    """Bit rot in the store's step 2 (same sizes): step 3's linked files were copied from it
     inside the store, unread, and the new step was trusted by the store's prune, which left
-    the store holding only a damaged step 2 though every local byte was whole. Each object is
+    the store holding only a damaged step 3 though every local byte was whole. Each object is
     now checksummed before the store copies it; a damaged one is uploaded from the local file
-    instead (the worker's log names it)."""
+    instead (the worker's log names it). (Step 2 writes every file on disk: it would share
+    them all with step 1; step 3 links from it.)"""
     tier = RemoteTier(s3.url, storage_options=s3.options, keep=KeepLast(1))
     store = FsspecStore(s3.url, s3.options)
     state = state_of()
     with SyncCheckpointEngine(tmp_path / "local", keep=None, remote=tier) as engine:
         engine.save(1, state).committed_sync()
+        engine.save(2, state).committed_sync()
         fs = s3.fs()
         damaged = sorted(
             o
-            for o in fs.find(store.path(layout.dir_name("global_step", 1)))
+            for o in fs.find(store.path(layout.dir_name("global_step", 2)))
             if o.endswith(".distcp")
         )
         assert len(damaged) >= 2
@@ -332,26 +352,26 @@ def test_a_store_object_damaged_since_its_upload_is_not_copied_into_the_next_ste
             data = bytearray(fs.cat_file(obj))
             data[len(data) // 2] ^= 0xFF
             fs.pipe_file(obj, bytes(data))
-        assert store.check(layout.dir_name("global_step", 1))
+        assert store.check(layout.dir_name("global_step", 2))
         state["model"]["a"].add_(1)
-        second = engine.save(2, state).committed_sync()
-    local2 = tmp_path / "local" / layout.dir_name("global_step", 2)
-    linked = {p.name for p in local2.glob("*.distcp") if p.stat().st_nlink > 1}
+        third = engine.save(3, state).committed_sync()
+    local3 = tmp_path / "local" / layout.dir_name("global_step", 3)
+    linked = {p.name for p in local3.glob("*.distcp") if p.stat().st_nlink > 1}
     copied_from_damage = linked & {o.rsplit("/", 1)[-1] for o in damaged[:-1]}
-    assert second.files_linked >= len(linked) and copied_from_damage, (linked, damaged)
+    assert third.files_linked >= len(linked) and copied_from_damage, (linked, damaged)
     store = FsspecStore(s3.url, s3.options)
-    assert [c.step for c in store.committed("global_step")] == [2]
-    assert store.check(layout.dir_name("global_step", 2)) == []
+    assert [c.step for c in store.committed("global_step")] == [3]
+    assert store.check(layout.dir_name("global_step", 3)) == []
     # Uploaded: a's file (changed), every linked one whose object was damaged, and the small
     # files (.metadata, the sidecar, the manifest: under 64 KiB); the linked shard whose
     # object was whole (1 MiB) is still copied in the store.
-    shards = {p.name: p.stat().st_size for p in local2.glob("*.distcp")}
+    shards = {p.name: p.stat().st_size for p in local3.glob("*.distcp")}
     want = sum(size for name, size in shards.items() if name not in linked - copied_from_damage)
     assert linked - copied_from_damage, linked
-    assert want <= second.uploaded_bytes < want + (64 << 10), (want, second.uploaded_bytes)
+    assert want <= third.uploaded_bytes < want + (64 << 10), (want, third.uploaded_bytes)
     target = fresh_like(state)
     dcp.load(
-        target, checkpoint_id=tmp_path / "local" / layout.dir_name("global_step", 2), no_dist=True
+        target, checkpoint_id=tmp_path / "local" / layout.dir_name("global_step", 3), no_dist=True
     )
     assert_same(target, state)
 

@@ -13,7 +13,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 
-from asyncckpt import SaveFailed, Staging, SyncCheckpointEngine, faults, layout
+from asyncckpt import (
+    CheckpointInfo,
+    KeepLast,
+    SaveFailed,
+    Staging,
+    SyncCheckpointEngine,
+    faults,
+    layout,
+)
 
 BIG = (256, 1024)  # 1 MiB of float32: copy-skippable, and a file of its own
 MiB = 1 << 20
@@ -57,10 +65,11 @@ def test_the_worker_takes_the_trainers_digests_instead_of_hashing_again(tmp_path
 def test_a_copy_skipped_against_the_slot_is_written_when_the_last_commit_differs(tmp_path):
     # Step 2 stages y into the one slot, then its commit fails: the last checkpoint written is
     # still step 1 (x). Step 3 skips the copy (the slot holds y, proved by its fingerprint);
-    # a worker that took "skipped" for "unchanged" would link step 1's x into step 3.
+    # a worker that took "skipped" for "unchanged" would link step 1's x into step 3. (One
+    # step kept: step 3 may link from step 1, sharing files with it.)
     state = state_of()
     a = state["model"]["a"]
-    with SyncCheckpointEngine(tmp_path, keep=None) as engine:
+    with SyncCheckpointEngine(tmp_path, keep=KeepLast(1)) as engine:
         engine.save(1, state).committed_sync()
         a.data.copy_(torch.full(BIG, 7.0))  # y: no version counter moves
         faults.inject("before_metadata", "eio")
@@ -101,9 +110,10 @@ def test_a_format_that_does_not_link_says_so_once(tmp_path, caplog):
     from asyncckpt.differential import LinkSource
 
     links = LinkSource(tmp_path, "megatron", enabled=True)
+    new = CheckpointInfo(1, 0.0)
     with caplog.at_level(logging.INFO, logger="asyncckpt"):
         for _ in range(2):
-            assert links.previous(tmp_path / "tmp", "megatron_legacy", None) is None
-        assert links.previous(tmp_path / "tmp", "torch_dist", None) is not None
+            assert links.previous(tmp_path / "tmp", "megatron_legacy", None, new=new) is None
+        assert links.previous(tmp_path / "tmp", "torch_dist", None, new=new) is not None
     said = [r.getMessage() for r in caplog.records if "differential saves are off" in r.message]
     assert len(said) == 1 and "megatron_legacy" in said[0]

@@ -82,3 +82,43 @@ def test_each_rank_links_its_unchanged_shards_and_writes_its_changed_one(tmp_pat
     dcp.load(target, checkpoint_id=str(step3), no_dist=True)
     assert torch.equal(target["ref"]["w"], want)
     assert torch.equal(target["policy"]["w"], policy(3))
+
+
+def save_with_two_kept(rank: int, world: int, root: str) -> list[int]:
+    """Steps 1-4 with KeepLast(2), only the replicated policy changing: files linked per step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from asyncckpt import Distributed, KeepLast, SyncCheckpointEngine
+
+    mesh = init_device_mesh("cpu", (world,))
+    ref = DTensor.from_local(full_ref().chunk(world)[rank].clone(), mesh, [Shard(0)])
+    state = {"ref": {"w": ref}, "policy": {"w": policy(1)}}
+    linked = []
+    with SyncCheckpointEngine(
+        root, keep=KeepLast(2), distributed=Distributed(timeout=60)
+    ) as engine:
+        for step in (1, 2, 3, 4):
+            state["policy"]["w"].copy_(policy(step))
+            linked.append(engine.save(step, state).committed_sync(timeout=120).files_linked)
+    return linked
+
+
+def test_with_two_steps_kept_no_rank_links_a_file_both_hold(tmp_path: Path):
+    """Every rank compares the identities of its own files (DCP's ``__<rank>_`` names): with
+    KeepLast(2), steps 3 and 4 each link both ranks' reference shards (from the step their
+    prune removes), and the two steps kept share no file, so one damaged shard leaves one whole."""
+    import os
+
+    root = tmp_path / "ckpt"
+    out = run_ranks(save_with_two_kept, WORLD, tmp_path, str(root))
+    assert out[0] == out[1], out
+    assert out[0][1] == 0 and out[0][2] >= 2 and out[0][3] >= 2, out  # step 2: written
+    assert [c.step for c in L.scan(root, "global_step")] == [3, 4]
+    held = [
+        {os.stat(p).st_ino for p in (root / L.dir_name("global_step", s)).glob("*.distcp")}
+        for s in (3, 4)
+    ]
+    assert held[0] and held[1] and held[0].isdisjoint(held[1]), held
+    for step in (3, 4):
+        assert verify(root / L.dir_name("global_step", step)).ok
