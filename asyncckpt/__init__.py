@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import faults
 from .errors import (
+    AllCheckpointsQuarantined,
     CheckpointError,
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -55,6 +56,7 @@ from .throttle import ThrottleConfig
 if TYPE_CHECKING:
     from .engine import CheckpointEngine, PauseHooks, SaveHandle
     from .export import HFExport
+    from .fresh_start import start_fresh
     from .loadcheck import LoadReport
     from .reading import read_checkpoint
     from .sync import SyncCheckpointEngine
@@ -69,6 +71,7 @@ _LAZY = {
     "SyncCheckpointEngine": ".sync",
     "read_checkpoint": ".reading",
     "HFExport": ".export",
+    "start_fresh": ".fresh_start",
 }
 
 
@@ -104,6 +107,8 @@ __all__ = [
     "KeepSteps",
     "PauseHooks",
     "NoValidCheckpoint",
+    "AllCheckpointsQuarantined",
+    "start_fresh",
     "NotReplicated",
     "RetentionPolicy",
     "RootLocked",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every asyncckpt error."""
@@ -86,6 +88,18 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
 
 class NoValidCheckpoint(CheckpointError):
     """No committed checkpoint in the root passed verification."""
+
+
+class AllCheckpointsQuarantined(NoValidCheckpoint):
+    """Every checkpoint of the root was found damaged and moved into its quarantine: nothing
+    is left to resume from, and ``load_latest`` will not start from scratch in silence.
+    ``quarantined`` lists them (``prune.Quarantined``: where each is, why). Repair one and move
+    it back to its old name to resume from it, or ``asyncckpt.start_fresh(root)`` to start
+    from scratch on purpose."""
+
+    def __init__(self, message: str, quarantined: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.quarantined = list(quarantined or [])
 
 
 class UploadFailed(SaveFailed):

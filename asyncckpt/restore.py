@@ -33,10 +33,12 @@ from .errors import (
 from .formats.base import Verify
 from .formats.components import COMPONENTS, Component, Part, load_parts, saved_spec
 from .formats.hotread import HotDeclined, HotRead, active
+from .fresh_start import check_not_lost
 from .hot import HotResume
 from .loadcheck import LoadReport, Vanished
 from .manifest import read_manifest
 from .precheck import Pending, check_files, gating
+from .prune import list_checkpoints, quarantine, trash_and_delete
 from .retention import CheckpointInfo
 from .storage import RemoteTier
 from .supervisor import wait_for_orphaned_workers
@@ -400,6 +402,8 @@ class Restorer:
                 break
         if self.hot.spoiled:  # part of a memory that failed its checks went into the target
             errors.append(f"the memory offered: {self.hot.reason}")
+        elif not remote:  # nothing committed left but quarantined ones: raise, never None
+            check_not_lost(self.root, self.layout, errors)
         if not errors:
             return None
         raise NoValidCheckpoint(
@@ -449,8 +453,6 @@ class Restorer:
         self.known_corrupt.add(step)
         if not self.quarantine:
             return "another rank sets it aside; "
-        from .prune import quarantine, trash_and_delete
-
         try:
             if fetched:
                 # Only a download of the store's copy, which stays where it is (an object
@@ -550,8 +552,6 @@ class Restorer:
         return found if found is not None else -1
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        from .prune import list_checkpoints
-
         return list_checkpoints(self.root, self.layout)
 
 

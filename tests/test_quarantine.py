@@ -1,8 +1,10 @@
-"""A checkpoint the engine found corrupt stops counting: quarantined (issue 28, items 5, 9)."""
+"""A checkpoint the engine found corrupt stops counting: quarantined (issue 28, items 5, 9); a
+root whose every checkpoint was quarantined never starts from scratch in silence."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 
@@ -10,7 +12,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncckpt import CheckpointError, Distributed, KeepLast, StateMismatch, SyncCheckpointEngine
+import asyncckpt
+from asyncckpt import (
+    CheckpointError,
+    Distributed,
+    KeepLast,
+    NoValidCheckpoint,
+    StateMismatch,
+    SyncCheckpointEngine,
+)
 from asyncckpt import layout as L
 from asyncckpt.cli import main
 from asyncckpt.errors import CorruptCheckpoint
@@ -225,3 +235,73 @@ def test_plain_dcp_checkpoints_still_load_and_resume_forward(tmp_path):
             engine.save(6, state(6))
             engine.wait()
     assert target["w"][0] == 5.0 and steps_on_disk(tmp_path) == [5, 6]
+
+
+# ------------------------------------------------------------ a root whose every step is gone
+def damage_every_step(root) -> None:
+    for c in L.scan(root, "global_step"):
+        flip_a_byte(c.path)
+
+
+def test_the_retry_after_every_checkpoint_was_quarantined_raises_naming_them(tmp_path):
+    """The first restart finds both kept steps damaged and quarantines them (it raised, right);
+    the scheduler's retry found no checkpoint, returned None in silence and trained from
+    step 0. It raises now, at every try, naming the quarantine."""
+    save_steps(tmp_path, (1, 2), keep=KeepLast(2))
+    damage_every_step(tmp_path)
+    with pytest.raises(NoValidCheckpoint):
+        load_latest(tmp_path, state(0))
+    assert steps_on_disk(tmp_path) == []
+    for _ in range(2):
+        with pytest.raises(NoValidCheckpoint) as caught:
+            load_latest(tmp_path, state(0))
+    error = caught.value
+    assert isinstance(error, asyncckpt.errors.AllCheckpointsQuarantined)
+    message = str(error)
+    for q in list_quarantined(tmp_path, "global_step"):
+        assert str(q.path) in message
+    assert "checksum" in message and "asyncckpt.start_fresh(" in message, message
+    assert sorted(q.step for q in error.quarantined) == [1, 2]
+    # The first restart's error is the same class, with what this load found first.
+    save_steps(tmp_path / "b", (1,))
+    damage_every_step(tmp_path / "b")
+    with pytest.raises(asyncckpt.errors.AllCheckpointsQuarantined, match="step 1: "):
+        load_latest(tmp_path / "b", state(0))
+
+
+def test_start_fresh_starts_from_scratch_on_purpose_and_only_past_what_it_saw(tmp_path, caplog):
+    save_steps(tmp_path, (1, 2), keep=KeepLast(2))
+    damage_every_step(tmp_path)
+    with pytest.raises(NoValidCheckpoint):
+        load_latest(tmp_path, state(0))
+    settled = asyncckpt.start_fresh(tmp_path)
+    assert sorted(p.name.split("-")[0] for p in settled) == ["global_step_1", "global_step_2"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        assert load_latest(tmp_path, state(0)) is None  # on purpose: said in the log
+    said = [r.getMessage() for r in caplog.records if "start_fresh" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path) in said[0], said
+    assert load_latest(tmp_path, state(0)) is None  # and again, until a step commits
+    # Nothing was deleted or moved: the damaged copies stay listed where they were.
+    assert sorted(q.path for q in list_quarantined(tmp_path, "global_step")) == sorted(settled)
+    # The fresh run saves step 1 again; damaged in turn, its quarantine is new: it raises.
+    save_steps(tmp_path, (1,))
+    assert load_latest(tmp_path, state(0)) == 1
+    damage_every_step(tmp_path)
+    with pytest.raises(NoValidCheckpoint):
+        load_latest(tmp_path, state(0))
+    with pytest.raises(asyncckpt.errors.AllCheckpointsQuarantined) as caught:
+        load_latest(tmp_path, state(0))
+    assert [q.step for q in caught.value.quarantined] == [1]
+
+
+def test_a_root_that_never_held_a_checkpoint_still_starts_fresh_quietly(tmp_path, caplog):
+    (tmp_path / "empty").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+            for root in (tmp_path / "new", tmp_path / "empty"):
+                with SyncCheckpointEngine(root) as engine:
+                    assert engine.load_latest(state(0)) is None
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert asyncckpt.start_fresh(tmp_path / "empty") == []  # nothing to settle: a no-op
