@@ -1,5 +1,6 @@
 """The torn-state check from the bytes, for overlapped saves: after the copy, every CPU
-tensor's bytes are compared with what its staging view holds.
+tensor's bytes are compared with what its staging view holds; for saves staged in chunks,
+with fingerprints of what was staged (``ChunkFingerprints``, below).
 
 Why: the training loop runs while an overlapped save copies, and the torn-state check of
 version counters and data pointers (staging.torn_since) cannot see writes that move no
@@ -15,7 +16,8 @@ and the compares start after the last copy: the staged bytes are the state at on
 the end of the copy. It is exact (bytes, not a fingerprint).
 
 Not covered: tensors on a GPU (their copy is queued on a stream: the counters still apply),
-and a blocking save (the caller's thread is inside ``save``; only another thread can write).
+and a blocking save that is not chunked (the caller's thread is inside ``save``; only another
+thread can write, during a copy that does not wait for the worker).
 Cost: one more read of the sources and of the staged bytes, in the background
 (``SaveStats.copy_check_seconds``). Large tensors are compared in place in pieces on the copy
 threads (NumPy lets go of the GIL); the small ones (thousands, in a model's norms and biases)
@@ -29,6 +31,7 @@ budget): every small tensor is compared one by one.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,7 @@ import numpy as np
 import torch
 
 from ._torch import foreach_copy_
+from .differential import fingerprint_bytes
 from .staging import (
     Marks,
     StagingSlot,
@@ -205,3 +209,119 @@ def _staged_bytes(slot: StagingSlot, i: int) -> Any:
     if i in slot.dst_bytes:
         return slot.dst_bytes[i]
     return _bytes_of_view(slot.views[i])
+
+
+# ------------------------------------------------------------------ chunked saves
+# A save staged in chunks (``Staging(max_host_bytes=)``, chunked.py) cannot compare as above:
+# a chunk's buffer is refilled once the worker has written it, and the budget leaves no room
+# for a second copy of the state. So each CPU tensor's staged bytes are fingerprinted
+# (xxh3-128, in blocks of whole rows) in the chunk buffer after their copy, while the worker
+# writes that chunk (both only read it), and once the last chunk is copied, before it is
+# released to the worker, every source is fingerprinted again and compared. Equal digests
+# (the same bytes, unless a tensor changed and changed back, or a 128-bit hash collided)
+# prove that the bytes written are the state at one instant, the end of the copy, as for
+# overlapped saves; a tensor that differs fails the save as torn, and the worker commits
+# nothing. Cost: one read of the staged bytes, mostly while the trainer would wait for the
+# worker's writes anyway, and one more read of the sources at the end
+# (``SaveStats.copy_check_seconds``), on the copy threads; memory: 16 bytes per MiB of state.
+# GPU tensors are not read again (the counters still apply), as above.
+
+#: Bytes per fingerprint block of a chunked save (whole rows of its tensor, at least one): a
+#: strided source's block, made contiguous to be hashed, stays this small.
+BLOCK = 1 << 20
+#: Bytes of blocks per task handed to the copy threads.
+_TASK = 32 << 20
+
+
+@dataclass
+class _StagedPiece:
+    index: int  # the tensor's position in the state
+    start: int  # the piece's bytes within the tensor: [start, stop)
+    stop: int
+    row: int  # bytes of one row along dim 0 (a block is whole rows)
+    digests: list[bytes]
+
+
+def _blocks(start: int, stop: int, row: int) -> list[tuple[int, int]]:
+    """Byte ranges, relative to ``start``, of the blocks of a piece (whole rows each)."""
+    step = max(1, BLOCK // row) * row if row > 0 else BLOCK
+    return [(a, min(a + step, stop - start)) for a in range(0, stop - start, step)]
+
+
+class ChunkFingerprints:
+    """The digests of what a chunked save staged (``staged`` per piece, then ``take`` once
+    per chunk), compared with the sources by ``changed`` at the end."""
+
+    def __init__(self) -> None:
+        self.pieces: list[_StagedPiece] = []
+        self._todo: list[Any] = []  # staged bytes, per block not yet hashed
+        self._owners: list[_StagedPiece] = []  # whose digest each block of _todo gives
+        self.seconds = 0.0  # the final compare's
+
+    def staged(self, index: int, start: int, stop: int, row: int, dst: Any) -> None:
+        """Bytes ``[start, stop)`` of tensor ``index`` are staged in ``dst`` (a flat uint8
+        array over the chunk buffer), to be fingerprinted at the next ``take``."""
+        piece = _StagedPiece(index, start, stop, row, [])
+        self.pieces.append(piece)
+        for a, b in _blocks(start, stop, row):
+            self._todo.append(dst[a:b])
+            self._owners.append(piece)
+
+    def take(self) -> None:
+        """Fingerprint what was staged since the last call (the copy threads share it)."""
+        todo, owners = self._todo, self._owners
+        self._todo, self._owners = [], []
+        for owner, digest in zip(owners, _run(fingerprint_bytes, todo), strict=True):
+            owner.digests.append(digest)
+
+    def changed(
+        self, tensors: dict[str, torch.Tensor], srcs: list[torch.Tensor], marks: Marks
+    ) -> list[str]:
+        """The keys of the tensors whose bytes now differ from what was staged of them (in
+        state order). A storage that moved since ``save`` was called is never read
+        (``StateModifiedWhileStaging``, raised)."""
+        t0 = time.perf_counter()
+        marks.check_pointers(tensors, srcs, sorted({p.index for p in self.pieces}))
+        todo: list[Any] = []
+        owners: list[_StagedPiece] = []
+        for p in self.pieces:
+            t = srcs[p.index].detach()
+            flat = _as_bytes(t)
+            for a, b in _blocks(p.start, p.stop, p.row):
+                if flat is not None:
+                    todo.append(flat[p.start + a : p.start + b])
+                else:  # strided, conjugate: its rows, made contiguous on a copy thread
+                    todo.append((t, (p.start + a) // p.row, (p.start + b) // p.row))
+                owners.append(p)
+        now = _run(_source_digest, todo)
+        changed: set[int] = set()
+        at: dict[int, int] = {}  # piece id -> blocks of it compared so far
+        for p, digest in zip(owners, now, strict=True):
+            k = at.get(id(p), 0)
+            at[id(p)] = k + 1
+            if digest != p.digests[k]:
+                changed.add(p.index)
+        self.seconds += time.perf_counter() - t0
+        keys = list(tensors)
+        return [keys[i] for i in sorted(changed)]
+
+
+def _run(fn: Any, items: list[Any]) -> list[bytes]:
+    """``[fn(x) for x in items]``, in tasks of about ``_TASK`` bytes on the copy threads."""
+    threads = cpu_copy_threads()
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    per = max(1, _TASK // BLOCK)
+    groups = [items[i : i + per] for i in range(0, len(items), per)]
+    out: list[bytes] = []
+    for done in _pool(threads).map(lambda g: [fn(x) for x in g], groups):
+        out.extend(done)
+    return out
+
+
+def _source_digest(block: Any) -> bytes:
+    if isinstance(block, tuple):  # (tensor, first row, end row): a strided source
+        t, r0, r1 = block
+        rows = t if t.dim() == 0 else t[r0:r1]
+        block = read_only_bytes(rows.resolve_conj().resolve_neg().contiguous())
+    return fingerprint_bytes(block)

@@ -10,11 +10,14 @@ given buffer A back (back-pressure), and so on. Which bytes go in which chunk is
 One consistent snapshot: ``save()`` does not return before the last chunk is copied, so the
 training loop cannot move the state on while part of it is still to be copied; its stall is
 the copy of the whole state plus the waits for the worker's writes, so it grows with
-state / budget. The torn-state check (invariant 13) runs before the last chunk is handed over:
-the worker commits only once every chunk is written and the last one is released by the
-trainer, and a trainer that fails (torn state, an error) or dies before that leaves the worker
-nothing to commit: it fails the save and removes its temporary (the previous step stays the
-newest).
+state / budget. The torn-state check (invariant 13) runs before the last chunk is handed over,
+from the counters and from the bytes (each CPU tensor's staged bytes fingerprinted while the
+worker writes their chunk, every source fingerprinted again once the last chunk is copied:
+``bytecheck.ChunkFingerprints``, so a ``.data`` write between chunks is seen too): the worker
+commits only once every chunk is written and the last one is released by the trainer, and
+a trainer that fails (torn state, an error) or dies before that leaves the worker nothing to
+commit: it fails the save and removes its temporary (the previous step stays the newest); a
+torn save's handle raises the trainer's error, naming the tensors (``JobTable.explain``).
 
 The control header's int64 words (both processes poll them; a chunk's bytes are complete
 before its count is stored):
@@ -27,13 +30,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import faults
+from .bytecheck import ChunkFingerprints
 from .chunking import ALIGN, Chunk, plan_chunks
 from .errors import SaveFailed, StagingMemoryError, StateModifiedWhileStaging
 from .options import MIN_HOST_BYTES
@@ -221,11 +225,26 @@ class ChunkedStaging:
     marks: Marks
     signals: ChunkSignals
     waited: float = 0.0
+    prints: ChunkFingerprints = field(default_factory=ChunkFingerprints)
+    _arena_bytes: Any = None
 
-    def run(self, job_id: int, going: Callable[[], bool], hand_over: Callable[[], None]) -> bool:
+    def _bytes(self) -> Any:
+        """The chunk arena as a flat uint8 NumPy array (made once)."""
+        if self._arena_bytes is None:
+            self._arena_bytes = self.arena.numpy()
+        return self._arena_bytes
+
+    def run(
+        self,
+        job_id: int,
+        going: Callable[[], bool],
+        hand_over: Callable[[], None],
+        on_torn: Callable[[StateModifiedWhileStaging], None] = lambda e: None,
+    ) -> bool:
         """Copy every chunk; ``hand_over()`` sends the job once chunk 1 is in. Returns False
         if the job ended (failed) before every chunk was copied. Raises a torn state
-        (``StateModifiedWhileStaging``) before the last chunk is released."""
+        (``StateModifiedWhileStaging``) before the last chunk is released, ``on_torn`` told
+        of it before the worker is."""
         srcs = list(self.tensors.values())
         n = len(self.plan.chunks)
         self.signals.begin(job_id)
@@ -243,11 +262,17 @@ class ChunkedStaging:
                 buf = self.arena[base : base + self.plan.chunk_bytes]
                 with torch.no_grad():
                     for p in chunk.pieces:
-                        _copy_piece(buf, srcs[p.index], self.plan.tensors[p.index], p)
+                        spec = self.plan.tensors[p.index]
+                        _copy_piece(buf, srcs[p.index], spec, p)
+                        if p.nbytes and not srcs[p.index].is_cuda:  # (GPU: counters only)
+                            at = base + p.offset
+                            staged = self._bytes()[at : at + p.nbytes]
+                            self.prints.staged(p.index, p.start, p.stop, spec.row_bytes, staged)
                 if any(t.is_cuda for t in srcs):
                     torch.cuda.synchronize()
                 if k == n - 1:
-                    changed = torn_since(self.tensors, self.marks)
+                    self.prints.take()
+                    changed = self._torn(srcs)
                     if changed is not None:
                         torn = True
                         raise changed
@@ -255,15 +280,34 @@ class ChunkedStaging:
                 if k == 0:
                     hand_over()
                 if k < n - 1:
+                    # Fingerprinted while the worker writes it (both only read the buffer;
+                    # it is refilled only once the worker gave it back): a disk-bound save
+                    # waits for the worker meanwhile anyway.
+                    self.prints.take()
                     faults.point("between_chunks")
             done = True
             return True
-        except StateModifiedWhileStaging:
+        except StateModifiedWhileStaging as e:
             torn = True
+            on_torn(e)
             raise
         finally:
             if not done:
                 self.signals.abort(torn)  # the worker must not wait for (or commit) the rest
+
+    def _torn(self, srcs: list[torch.Tensor]) -> StateModifiedWhileStaging | None:
+        """Once the last chunk is copied: a write the counters see, else one they do not
+        (each source's bytes compared with the digests of what was staged of it)."""
+        changed = torn_since(self.tensors, self.marks)
+        if changed is not None:
+            return changed
+        unseen = self.prints.changed(self.tensors, srcs, self.marks)
+        if not unseen:
+            return None
+        # A write the counters do see may have landed since torn_since: named as such.
+        return torn_since(self.tensors, self.marks) or StateModifiedWhileStaging(
+            unseen, unseen=unseen
+        )
 
 
 # ------------------------------------------------------------------ the save path's side
@@ -347,25 +391,31 @@ def stage(saver: Any, pending: Any, plan: ChunkedPlan) -> Any:
     def going() -> bool:
         return saver.jobs.in_flight(job_id)
 
+    failed: list[SaveFailed] = []
+
+    def torn(e: StateModifiedWhileStaging) -> None:
+        err = SaveFailed(
+            f"save of step {pending.step} failed: the state changed while it was staged "
+            f"in chunks ({e}); nothing was committed, older checkpoints are intact. Do not "
+            "mutate the state or free its storage while save() runs"
+        )
+        err.__cause__ = e
+        failed.append(err)
+        saver.jobs.explain(job_id, err)  # the handle raises it, not the worker's word
+
     with saver.sigterm.handing_off():  # a SIGTERM's drain would wait for chunks never copied
         try:
-            complete = staging.run(job_id, going, hand_over)
+            complete = staging.run(job_id, going, hand_over, torn)
         except _Ended:
             complete = False
-        except StateModifiedWhileStaging as e:
+        except StateModifiedWhileStaging:
             complete = False
-            err = SaveFailed(
-                f"save of step {pending.step} failed: the state changed while it was staged "
-                f"in chunks ({e}); nothing was committed, older checkpoints are intact. Do not "
-                "mutate the state or free its storage while save() runs"
-            )
-            err.__cause__ = e
-            log.error("%s", err)
+            log.error("%s", failed[0])
             if sent:  # the worker fails it (told by the header), then gives the slot back
                 while going():
                     time.sleep(POLL_S)
             else:
-                saver.jobs.fail(job_id, err)
+                saver.jobs.fail(job_id, failed[0])
         except BaseException as e:
             handle._observed = True  # the caller sees this very exception
             if not sent:
@@ -375,6 +425,7 @@ def stage(saver: Any, pending: Any, plan: ChunkedPlan) -> Any:
             saver.sigterm.run_deferred()
     stats.stage_seconds = time.perf_counter() - t1 - staging.waited  # (blocked: stage + wait)
     stats.wait_seconds += staging.waited
+    stats.copy_check_seconds = staging.prints.seconds
     stats.staged_bytes = job.figures["staged_bytes"]
     stats.chunks = len(plan.chunks)
     if complete:

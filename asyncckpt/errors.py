@@ -42,8 +42,9 @@ class StateModifiedWhileStaging(CheckpointError):
     ) -> None:
         self.keys = list(keys)
         self.storage = list(storage or [])
-        #: of ``keys``, those found by comparing bytes after an overlapped save's copy (no
-        #: version counter moved: a write through ``.data``, NumPy; bytecheck.py)
+        #: of ``keys``, those found by comparing bytes after an overlapped save's copy or a
+        #: chunked save's last chunk (no version counter moved: a write through ``.data``,
+        #: NumPy; bytecheck.py)
         self.unseen = list(unseen or [])
         moved = set(self.storage) | set(self.unseen)
         written = [k for k in self.keys if k not in moved]

@@ -163,6 +163,7 @@ class _InFlight:
     begun_at: float | None = None
     released: bool = False
     attempt: int = 0  # SaveJob.attempt: with the run's token, names a multi-rank commit
+    why: SaveFailed | None = None  # the trainer's reason the worker will fail it (explain)
 
 
 def _log_failure(err: SaveFailed) -> None:
@@ -425,7 +426,7 @@ class JobTable:
             elif isinstance(msg, M.Failed) and job:
                 err = self._failure_locked(msg.job_id, job, msg.info)
                 if err is not None:
-                    self._fail_locked(msg.job_id, err)
+                    self._fail_locked(msg.job_id, job.why or err)
                 else:
                     committed = True
             elif isinstance(msg, M.Pruned):
@@ -496,6 +497,13 @@ class JobTable:
         return None
 
     # ------------------------------------------------------------------ failing
+    def explain(self, job_id: int, err: SaveFailed) -> None:
+        """The trainer knows better why the worker is about to fail job ``job_id`` (a save
+        staged in chunks found torn: the keys): its handle raises ``err`` then."""
+        with self.cond:
+            if job_id in self.inflight:
+                self.inflight[job_id].why = err
+
     def fail(self, job_id: int, err: SaveFailed) -> None:
         """Fail job ``job_id`` (if still in flight): its handle raises ``err``."""
         with self.cond:

@@ -90,7 +90,9 @@ class SaveStats:
     copy_fingerprint_seconds: float = 0.0
     copy_skip_fallbacks: int = 0
     #: overlapped saves: seconds spent comparing the CPU tensors' bytes with the staged ones
-    #: after the copy (the torn-state check from the bytes, bytecheck.py), in the background
+    #: after the copy (the torn-state check from the bytes, bytecheck.py), in the background;
+    #: saves staged in chunks: the compare of the sources with the staged bytes' fingerprints
+    #: once the last chunk is copied (part of the stall)
     copy_check_seconds: float = 0.0
 
     @property

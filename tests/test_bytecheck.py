@@ -99,8 +99,9 @@ def test_a_storage_freed_after_the_copy_is_never_read_by_the_compare():
 
     frees = {
         "small5": lambda t: t.untyped_storage().resize_(0),
-        # (a storage once read through NumPy cannot be resized: swapped for another instead)
-        "big": lambda t: t.set_(torch.zeros(3)),
+        # (a large one is read through its pointer, not t.numpy(): it stays resizable)
+        "big": lambda t: t.untyped_storage().resize_(0),
+        "strided": lambda t: t.set_(torch.zeros(3)),
     }
     for key, free in frees.items():
         tensors = _state()
@@ -163,3 +164,97 @@ def test_under_a_staging_budget_nothing_is_packed(tmp_path, monkeypatch, caplog)
     slot.copy_in(state, any_cuda=False)
     state["p70"].data.add_(1.0)
     assert bytecheck.changed_since_copied(slot, state) == ["p70"]
+
+
+# ------------------------------------------------------------------ saves staged in chunks
+def _chunk_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "rows": torch.randn(700, 300, generator=g).to(torch.bfloat16),  # sliced over chunks
+        "strided": torch.randn(200, 90, generator=g).t(),  # rows made contiguous to compare
+        "conj": torch.randn(40, 3, dtype=torch.complex64, generator=g).conj(),
+        "neg": torch._neg_view(torch.randn(50, generator=g)),
+        "scalar": torch.tensor(-0.0),
+        "empty": torch.empty(0, 5),
+        "nan": torch.full((9,), float("nan")),
+    }
+
+
+def _staged_in_chunks(tensors: dict[str, torch.Tensor], budget: int = 256 << 10):
+    """Stage ``tensors`` chunk by chunk as a chunked save does (the copy, then the staged
+    bytes fingerprinted); returns the fingerprints and the staged bytes of each tensor."""
+    from asyncckpt import chunked
+
+    plan = chunked.plan_for(tensors, budget)
+    arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8)
+    prints = bytecheck.ChunkFingerprints()
+    srcs = list(tensors.values())
+    staged: dict[int, list[bytes]] = {}
+    for k, chunk in enumerate(plan.chunks):
+        base = plan.buffer_offset(k)
+        buf = arena[base : base + plan.chunk_bytes]
+        for p in chunk.pieces:
+            spec = plan.tensors[p.index]
+            chunked._copy_piece(buf, srcs[p.index], spec, p)
+            got = arena[base + p.offset : base + p.offset + p.nbytes].numpy()
+            prints.staged(p.index, p.start, p.stop, spec.row_bytes, got)
+            staged.setdefault(p.index, []).append(got.tobytes())
+        prints.take()
+    assert len(plan.chunks) >= 3  # (the test means several chunks)
+    return prints, staged
+
+
+def test_chunked_staged_bytes_are_the_sources_and_nothing_changed_is_named():
+    from asyncckpt.staging import Marks
+
+    tensors = _chunk_state()
+    marks = Marks.of(tensors)
+    prints, staged = _staged_in_chunks(tensors)
+    for i, t in enumerate(tensors.values()):  # what was staged: the bytes the copy resolved
+        want = t.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+        assert b"".join(staged.get(i, [])) == want.numpy().tobytes()
+    assert prints.changed(tensors, list(tensors.values()), marks) == []
+    assert prints.seconds > 0
+
+
+@pytest.mark.parametrize(
+    "key, write",
+    [
+        ("rows", lambda t: t.data[0, 0].add_(1.0)),  # the first slice
+        ("rows", lambda t: t.data[-1, -1].add_(1.0)),  # the last slice
+        ("strided", lambda t: t.data[89, 199].fill_(1e9)),
+        ("conj", lambda t: t.data.imag.neg_()),
+        ("neg", lambda t: t.data[7:8].zero_()),
+        ("scalar", lambda t: t.data.fill_(0.0)),  # -0.0 -> 0.0: equal as floats, not bytes
+        ("nan", lambda t: t.data.fill_(-float("nan"))),
+    ],
+)
+def test_chunked_a_write_after_its_chunk_is_named(key, write):
+    from asyncckpt.staging import Marks
+
+    tensors = _chunk_state()
+    marks = Marks.of(tensors)
+    prints, _ = _staged_in_chunks(tensors)
+    write(tensors[key])
+    assert prints.changed(tensors, list(tensors.values()), marks) == [key]
+
+
+def test_chunked_a_storage_freed_before_the_compare_is_never_read():
+    from asyncckpt.errors import StateModifiedWhileStaging
+    from asyncckpt.staging import Marks
+
+    tensors = _chunk_state()
+    marks = Marks.of(tensors)
+    prints, _ = _staged_in_chunks(tensors)
+    tensors["rows"].untyped_storage().resize_(0)
+    with pytest.raises(StateModifiedWhileStaging) as info:
+        prints.changed(tensors, list(tensors.values()), marks)
+    assert info.value.storage == ["rows"]
+
+
+def test_chunked_blocks_are_whole_rows():
+    assert bytecheck._blocks(0, 10 << 20, 3000) == [
+        (a, min(a + 349 * 3000, 10 << 20)) for a in range(0, 10 << 20, 349 * 3000)
+    ]
+    assert bytecheck._blocks(100, 100 + 5 * (3 << 20), 3 << 20)[1] == (3 << 20, 6 << 20)
+    assert bytecheck._blocks(0, 0, 8) == []

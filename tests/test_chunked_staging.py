@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
 from asyncckpt import Staging, SyncCheckpointEngine, ThrottleConfig, faults
-from asyncckpt.errors import SaveFailed, StagingMemoryError
+from asyncckpt.errors import SaveFailed, StagingMemoryError, StateModifiedWhileStaging
 
 MiB = 1 << 20
 
@@ -289,3 +290,100 @@ def test_a_trainer_killed_mid_chunks_leaves_no_torn_step(tmp_path):
         assert engine.load_latest(target) == 1
     assert_same(target, make_state(1))
     assert not [p for p in root.iterdir() if p.name.startswith(".") and "tmp" in p.name]
+
+
+# ------------------------------------------------------------------ writes no counter sees
+def at_chunk(monkeypatch, number: int, write) -> None:
+    """Run ``write`` from another thread at the ``number``-th ``between_chunks`` point: the
+    chunks before it are copied (and handed to the worker), the later ones are not."""
+    real = faults.point
+    seen = [0]
+
+    def point(name: str) -> None:
+        if name == "between_chunks":
+            seen[0] += 1
+            if seen[0] == number:
+                t = threading.Thread(target=write)
+                t.start()
+                t.join()
+        real(name)
+
+    monkeypatch.setattr(faults, "point", point)
+
+
+def sliced_state() -> dict:
+    """Under a 1 MiB budget (chunks of 0.5 MiB): ``strided`` alone in chunk 1, ``huge`` (2 MiB)
+    in slices over chunks 2-6, the rest with its last slice in chunk 6."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "strided": torch.randn(300, 200, generator=g).t(),
+        "huge": torch.randn(2048, 256, generator=g),
+        "tail": torch.randn(64, 256, generator=g),
+        "small": torch.arange(10.0),
+    }
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda t: t.data[0].add_(1.0),  # .data: its own counter (an RL weight sync's write)
+        lambda t: t.detach().numpy()[0, :4].__iadd__(1.0),  # through NumPy: no counter
+    ],
+    ids=["data", "numpy"],
+)
+def test_a_write_no_counter_sees_between_chunks_fails_the_save(tmp_path, monkeypatch, write):
+    """Another thread writes a slice already copied (and handed to the worker) while the
+    later chunks are still to be copied, where no version counter moves: the checkpoint would
+    hold that slice from before the write and the rest from after. The compare of each
+    staged piece with its source once the last chunk is copied sees it: the save fails naming
+    the tensor, nothing is committed, the previous step stays the newest."""
+    root = tmp_path / "r"
+    state = sliced_state()
+    with SyncCheckpointEngine(root, staging=Staging(max_host_bytes=1 * MiB)) as engine:
+        engine.save(1, sliced_state()).committed_sync(120)
+        at_chunk(monkeypatch, 2, lambda: write(state["huge"]))  # its first slice copied
+        handle = engine.save(2, state)
+        with pytest.raises(SaveFailed, match="changed while it was staged") as info:
+            handle.committed_sync(120)
+        assert engine.latest_step() == 1
+        torn = info.value.__cause__
+        assert isinstance(torn, StateModifiedWhileStaging), info.value
+        assert torn.unseen == torn.keys == ["huge"], torn
+        assert "no version counter moved" in str(info.value)
+        engine.save(3, sliced_state()).committed_sync(120)  # the engine goes on
+    assert not step_dir(root, 2).exists()
+    target = blank(sliced_state())
+    with SyncCheckpointEngine(root) as engine:
+        assert engine.load_latest(target) == 3
+    assert_same(target, sliced_state())
+
+
+def test_a_strided_tensor_written_after_its_chunk_fails_the_save(tmp_path, monkeypatch):
+    """A strided source (staged by torch's copy) is compared from its rows' bytes."""
+    root = tmp_path / "r"
+    state = sliced_state()
+    with SyncCheckpointEngine(root, staging=Staging(max_host_bytes=1 * MiB)) as engine:
+        assert engine.save(1, sliced_state()).committed_sync(120).chunks == 6
+        at_chunk(monkeypatch, 1, lambda: state["strided"].data[5, 7].fill_(1e9))
+        with pytest.raises(SaveFailed) as info:
+            engine.save(2, state).committed_sync(120)
+        assert engine.latest_step() == 1
+    assert info.value.__cause__.unseen == ["strided"], info.value
+
+
+def test_a_write_to_a_chunk_not_yet_copied_is_saved_as_of_the_end(tmp_path, monkeypatch):
+    """A write through ``.data`` to a tensor whose chunk is still to be copied lands in the
+    checkpoint with the other tensors as they were: one instant, the end of the last chunk's
+    copy; the compare's time is reported."""
+    root = tmp_path / "r"
+    state = sliced_state()
+    at_chunk(monkeypatch, 1, lambda: state["tail"].data.fill_(7.0))
+    with SyncCheckpointEngine(root, staging=Staging(max_host_bytes=1 * MiB)) as engine:
+        stats = engine.save(1, state).committed_sync(120)
+    assert stats.chunks == 6 and stats.copy_check_seconds > 0
+    want = sliced_state()
+    want["tail"].fill_(7.0)
+    target = blank(want)
+    with SyncCheckpointEngine(root) as engine:
+        assert engine.load_latest(target) == 1
+    assert_same(target, want)
