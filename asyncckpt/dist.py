@@ -8,7 +8,14 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   key of the training group's *store* -- a key ``set``/``get``, not a collective, so no
   training collective is ever issued or reordered. Without an initialised process group,
   ``store=(host, port)`` (or ``MASTER_ADDR`` and ``MASTER_PORT + 1``) says where rank 0's
-  trainer hosts a ``TCPStore`` for that publication only. Rank 0 cleans the leftovers of an
+  trainer hosts a ``TCPStore`` for that publication only. The same value carries the run's
+  secret (``DistConfig.secret``, made with ``secrets`` by rank 0's trainer): every connection
+  between the workers (replicas, the node-local fetch; framing.py) proves it with a
+  challenge-response before anything else is read. It lives in the processes' memory (the
+  workers get it with their config over their pipes) and in that one key of the training
+  group's store, never in the side store, a log line or a file: a process that can read the
+  training group's store can read it, as it can join that group (torch.distributed trusts
+  the job's network; docs say so). Rank 0 cleans the leftovers of an
   interrupted run *before* it publishes, so that publication is also the only start-up barrier
   the other ranks wait on.
 - **Who serves the side store.** Rank 0's *worker*, on the socket its trainer bound and hands
@@ -42,11 +49,12 @@ import contextlib
 import datetime
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +91,10 @@ class DistConfig:
     #: each node runs; every node's local rank 0 commits its node's directory
     #: (node_commit.py). 0: one root every rank writes, rank 0 commits.
     ranks_per_node: int = 0
+    #: The run's secret (hex): every connection between the workers proves it (framing.py).
+    #: Made by rank 0's trainer, read by the others from the training group's store; never
+    #: shown (``repr``), logged, put in the side store or written to disk.
+    secret: str = field(default="", repr=False)
 
 
 def detect(
@@ -216,6 +228,7 @@ class Rendezvous:
                 )
                 publish = self.server
             token = uuid.uuid4().hex[:12]
+            secret = secrets.token_hex(32)
             try:
                 if before_publish is not None:
                     before_publish()
@@ -223,7 +236,7 @@ class Rendezvous:
                 # Let the other ranks fail with the cause instead of waiting for a timeout.
                 publish.set(key, f"error:{type(e).__name__}: {e}")
                 raise
-            publish.set(key, f"{host}:{port}:{token}")
+            publish.set(key, f"{host}:{port}:{token}:{secret}")
         else:
             if store is None:
                 raw = dist.distributed_c10d._get_default_store().get(key).decode()
@@ -233,12 +246,14 @@ class Rendezvous:
                 del client
             if raw.startswith("error:"):
                 raise relayed_failure("rank 0 could not start its checkpoint engine", raw[6:])
-            host, port_s, token = raw.rsplit(":", 2)
+            host, port_s, token, secret = raw.rsplit(":", 3)
             port = int(port_s)
             if store is not None:
                 host = store[0]
         log.debug("rank %d: side store at %s:%d, run token %s", rank, host, port, token)
-        return DistConfig(rank, world_size, local_rank, host, int(port), token, timeout)
+        return DistConfig(
+            rank, world_size, local_rank, host, int(port), token, timeout, secret=secret
+        )
 
     def close(self) -> None:
         self.server = None

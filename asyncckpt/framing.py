@@ -2,6 +2,15 @@
 worker over TCP (replication.py's replicas, local_recovery.py's fetch of a replica from a
 peer's disk), so the format is spelled once.
 
+Every connection starts with a mutual challenge-response (``handshake_client``,
+``handshake_server``) before anything else is read: each side sends a random nonce and proves
+it knows the run's secret (``DistConfig.secret``: made by rank 0's trainer at start, shared
+with the side store's address) with an HMAC-SHA256 over both nonces, the service and its own
+role, compared with ``hmac.compare_digest``; the server proves first, so a client never sends
+a byte past its opener to a listener that is not the run's. The handshake has
+``HANDSHAKE_S`` seconds. A listener that refuses a peer closes the connection and changes
+nothing else (the caller logs who and why).
+
 A message is a JSON header with a length prefix, then the raw byte segments it declares:
 
     !I length | JSON object {"kind": ..., ..., "segments": [n0, n1, ...]} | n0 bytes | n1 ...
@@ -15,18 +24,26 @@ follows a message as plain bytes into buffers the receiver sized and checked its
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import json
+import os
 import socket
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "MAGIC",
     "MAX_HEADER_BYTES",
+    "AuthError",
     "Message",
     "ProtocolError",
     "encode_header",
+    "handshake_client",
+    "handshake_server",
     "listen",
     "recv_exact",
     "recv_into",
@@ -44,6 +61,72 @@ MAX_SEGMENTS = 1 << 20
 
 class ProtocolError(ConnectionError):
     """A peer's message that breaks the format: the connection is dropped, nothing is kept."""
+
+
+class AuthError(ConnectionError):
+    """The peer did not prove it belongs to the run: nothing it sent is read."""
+
+
+# ------------------------------------------------------------------ the handshake
+
+#: A connection's first bytes: the protocol and its version.
+MAGIC = b"ACKPT-W1"
+NONCE_BYTES = 32
+MAC_BYTES = hashlib.sha256().digest_size
+#: Seconds a peer has for the whole handshake.
+HANDSHAKE_S = 10.0
+
+
+def _proof(secret: str, role: bytes, service: str, client: bytes, server: bytes) -> bytes:
+    if not secret:
+        raise ValueError(
+            "no run secret (DistConfig.secret is empty): the workers' connections are "
+            "authenticated with the secret rank 0 publishes at start"
+        )
+    msg = b"\0".join((b"asyncckpt", role, service.encode(), client, server))
+    return hmac.new(secret.encode(), msg, hashlib.sha256).digest()
+
+
+@contextlib.contextmanager
+def _handshake_deadline(sock: socket.socket) -> Iterator[None]:
+    before = sock.gettimeout()
+    sock.settimeout(HANDSHAKE_S)
+    try:
+        yield
+    except (EOFError, TimeoutError) as e:
+        raise AuthError(f"it did not prove it belongs to the run ({e or 'timed out'})") from None
+    finally:
+        sock.settimeout(before)
+
+
+def handshake_client(sock: socket.socket, secret: str, service: str) -> None:
+    """The connecting side: check the listener's proof of ``secret`` for ``service``, then
+    prove it in turn. AuthError (nothing more sent) if the listener is not the run's."""
+    with _handshake_deadline(sock):
+        mine = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + mine)
+        reply = recv_exact(sock, len(MAGIC) + NONCE_BYTES + MAC_BYTES)
+        theirs, proof = reply[len(MAGIC) : -MAC_BYTES], reply[-MAC_BYTES:]
+        want = _proof(secret, b"server", service, mine, theirs)
+        if reply[: len(MAGIC)] != MAGIC or not hmac.compare_digest(proof, want):
+            raise AuthError(f"the listener did not prove it belongs to the run ({service})")
+        sock.sendall(_proof(secret, b"client", service, mine, theirs))
+
+
+def handshake_server(sock: socket.socket, secret: str, service: str) -> None:
+    """The listening side, before anything else is read: AuthError if the peer does not
+    prove it knows ``secret`` for ``service``."""
+    with _handshake_deadline(sock):
+        opener = recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+        if opener[: len(MAGIC)] != MAGIC:
+            raise AuthError(
+                "it does not speak this protocol: it did not prove it belongs to the run"
+            )
+        theirs, mine = opener[len(MAGIC) :], os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + mine + _proof(secret, b"server", service, theirs, mine))
+        proof = recv_exact(sock, MAC_BYTES)
+        if not hmac.compare_digest(proof, _proof(secret, b"client", service, theirs, mine)):
+            raise AuthError(f"it did not prove it belongs to the run ({service}): wrong proof")
 
 
 def listen() -> socket.socket:

@@ -110,7 +110,7 @@ class StepAgreement:
         prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
         store = side_store(cfg)
         held = held_replicas(self.root, self.layout) if leader else {}
-        server = ReplicaServer(self.root, self.layout) if held else None
+        server = ReplicaServer(self.root, self.layout, secret=cfg.secret) if held else None
         try:
             addr = None
             if server is not None:
@@ -199,7 +199,7 @@ class StepAgreement:
             if holder not in addrs:
                 raise FileNotFoundError(f"rank {holder} serves no replica")
             host, port = addrs[holder]
-            manifest = fetch_replica((host, int(port)), node, choice.step, tmp)
+            manifest = fetch_replica((host, int(port)), node, choice.step, tmp, secret=cfg.secret)
             commit_fetched(self.root, self.layout, choice.step, tmp, [manifest])
             log.warning(
                 "node %d fetched its step %d from rank %d's replica and committed it",

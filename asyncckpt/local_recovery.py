@@ -50,7 +50,17 @@ from typing import Any
 
 from . import layout as _layout
 from .commit import commit_step, remove_tracker
-from .framing import Message, expect, listen, recv_into, recv_msg, send_msg
+from .framing import (
+    AuthError,
+    Message,
+    expect,
+    handshake_client,
+    handshake_server,
+    listen,
+    recv_into,
+    recv_msg,
+    send_msg,
+)
 from .manifest import check_files, read_manifest
 from .storage.localfs import fsync_dir, fsync_file, makedirs
 
@@ -60,6 +70,8 @@ log = logging.getLogger("asyncckpt")
 REPLICAS_DIR = ".asyncckpt-replicas"
 #: Bytes read and sent per piece.
 CHUNK = 8 << 20
+#: What the fetch's handshake proves (framing.py): the run's secret, for this use.
+FETCH_SERVICE = "replica-fetch"
 
 
 def replica_root(root: str | os.PathLike, node: int) -> Path:
@@ -260,9 +272,14 @@ def clean_replica_leftovers(root: str | os.PathLike) -> list[str]:
 
 class ReplicaServer:
     """A worker's listener serving its node's replica directories (``replica_dir``) to the
-    ranks of a replacement node: the manifest, then every file it lists, in its order."""
+    ranks of a replacement node: the manifest, then every file it lists, in its order. A
+    client proves the run's ``secret`` first (framing.py); one that does not is refused
+    (logged: who, why) before its request is read."""
 
-    def __init__(self, root: str | os.PathLike, layout: str) -> None:
+    def __init__(self, root: str | os.PathLike, layout: str, *, secret: str) -> None:
+        if not secret:
+            raise ValueError("a replica server needs the run's secret (DistConfig.secret)")
+        self.secret = secret
         self.root = Path(root)
         self.layout = layout
         self.listener = listen()
@@ -276,13 +293,18 @@ class ReplicaServer:
     def _serve(self) -> None:
         while True:
             try:
-                sock, _ = self.listener.accept()
+                sock, peer = self.listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+            threading.Thread(target=self._one, args=(sock, peer), daemon=True).start()
 
-    def _one(self, sock: socket.socket) -> None:
+    def _one(self, sock: socket.socket, peer: Any) -> None:
         with sock:
+            try:
+                handshake_server(sock, self.secret, FETCH_SERVICE)
+            except (EOFError, OSError) as e:
+                log.warning("refused a replica fetch from %s: %s", peer, e)
+                return
             try:
                 ask = expect(recv_msg(sock), "get").header
                 node, step = ask.get("node"), ask.get("step")
@@ -312,12 +334,19 @@ class ReplicaServer:
             self.listener.close()
 
 
-def fetch_replica(address: tuple[str, int], node: int, step: int, into: Path) -> dict[str, Any]:
+def fetch_replica(
+    address: tuple[str, int], node: int, step: int, into: Path, *, secret: str
+) -> dict[str, Any]:
     """Node ``node``'s files of ``step`` from the peer serving them at ``address``, written
     into the temporary ``into`` and made durable; returns their manifest, every file checked
-    against its checksum. Raises (leaving ``into`` to its owner to discard) if the peer lacks
-    them, the connection is cut, or a byte differs."""
+    against its checksum. The peer proves the run's ``secret`` before anything is asked of it
+    (AuthError). Raises (leaving ``into`` to its owner to discard) if the peer lacks them, the
+    connection is cut, or a byte differs."""
     with socket.create_connection(address, timeout=60.0) as sock:
+        try:
+            handshake_client(sock, secret, FETCH_SERVICE)
+        except AuthError as e:
+            raise AuthError(f"the replica server at {address[0]}:{address[1]}: {e}") from None
         send_msg(sock, {"kind": "get", "node": node, "step": step})
         answer = expect(recv_msg(sock), "manifest", "missing", "damaged")
         if answer.kind == "damaged":

@@ -12,8 +12,12 @@ Transport: a TCP connection per pair, the receiver's address published in the si
 and paths: what writing that rank's files as that rank would takes; as JSON data and byte
 segments, jobwire.py says field by field what travels, framing.py how), the receiver's
 go-ahead (or its refusal: no memory for it), the arenas' bytes, an end mark and a CRC-32C of
-each arena (checked before the replica is held). Nothing from the wire is unpickled. The
-receiver reads into buffers of its own that hold no replica the sender still keeps (the
+each arena (checked before the replica is held). Nothing from the wire is unpickled, and
+nothing is read before the peer proved it belongs to the run: every connection starts with
+framing.py's handshake over the run's secret (``DistConfig.secret``), the receiver proving it
+to the sender too (the address in the side store could be anybody's). A connection refused
+(logged: who, why) changes nothing the run holds: not ``gone``, not ``connected``, no replica
+held or dropped. The receiver reads into buffers of its own that hold no replica the sender still keeps (the
 header's ``keep``; those it let go of are reused) and swaps them in only once all of it came
 and checked: a sender that dies mid-transfer, or a replica damaged on the way, leaves the
 replicas the sender still keeps, never a torn one. A sender whose slot is released
@@ -57,7 +61,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .framing import Message, expect, listen, recv_exact, recv_into, recv_msg, send_msg
+from .framing import (
+    AuthError,
+    Message,
+    expect,
+    handshake_client,
+    handshake_server,
+    listen,
+    recv_exact,
+    recv_into,
+    recv_msg,
+    send_msg,
+)
 from .jobwire import NotReplicable, decode_replica, encode_replica
 from .manifest import checksum
 
@@ -70,6 +85,8 @@ CLAIM_WAIT_S = 10.0
 #: Bytes sent per piece: a release waits at most for one piece in flight.
 CHUNK = 8 << 20
 _END = b"ASYNCCKPT-REPLICA-END"
+#: What a replica connection's handshake proves (framing.py): the run's secret, for this use.
+SERVICE = "replica"
 #: The module a stand-in runs (``python -m``): stand_in.py.
 STAND_IN_MODULE = "asyncckpt.stand_in"
 
@@ -322,8 +339,21 @@ class ReplicaSender:
             raw = store.get(_key(self.cfg.token, f"addr/{self.rep.peer}")).decode()
             host, port = raw.rsplit(":", 1)
             sock = socket.create_connection((host, int(port)), timeout=self.cfg.timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            send_msg(sock, {"kind": "hello", "rank": self.cfg.rank})
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:  # (the address came from the side store: anybody could have put it there)
+                    handshake_client(sock, self.cfg.secret, SERVICE)
+                except AuthError as e:
+                    raise AuthError(f"rank {self.rep.peer}'s receiver at {raw}: {e}") from None
+                send_msg(sock, {"kind": "hello", "rank": self.cfg.rank})
+                welcome = expect(recv_msg(sock), "welcome").header.get("rank")
+                if welcome != self.rep.peer:
+                    raise ConnectionError(
+                        f"{raw} is rank {welcome}'s receiver, not {self.rep.peer}'s"
+                    )
+            except BaseException:
+                sock.close()
+                raise
             with self.cond:
                 self.sock = sock
         return self.sock
@@ -432,6 +462,8 @@ class ReplicaReceiver:
     """A worker's listener for its source peer's replicas: each held whole or not at all."""
 
     def __init__(self, cfg: Any, rep: ReplicaConfig) -> None:
+        if not cfg.secret:
+            raise ValueError("a replica receiver needs the run's secret (DistConfig.secret)")
         self.cfg = cfg
         self.rep = rep
         self.lock = threading.Lock()
@@ -465,11 +497,15 @@ class ReplicaReceiver:
             ).start()
 
     def _connection(self, sock: socket.socket, peer: Any) -> None:
+        """One sender's connection: the run's secret proven before anything is read, then
+        its rank; a peer refused (logged: who, why) changes nothing the run holds."""
         with sock:
             try:
+                handshake_server(sock, self.cfg.secret, SERVICE)
                 hello = expect(recv_msg(sock), "hello")
                 if hello.header.get("rank") != self.rep.source:
                     raise ConnectionError(f"it is not rank {self.rep.source}")
+                send_msg(sock, {"kind": "welcome", "rank": self.cfg.rank})
             except (EOFError, OSError) as e:  # a stranger: nothing the run holds changes
                 log.warning(
                     "rank %d refused a replica connection from %s: %s", self.cfg.rank, peer, e
@@ -484,11 +520,11 @@ class ReplicaReceiver:
                 self.gone.set()  # mid-transfer or between: what is held stays whole
 
     def _one(self, sock: socket.socket) -> None:
+        from . import staging  # (its check_memory looked up when used: tests replace it)
         from .errors import StagingMemoryError
-        from .staging import check_memory
 
         try:
-            msg = recv_msg(sock, segment_room=check_memory)  # (its objects' bytes)
+            msg = recv_msg(sock, segment_room=lambda n: staging.check_memory(n))  # (objects)
         except StagingMemoryError as e:
             send_msg(sock, {"kind": "refused", "why": f"rank {self.cfg.rank} cannot hold it: {e}"})
             return
@@ -501,7 +537,7 @@ class ReplicaReceiver:
         try:
             need = sum(n for n in sizes) - sum(b.nbytes for b in reuse)
             if need > 0:
-                check_memory(need)
+                staging.check_memory(need)
             ids = []
             for n in sizes:
                 same = next((b for b in reuse if b.nbytes == n), None)

@@ -24,6 +24,9 @@ from asyncckpt.local_recovery import (
     replicas_not_needed,
 )
 
+#: The run's secret: the node-local fetch between the "nodes" proves it (framing.py).
+SECRET = "5e" * 32
+
 
 def _agree(
     roots: dict[int, Path], disk: dict[int, list[int]], *, reclaimed: bool = True
@@ -35,7 +38,9 @@ def _agree(
     agreements: list[StepAgreement] = []
 
     def one(rank: int) -> None:
-        cfg = DistConfig(rank, 2, 0, "127.0.0.1", server.port, "t", timeout=60, ranks_per_node=1)
+        cfg = DistConfig(
+            rank, 2, 0, "127.0.0.1", server.port, "t", timeout=60, ranks_per_node=1, secret=SECRET
+        )
         agreements.append(StepAgreement(cfg, roots[rank], "global_step"))
         try:
             out[rank] = agreements[-1].choose(disk[rank])

@@ -312,10 +312,14 @@ def _damaged_replica(tmp_path: Path, rank: int, step: int) -> tuple[Path, Path, 
     return node0, node1, shard
 
 
+#: The run's secret: the fetch proves it to the replica server and back (framing.py).
+SECRET = "5e" * 32
+
+
 def _fetch_into(root: Path, server: ReplicaServer, node: int, step: int) -> Path:
     tmp = LocalStore(root).stage(L.dir_name("global_step", step), "fetch")
     try:
-        manifest = fetch_replica(("127.0.0.1", server.port), node, step, tmp)
+        manifest = fetch_replica(("127.0.0.1", server.port), node, step, tmp, secret=SECRET)
     except BaseException:
         LocalStore(root).discard(tmp)
         raise
@@ -327,7 +331,7 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
     assert held_replicas(node0, "global_step") == {1: [3]}
     node1 = tmp_path / "node1"  # the replacement: an empty disk
     node1.mkdir()
-    server = ReplicaServer(node0, "global_step")
+    server = ReplicaServer(node0, "global_step", secret=SECRET)
     try:
         final = _fetch_into(node1, server, 1, 3)
     finally:
@@ -347,7 +351,7 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
 def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
     node0, node1, shard = _damaged_replica(tmp_path, 2, 3)
     data = shard.read_bytes()
-    server = ReplicaServer(node0, "global_step")
+    server = ReplicaServer(node0, "global_step", secret=SECRET)
     try:
         with pytest.raises(OSError, match="fetched with errors"):
             _fetch_into(node1, server, 1, 3)

@@ -175,8 +175,9 @@ def pair():
     server = dist.TCPStore(
         "127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False
     )
-    cfg0 = DistConfig(0, 2, 0, "127.0.0.1", server.port, "tok", 30.0)
-    cfg1 = DistConfig(1, 2, 0, "127.0.0.1", server.port, "tok", 30.0)
+    secret = "5e" * 32  # the run's: every replica connection proves it (framing.py)
+    cfg0 = DistConfig(0, 2, 0, "127.0.0.1", server.port, "tok", 30.0, secret=secret)
+    cfg1 = DistConfig(1, 2, 0, "127.0.0.1", server.port, "tok", 30.0, secret=secret)
     receiver = R.ReplicaReceiver(cfg1, R.ReplicaConfig(peer=0, source=0))
     registry, events = R.ArenaRegistry(), _Events()
     sender = R.ReplicaSender(cfg0, R.ReplicaConfig(peer=1, source=1), registry, events)

@@ -13,12 +13,14 @@ path, ``../global_step_1/<file>`` truncating a committed file in place).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import secrets
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -33,6 +35,7 @@ from asyncckpt import messages as M
 from asyncckpt import replication as R
 from asyncckpt.dist import DistConfig
 from asyncckpt.manifest import checksum
+from asyncckpt.storage.local import LocalStore
 from asyncckpt.worker import SaveJob
 
 SECRET = secrets.token_hex(32)
@@ -40,7 +43,7 @@ WILDCARDS = ("0.0.0.0", "::")
 
 
 def _cfg(rank: int, port: int, secret: str = SECRET) -> DistConfig:
-    return DistConfig(rank, 2, 0, "127.0.0.1", port, "tok", 30.0)
+    return DistConfig(rank, 2, 0, "127.0.0.1", port, "tok", 30.0, secret=secret)
 
 
 def _side_store() -> dist.TCPStore:
@@ -142,11 +145,13 @@ def _pickled(obj) -> bytes:
     return struct.pack("!Q", len(data)) + data
 
 
-def _talk(address: tuple[str, int], data: bytes, timeout: float = 30.0) -> bytes:
+def _talk(address: tuple[str, int], data: bytes, seen: list | None = None) -> bytes:
     """Send ``data`` as a stranger would, then read until the listener closes the connection;
-    returns what it sent back."""
+    returns what it sent back (``seen``: the stranger's port is added)."""
     got = bytearray()
-    with socket.create_connection(address, timeout=timeout) as sock:
+    with socket.create_connection(address, timeout=30) as sock:
+        if seen is not None:
+            seen.append(sock.getsockname()[1])
         with_errors_ignored(sock.sendall, data)
         with_errors_ignored(sock.shutdown, socket.SHUT_WR)
         while True:
@@ -167,11 +172,15 @@ def with_errors_ignored(fn, *args) -> None:
         pass  # the listener closed first: what it read is what counts
 
 
-def _guess_the_secret(address: tuple[str, int], then: bytes = b"") -> bytes:
+def _guess_the_secret(
+    address: tuple[str, int], then: bytes = b"", seen: list | None = None
+) -> bytes:
     """A stranger that speaks the handshake without the secret: its opener, then a proof made
     with a key of its own, then ``then``; returns what the listener sent back."""
     got = bytearray()
     with socket.create_connection(address, timeout=30) as sock:
+        if seen is not None:
+            seen.append(sock.getsockname()[1])
         sock.sendall(framing.MAGIC + os.urandom(framing.NONCE_BYTES))
         with_errors_ignored(sock.sendall, os.urandom(framing.MAC_BYTES) + then)
         with_errors_ignored(sock.shutdown, socket.SHUT_WR)
@@ -198,6 +207,35 @@ def test_a_strangers_pickle_to_the_replica_receiver_runs_nothing(run, tmp_path):
     assert not run.receiver.gone.is_set()
 
 
+def test_a_stranger_without_the_secret_is_refused_before_its_header_is_read(
+    run, monkeypatch, caplog
+):
+    """Neither the old hello nor a handshake with a guessed key gets a header read; the
+    connection's end is no sign that the source's worker is gone (that would make the holder
+    stand in for a live rank)."""
+    read = []  # the peers' ports of the connections whose header the receiver read
+    real = framing.recv_msg
+
+    def reading(sock, **kw):
+        read.append(sock.getpeername()[1])
+        return real(sock, **kw)
+
+    monkeypatch.setattr(R, "recv_msg", reading, raising=False)
+    hello = framing.encode_header({"kind": "hello", "rank": 0})
+    strangers: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        _talk(run.address, _pickled(("hello", 0)), strangers)
+        _talk(run.address, hello, strangers)
+        _guess_the_secret(run.address, hello, strangers)
+        _talk(run.address, b"", strangers)  # connect and close
+    assert strangers and not set(strangers) & set(read)
+    assert not run.receiver.gone.is_set()
+    assert run.holds_what_it_held()
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    for port in strangers:  # each logged: its address, and why
+        assert any(f"{port}" in m and "did not prove" in m for m in refused), (port, refused)
+
+
 def _crafted_replica(step: int, keep: list[int]) -> list[bytes]:
     """Today's messages of a replica of a stranger's making, checksums matching."""
     data = b"\x01" * 4096
@@ -207,6 +245,78 @@ def _crafted_replica(step: int, keep: list[int]) -> list[bytes]:
         _pickled(("replica", job, [len(data)], keep)),
         data + R._END + _pickled(("crcs", [checksum(data)])),
     ]
+
+
+def test_a_crafted_replica_from_a_stranger_is_never_held(run):
+    with socket.create_connection(run.address, timeout=30) as sock:
+        first, header, rest = _crafted_replica(9, keep=[])
+        with_errors_ignored(sock.sendall, first + header)
+        sock.settimeout(5)
+        try:
+            sock.recv(1 << 16)  # "ready" on main
+            sock.sendall(rest)
+            sock.recv(1 << 16)  # "held" on main
+        except OSError:
+            pass  # refused: the connection is closed
+    assert run.holds_what_it_held()
+    assert not run.receiver.gone.is_set()
+
+
+def test_a_sender_that_does_not_know_the_secret_gets_nothing_held(run):
+    registry, events = R.ArenaRegistry(), _Events()
+    stranger = R.ReplicaSender(
+        _cfg(0, run.store.port, secret=secrets.token_hex(32)),
+        R.ReplicaConfig(peer=1, source=1),
+        registry,
+        events,
+    )
+    try:
+        stranger.offer(_job(registry, 5, 9, 1), [])
+        error = events.replicated(5).error
+    finally:
+        stranger._close()
+    assert error is not None and "prove" in error, error
+    assert run.holds_what_it_held()
+    assert not run.receiver.gone.is_set()
+
+
+def test_the_sender_sends_nothing_to_a_receiver_that_cannot_prove_it_belongs_to_the_run():
+    """The address read from the side store could be anybody's: the sender checks the
+    receiver's proof before its header (the state's objects) goes out."""
+    store = _side_store()
+    impostor = socket.create_server(("127.0.0.1", 0))
+    store.set("asyncckpt/tok/replica/addr/1", f"127.0.0.1:{impostor.getsockname()[1]}")
+    got = bytearray()
+
+    def answer() -> None:
+        sock, _ = impostor.accept()
+        with sock:
+            sock.settimeout(30)
+            try:
+                got.extend(sock.recv(1 << 16))
+                # as a receiver would answer, without the secret
+                sock.sendall(getattr(framing, "MAGIC", b"") + os.urandom(64))
+                while chunk := sock.recv(1 << 16):
+                    got.extend(chunk)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    registry, events = R.ArenaRegistry(), _Events()
+    sender = R.ReplicaSender(
+        _cfg(0, store.port), R.ReplicaConfig(peer=1, source=1), registry, events
+    )
+    try:
+        sender.offer(_job(registry, 1, 2, 7), [])
+        error = events.replicated(1).error
+    finally:
+        sender._close()
+        thread.join(30)
+        impostor.close()
+    assert error is not None and "prove" in error, error
+    assert b"run's own state" not in got
+    assert len(got) == len(framing.MAGIC) + framing.NONCE_BYTES  # its opener, then nothing
 
 
 # ------------------------------------------------------------------ the replica's header
@@ -386,11 +496,14 @@ def test_a_header_longer_than_the_limit_is_refused_before_it_is_read():
         a.sendall(struct.pack("!I", framing.MAX_HEADER_BYTES + 1))
         with pytest.raises(framing.ProtocolError, match="over"):
             framing.recv_msg(b)
-        a.sendall(framing.encode_header({"kind": "x", "segments": [1 << 40]}))
+        head = framing.encode_header({"kind": "x", "segments": [1 << 20, 5]})
+        rest = b"\0" * ((1 << 20) + 5) + framing.encode_header({"kind": "next"})
+        threading.Thread(target=a.sendall, args=(head + rest,), daemon=True).start()
         asked = []
         with pytest.raises(MemoryError):
             framing.recv_msg(b, segment_room=lambda n: asked.append(n) or _no_room(n))
-        assert asked == [1 << 40]
+        assert asked == [(1 << 20) + 5]
+        assert framing.recv_msg(b).kind == "next"  # (read past: the connection stays in step)
         a.sendall(framing.encode_header({"kind": "x", "segments": [3]}) + b"abc")
         with pytest.raises(framing.ProtocolError, match="no segments"):
             framing.recv_msg(b)  # (a message of a kind that carries none)
@@ -419,7 +532,7 @@ def _replica_on_disk(root: Path, node: int, step: int, files: dict[str, bytes]) 
 
 
 def _server(root: Path) -> LR.ReplicaServer:
-    return LR.ReplicaServer(root, "global_step")
+    return LR.ReplicaServer(root, "global_step", secret=SECRET)
 
 
 def test_a_strangers_pickle_to_the_node_local_server_runs_nothing(tmp_path):
@@ -434,6 +547,47 @@ def test_a_strangers_pickle_to_the_node_local_server_runs_nothing(tmp_path):
         server.close()
     assert not ran.exists()
     assert server.served == 0
+
+
+def test_a_stranger_gets_no_replica_from_the_node_local_server(tmp_path):
+    _replica_on_disk(tmp_path / "node0", 1, 3, {"a.distcp": b"shard bytes"})
+    server = _server(tmp_path / "node0")
+    address = ("127.0.0.1", server.port)
+    ask = framing.encode_header({"kind": "get", "node": 1, "step": 3})
+    try:
+        old = _talk(address, _pickled(("get", 1, 3)))
+        guessed = _guess_the_secret(address, ask)
+        into = LocalStore(tmp_path).stage("fetched", "t")
+        with pytest.raises(ConnectionError, match="prove"):
+            LR.fetch_replica(address, 1, 3, into, secret=secrets.token_hex(32))
+    finally:
+        server.close()
+    assert old == b""  # not even the handshake: the opener was not ours
+    assert b"shard bytes" not in guessed and b"manifest" not in guessed
+    assert server.served == 0
+    assert list(into.iterdir()) == []
+
+
+def test_the_fetch_refuses_a_server_that_cannot_prove_it_belongs_to_the_run(tmp_path):
+    impostor = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        sock, _ = impostor.accept()
+        with sock:
+            sock.recv(1 << 16)
+            sock.sendall(framing.MAGIC + os.urandom(64))
+            sock.recv(1 << 16)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    into = LocalStore(tmp_path).stage("fetched", "t")
+    try:
+        with pytest.raises(ConnectionError, match="prove"):
+            LR.fetch_replica(impostor.getsockname()[:2], 1, 3, into, secret=SECRET)
+    finally:
+        thread.join(30)
+        impostor.close()
+    assert list(into.iterdir()) == []
 
 
 # ------------------------------------------------------------------ names from a peer
@@ -492,6 +646,75 @@ def _listening_on(port: int) -> list[str]:
     ]
 
 
+def test_the_secret_is_shared_by_the_rendezvous_and_never_shown(monkeypatch, caplog):
+    """Rank 0's trainer makes it and publishes it beside the side store's address; every rank
+    reads it from there. Never in a repr or a log line."""
+    from asyncckpt import dist as _dist
+
+    port = _free_port()
+    zero, one = _dist.Rendezvous(), _dist.Rendezvous()
+    with caplog.at_level(logging.DEBUG, logger="asyncckpt"):
+        mine = zero.setup(0, 2, 0, store=("127.0.0.1", port), timeout=30)
+        starts = vars(_dist)["_engine_starts"]  # (the engines this process started)
+        monkeypatch.setattr(_dist, "_engine_starts", starts - 1)  # rank 1's turn, here too
+        theirs = one.setup(1, 2, 1, store=("127.0.0.1", port), timeout=30)
+    zero.close()
+    assert mine.secret == theirs.secret and len(mine.secret) >= 64
+    other = _dist.Rendezvous()
+    assert other.setup(0, 1, 0, store=("127.0.0.1", _free_port()), timeout=30).secret != mine.secret
+    other.close()  # (another run: another secret)
+    assert mine.secret not in repr(mine) and mine.secret not in str(theirs)
+    assert not any(mine.secret in r.getMessage() for r in caplog.records)
+
+
 def _opener() -> tuple[bytes, bytes]:
     nonce = os.urandom(framing.NONCE_BYTES)
     return nonce, framing.MAGIC + nonce
+
+
+def test_the_handshake_proves_the_secret_both_ways_with_one_role_each():
+    """Each side's proof covers both nonces, the service and its own role: the server's
+    proof sent back as the client's (a reflection) proves nothing, nor does the secret used
+    for another service."""
+    results: list = []
+
+    def serve(sock: socket.socket, service: str) -> None:
+        try:
+            framing.handshake_server(sock, SECRET, service)
+            results.append("accepted")
+        except ConnectionError as e:
+            results.append(e)
+
+    def server(service: str = "svc") -> socket.socket:
+        a, b = socket.socketpair()
+        threading.Thread(target=serve, args=(b, service), daemon=True).start()
+        return a
+
+    def outcome() -> object:
+        deadline = time.monotonic() + 30
+        while not results and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return results.pop()
+
+    with server() as sock:  # the run's own client
+        framing.handshake_client(sock, SECRET, "svc")
+    assert outcome() == "accepted"
+
+    with server() as sock:  # the server's own proof reflected
+        _, opener = _opener()
+        sock.sendall(opener)
+        reply = framing.recv_exact(
+            sock, len(framing.MAGIC) + framing.NONCE_BYTES + framing.MAC_BYTES
+        )
+        sock.sendall(reply[-framing.MAC_BYTES :])
+    assert isinstance(outcome(), ConnectionError)
+
+    with server("another service") as sock:  # the right secret, for another service
+        with pytest.raises(ConnectionError, match="prove"):
+            framing.handshake_client(sock, SECRET, "svc")
+    assert isinstance(outcome(), ConnectionError)
+
+    with server() as sock:  # no secret at all
+        with pytest.raises(ConnectionError, match="prove"):
+            framing.handshake_client(sock, secrets.token_hex(32), "svc")
+    assert isinstance(outcome(), ConnectionError)
