@@ -86,7 +86,7 @@ def test_gpu_suite_dry_run(tmp_path):
     assert "resume in a new process after SIGKILL: hot" in summary
     diff = json.loads((res / "differential.json").read_text())
     assert set(diff["states"]) == {"rl", "lora"}
-    assert "rl: step 2 added / state" in summary and "lora: stall vs full copy" in summary
+    assert "rl: a save added / state" in summary and "lora: stall vs full copy" in summary
 
     # The scratch checkpoints are gone.
     assert not list((tmp_path / "scratch").rglob("*.distcp"))
