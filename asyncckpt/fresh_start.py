@@ -127,6 +127,7 @@ def _message(root: Path, lost: list[Quarantined], tried: Sequence[str]) -> str:
         f"nothing was loaded (starting from step 0 would drop the run in silence). {first}"
         f"Quarantined: {'; '.join(named)}. To resume, repair one (or restore it from a copy "
         f"elsewhere) and move it back to its old name{back}; to start from scratch on "
-        f"purpose, call asyncckpt.start_fresh({str(root)!r}) (what is quarantined stays where "
-        "it is) and load again."
+        f"purpose, run `python -m asyncckpt start-fresh {root}` or call "
+        f"asyncckpt.start_fresh({str(root)!r}) (what is quarantined stays where it is) and "
+        "load again."
     )

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,26 @@ def test_a_root_that_never_held_a_checkpoint_still_starts_fresh_quietly(tmp_path
                     assert engine.load_latest(state(0)) is None
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert asyncckpt.start_fresh(tmp_path / "empty") == []  # nothing to settle: a no-op
+
+
+def test_the_cli_starts_a_fully_quarantined_root_fresh_and_refuses_under_a_live_engine(
+    tmp_path, capsys
+):
+    save_steps(tmp_path, (1, 2), keep=KeepLast(2))
+    damage_every_step(tmp_path)
+    with pytest.raises(NoValidCheckpoint):
+        load_latest(tmp_path, state(0))
+    # An engine holds the root: its own load decides, the CLI writes no note under it.
+    with SyncCheckpointEngine(tmp_path):
+        assert main(["start-fresh", str(tmp_path)]) == 1
+        assert "live engine" in capsys.readouterr().err
+    with pytest.raises(asyncckpt.errors.AllCheckpointsQuarantined):
+        load_latest(tmp_path, state(0))  # still refused: nothing was settled
+    assert main(["start-fresh", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(Path(p).name.split("-")[0] for p in out["settled"]) == [
+        "global_step_1",
+        "global_step_2",
+    ]
+    assert load_latest(tmp_path, state(0)) is None  # from scratch, on purpose
+    assert main(["start-fresh", str(tmp_path / "missing")]) == 1
