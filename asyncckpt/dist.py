@@ -181,6 +181,12 @@ def _store_host() -> str:
 class Rendezvous:
     """The engine side: rank 0 binds the side store's socket; every rank learns where it is.
 
+    Rank 0 binds the address it publishes (``ASYNCCKPT_STORE_HOST``, else ``MASTER_ADDR``,
+    else ``127.0.0.1``; with ``store=(host, port)``, that host), not every interface: the
+    other ranks' workers connect there and nothing else needs to. The store itself is torch's
+    ``TCPStore``: it takes no proof from a client (torch's stores trust the job's network), so
+    nothing read from it is unpickled (the workers' own connections prove the run's secret).
+
     ``close`` closes the socket (clients are refused from then on, once no worker holds it).
     """
 
@@ -216,13 +222,13 @@ class Rendezvous:
                 )
             store = (addr, int(master_port) + 1)
         if rank == 0:
-            self.listener = listen()
+            # The side store listens on the address published for it, not every interface.
+            host = _store_host() if store is None else store[0]
+            self.listener = listen(host)
             port = self.listener.getsockname()[1]
             if store is None:
-                host = _store_host()
                 publish = dist.distributed_c10d._get_default_store()
             else:
-                host = store[0]
                 self.server = dist.TCPStore(
                     host, store[1], None, True, td, wait_for_workers=False, use_libuv=True
                 )

@@ -27,13 +27,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
+import logging
 import os
 import socket
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("asyncckpt")
 
 __all__ = [
     "MAGIC",
@@ -129,11 +133,61 @@ def handshake_server(sock: socket.socket, secret: str, service: str) -> None:
             raise AuthError(f"it did not prove it belongs to the run ({service}): wrong proof")
 
 
-def listen() -> socket.socket:
-    """A listening socket on a free port of every interface (as a ``TCPStore`` server binds)."""
-    if socket.has_dualstack_ipv6():
-        return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", 0))
+#: Where every listener binds instead of the address its node publishes, for a machine whose
+#: published address is not one of its own (behind NAT): its own address there, or ``0.0.0.0``
+#: / ``::`` for every interface (what torch's ``TCPStore`` binds).
+BIND_ENV = "ASYNCCKPT_BIND_HOST"
+
+
+def listen(host: str = "127.0.0.1") -> socket.socket:
+    """A listening socket on a free port of ``host``, the address its node publishes for it
+    (the side store's, ``ASYNCCKPT_STORE_HOST``; a worker's, ``ASYNCCKPT_REPLICA_HOST``):
+    peers connect there, and nothing reaches it through the machine's other interfaces. (It
+    used to bind every interface; a listener anybody reaches is one more door.)
+    ``$ASYNCCKPT_BIND_HOST`` binds another address instead (see ``BIND_ENV``)."""
+    bind = os.environ.get(BIND_ENV) or host
+    try:
+        infos = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {bind!r}: the name does not resolve ({e})") from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # (IPv4 first, as clients try it first)
+    errors = []
+    for family, _, _, _, address in infos:
+        try:
+            sock = socket.create_server(address, family=family)
+        except OSError as e:
+            errors.append(f"{address[0]}: {e.strerror or e}")
+            continue
+        _warn_if_unreachable(bind, str(address[0]))
+        return sock
+    raise OSError(
+        f"cannot listen on {bind!r} ({'; '.join(errors)}): it is not an address of this "
+        f"machine; publish one that is, or set ${BIND_ENV} to the local address to listen on"
+    )
+
+
+def _warn_if_unreachable(name: str, ip: str) -> None:
+    """A machine name that resolves to a loopback address here (``127.0.1.1`` in Debian's
+    /etc/hosts) binds a listener other machines never reach: said once per name."""
+    try:
+        ipaddress.ip_address(name)
+        return  # (an address, not a name: meant as it is)
+    except ValueError:
+        pass
+    if name != "localhost" and ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+        if name not in _warned:
+            _warned.add(name)
+            log.warning(
+                "%s resolves to %s on this machine: a listener there is reachable from this "
+                "machine only. On several machines, set ASYNCCKPT_STORE_HOST / "
+                "ASYNCCKPT_REPLICA_HOST to this machine's address on the job's network (or %s)",
+                name,
+                ip,
+                BIND_ENV,
+            )
+
+
+_warned: set[str] = set()
 
 
 # ------------------------------------------------------------------ messages

@@ -110,13 +110,16 @@ class StepAgreement:
         prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
         store = side_store(cfg)
         held = held_replicas(self.root, self.layout) if leader else {}
-        server = ReplicaServer(self.root, self.layout, secret=cfg.secret) if held else None
+        server = None
+        if held:  # bound to the address it publishes, and serving the run only
+            from .replication import _my_address
+
+            host = _my_address(cfg)
+            server = ReplicaServer(self.root, self.layout, host=host, secret=cfg.secret)
         try:
             addr = None
             if server is not None:
-                from .replication import _my_address
-
-                addr = (_my_address(cfg), server.port)
+                addr = (host, server.port)
             store.set(prefix + str(cfg.rank), encode_word(Word(sorted(steps), held, addr)))
             timeout = datetime.timedelta(seconds=cfg.timeout)
             if cfg.rank == 0:  # rank 0 alone reads every rank's word (N requests, not N^2)

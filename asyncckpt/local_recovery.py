@@ -276,13 +276,14 @@ class ReplicaServer:
     client proves the run's ``secret`` first (framing.py); one that does not is refused
     (logged: who, why) before its request is read."""
 
-    def __init__(self, root: str | os.PathLike, layout: str, *, secret: str) -> None:
+    def __init__(self, root: str | os.PathLike, layout: str, *, host: str, secret: str) -> None:
+        """``host``: the address the node publishes for it (bound there, no other)."""
         if not secret:
             raise ValueError("a replica server needs the run's secret (DistConfig.secret)")
         self.secret = secret
         self.root = Path(root)
         self.layout = layout
-        self.listener = listen()
+        self.listener = listen(host)
         self.served = 0  # replicas sent whole (tests, the log)
         threading.Thread(target=self._serve, name="asyncckpt-replica-serve", daemon=True).start()
 

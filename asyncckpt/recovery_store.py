@@ -12,6 +12,8 @@ replica (``holder_of_rank0``: local rank 0 of node 1), its address published in 
 and read by every worker while that store lives. At the trainers' death a worker probes rank
 0's store (``PROBE_S``): if it answers, the recovery runs over it as before; if not (node 0 is
 gone), over this second store, where the holder of rank 0's replica stands in for rank 0.
+The second store is torch's ``TCPStore`` (no proof asked of a client, as rank 0's), bound to
+the address its worker publishes (``replication._my_address``), not every interface.
 A worker cannot tell more than whether rank 0's store answers: if two survivors disagreed
 (a network split), each group lacks some ranks' words and writes nothing, or writes the same
 step's bytes from the same replicas; never a mix of steps.
@@ -62,7 +64,7 @@ class BackupStore:
         try:
             store = side_store(cfg)
             if cfg.rank == holder_of_rank0(cfg):
-                listener = listen()
+                listener = listen(self.my_address)  # (the address it publishes, no other)
                 port = int(listener.getsockname()[1])
                 self.server = serve(dataclasses.replace(cfg, port=port), listener)
                 store.set(_key(cfg.token), f"{self.my_address}:{port}")

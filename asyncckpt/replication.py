@@ -190,7 +190,8 @@ def claimed(store: Any, token: str, rank: int) -> bool:
 
 def _my_address(cfg: Any) -> str:
     """The address peers reach this machine on: ``$ASYNCCKPT_REPLICA_HOST``, else the local
-    address of a route to the side store's host."""
+    address of a route to the side store's host. A worker's listeners (its replica receiver,
+    its second side store, its trainer's node-local replica server) bind it and publish it."""
     host = os.environ.get("ASYNCCKPT_REPLICA_HOST")
     if host:
         return host
@@ -471,16 +472,17 @@ class ReplicaReceiver:
         self.connected = False
         self.gone = threading.Event()  # the source's connection ended (its worker is gone)
         self.next_id = 0
-        self.listener = listen()
+        # Bound to the address it publishes (peers on the job's network reach it there), not
+        # every interface.
+        self.address = _my_address(cfg)
+        self.listener = listen(self.address)
         threading.Thread(target=self._serve, name="asyncckpt-replicas", daemon=True).start()
 
     def _serve(self) -> None:
         try:
             port = self.listener.getsockname()[1]
             store = _store(self.cfg)
-            store.set(
-                _key(self.cfg.token, f"addr/{self.cfg.rank}"), f"{_my_address(self.cfg)}:{port}"
-            )
+            store.set(_key(self.cfg.token, f"addr/{self.cfg.rank}"), f"{self.address}:{port}")
         except Exception as e:  # noqa: BLE001 - the peer's replicas then fail, saying so
             log.warning("rank %d cannot take replicas: %s", self.cfg.rank, e)
             return

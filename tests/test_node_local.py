@@ -331,7 +331,7 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
     assert held_replicas(node0, "global_step") == {1: [3]}
     node1 = tmp_path / "node1"  # the replacement: an empty disk
     node1.mkdir()
-    server = ReplicaServer(node0, "global_step", secret=SECRET)
+    server = ReplicaServer(node0, "global_step", host="127.0.0.1", secret=SECRET)
     try:
         final = _fetch_into(node1, server, 1, 3)
     finally:
@@ -351,7 +351,7 @@ def test_a_replica_fetched_from_the_peer_loads_bit_for_bit(tmp_path):
 def test_a_byte_changed_on_the_peer_commits_nothing(tmp_path):
     node0, node1, shard = _damaged_replica(tmp_path, 2, 3)
     data = shard.read_bytes()
-    server = ReplicaServer(node0, "global_step", secret=SECRET)
+    server = ReplicaServer(node0, "global_step", host="127.0.0.1", secret=SECRET)
     try:
         with pytest.raises(OSError, match="fetched with errors"):
             _fetch_into(node1, server, 1, 3)

@@ -532,7 +532,7 @@ def _replica_on_disk(root: Path, node: int, step: int, files: dict[str, bytes]) 
 
 
 def _server(root: Path) -> LR.ReplicaServer:
-    return LR.ReplicaServer(root, "global_step", secret=SECRET)
+    return LR.ReplicaServer(root, "global_step", host="127.0.0.1", secret=SECRET)
 
 
 def test_a_strangers_pickle_to_the_node_local_server_runs_nothing(tmp_path):
@@ -644,6 +644,45 @@ def _listening_on(port: int) -> list[str]:
         for c in psutil.Process().net_connections(kind="tcp")
         if c.status == psutil.CONN_LISTEN and c.laddr.port == port
     ]
+
+
+def test_no_listener_is_bound_to_every_interface(tmp_path):
+    from asyncckpt.dist import Rendezvous
+    from asyncckpt.recovery_store import BackupStore
+
+    run = _Run()
+    server = _server(tmp_path)
+    rank0 = _side_store()
+    cfg = DistConfig(2, 4, 0, "127.0.0.1", rank0.port, "tok", 10.0, ranks_per_node=2, secret=SECRET)
+    backup = BackupStore(cfg, "127.0.0.1")  # rank 2 holds rank 0's replica: it serves one
+    rendezvous = Rendezvous()
+    try:
+        rendezvous.setup(0, 1, 0, store=("127.0.0.1", _free_port()), timeout=10)
+        assert backup.ready.wait(30) and backup.server is not None
+        ports = {
+            "replica receiver": run.receiver.listener.getsockname()[1],
+            "node-local server": server.port,
+            "second side store": backup.server.port,
+            "side store": rendezvous.listener.getsockname()[1],
+        }
+        bound = {what: _listening_on(p) for what, p in ports.items()}
+    finally:
+        run.close()
+        server.close()
+        rendezvous.close()
+    assert all(ips for ips in bound.values()), bound
+    assert not any(ip in WILDCARDS for ips in bound.values() for ip in ips), bound
+
+
+def test_an_address_that_is_not_this_machines_says_how_to_listen(monkeypatch):
+    """Behind NAT the published address is not one of the machine's own: the listener says
+    so and how to bind another (``ASYNCCKPT_BIND_HOST``), and binds that one when it is set."""
+    monkeypatch.delenv(framing.BIND_ENV, raising=False)
+    with pytest.raises(OSError, match=framing.BIND_ENV):
+        framing.listen("192.0.2.1")  # (TEST-NET-1: nobody's)
+    monkeypatch.setenv(framing.BIND_ENV, "127.0.0.1")
+    with framing.listen("192.0.2.1") as sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
 
 
 def test_the_secret_is_shared_by_the_rendezvous_and_never_shown(monkeypatch, caplog):
