@@ -34,6 +34,10 @@ JSON headers, the files' bytes raw, nothing unpickled; its address in the side s
 receives the manifest and then every file it lists into a temporary of its own root, and
 checks every checksum before anything is kept; then commits them with the usual commit
 (manifest, rename, tracker): a cut connection or a wrong byte leaves nothing committed.
+Both sides prove the run's secret first (framing.py). The server serves only the replica
+directories its root holds committed, and only files inside them; the fetching side checks
+every name the manifest gives before it opens anything (relative, no ``..``, resolving inside
+its temporary), creates each file new, and removes what it wrote when anything fails.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from .framing import (
     send_msg,
 )
 from .manifest import check_files, read_manifest
-from .storage.localfs import fsync_dir, fsync_file, makedirs
+from .storage.localfs import fsync_dir, fsync_file, mkdir, remove_tree, rmdir_if_empty
 
 log = logging.getLogger("asyncckpt")
 
@@ -309,22 +313,28 @@ class ReplicaServer:
             try:
                 ask = expect(recv_msg(sock), "get").header
                 node, step = ask.get("node"), ask.get("step")
-                if type(node) is not int or type(step) is not int:
-                    return  # (never a path from the wire)
+                # Only what this root holds committed: never a path from the wire.
+                if (
+                    type(node) is not int
+                    or type(step) is not int
+                    or step not in held_replicas(self.root, self.layout).get(node, ())
+                ):
+                    send_msg(sock, {"kind": "missing", "why": f"{node!r}, {step!r}: not held"})
+                    return
                 where = replica_dir(self.root, self.layout, node, step)
                 try:
-                    manifest = read_manifest(where)
+                    manifest, files = _files_of(read_manifest(where), str(where))
                 except Exception as e:  # noqa: BLE001 - told to the asking rank
-                    send_msg(sock, {"kind": "missing", "why": f"{where}: {e}"})
+                    send_msg(sock, {"kind": "damaged", "why": f"{where}: {e}"})
                     return
-                files = manifest.get("files", {})
-                short = check_files(where, {"files": files}, quick=True)  # sizes only
+                short = check_files(where, manifest, quick=True)  # sizes only
                 if short:  # said at once: the asking rank would wait for bytes never sent
                     send_msg(sock, {"kind": "damaged", "why": f"{where}: {'; '.join(short)}"})
                     return
                 send_msg(sock, {"kind": "manifest", "manifest": manifest})
-                for rel in files:
-                    with open(where / rel, "rb") as f:
+                for rel, _ in files:
+                    fd = os.open(inside(where, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    with open(fd, "rb") as f:
                         sock.sendfile(f)
                 self.served += 1
             except (EOFError, OSError, ValueError) as e:
@@ -341,8 +351,11 @@ def fetch_replica(
     """Node ``node``'s files of ``step`` from the peer serving them at ``address``, written
     into the temporary ``into`` and made durable; returns their manifest, every file checked
     against its checksum. The peer proves the run's ``secret`` before anything is asked of it
-    (AuthError). Raises (leaving ``into`` to its owner to discard) if the peer lacks them, the
-    connection is cut, or a byte differs."""
+    (AuthError). Every name its manifest gives is checked before any file is opened
+    (``checked_name``, ``inside``), and each file is created new (never an existing one
+    truncated). Raises if the peer lacks them, a name is not one inside ``into``, the
+    connection is cut, or a byte differs; what the fetch wrote into ``into`` is removed then
+    (``into`` itself is its owner's to discard)."""
     with socket.create_connection(address, timeout=60.0) as sock:
         try:
             handshake_client(sock, secret, FETCH_SERVICE)
@@ -357,22 +370,76 @@ def fetch_replica(
         if answer.kind != "manifest":
             raise FileNotFoundError(f"no replica of node {node}'s step {step}: {_why(answer)}")
         manifest, files = _files_of(answer.header.get("manifest"), f"node {node}'s step {step}")
-        for rel, left in files:
-            path = into / rel
-            makedirs(path.parent)  # inside the temporary: its seal makes the names durable
-            with open(path, "wb") as f:
-                buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
-                while left:
-                    n = min(left, len(buf))
-                    recv_into(sock, buf[:n])
-                    f.write(buf[:n])
-                    left -= n
-            fsync_file(path)
-    problems = check_files(into, manifest)
-    if problems:
-        raise OSError(f"node {node}'s step {step} fetched with errors: {'; '.join(problems)}")
+        made: list[Path] = []  # what this fetch created in ``into``, in order
+        try:
+            for rel, left in files:
+                path = inside(into, rel)
+                _make_parents(into, path, made)  # (the temporary's seal makes them durable)
+                with open(path, "xb") as f:  # (new: an existing file is never truncated)
+                    made.append(path)
+                    buf = memoryview(bytearray(min(CHUNK, max(left, 1))))
+                    while left:
+                        n = min(left, len(buf))
+                        recv_into(sock, buf[:n])
+                        f.write(buf[:n])
+                        left -= n
+                fsync_file(path)
+            problems = check_files(into, manifest)
+            if problems:
+                raise OSError(
+                    f"node {node}'s step {step} fetched with errors: {'; '.join(problems)}"
+                )
+        except BaseException:
+            _remove(made)
+            raise
     fsync_dir(into)
     return manifest
+
+
+def checked_name(rel: Any) -> str:
+    """A file's name as a peer's manifest gives it, checked before anything is opened with
+    it: a relative, "/"-separated path with no empty, "." or ".." part, no NUL and no
+    backslash. OSError otherwise."""
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or rel.startswith("/")
+        or "\0" in rel
+        or "\\" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise OSError(f"{rel!r} is not a file name inside its directory: refused")
+    return rel
+
+
+def inside(base: Path, rel: str) -> Path:
+    """``base / rel`` for a ``checked_name``, refused (OSError) unless it resolves inside
+    ``base`` (a link on the way could lead out)."""
+    path = base / checked_name(rel)
+    real, root = os.path.realpath(path), os.path.realpath(base)
+    if os.path.commonpath([real, root]) != root:
+        raise OSError(f"{rel!r} resolves outside {base}: refused as a file name")
+    return path
+
+
+def _make_parents(base: Path, path: Path, made: list[Path]) -> None:
+    """Every directory between ``base`` and ``path``, noted in ``made`` if made here."""
+    for parent in reversed(path.relative_to(base).parents[:-1]):
+        d = base / parent
+        if not os.path.lexists(d):
+            mkdir(d)
+            made.append(d)
+
+
+def _remove(made: list[Path]) -> None:
+    """Undo a fetch's writes: what it made, newest first (its files, then its directories
+    once empty)."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                rmdir_if_empty(path)
+            else:
+                remove_tree(path)
 
 
 def _files_of(manifest: Any, what: str) -> tuple[dict[str, Any], list[tuple[str, int]]]:
@@ -383,6 +450,12 @@ def _files_of(manifest: Any, what: str) -> tuple[dict[str, Any], list[tuple[str,
         raise OSError(f"the peer sent no manifest of {what}")
     out = []
     for rel, entry in files.items():
+        try:
+            checked_name(rel)
+        except OSError as e:
+            raise OSError(
+                f"the manifest of {what} names a file outside its directory: {e}"
+            ) from None
         size = entry.get("size") if isinstance(entry, dict) else None
         if type(size) is not int or size < 0:
             raise OSError(f"the peer's manifest of {what} gives {rel!r} no size")

@@ -590,6 +590,35 @@ def test_the_fetch_refuses_a_server_that_cannot_prove_it_belongs_to_the_run(tmp_
     assert list(into.iterdir()) == []
 
 
+def test_the_server_serves_only_the_committed_replicas_it_holds_and_their_files(tmp_path):
+    """A request for anything but a (node, step) the root holds committed is refused, and a
+    manifest on the holder's disk naming a file outside its directory is never served."""
+    root = tmp_path / "node0"
+    outside = tmp_path / "private.txt"
+    outside.write_bytes(b"not a replica")
+    where = _replica_on_disk(root, 1, 3, {"a.distcp": b"shard bytes"})
+    import json
+
+    manifest = json.loads((where / L.MANIFEST).read_text())
+    manifest["files"]["../../../../private.txt"] = {
+        "size": 13,
+        "crc32c": checksum(b"not a replica"),
+    }
+    (where / L.MANIFEST).write_text(json.dumps(manifest))
+    (root / LR.REPLICAS_DIR / "node1" / "global_step_4").mkdir()  # no manifest: not committed
+    server = _server(root)
+    address = ("127.0.0.1", server.port)
+    try:
+        for node, step in ((1, 3), (1, 4), (-1, 3), (2, 3)):
+            into = LocalStore(tmp_path).stage("fetched", f"{node}-{step}")
+            with pytest.raises(OSError):
+                LR.fetch_replica(address, node, step, into, secret=SECRET)
+            assert list(into.iterdir()) == []
+    finally:
+        server.close()
+    assert server.served == 0
+
+
 # ------------------------------------------------------------------ names from a peer
 
 
@@ -627,6 +656,48 @@ class _EvilServer:
     def close(self) -> None:
         self.thread.join(30)
         self.listener.close()
+
+
+@pytest.mark.parametrize(
+    "bad", ["../x", "ABSOLUTE", "../global_step_1/model.distcp", "a/../../x", "a/./b", "", "a\x00b"]
+)
+def test_a_name_from_the_peer_outside_the_destination_fails_the_fetch_and_writes_nothing(
+    tmp_path, bad
+):
+    root = tmp_path / "node1"
+    committed = root / "global_step_1" / "model.distcp"
+    committed.parent.mkdir(parents=True)
+    committed.write_bytes(b"committed bytes")
+    absolute = tmp_path / "absolute.bin"
+    name = str(absolute) if bad == "ABSOLUTE" else bad
+    before = sorted(p for p in tmp_path.rglob("*"))
+    into = LocalStore(root).stage(L.dir_name("global_step", 3), "fetch")
+    evil = _EvilServer({"good.distcp": b"fine", name: b"evil"})
+    try:
+        with pytest.raises(OSError, match="name"):
+            LR.fetch_replica(evil.address, 1, 3, into, secret=SECRET)
+    finally:
+        evil.close()
+    assert committed.read_bytes() == b"committed bytes"
+    assert not absolute.exists() and not (root / "x").exists() and not (tmp_path / "x").exists()
+    assert list(into.iterdir()) == []  # what the fetch wrote is gone (here: nothing was)
+    assert sorted(p for p in tmp_path.rglob("*")) == sorted([*before, into])
+
+
+def test_a_file_the_peer_names_twice_or_that_exists_is_never_truncated(tmp_path):
+    """A name already there in the destination (here: written by the fetch itself, as ``a``
+    and ``./a`` would be) is never opened for writing again: the fetch fails and removes what
+    it wrote."""
+    into = LocalStore(tmp_path).stage("fetched", "t")
+    (into / "kept").write_bytes(b"the caller's")
+    evil = _EvilServer({"new.distcp": b"new", "kept": b"evil"})
+    try:
+        with pytest.raises(OSError):
+            LR.fetch_replica(evil.address, 1, 3, into, secret=SECRET)
+    finally:
+        evil.close()
+    assert (into / "kept").read_bytes() == b"the caller's"
+    assert sorted(p.name for p in into.iterdir()) == ["kept"]
 
 
 # ------------------------------------------------------------------ what is bound
