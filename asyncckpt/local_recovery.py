@@ -30,10 +30,11 @@ refuse to start some ranks fresh while others resume).
 
 The fetch (``ReplicaServer``, ``fetch_replica``, ``commit_fetched``): the holder node's local
 rank 0 serves its root's replica directories over TCP during the load's agreement (framing.py:
-JSON headers, the files' bytes raw, nothing unpickled; its address in the side store); the replacement node's local rank 0 asks for (node, step),
-receives the manifest and then every file it lists into a temporary of its own root, and
-checks every checksum before anything is kept; then commits them with the usual commit
-(manifest, rename, tracker): a cut connection or a wrong byte leaves nothing committed.
+JSON headers, the files' bytes raw, nothing unpickled; its address in the side store); the
+replacement node's local rank 0 asks for (node, step), receives the manifest and then every
+file it lists into a temporary of its own root, and checks every checksum before anything is
+kept; then commits them with the usual commit (manifest, rename, tracker): a cut connection
+or a wrong byte leaves nothing committed.
 Both sides prove the run's secret first (framing.py). The server serves only the replica
 directories its root holds committed, and only files inside them; the fetching side checks
 every name the manifest gives before it opens anything (relative, no ``..``, resolving inside

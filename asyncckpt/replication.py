@@ -17,10 +17,10 @@ nothing is read before the peer proved it belongs to the run: every connection s
 framing.py's handshake over the run's secret (``DistConfig.secret``), the receiver proving it
 to the sender too (the address in the side store could be anybody's). A connection refused
 (logged: who, why) changes nothing the run holds: not ``gone``, not ``connected``, no replica
-held or dropped. The receiver reads into buffers of its own that hold no replica the sender still keeps (the
-header's ``keep``; those it let go of are reused) and swaps them in only once all of it came
-and checked: a sender that dies mid-transfer, or a replica damaged on the way, leaves the
-replicas the sender still keeps, never a torn one. A sender whose slot is released
+held or dropped. The receiver reads into buffers of its own that hold no replica the sender
+still keeps (the header's ``keep``; those it let go of are reused) and swaps them in only once
+all of it came and checked: a sender that dies mid-transfer, or a replica damaged on the way,
+leaves the replicas the sender still keeps, never a torn one. A sender whose slot is released
 mid-transfer (the trainer needs it for a newer save) aborts the transfer the same way before
 the slot is let go (``ReplicaSender.release``).
 
