@@ -179,8 +179,9 @@ def _warn_if_unreachable(name: str, ip: str) -> None:
             _warned.add(name)
             log.warning(
                 "%s resolves to %s on this machine: a listener there is reachable from this "
-                "machine only. On several machines, set ASYNCCKPT_STORE_HOST / "
-                "ASYNCCKPT_REPLICA_HOST to this machine's address on the job's network (or %s)",
+                "machine only (fine for a job on one machine). On several machines, set "
+                "ASYNCCKPT_STORE_HOST / ASYNCCKPT_REPLICA_HOST to this machine's address on the "
+                "job's network (or %s)",
                 name,
                 ip,
                 BIND_ENV,

@@ -756,6 +756,26 @@ def test_an_address_that_is_not_this_machines_says_how_to_listen(monkeypatch):
         assert sock.getsockname()[0] == "127.0.0.1"
 
 
+def test_a_machine_name_that_resolves_to_loopback_is_said(monkeypatch, caplog):
+    """Debian's /etc/hosts maps the machine's name to 127.0.1.1: bound there, other machines
+    never reach the listener. Said once; an address or ``localhost`` is meant as it is."""
+    real = socket.getaddrinfo
+
+    def resolve(host, *a, **k):
+        return real("127.0.0.1" if host == "node0.example" else host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(framing, "_warned", set())
+    monkeypatch.delenv(framing.BIND_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="asyncckpt"):
+        for host in ("127.0.0.1", "localhost", "node0.example", "node0.example"):
+            framing.listen(host).close()
+    said = [
+        r.getMessage() for r in caplog.records if "reachable from this machine" in r.getMessage()
+    ]
+    assert len(said) == 1 and said[0].startswith("node0.example resolves to 127.0.0.1"), said
+
+
 def test_the_secret_is_shared_by_the_rendezvous_and_never_shown(monkeypatch, caplog):
     """Rank 0's trainer makes it and publishes it beside the side store's address; every rank
     reads it from there. Never in a repr or a log line."""
