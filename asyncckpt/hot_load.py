@@ -30,7 +30,7 @@ from .formats.hotread import HotDeclined, _frombuffer, copy_bytes, fits_in_place
 from .hot_serve import Offer, tensor_crcs
 from .loadcheck import LoadReport, compare
 from .manifest import _POLYNOMIALS, checksum, crc_combine
-from .staging import is_stateful
+from .staging import is_stateful, read_only_bytes
 
 #: Threads that checksum and copy (both release the GIL).
 THREADS = 4
@@ -120,7 +120,8 @@ def copy_checked(copies: Mapping[str, tuple[torch.Tensor, memoryview]]) -> dict[
         dst, src = copies[fqn]
         if not n:
             return 0
-        flat = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        # (read through the pointer: dst.numpy() would leave the caller's tensor non-resizable)
+        flat = memoryview(read_only_bytes(dst.detach()))
         to, frm = dst.data_ptr(), _frombuffer(src).data_ptr()
         crc = 0
         for i in range(at, at + n, CHUNK):

@@ -458,10 +458,10 @@ class _Borrowed:
 
     __slots__ = ("__array_interface__", "tensor")
 
-    def __init__(self, t: torch.Tensor, nbytes: int) -> None:
+    def __init__(self, t: torch.Tensor, nbytes: int, writable: bool = False) -> None:
         self.tensor = t
         self.__array_interface__ = {
-            "data": (t.data_ptr(), True),  # read-only: nothing of the caller's is written
+            "data": (t.data_ptr(), not writable),  # (the flag says "read-only")
             "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
@@ -480,6 +480,15 @@ def read_only_bytes(t: torch.Tensor) -> Any:
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
     return np.asarray(_Borrowed(t, nbytes))
+
+
+def writable_bytes(t: torch.Tensor) -> Any:
+    """``read_only_bytes``, writable: what a load reads the checkpoint's bytes into when the
+    target is the caller's own tensor (left resizable, as after ``dcp.load``)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.asarray(_Borrowed(t, nbytes, writable=True))
 
 
 def _bytes_of_view(view: torch.Tensor) -> Any:

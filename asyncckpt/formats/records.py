@@ -45,6 +45,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from ..cachekeys import record_template_key
+from ..staging import writable_bytes
 
 log = logging.getLogger("asyncckpt")
 
@@ -80,8 +81,16 @@ def _torch_save_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    """The bytes of a contiguous CPU tensor, without a copy, writable (a load reads into them).
+
+    Through the data pointer, not ``Tensor.numpy()``: torch marks a storage exported to NumPy
+    non-resizable for good, and a load into the caller's tensors must leave them resizable."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        raise ValueError(
+            f"tensor_bytes takes a contiguous CPU tensor (not a conjugate or negative view), "
+            f"not one on {t.device} with strides {t.stride()}: copy it with .contiguous() first"
+        )
+    return memoryview(writable_bytes(t))
 
 
 @dataclass(frozen=True)
