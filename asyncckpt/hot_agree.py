@@ -28,7 +28,7 @@ from typing import Any
 
 from .hot_serve import Offer
 from .manifest import checksum
-from .peerdata import Reader, dumps, loads
+from .peerdata import Reader, SignedStore, dumps, loads
 
 #: What one rank says: (step, {tensor key: CRC-32C}, {object key: CRC-32C}), or None (no).
 Word = tuple[int, dict[str, int], dict[str, int]] | None
@@ -50,19 +50,20 @@ def agree(offer: Offer, rank: int, world_size: int, took: bool) -> tuple[bool, s
     try:
         from .dist import side_store
 
-        store = side_store(cfg)
+        store = SignedStore(side_store(cfg), cfg.secret)  # a stranger's word: refused
         store.set(prefix + str(rank), encode_word(mine))
         if mine is None:  # (a "no" needs no other word)
             store.add(prefix + "heard", 1)
             return False, "this rank did not take it"
         keys = [prefix + str(r) for r in range(world_size)]
         store.wait(keys, datetime.timedelta(seconds=cfg.timeout))
-        said = [store.get(k) for k in keys]
+        said = [store.raw(k) for k in keys]  # checked below: a refusal keeps the timing
         store.add(prefix + "heard", 1)
         if rank == 0:  # its old worker serves the store: the others read first
             wait_count(store, prefix + "heard", world_size, cfg.timeout)
         words = [
-            decode_word(raw, f"the side store's {k!r}") for k, raw in zip(keys, said, strict=True)
+            decode_word(store.open(k, raw), f"the side store's {k!r}")
+            for k, raw in zip(keys, said, strict=True)
         ]
     except Exception as e:  # noqa: BLE001 - no agreement: the disk, on every rank
         return False, f"the ranks could not agree over the side store: {e}"

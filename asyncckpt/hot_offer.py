@@ -217,9 +217,9 @@ def _path(r: Reader) -> Callable[[Any, str], list[tuple[str, str | int]]]:
 
 
 def _encode_vote(cfg: DistConfig) -> dict[str, Any]:
+    # With the secret: the new engines sign their words in the old run's side store with it
+    # (hot_agree.py). The socket carries it only to a process of this user (SO_PEERCRED).
     out = dataclasses.asdict(cfg)
-    if "secret" in out:  # the old run's workers prove it to each other; a new engine only
-        out["secret"] = ""  # reads that run's side store, which takes no secret: not sent
     return {k: encode_blob(x) if isinstance(x, bytes) else x for k, x in out.items()}
 
 

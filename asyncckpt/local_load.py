@@ -58,7 +58,7 @@ from .local_recovery import (
     replicas_not_needed,
     which_step_to_load,
 )
-from .peerdata import Malformed, Reader, dumps, loads
+from .peerdata import Malformed, Reader, SignedStore, dumps, loads
 
 log = logging.getLogger("asyncckpt")
 
@@ -108,7 +108,7 @@ class StepAgreement:
         leader = cfg.rank % per == 0
         self.loads += 1
         prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
-        store = side_store(cfg)
+        store = SignedStore(side_store(cfg), cfg.secret)  # a stranger's value: refused
         held = held_replicas(self.root, self.layout) if leader else {}
         server = None
         if held:  # bound to the address it publishes, and serving the run only

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import math
 from collections.abc import Callable, Collection
@@ -157,3 +159,53 @@ def _kind(v: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", int: "an integer"}.get(
         type(v), type(v).__name__
     )
+
+
+class SignedStore:
+    """A side store whose values carry an HMAC of the run's secret over their key and bytes:
+    ``get`` refuses (``Malformed``) a value written by anyone who does not know the secret, or
+    moved from another key. The TCPStore takes writes from anyone who reaches its port; a
+    forged but well-formed value (a load's plan naming replicas to drop, say) would otherwise be
+    acted on. What is not a value (``add`` counters, ``wait``, ``check``, ``delete_key``)
+    passes through: a stranger can delay or fail an exchange there, not steer it."""
+
+    #: What a signed value starts with: the scheme, then the MAC, then the payload.
+    TAG = b"ACKS1"
+
+    def __init__(self, store: Any, secret: str) -> None:
+        if not secret:
+            raise ValueError(
+                "signing side-store values needs the run's secret (DistConfig.secret), which "
+                "rank 0 publishes at start"
+            )
+        self._store = store
+        self._key = secret.encode()
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, self.TAG + self._mac(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        return self.open(key, self.raw(key))
+
+    def raw(self, key: str) -> bytes:
+        """The value under ``key`` as it is in the store, not checked yet (``open``)."""
+        return bytes(self._store.get(key))
+
+    def open(self, key: str, raw: bytes) -> bytes:
+        """The payload of ``raw``, read from under ``key``, or ``Malformed`` if this run did not
+        write it there."""
+        start = len(self.TAG) + hashlib.sha256().digest_size
+        if not raw.startswith(self.TAG) or not hmac.compare_digest(
+            raw[len(self.TAG) : start], self._mac(key, raw[start:])
+        ):
+            raise Malformed(
+                f"refused the side store's {key!r}: not written by this run (its value does not "
+                "carry the run's signature); another process on the job's network wrote there"
+            )
+        return raw[start:]
+
+    def __getattr__(self, name: str) -> Any:  # add, wait, check, delete_key: as they are
+        return getattr(self._store, name)

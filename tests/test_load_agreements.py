@@ -82,7 +82,9 @@ def test_the_load_step_agreement_reads_every_list_on_rank_0_only(tmp_path, monke
     chosen: list[Any] = [None] * WORLD
 
     def rank(r: int) -> None:
-        cfg = _dist.DistConfig(r, WORLD, r, "127.0.0.1", 1, "tok", timeout=60.0, ranks_per_node=1)
+        cfg = _dist.DistConfig(
+            r, WORLD, r, "127.0.0.1", 1, "tok", timeout=60.0, ranks_per_node=1, secret="s" * 64
+        )
         steps = [10, 20] if r != 3 else [10]  # rank 3's node misses step 20
         root = tmp_path / f"node{r}"  # a node's own disk, holding no replica
         root.mkdir()

@@ -48,12 +48,31 @@ def boom(tmp_path: Path) -> tuple[bytes, Path]:
     return payload, marker
 
 
+#: The run's secret in the node-local load's tests: its values in the store are signed with it.
+SECRET = "a" * 64
+#: What the refusal says: unsigned (a stranger), or signed and still not asyncckpt's JSON.
+WHY = {False: "not written by this run", True: "not JSON"}
+
+
+def signed(key: str, value: bytes) -> bytes:
+    """``value`` as a process of the run (one that knows ``SECRET``) writes it under ``key``."""
+    from asyncckpt.peerdata import SignedStore
+
+    box = dist.HashStore()
+    SignedStore(box, SECRET).set(key, value)
+    return bytes(box.get(key))
+
+
 class Seen:
     """One rank's view of the shared store; ``get`` of ``key`` answers ``value`` (what a
-    stranger wrote there between the honest rank's write and this read)."""
+    stranger wrote there between the honest rank's write and this read; ``sign``: as a
+    process that knows the run's secret would, e.g. another asyncckpt version)."""
 
-    def __init__(self, store: Any, key: str | None = None, value: bytes = b"") -> None:
-        self.store, self.key, self.value = store, key, value
+    def __init__(
+        self, store: Any, key: str | None = None, value: bytes = b"", sign: bool = False
+    ) -> None:
+        self.store, self.key = store, key
+        self.value = signed(key, value) if sign and key is not None else value
 
     def get(self, key: str) -> bytes:
         return self.value if key == self.key else self.store.get(key)
@@ -77,29 +96,46 @@ def threads(target: Any, world: int) -> None:
 def _early_offer(rank: int, world: int, timeout: float = 30.0) -> Any:
     from asyncckpt.hot_serve import Offer
 
-    cfg = _dist.DistConfig(rank, world, rank, "127.0.0.1", 1, "tok", timeout=timeout)
+    cfg = _dist.DistConfig(rank, world, rank, "127.0.0.1", 1, "tok", timeout, secret=SECRET)
     staged = {"w": (torch.float32, (4,), 0x1234)}
     return Offer(3, rank, (), {"w": (0, 0, 16)}, (16,), 0, staged, {}, {}, cfg, world)
 
 
-def _agree_as_rank_1(monkeypatch, tmp_path: Path, rank_0_said: bytes) -> tuple[bool, str]:
-    """Rank 1 of two agrees while rank 0's key holds ``rank_0_said`` (a stranger's)."""
+def _agree_as_rank_1(
+    monkeypatch, tmp_path: Path, rank_0_said: bytes, sign: bool = False
+) -> tuple[bool, str]:
+    """Rank 1 of two agrees while rank 0's key holds ``rank_0_said`` (a stranger's; ``sign``:
+    written by a process that knows the run's secret)."""
     from asyncckpt.hot_agree import agree
 
+    key = "asyncckpt/tok/hot-early/0"
     store = dist.HashStore()
-    store.set("asyncckpt/tok/hot-early/0", rank_0_said)
+    store.set(key, signed(key, rank_0_said) if sign else rank_0_said)
     monkeypatch.setattr(_dist, "side_store", lambda cfg: store)
     return agree(_early_offer(1, 2), 1, 2, True)
 
 
+@pytest.mark.parametrize("sign", [False, True])
 def test_a_strangers_pickle_as_a_ranks_word_runs_nothing_and_sends_the_rank_to_disk(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, sign
 ):
     payload, marker = boom(tmp_path)
-    agreed, why = _agree_as_rank_1(monkeypatch, tmp_path, payload)
+    agreed, why = _agree_as_rank_1(monkeypatch, tmp_path, payload, sign)
     assert not marker.exists()
     assert not agreed
-    assert "refused" in why and "asyncckpt/tok/hot-early/0" in why and "not JSON" in why, why
+    assert "refused" in why and "asyncckpt/tok/hot-early/0" in why and WHY[sign] in why, why
+
+
+def test_a_forged_well_formed_word_from_outside_the_run_sends_the_rank_to_disk(
+    tmp_path, monkeypatch
+):
+    """Rank 0's word as asyncckpt writes it, the same step and checksums, written by a process
+    without the run's secret: believed, it would make rank 1 keep memory rank 0 never took."""
+    forged = b'{"step": 3, "tensors": {"w": 4660}, "objects": {}}'
+    agreed, why = _agree_as_rank_1(monkeypatch, tmp_path, forged)
+    assert not agreed
+    assert "not written by this run" in why, why
+    assert _agree_as_rank_1(monkeypatch, tmp_path, forged, sign=True) == (True, "")
 
 
 @pytest.mark.parametrize(
@@ -120,7 +156,7 @@ def test_a_strangers_pickle_as_a_ranks_word_runs_nothing_and_sends_the_rank_to_d
 def test_a_malformed_word_is_refused_and_sends_the_rank_to_disk(
     tmp_path, monkeypatch, said, problem
 ):
-    agreed, why = _agree_as_rank_1(monkeypatch, tmp_path, said)
+    agreed, why = _agree_as_rank_1(monkeypatch, tmp_path, said, sign=True)
     assert not agreed
     assert "refused" in why and problem in why, why
 
@@ -153,7 +189,9 @@ def _choose(
     out: list[Any] = [None] * world
 
     def rank(r: int) -> None:
-        cfg = _dist.DistConfig(r, world, r, "127.0.0.1", 1, "tok", timeout, ranks_per_node=1)
+        cfg = _dist.DistConfig(
+            r, world, r, "127.0.0.1", 1, "tok", timeout, ranks_per_node=1, secret=SECRET
+        )
         root = tmp_path / f"node{r}"
         root.mkdir()
         try:
@@ -169,31 +207,48 @@ PLAN = "asyncckpt/tok/load-steps/1/plan"
 RANK_1_WORD = "asyncckpt/tok/load-steps/1/1"
 
 
+@pytest.mark.parametrize("sign", [False, True])
 def test_a_strangers_pickle_as_the_plan_runs_nothing_and_fails_that_ranks_load(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, sign
 ):
     payload, marker = boom(tmp_path)
     shared = dist.HashStore()
-    out = _choose(tmp_path, monkeypatch, [Seen(shared), Seen(shared, PLAN, payload)])
+    out = _choose(tmp_path, monkeypatch, [Seen(shared), Seen(shared, PLAN, payload, sign)])
     assert not marker.exists()
     assert out[0].choice.step == 20  # rank 0 read its own plan
     assert isinstance(out[1], NoValidCheckpoint), out[1]
     msg = str(out[1])
-    assert "refused" in msg and PLAN in msg and "not JSON" in msg, msg
+    assert "refused" in msg and PLAN in msg and WHY[sign] in msg, msg
     assert shared.num_keys() == 0  # the load's keys removed as after any load
 
 
+@pytest.mark.parametrize("sign", [False, True])
 def test_a_strangers_pickle_as_a_ranks_word_runs_nothing_and_fails_every_ranks_load(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, sign
 ):
     payload, marker = boom(tmp_path)
     shared = dist.HashStore()
-    out = _choose(tmp_path, monkeypatch, [Seen(shared, RANK_1_WORD, payload), Seen(shared)])
+    views = [Seen(shared, RANK_1_WORD, payload, sign), Seen(shared)]
+    out = _choose(tmp_path, monkeypatch, views)
     assert not marker.exists()
     for r in (0, 1):  # rank 0 says why in the plan: no rank waits for a plan that never comes
         assert isinstance(out[r], NoValidCheckpoint), out[r]
         msg = str(out[r])
-        assert "refused" in msg and RANK_1_WORD in msg and "not JSON" in msg, msg
+        assert "refused" in msg and RANK_1_WORD in msg and WHY[sign] in msg, msg
+
+
+def test_a_forged_well_formed_plan_from_outside_the_run_is_refused(tmp_path, monkeypatch):
+    """A plan as asyncckpt writes it (an older step, a replica to drop), by a process that does
+    not know the run's secret: acted on, it would load another step or drop a held replica."""
+    forged = (
+        b'{"step": 10, "fetch": {}, "fell_back": false, "reason": "", '
+        b'"addrs": {}, "drop": {"0": {"1": [20]}}}'
+    )
+    shared = dist.HashStore()
+    out = _choose(tmp_path, monkeypatch, [Seen(shared), Seen(shared, PLAN, forged)])
+    assert out[0].choice.step == 20  # rank 0's own plan: the newest step
+    assert isinstance(out[1], NoValidCheckpoint), out[1]
+    assert "not written by this run" in str(out[1]) and PLAN in str(out[1])
 
 
 @pytest.mark.parametrize(
@@ -231,10 +286,10 @@ def test_a_strangers_pickle_as_a_ranks_word_runs_nothing_and_fails_every_ranks_l
     ],
 )
 def test_a_malformed_agreement_value_is_refused(tmp_path, monkeypatch, key, said, problem):
-    shared = dist.HashStore()
-    views = [Seen(shared, key, said) if key == RANK_1_WORD else Seen(shared), Seen(shared)]
+    shared = dist.HashStore()  # (signed: what a process of the run wrote, then decoded)
+    views = [Seen(shared, key, said, True) if key == RANK_1_WORD else Seen(shared), Seen(shared)]
     if key == PLAN:
-        views = [Seen(shared), Seen(shared, key, said)]
+        views = [Seen(shared), Seen(shared, key, said, True)]
     out = _choose(tmp_path, monkeypatch, views)
     refused = [1] if key == PLAN else [0, 1]
     for r in refused:
@@ -440,11 +495,10 @@ def test_an_offer_goes_over_the_wire_as_it_was():
     back = decode_offer(encode_offer(offer), 2)
     assert back == offer
     assert isinstance(back.vote, _dist.DistConfig) and back.vote == cfg
-    if hasattr(cfg, "secret"):  # the run's secret never leaves its workers
-        secret = "ab" * 32
-        offer.vote = dataclasses.replace(cfg, secret=secret)
-        assert secret.encode() not in encode_offer(offer)
-        assert decode_offer(encode_offer(offer), 2).vote == cfg
+    # The run's secret travels to the new engine (a process of the same user: the socket's
+    # peer credentials), which signs its words in the old run's side store with it.
+    offer.vote = dataclasses.replace(cfg, secret="ab" * 32)
+    assert decode_offer(encode_offer(offer), 2).vote.secret == "ab" * 32
     assert isinstance(back.files, tuple) and isinstance(back.sizes, tuple)
     committed = Offer(9, 0, (), {}, (), 1)  # a committed step: no staged memory, no vote
     assert decode_offer(encode_offer(committed), 0) == committed
