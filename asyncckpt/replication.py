@@ -712,6 +712,7 @@ def spawn_stand_in(
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # asyncckpt's parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    env["ASYNCCKPT_STAND_IN_PARENT"] = str(os.getpid())  # (stand_in.PARENT_ENV: it watches us)
     fds = {i: (b.fd, b.nbytes) for i, b in buffers.items()}
     proc = subprocess.Popen(  # noqa: S603 - this interpreter, a module of this package
         [sys.executable, "-m", entry],

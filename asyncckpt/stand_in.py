@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("asyncckpt")
 
+#: The environment variable in which the starting worker names its pid.
+PARENT_ENV = "ASYNCCKPT_STAND_IN_PARENT"
 #: Seconds between two looks at whether the parent worker still lives.
 PARENT_POLL_S = 0.2
 #: The exit status of a stand-in whose parent worker is gone (or its deadline passed).
@@ -107,7 +109,9 @@ def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, A
 
 def main() -> None:
     # The parent first, before torch is imported (seconds): it may die meanwhile.
-    parent = os.getppid()
+    # Named by the worker at spawn (replication.spawn_stand_in): one that died before this line
+    # ran (its child re-parented, perhaps to a subreaper) is still told apart.
+    parent = int(os.environ.pop(PARENT_ENV, 0) or os.getppid())
     if parent_is_gone(parent):
         sys.exit(f"the stand-in's parent worker is gone before it started (pid {os.getpid()})")
     from .replication import read_stand_in

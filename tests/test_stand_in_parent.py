@@ -120,8 +120,8 @@ def test_a_stand_in_ends_with_its_parent_and_leaves_only_a_temporary(tmp_path):
 
 def test_a_stand_in_whose_parent_is_gone_before_it_starts_exits_at_once(tmp_path):
     """The parent may die before the stand-in runs its first line: its parent is then init
-    already, and it exits without taking the lock (were it adopted by a subreaper instead,
-    which it cannot tell from its worker, its deadline ends it: 30 s here)."""
+    already, and it exits without taking the lock (adopted by a subreaper instead: the test
+    below)."""
     root = tmp_path / "root"
     root.mkdir()
     parent, stand_in = _start(root, wait="exit", deadline=30)
@@ -150,3 +150,48 @@ def test_a_stand_in_never_outlives_its_deadline(tmp_path):
             os.kill(stand_in, signal.SIGKILL)
         if parent.poll() is None:
             parent.kill()
+
+
+#: A subreaper (as a container's init or systemd --user is): it starts PARENT, which starts a
+#: stand-in and exits at once, so the orphaned stand-in is adopted by this process, not init.
+SUBREAPER = """
+import ctypes, subprocess, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+parent = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], "exit", "600"],
+                          stdout=subprocess.PIPE, text=True)
+print(parent.stdout.readline().strip(), flush=True)
+parent.wait()
+while True:  # reaps what it adopted, as a subreaper does
+    try:
+        import os
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        time.sleep(0.1)
+"""
+
+
+def test_a_stand_in_adopted_by_a_subreaper_still_sees_its_worker_gone(tmp_path):
+    """The worker names itself in the stand-in's environment: a stand-in whose worker died
+    before its first line, adopted by a subreaper (not init), exits at once instead of at
+    its deadline (600 s here)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", SUBREAPER, PARENT, str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert reaper.stdout is not None
+    stand_in = int(reaper.stdout.readline())
+    try:
+        assert _wait_until(lambda: not _alive(stand_in), 60.0), "the stand-in outlived its parent"
+        assert _lock_free(root, "worker0")
+        assert L.scan(root, "global_step") == []
+    finally:
+        if _alive(stand_in):
+            os.kill(stand_in, signal.SIGKILL)
+        reaper.kill()
+        reaper.wait(60)
