@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .dist import DistConfig
-from .peerdata import Malformed, Reader, dumps, encode_blob, loads
+from .peerdata import DTYPE_NAMES, DTYPES, Malformed, Reader, dumps, encode_blob, loads
 
 __all__ = ["DTYPES", "HEADER", "MAGIC", "MAX_OFFER_BYTES", "Offer", "decode_offer", "encode_offer"]
 
@@ -37,37 +37,6 @@ HEADER = struct.Struct("<8sQ")
 MAGIC = b"ACKHOT01"
 #: The longest offer a client reads (a large state's objects and object paths fit).
 MAX_OFFER_BYTES = 1 << 30
-
-#: The dtypes an offered tensor may have, by name on the socket.
-DTYPES: dict[str, torch.dtype] = {
-    name: d
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex128",
-        "complex64",
-        "complex32",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-    )  # fmt: skip
-    if isinstance(d := getattr(torch, name, None), torch.dtype)
-}
-_DTYPE_NAMES = {d: name for name, d in DTYPES.items()}
 
 
 @dataclass
@@ -109,9 +78,9 @@ def encode_offer(offer: Offer) -> bytes:
     if offer.staged is not None:
         staged = {}
         for fqn, (dtype, shape, crc) in offer.staged.items():
-            if dtype not in _DTYPE_NAMES:
+            if dtype not in DTYPE_NAMES:
                 raise ValueError(f"{fqn}: dtype {dtype} cannot be offered")
-            staged[fqn] = [_DTYPE_NAMES[dtype], list(shape), crc]
+            staged[fqn] = [DTYPE_NAMES[dtype], list(shape), crc]
     if offer.vote is not None and not isinstance(offer.vote, DistConfig):
         raise ValueError(f"the offer's vote is a {type(offer.vote).__name__}, not a DistConfig")
     return dumps(

@@ -45,48 +45,17 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from .dist import ShardInfo
 from .formats import FORMAT_KEY
 from .formats.base import LegacyRanks
 from .formats.components import Component
 from .framing import Message, ProtocolError
+from .peerdata import DTYPE_NAMES, DTYPES
 from .savejob import SaveJob
 from .staging import TensorSpec
 
 __all__ = ["DTYPES", "NotReplicable", "decode_replica", "encode_replica"]
 
-#: The dtypes a replica's tensors may have, by name on the wire.
-DTYPES: dict[str, torch.dtype] = {
-    name: d
-    for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex128",
-        "complex64",
-        "complex32",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-    )  # fmt: skip
-    if isinstance(d := getattr(torch, name, None), torch.dtype)
-}
-_DTYPE_NAMES = {d: name for name, d in DTYPES.items()}
 #: The most arenas one replica has (a slot is a few arenas of up to 2 GiB each).
 MAX_ARENAS = 1 << 16
 
@@ -141,7 +110,7 @@ def encode_replica(
 
 
 def _spec_out(s: TensorSpec) -> dict[str, Any]:
-    name = _DTYPE_NAMES.get(s.dtype)
+    name = DTYPE_NAMES.get(s.dtype)
     if name is None:
         raise NotReplicable(f"tensor {s.fqn!r} is of dtype {s.dtype}, which replicas do not carry")
     return {

@@ -20,6 +20,8 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any, NoReturn, TypeVar
 
+import torch
+
 from .errors import CheckpointError
 
 T = TypeVar("T")
@@ -28,6 +30,38 @@ T = TypeVar("T")
 MAX_VALUE_BYTES = 64 << 20
 #: A CRC-32C: 32 bits.
 CRC_MAX = (1 << 32) - 1
+
+
+#: The dtypes a tensor sent by a peer may have, by name (a replica, a hot-resume offer).
+DTYPES: dict[str, torch.dtype] = {
+    name: d
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex128",
+        "complex64",
+        "complex32",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )  # fmt: skip
+    if isinstance(d := getattr(torch, name, None), torch.dtype)
+}
+DTYPE_NAMES = {d: name for name, d in DTYPES.items()}
 
 
 class Malformed(CheckpointError, ValueError):
