@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import faults
-from .errors import (
+from asyncckpt import faults
+from asyncckpt.errors import (
     AllCheckpointsQuarantined,
     CheckpointError,
     CheckpointNotFound,
@@ -27,9 +27,9 @@ from .errors import (
     WorkerDied,
     WriteTimeout,
 )
-from .formats.components import Component
-from .manifest import VerifyReport, verify
-from .options import (
+from asyncckpt.formats.components import Component
+from asyncckpt.io.throttle import ThrottleConfig
+from asyncckpt.options import (
     Distributed,
     MemoryTier,
     ObjectStore,
@@ -38,7 +38,7 @@ from .options import (
     Schedule,
     Staging,
 )
-from .retention import (
+from asyncckpt.retention import (
     CheckpointInfo,
     KeepAll,
     KeepBest,
@@ -49,17 +49,17 @@ from .retention import (
     RetentionPolicy,
     SaveSchedule,
 )
-from .stats import SaveStats
-from .storage import RemoteTier, UploadFailed
-from .throttle import ThrottleConfig
+from asyncckpt.stats import SaveStats
+from asyncckpt.storage import RemoteTier, UploadFailed
+from asyncckpt.storage.manifest import VerifyReport, verify
 
 if TYPE_CHECKING:
-    from .engine import CheckpointEngine, PauseHooks, SaveHandle
-    from .export import HFExport
-    from .fresh_start import start_fresh
-    from .loadcheck import LoadReport
-    from .reading import read_checkpoint
-    from .sync import SyncCheckpointEngine
+    from asyncckpt.engine import CheckpointEngine, PauseHooks, SaveHandle
+    from asyncckpt.formats.loadcheck import LoadReport
+    from asyncckpt.formats.reading import read_checkpoint
+    from asyncckpt.storage.fresh_start import start_fresh
+    from asyncckpt.sync import SyncCheckpointEngine
+    from asyncckpt.worker.export import HFExport
 
 # The engines (and the load check) import torch (seconds); they load on first use (PEP 562), so ``import asyncckpt``
 # and the CLI's ``--help`` stay fast. ``from asyncckpt import CheckpointEngine`` works as before.

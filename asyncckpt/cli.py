@@ -5,7 +5,7 @@ Each subcommand is one function decorated with ``@subcommand``: it adds its pars
 
 Nothing here imports torch (``python -m asyncckpt --help`` answers at once): the CLI reads
 manifests and file checksums only. Long reads show a progress bar on stderr when it is a
-terminal (``asyncckpt.progress.RichProgress``); pipes and files get none.
+terminal (``asyncckpt.core.progress.RichProgress``); pipes and files get none.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from asyncckpt import layout as L
-from asyncckpt import pinfile
+from asyncckpt.core import layout as L
+from asyncckpt.core.paths import check_local_root, is_url
+from asyncckpt.core.progress import RichProgress
 from asyncckpt.errors import CheckpointError
-from asyncckpt.paths import check_local_root, is_url
-from asyncckpt.progress import RichProgress
-from asyncckpt.prune import disk_usage, list_checkpoints, list_quarantined, prune
 from asyncckpt.retention import (
     CheckpointInfo,
     KeepBest,
@@ -38,7 +36,9 @@ from asyncckpt.retention import (
     Union,
     plan_prune,
 )
+from asyncckpt.storage import pinfile
 from asyncckpt.storage.local import LocalStore
+from asyncckpt.storage.prune import disk_usage, list_checkpoints, list_quarantined, prune
 
 __all__ = ["main", "build_parser", "subcommand"]
 
@@ -563,8 +563,8 @@ def _run_prune(args: argparse.Namespace, console: Console) -> int:
 
 def _live_writers(store: Any) -> list[str]:
     """The locks a live engine holds on a local root (none known for an object store)."""
-    from .storage.local import LocalStore
-    from .storage.localfs import held_locks
+    from asyncckpt.storage.local import LocalStore
+    from asyncckpt.storage.localfs import held_locks
 
     return held_locks(store.root) if isinstance(store, LocalStore) else []
 
@@ -587,8 +587,8 @@ def _add_start_fresh(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_start_fresh(args: argparse.Namespace, console: Console) -> int:
-    from .fresh_start import start_fresh
-    from .storage.localfs import held_locks
+    from asyncckpt.storage.fresh_start import start_fresh
+    from asyncckpt.storage.localfs import held_locks
 
     root = Path(args.root)
     if not root.is_dir():

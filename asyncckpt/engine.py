@@ -27,15 +27,16 @@ import anyio
 import torch.multiprocessing as tmp
 from typing_extensions import Unpack
 
-from . import layout as _layout
-from . import memory_tier, peer_gone, pins
-from .differential import KeepRule
-from .errors import CheckpointError
-from .formats import check_format, default_format
-from .formats.components import COMPONENTS, Component, check_spec
-from .jobs import CommitContext, JobTable, SaveHandle, log_unraised
-from .loadcheck import LoadReport
-from .options import (
+from asyncckpt.cluster import peer_gone
+from asyncckpt.core import layout as _layout
+from asyncckpt.errors import CheckpointError
+from asyncckpt.formats import check_format, default_format
+from asyncckpt.formats.components import COMPONENTS, Component, check_spec
+from asyncckpt.formats.differential import KeepRule
+from asyncckpt.formats.loadcheck import LoadReport
+from asyncckpt.io.throttle import AppliedThrottle, ThrottleConfig, WritePause
+from asyncckpt.memory import tier as memory_tier
+from asyncckpt.options import (
     Distributed,
     EngineOptions,
     MemoryTier,
@@ -46,22 +47,23 @@ from .options import (
     Staging,
     resolve_options,
 )
-from .preemption import SigtermHandler
-from .restore import Restorer
-from .restore import check_step as _check_step
-from .retention import CheckpointInfo, RetentionPolicy
-from .saving import SaveOptions, Saver, SaveRules
-from .staging import check_memory
-from .stats import EngineStats, SaveStats
-from .storage import RemoteTier
-from .supervisor import WorkerSupervisor, lock_root
-from .throttle import AppliedThrottle, ThrottleConfig, WritePause
-from .worker import WorkerConfig
+from asyncckpt.retention import CheckpointInfo, RetentionPolicy
+from asyncckpt.staging.arenas import check_memory
+from asyncckpt.stats import EngineStats, SaveStats
+from asyncckpt.storage import RemoteTier
+from asyncckpt.trainer import pins
+from asyncckpt.trainer.jobs import CommitContext, JobTable, SaveHandle, log_unraised
+from asyncckpt.trainer.preemption import SigtermHandler
+from asyncckpt.trainer.restore import Restorer
+from asyncckpt.trainer.restore import check_step as _check_step
+from asyncckpt.trainer.saving import SaveOptions, Saver, SaveRules
+from asyncckpt.trainer.supervisor import WorkerSupervisor, lock_root
+from asyncckpt.worker.loop import WorkerConfig
 
 if TYPE_CHECKING:
-    from .dist import Node
-    from .export import HFExport
-    from .prune import PruneResult
+    from asyncckpt.cluster.dist import Node
+    from asyncckpt.storage.prune import PruneResult
+    from asyncckpt.worker.export import HFExport
 
 __all__ = ["CheckpointEngine", "EngineBase", "EngineParts", "PauseHooks", "Ranks", "SaveHandle"]
 
@@ -90,7 +92,7 @@ def _replication(ranks: Ranks, opts: EngineOptions) -> Any:
     it holds (replication.py); refused where there is no other node to hold them."""
     if not opts.memory.replicas:
         return None
-    from .replication import ReplicaConfig, peer_rank, source_rank
+    from asyncckpt.memory.replication import ReplicaConfig, peer_rank, source_rank
 
     nodes = ranks.nodes
     if ranks.node is None or nodes is None or nodes < 2:
@@ -137,9 +139,9 @@ class EngineParts:
     """One engine's parts and its lifecycle (``start``/``stop``/``drain``); see the module."""
 
     def __init__(self, root: str | os.PathLike, opts: EngineOptions) -> None:
-        from . import dist as _dist
-        from .formats import staged
-        from .retention import should_prune
+        from asyncckpt.cluster import dist as _dist
+        from asyncckpt.formats import staged
+        from asyncckpt.retention import should_prune
 
         self.opts = opts
         self.root, self.remote, self.local_keep = _resolve_root(root, opts)
@@ -313,7 +315,7 @@ class EngineParts:
                 assert self.ranks.node is not None
                 per = self.ranks.node.ranks_per_node
                 self.dist_cfg = replace(self.dist_cfg, ranks_per_node=per)
-                from .local_load import StepAgreement
+                from asyncckpt.trainer.local_load import StepAgreement
 
                 # Which step loads, and the fetch of a node's replica where its disk lacks it.
                 self.restorer.agreement = StepAgreement(self.dist_cfg, self.root, self.layout)
@@ -347,7 +349,7 @@ class EngineParts:
         if not _node_local(self.ranks, self.opts) or node is None or node.node_rank == 0:
             open_and_clean()
             return
-        from .dist import relayed_failure, side_store
+        from asyncckpt.cluster.dist import relayed_failure, side_store
 
         assert self.dist_cfg is not None
         store = side_store(self.dist_cfg)
@@ -367,8 +369,8 @@ class EngineParts:
         open_and_clean()
 
     def _open_and_clean(self) -> None:
-        from .local_recovery import clean_replica_leftovers
-        from .prune import clean_leftovers
+        from asyncckpt.cluster.local_recovery import clean_replica_leftovers
+        from asyncckpt.storage.prune import clean_leftovers
 
         rank = self.ranks.rank
         if self.remote is not None and rank == 0:
@@ -400,11 +402,11 @@ class EngineParts:
             if removed:
                 log.warning("removed uncommitted uploads in %s: %s", self.remote.url, removed)
             if self.spooled:  # the store says what exists (remote.reconcile_spool)
-                from .storage.remote import reconcile_spool
+                from asyncckpt.storage.remote import reconcile_spool
 
                 reconcile_spool(self.root, self.remote, store, self.layout)
             else:  # the record `ls` reads pending uploads from, before the first one
-                from .storage.remote import mark_published
+                from asyncckpt.storage.remote import mark_published
 
                 mark_published(self.root, self.remote, self.layout, [])
 
@@ -520,7 +522,7 @@ async def run_steps_async(steps: Generator[Callable[[], Any], None, T]) -> T:
 def _check_export(export: Any, root: Path) -> None:
     if export is None:
         return
-    from .export import HFExport, _require_safetensors
+    from asyncckpt.worker.export import HFExport, _require_safetensors
 
     if not isinstance(export, HFExport):
         raise TypeError(f"export must be an HFExport, not {export!r}")
@@ -558,8 +560,8 @@ def _resolve_root(
     written and committed first in a local spool directory, which keeps only the newest (a
     warm copy for a fast resume on the same machine).
     """
-    from .paths import check_local_root, is_url
-    from .retention import KeepLast
+    from asyncckpt.core.paths import check_local_root, is_url
+    from asyncckpt.retention import KeepLast
 
     store = opts.object_store
     if isinstance(root, str) and is_url(root):
@@ -604,7 +606,7 @@ def left_by(exc_type: Any) -> str:
 async def _load_in_thread(fn: Callable[[], Any]) -> Any:
     """``fn`` (a load) in a worker thread; its warnings are re-emitted here, where
     ``stacklevel`` reaches the awaiting caller's line (from the thread it named anyio's code)."""
-    from .restore import deferring_warnings
+    from asyncckpt.trainer.restore import deferring_warnings
 
     caught: list[str] = []
     try:
@@ -867,7 +869,7 @@ class EngineBase:
         """The step of the best committed checkpoint by ``metric`` (``save(metrics=...)``):
         lowest for ``mode="min"``, highest for ``"max"``; ties go to the newer, NaN is never
         best. None before any checkpoint; ``ValueError`` if none reports ``metric``."""
-        from .retention import best_step
+        from asyncckpt.retention import best_step
 
         return best_step(self.list_checkpoints(), metric, mode)
 
@@ -877,7 +879,7 @@ class EngineBase:
         Peak use while saving is (kept + in flight) checkpoints: pruning runs only after the
         new checkpoint committed.
         """
-        from .prune import disk_usage
+        from asyncckpt.storage.prune import disk_usage
 
         return disk_usage(self.root, self.layout)
 

@@ -21,7 +21,7 @@ copy of each load path against what the engine wrote); which keys go *inside* ea
 
 from __future__ import annotations
 
-from .formats.components import Component
+from asyncckpt.formats.components import Component
 
 #: SkyRL's tracker of the newest step (written by the engine for ``layout="global_step"``).
 SKYRL_TRACKER = "latest_ckpt_global_step.txt"

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .retention import SCOPES as PRUNE_SCOPES
-from .retention import STORAGES, RetentionPolicy, SaveSchedule
-from .throttle import ThrottleConfig, check_durable_within
+from asyncckpt.io.throttle import ThrottleConfig, check_durable_within
+from asyncckpt.retention import SCOPES as PRUNE_SCOPES
+from asyncckpt.retention import STORAGES, RetentionPolicy, SaveSchedule
 
 #: How long the checkpoint a run resumed from is protected from pruning (``keep_resumed=``).
 KEEP_RESUMED = ("until_newer", "run")

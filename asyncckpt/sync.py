@@ -13,8 +13,8 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-from .engine import EngineBase, SaveHandle, left_by, run_steps
-from .saving import SaveOptions
+from asyncckpt.engine import EngineBase, SaveHandle, left_by, run_steps
+from asyncckpt.trainer.saving import SaveOptions
 
 
 class SyncCheckpointEngine(EngineBase):

@@ -14,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from .stats import SaveStats
+from asyncckpt.stats import SaveStats
 
 #: The ``SaveStats`` figures logged, each as the scalar ``<prefix><name>`` at the save's step.
 SCALARS = (

@@ -10,7 +10,7 @@ restarts, readiness and throttle, the last prune, the rank) is public on the eng
 
 from __future__ import annotations
 
-from .engine import EngineBase, EngineParts
+from asyncckpt.engine import EngineBase, EngineParts
 
 __all__ = ["parts", "wait_worker_ready"]
 

@@ -224,7 +224,7 @@ THRESHOLD_KB = (4, 64, 256, 512, 1024, 4096)
 
 def fingerprint_of(t: torch.Tensor) -> bytes:
     """As ``unchanged.CopySkipper`` fingerprints a CPU tensor: its bytes through NumPy."""
-    from asyncckpt.differential import fingerprint_bytes
+    from asyncckpt.formats.differential import fingerprint_bytes
 
     return fingerprint_bytes(t.detach().reshape(-1).view(torch.uint8).numpy())
 
@@ -238,7 +238,7 @@ def threshold(total_mb: float, repeats: int) -> dict[str, Any]:
     the slot), so it pays only where ``fingerprint_over_copy`` < 1. Medians of ``repeats``."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from asyncckpt.staging import cpu_copy_threads
+    from asyncckpt.staging.arenas import cpu_copy_threads
 
     threads = cpu_copy_threads()
     out: dict[str, Any] = {"copy_threads": threads, "total_bytes": int(total_mb * MiB), "sizes": {}}

@@ -46,7 +46,8 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, root: str, saves: int, tensors: int, q: Any):
     import torch.distributed as dist
 
-    from asyncckpt import CheckpointEngine, Preemption, layout
+    from asyncckpt import CheckpointEngine, Preemption
+    from asyncckpt.core import layout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     import s3fs
 
     from asyncckpt import SyncCheckpointEngine
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
     from asyncckpt.storage import RemoteTier
     from asyncckpt.storage.remote import publish_after_commit
 

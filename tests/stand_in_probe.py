@@ -4,7 +4,7 @@ bytes: the same memory, not a copy)."""
 
 import sys
 
-from asyncckpt.replication import read_stand_in
+from asyncckpt.memory.replication import read_stand_in
 
 config, jobs, arenas = read_stand_in(sys.stdin.buffer)
 sums = {i: int(a.sum()) for i, a in arenas.items()}

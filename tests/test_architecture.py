@@ -75,8 +75,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert "asyncckpt.formats.base" in graph["asyncckpt.loadcheck"]
-    assert "asyncckpt.entries" in graph["asyncckpt.formats.dcp"]
+    assert "asyncckpt.formats.base" in graph["asyncckpt.formats.loadcheck"]
+    assert "asyncckpt.core.entries" in graph["asyncckpt.formats.dcp"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 
@@ -105,7 +105,7 @@ def test_no_class_is_a_god_class():
     sizes = {f"{m}.{c.name}": c.end_lineno - c.lineno + 1 for m, c in _classes()}
     big = {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}
     assert not big, f"classes over {MAX_CLASS_LINES} lines: {big}"
-    assert sizes["asyncckpt.saving.Saver"] > 0  # the parts exist where the README says
+    assert sizes["asyncckpt.trainer.saving.Saver"] > 0  # the parts exist where the README says
 
 
 def _foreign_attributes(cls: ast.ClassDef) -> set[str]:
@@ -171,7 +171,7 @@ def test_the_rank_has_one_source():
     """Every part reads the rank from ``EngineParts.ranks`` (``Ranks``), resolved once."""
     engine_src = (PACKAGE / "engine.py").read_text()
     assert "opts.rank" not in engine_src and "self.rank =" not in engine_src
-    for module in ("supervisor.py", "saving.py", "jobs.py"):
+    for module in ("trainer/supervisor.py", "trainer/saving.py", "trainer/jobs.py"):
         assert "opts.rank" not in (PACKAGE / module).read_text(), module
 
 
@@ -193,11 +193,11 @@ WRITE_SIDE = {
 ALLOWED = {
     # The O_DIRECT file writer: ``os.write`` of aligned blocks and the ``ftruncate`` that
     # drops the tail's padding are how that file's bytes are written, not a change of names.
-    ("asyncckpt/directio.py", "os.pwrite"),
-    ("asyncckpt/directio.py", "os.ftruncate"),
+    ("asyncckpt/io/directio.py", "os.pwrite"),
+    ("asyncckpt/io/directio.py", "os.ftruncate"),
     # A replica's buffer is an anonymous file in memory (memfd, no name on any disk): its
     # ``ftruncate`` sizes memory a stand-in process maps by descriptor.
-    ("asyncckpt/replication.py", "os.ftruncate"),
+    ("asyncckpt/memory/replication.py", "os.ftruncate"),
 }
 
 
@@ -291,5 +291,5 @@ def test_the_lock_name_is_spelled_once():
             if text in p.read_text()
         )
 
-    assert files_with('".asyncckpt.lock') == ["asyncckpt/layout.py"]
-    assert files_with("LOCK_NAME") == ["asyncckpt/layout.py", "asyncckpt/storage/localfs.py"]
+    assert files_with('".asyncckpt.lock') == ["asyncckpt/core/layout.py"]
+    assert files_with("LOCK_NAME") == ["asyncckpt/core/layout.py", "asyncckpt/storage/localfs.py"]

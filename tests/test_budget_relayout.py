@@ -110,7 +110,8 @@ def test_a_relayout_just_after_the_worker_died_fails_as_a_worker_death(tmp_path,
     which waits for the new one (committed) or says ``WorkerDied``."""
     import signal
 
-    from asyncckpt import WorkerDied, supervisor
+    from asyncckpt import WorkerDied
+    from asyncckpt.trainer import supervisor
 
     real = supervisor.WorkerSupervisor._on_death
 
@@ -141,8 +142,8 @@ def test_a_worker_that_never_says_it_let_go_delays_a_relayout_only_so_long(
     ``DROP_WAIT_S`` at most, says so, and the save goes on (over the budget for a while)."""
     import threading
 
-    from asyncckpt import messages as M
-    from asyncckpt import saving, supervisor
+    from asyncckpt.core import messages as M
+    from asyncckpt.trainer import saving, supervisor
 
     monkeypatch.setattr(saving, "DROP_WAIT_S", 0.5)
     real = supervisor.WorkerSupervisor._on_event

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncckpt import bytecheck
-from asyncckpt.staging import StagingSlot
+from asyncckpt.staging import bytecheck
+from asyncckpt.staging.arenas import StagingSlot
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ def test_a_storage_freed_after_the_copy_is_never_read_by_the_compare():
     the compare: the compare read it through a null pointer (the trainer died, SIGSEGV). Now
     the pointers are checked first, as the copy does: a torn state naming it."""
     from asyncckpt.errors import StateModifiedWhileStaging
-    from asyncckpt.staging import Marks
+    from asyncckpt.staging.arenas import Marks
 
     frees = {
         "small5": lambda t: t.untyped_storage().resize_(0),
@@ -117,7 +117,8 @@ def test_an_in_place_write_after_the_copy_is_named_as_one(tmp_path, monkeypatch)
     """A write the version counter sees, landing after the copy's counter check and before
     the compare: the save fails (its bytes are not the staged ones) and says what it was, not
     "no version counter moved"."""
-    from asyncckpt import SaveFailed, StateModifiedWhileStaging, SyncCheckpointEngine, unchanged
+    from asyncckpt import SaveFailed, StateModifiedWhileStaging, SyncCheckpointEngine
+    from asyncckpt.staging import unchanged
 
     state = {"w": torch.randn(256), "b": torch.randn(256)}
     real = unchanged.torn_since
@@ -183,7 +184,7 @@ def _chunk_state() -> dict[str, torch.Tensor]:
 def _staged_in_chunks(tensors: dict[str, torch.Tensor], budget: int = 256 << 10):
     """Stage ``tensors`` chunk by chunk as a chunked save does (the copy, then the staged
     bytes fingerprinted); returns the fingerprints and the staged bytes of each tensor."""
-    from asyncckpt import chunked
+    from asyncckpt.staging import chunked
 
     plan = chunked.plan_for(tensors, budget)
     arena = torch.zeros(plan.arena_bytes, dtype=torch.uint8)
@@ -205,7 +206,7 @@ def _staged_in_chunks(tensors: dict[str, torch.Tensor], budget: int = 256 << 10)
 
 
 def test_chunked_staged_bytes_are_the_sources_and_nothing_changed_is_named():
-    from asyncckpt.staging import Marks
+    from asyncckpt.staging.arenas import Marks
 
     tensors = _chunk_state()
     marks = Marks.of(tensors)
@@ -230,7 +231,7 @@ def test_chunked_staged_bytes_are_the_sources_and_nothing_changed_is_named():
     ],
 )
 def test_chunked_a_write_after_its_chunk_is_named(key, write):
-    from asyncckpt.staging import Marks
+    from asyncckpt.staging.arenas import Marks
 
     tensors = _chunk_state()
     marks = Marks.of(tensors)
@@ -241,7 +242,7 @@ def test_chunked_a_write_after_its_chunk_is_named(key, write):
 
 def test_chunked_a_storage_freed_before_the_compare_is_never_read():
     from asyncckpt.errors import StateModifiedWhileStaging
-    from asyncckpt.staging import Marks
+    from asyncckpt.staging.arenas import Marks
 
     tensors = _chunk_state()
     marks = Marks.of(tensors)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt.chunking import ALIGN, plan_chunks
+from asyncckpt.staging.chunking import ALIGN, plan_chunks
 
 
 def _check(sizes: list[int], chunk: int) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from asyncckpt import ThrottleConfig
-from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.core import layout as L
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,8 +220,8 @@ def test_prune_racing_the_engines_own_prune_succeeds(root, capsys, monkeypatch, 
     plan and the deletion). That is what was asked for: exit 0, and say so."""
     import shutil
 
-    import asyncckpt.prune as P
     import asyncckpt.storage.local as local
+    import asyncckpt.storage.prune as P
 
     real_delete, real_info = P.delete, local.read_checkpoint_info
 

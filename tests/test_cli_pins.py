@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.core import layout as L
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_a_protect_before_the_start_counts_from_the_start(tmp_path, capsys):
 def test_pins_of_an_engine_that_is_gone_are_ignored(tmp_path, capsys):
     """A killed engine leaves its file; nobody holds its lock, so the pins no longer count
     (and a new engine of that rank, another pid, does not inherit them)."""
-    from asyncckpt.pinfile import publish
+    from asyncckpt.storage.pinfile import publish
 
     with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         for step in (1, 2):
@@ -134,7 +134,7 @@ def test_of_two_threads_protecting_at_once_the_last_file_holds_both_pins(tmp_pat
     import threading
     import time
 
-    from asyncckpt import pinfile
+    from asyncckpt.storage import pinfile
 
     pinned = {1}
     other_done = threading.Event()

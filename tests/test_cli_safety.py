@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.core import layout as L
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -145,8 +145,8 @@ def test_package_surface_is_unchanged_and_lazy():
     "url", ["s3://bucket/run", "gs://b/x", "az://c/d", "hf+s3://x", "file://tmp"]
 )
 def test_check_local_root_refuses_urls(url):
+    from asyncckpt.core.paths import UnsupportedStorage, check_local_root
     from asyncckpt.errors import CheckpointError
-    from asyncckpt.paths import UnsupportedStorage, check_local_root
 
     with pytest.raises(UnsupportedStorage, match="a URL is not a local path here") as info:
         check_local_root(url)
@@ -155,7 +155,7 @@ def test_check_local_root_refuses_urls(url):
 
 
 def test_check_local_root_accepts_paths(tmp_path):
-    from asyncckpt.paths import check_local_root
+    from asyncckpt.core.paths import check_local_root
 
     assert check_local_root(tmp_path) == tmp_path
     assert check_local_root(str(tmp_path / "a:b")) == tmp_path / "a:b"
@@ -166,7 +166,7 @@ def test_check_local_root_accepts_paths(tmp_path):
 
 def test_a_path_made_from_a_url_is_refused_too():
     from asyncckpt import UnsupportedStorage, verify
-    from asyncckpt.paths import check_local_root
+    from asyncckpt.core.paths import check_local_root
 
     with pytest.raises(UnsupportedStorage, match="lost a '/'"):
         check_local_root(Path("s3://bucket/run"))  # Path() made it s3:/bucket/run
@@ -223,8 +223,8 @@ def test_plan_prune_carries_the_warning():
 
 
 def test_library_prune_warns_and_reports(root, caplog):
-    from asyncckpt.prune import prune
     from asyncckpt.retention import KeepBest, MissingMetricWarning
+    from asyncckpt.storage.prune import prune
 
     with pytest.warns(MissingMetricWarning, match="'val_loss' is missing from 4 of 4") as rec:
         result = prune(root, "global_step", KeepBest(1, "val_loss"), dry_run=True)
@@ -329,8 +329,8 @@ def test_cli_prune_keeps_the_newest_that_verifies(root, capsys, damage):
 
 
 def test_library_prune_result_and_json(root, capsys):
-    from asyncckpt.prune import prune
     from asyncckpt.retention import KeepLast
+    from asyncckpt.storage.prune import prune
 
     flip_byte(shard(root, 40))
     flip_byte(shard(root, 30))
@@ -350,8 +350,8 @@ def test_library_prune_result_and_json(root, capsys):
 
 
 def test_nothing_verifies_refuses_unless_no_verify(root, capsys):
-    from asyncckpt.prune import PruneRefused, prune
     from asyncckpt.retention import KeepLast
+    from asyncckpt.storage.prune import PruneRefused, prune
 
     for s in (10, 20, 30, 40):
         truncate(shard(root, s))
@@ -365,8 +365,8 @@ def test_nothing_verifies_refuses_unless_no_verify(root, capsys):
 
 
 def test_a_good_kept_checkpoint_is_read_once_and_trusted_ones_not_at_all(root):
-    from asyncckpt.prune import prune
     from asyncckpt.retention import KeepLast
+    from asyncckpt.storage.prune import prune
 
     rec = Recorder()
     prune(root, "global_step", KeepLast(2), progress=rec, dry_run=True)
@@ -384,12 +384,12 @@ def test_the_engines_prune_trusts_the_checkpoint_it_just_committed(root, monkeyp
     from types import SimpleNamespace
 
     from asyncckpt.retention import KeepLast
-    from asyncckpt.worker import PruneRequest
+    from asyncckpt.worker.loop import PruneRequest
 
     def no_read(*a, **k):
         raise AssertionError("the worker's prune read a checkpoint back")
 
-    monkeypatch.setattr("asyncckpt.manifest.check_dir", no_read)
+    monkeypatch.setattr("asyncckpt.storage.manifest.check_dir", no_read)
     config = SimpleNamespace(layout="global_step")
     result = PruneRequest(policy=KeepLast(1)).run(root, config, 30)  # 40 is above: kept
     assert result.deleted == [10, 20] and steps(root) == [30, 40]
@@ -469,7 +469,7 @@ def test_rich_progress_shows_only_on_a_terminal(root):
     from rich.console import Console
 
     from asyncckpt import verify
-    from asyncckpt.progress import RichProgress
+    from asyncckpt.core.progress import RichProgress
 
     for terminal in (False, True):
         buf = io.StringIO()

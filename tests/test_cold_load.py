@@ -13,7 +13,7 @@ import torch
 from crc32c import crc32c
 
 from asyncckpt import CorruptCheckpoint, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 
 def state_at(step: int) -> dict:
@@ -63,7 +63,7 @@ def test_a_verified_load_copies_the_files_once(tmp_path):
     straight into the targets): one copy of the bytes, as a raw read makes, not DCP's read of
     each record on top. (Before, the check read every file into a buffer: 2x.) Where the
     mapping is refused the check reads through a buffer, and says so in ``fallbacks``."""
-    from asyncckpt import precheck
+    from asyncckpt.formats import precheck
 
     save(tmp_path, [1])
     size = data_bytes(tmp_path, 1)
@@ -82,7 +82,8 @@ def test_read_checkpoint_verifies_with_the_loads_check_and_copies_the_files_once
     """``read_checkpoint`` (Lightning's path) checks with the load's check (``precheck``):
     pages checksummed in place, then the format's one read. (Before, it read every file into
     a buffer one after another to checksum it: twice the bytes of a read without the check.)"""
-    from asyncckpt import precheck, read_checkpoint
+    from asyncckpt import read_checkpoint
+    from asyncckpt.formats import precheck
 
     save(tmp_path, [1])
     size = data_bytes(tmp_path, 1)
@@ -153,7 +154,7 @@ def test_the_reader_waits_for_the_check_running_beside_it(tmp_path, monkeypatch)
     target changed (invariant 11), however far the reader got meanwhile."""
     import time
 
-    from asyncckpt import restore
+    from asyncckpt.trainer import restore
 
     state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(4)}, "step": 1}
     with SyncCheckpointEngine(tmp_path) as engine:

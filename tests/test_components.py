@@ -29,7 +29,7 @@ from asyncckpt import (
     faults,
     verify,
 )
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.formats.components import check_spec, expand_groups
 
 SPEC = {

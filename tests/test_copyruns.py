@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncckpt import SyncCheckpointEngine, staging
-from asyncckpt.copyruns import MIN_RUN
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt.staging import arenas as staging
+from asyncckpt.staging.copyruns import MIN_RUN
 from asyncckpt.testing import parts
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncckpt import cpu_limits as cl
+from asyncckpt.io import cpu_limits as cl
 
 
 def test_cpu_lists_parse_as_the_kernel_writes_them():

@@ -160,7 +160,7 @@ def _arena_snapshot(engine: CheckpointEngine) -> tuple[list[int], list[int]]:
 
 
 async def test_cuda_pinned_arenas_registered_once_and_reused(tmp_path, monkeypatch):
-    from asyncckpt import staging
+    from asyncckpt.staging import arenas as staging
 
     calls: list[tuple[int, bool]] = []
     real = staging.allocate_arena
@@ -364,7 +364,7 @@ def test_cuda_saves_that_returned_survive_the_trainers_sigkill(tmp_path):
 
 
 def test_cuda_device_fingerprint_is_the_cpu_ones_and_sees_one_bit():
-    from asyncckpt.unchanged import device_fingerprint
+    from asyncckpt.staging.unchanged import device_fingerprint
 
     g = torch.Generator().manual_seed(0)
     t = torch.randint(0, 256, (3 * (1 << 20) + 3,), dtype=torch.uint8, generator=g)
@@ -381,7 +381,7 @@ def test_cuda_fused_fingerprint_kernel_is_trusted_where_triton_is_and_matches_th
     reason says why (the test fails with it: a kernel written without a GPU must be seen
     working on one)."""
     pytest.importorskip("triton", reason="no Triton: the torch ops fingerprint (no kernel)")
-    from asyncckpt.unchanged import device_fingerprint, kernel_state, reference_fingerprint
+    from asyncckpt.staging.unchanged import device_fingerprint, kernel_state, reference_fingerprint
 
     g = torch.Generator().manual_seed(1)
     t = torch.randint(0, 256, (40 * (1 << 20) + 7,), dtype=torch.uint8, generator=g).cuda()
@@ -400,7 +400,7 @@ def test_cuda_prepare_runs_the_fused_kernels_self_check_before_the_first_save(tm
     code = (
         "import sys, torch\n"
         "from asyncckpt import SyncCheckpointEngine\n"
-        "from asyncckpt.unchanged import kernel_state\n"
+        "from asyncckpt.staging.unchanged import kernel_state\n"
         "state = {'w': torch.ones(1 << 22, device='cuda')}\n"
         "with SyncCheckpointEngine(sys.argv[1]) as engine:\n"
         "    assert kernel_state()['reason'] == 'not tried yet', kernel_state()\n"
@@ -427,7 +427,8 @@ CUDA_MUTATIONS = {
 def test_cuda_differential_copies_skip_and_load_bit_for_bit(tmp_path, mutation):
     import torch.distributed.checkpoint as dcp
 
-    from asyncckpt import SyncCheckpointEngine, layout
+    from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.core import layout
 
     g = torch.Generator(device="cuda").manual_seed(0)
     model = {k: torch.randn(256, 1024, device="cuda", generator=g) for k in "abcd"}  # 1 MiB
@@ -455,8 +456,9 @@ def test_cuda_a_view_off_a_4_byte_boundary_is_copied_not_fingerprinted(tmp_path)
     the save or turns the fused kernel off; the aligned tensor beside it is still skipped."""
     import torch.distributed.checkpoint as dcp
 
-    from asyncckpt import SyncCheckpointEngine, layout
-    from asyncckpt.unchanged import kernel_state
+    from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.core import layout
+    from asyncckpt.staging.unchanged import kernel_state
 
     g = torch.Generator(device="cuda").manual_seed(0)
     flat = torch.randn(1 << 20, device="cuda", generator=g).to(torch.bfloat16)  # 2 MiB
@@ -492,11 +494,12 @@ def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_cop
     0.16 s to copy it.)"""
     import torch.distributed.checkpoint as dcp
 
-    from asyncckpt import SyncCheckpointEngine, layout
+    from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.core import layout
 
     g = torch.Generator(device="cuda").manual_seed(0)
     model = {k: torch.randn(16 << 20, device="cuda", generator=g) for k in "abcd"}  # 64 MiB
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         with SyncCheckpointEngine(tmp_path, keep=None) as engine:
             stats = [engine.save(step, {"model": model}).committed_sync() for step in (1, 2, 3)]
     said = [r for r in caplog.records if "fingerprinting on the GPU" in r.getMessage()]
@@ -524,7 +527,7 @@ def test_cuda_device_fingerprints_stay_on_only_where_they_cost_less_than_the_cop
 def _fingerprint_and_copy_rates(tensors: list[torch.Tensor]) -> tuple[float, float]:
     """Bytes per second of ``device_fingerprint`` over ``tensors`` and of their copy into
     pinned host memory, each the best of 3 (after a warm-up)."""
-    from asyncckpt.unchanged import device_fingerprint
+    from asyncckpt.staging.unchanged import device_fingerprint
 
     nbytes = sum(t.nbytes for t in tensors)
     hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -560,7 +563,7 @@ def test_cuda_hot_load_through_the_pinned_bounce_is_bit_for_bit():
     from test_hot_resume import offered
 
     from asyncckpt.formats.hotread import BOUNCE_BYTES, HotDeclined
-    from asyncckpt.hot_load import HotSpoiled, load_offered
+    from asyncckpt.memory.hot_load import HotSpoiled, load_offered
 
     g = torch.Generator().manual_seed(5)
     state = {

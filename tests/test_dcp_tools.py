@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from asyncckpt import CheckpointError, SyncCheckpointEngine, read_checkpoint
-from asyncckpt.export import read_full_state
 from asyncckpt.formats import dcp as dcp_format
+from asyncckpt.worker.export import read_full_state
 
 
 @pytest.fixture(autouse=True)

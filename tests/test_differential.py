@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 
-from asyncckpt import KeepLast, Staging, SyncCheckpointEngine, layout, verify
+from asyncckpt import KeepLast, Staging, SyncCheckpointEngine, verify
+from asyncckpt.core import layout
 from asyncckpt.storage import RemoteTier
 from asyncckpt.storage.fsspec_store import FsspecStore
 
@@ -179,7 +180,7 @@ def test_a_load_falls_back_past_every_checkpoint_holding_a_corrupt_shared_file(t
     whose a differs."""
     import warnings
 
-    from asyncckpt.prune import list_quarantined
+    from asyncckpt.storage.prune import list_quarantined
 
     state = state_of()
     want = {"model": {k: v.clone() for k, v in state["model"].items()}, "step": 1}
@@ -413,7 +414,7 @@ def test_a_previous_checkpoint_pruned_while_its_fingerprints_are_read_is_written
     """Another process's prune removed the previous checkpoint between the read of its
     fingerprints and the look at their file: the save failed with FileNotFoundError. Nothing
     is linked then; every file is written (and the fallback says why)."""
-    from asyncckpt import differential
+    from asyncckpt.formats import differential
 
     with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         engine.save(1, state_of()).committed_sync()

@@ -14,10 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 
-import asyncckpt.unchanged as unchanged
-from asyncckpt import MemoryTier, Staging, SyncCheckpointEngine, layout
-from asyncckpt.staging import Marks, StagingSlot
-from asyncckpt.unchanged import CopySkipper, device_fingerprint, stage_checked
+import asyncckpt.staging.unchanged as unchanged
+from asyncckpt import MemoryTier, Staging, SyncCheckpointEngine
+from asyncckpt.core import layout
+from asyncckpt.staging.arenas import Marks, StagingSlot
+from asyncckpt.staging.unchanged import CopySkipper, device_fingerprint, stage_checked
 
 BIG = (256, 1024)  # 1 MiB of float32: a large tensor (staging.SMALL_TENSOR_BYTES), skippable
 MiB = 1 << 20
@@ -231,7 +232,7 @@ def test_a_device_fingerprint_slower_than_the_copy_is_turned_off_and_said(caplog
     assert skipper.on_device and fast.cuda_record and small.cuda_record
     assert caplog.records == []
     slow = unchanged.SkipPlan(device_bytes=8 * GiB, device_seconds=0.21, cuda_record={0: b"x"})
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         skipper.weigh(slow, 8 * GiB, 0.16)
     assert not skipper.on_device and slow.cuda_record == {}
     (record,) = caplog.records

@@ -13,15 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from statecmp import assert_same
 
-from asyncckpt import (
-    CheckpointInfo,
-    KeepLast,
-    SaveFailed,
-    Staging,
-    SyncCheckpointEngine,
-    faults,
-    layout,
-)
+from asyncckpt import CheckpointInfo, KeepLast, SaveFailed, Staging, SyncCheckpointEngine, faults
+from asyncckpt.core import layout
 
 BIG = (256, 1024)  # 1 MiB of float32: copy-skippable, and a file of its own
 MiB = 1 << 20
@@ -107,7 +100,7 @@ def test_a_format_that_does_not_link_says_so_once(tmp_path, caplog):
     # once per format, and gives no previous checkpoint to link from.
     import logging
 
-    from asyncckpt.differential import LinkSource
+    from asyncckpt.formats.differential import LinkSource
 
     links = LinkSource(tmp_path, "megatron", enabled=True)
     new = CheckpointInfo(1, 0.0)

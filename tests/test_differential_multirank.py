@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_multirank import run_ranks
 
-from asyncckpt import layout as L
 from asyncckpt import verify
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # several ranks: `-m integration`
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncckpt import directio
-from asyncckpt.directio import ALIGN, DirectFile, open_for_write
-from asyncckpt.manifest import checksum
+from asyncckpt.io import directio
+from asyncckpt.io.directio import ALIGN, DirectFile, open_for_write
+from asyncckpt.storage.manifest import checksum
 
 needs_o_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncckpt import CheckpointEngine, SyncCheckpointEngine, ThrottleConfig
-from asyncckpt.throttle import Pacer, RateLimiter
+from asyncckpt.io.throttle import Pacer, RateLimiter
 
 pytestmark = pytest.mark.anyio
 

@@ -25,7 +25,7 @@ from asyncckpt import (
     WorkerDied,
     faults,
 )
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.testing import parts
 
 pytestmark = pytest.mark.anyio
@@ -422,7 +422,7 @@ def test_a_root_whose_probe_write_fails_is_refused(tmp_path, monkeypatch):
     """The writability probe (LocalStore.check_writable) also where permissions do not apply
     (as root): a write refused by the disk is the same clear error, and no probe is left."""
     from asyncckpt.storage import localfs
-    from asyncckpt.supervisor import lock_root
+    from asyncckpt.trainer.supervisor import lock_root
 
     def refuse(path, data):
         raise OSError(30, "Read-only file system")
@@ -434,7 +434,7 @@ def test_a_root_whose_probe_write_fails_is_refused(tmp_path, monkeypatch):
 
 
 async def test_staging_refuses_rather_than_swap(tmp_path, anyio_backend, monkeypatch):
-    import asyncckpt.staging as staging
+    import asyncckpt.staging.arenas as staging
 
     class FakeVM:
         available = 64 << 20
@@ -462,7 +462,7 @@ def test_a_state_over_the_staging_budget_is_refused_before_anything_is_written(t
 
 
 def test_a_staging_budget_the_machine_lacks_is_refused_at_start(tmp_path, monkeypatch):
-    from asyncckpt import staging
+    from asyncckpt.staging import arenas as staging
 
     class FakeVM:
         available = 4 << 30

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors export of committed checkpoints (``asyncckpt.export``).
+"""Hugging Face safetensors export of committed checkpoints (``asyncckpt.worker.export``).
 
 A tiny GPT-2 (built from a config, nothing downloaded) is saved by the real engine in each
 format that export reads (dcp, torch_dist, components with a dcp and a pt part), exported, and
@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from asyncckpt import Component, Distributed, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.errors import CorruptCheckpoint
-from asyncckpt.export import (
+from asyncckpt.storage.manifest import check_dir, read_manifest
+from asyncckpt.worker.export import (
     INDEX_NAME,
     WEIGHTS_NAME,
     HFExport,
@@ -39,7 +40,6 @@ from asyncckpt.export import (
     read_full_state,
     write_safetensors,
 )
-from asyncckpt.manifest import check_dir, read_manifest
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -508,7 +508,7 @@ def test_prune_removes_the_leftover_of_a_crashed_export_with_a_dash_in_its_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The temporary is named by layout.tmp_name_of ("-" as "_"); the pruner finds it."""
-    from asyncckpt import export as E
+    from asyncckpt.worker import export as E
 
     root = tmp_path / "hf"
     export = HFExport(1, root, keep=1, dirname="my-model")
@@ -733,7 +733,7 @@ def test_worker_killed_mid_export_fails_the_handle_and_the_next_worker_exports(
 _TRAINER = """
 import sys, torch
 from asyncckpt import SyncCheckpointEngine, ThrottleConfig
-from asyncckpt.export import HFExport
+from asyncckpt.worker.export import HFExport
 sys.path.insert(0, {tests!r})
 from test_export import _small_model
 export = HFExport(every_steps=2, path={hf!r}, component="policy.model", max_shard_size=20000)

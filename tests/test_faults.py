@@ -31,7 +31,7 @@ from asyncckpt import (
     faults,
     verify,
 )
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.testing import parts
 
 
@@ -500,7 +500,7 @@ def test_enospc_writing_the_tracker_leaves_no_temporary(tmp_path, monkeypatch, f
     """A full disk while the tracker's temporary is written (or fsynced): the error reaches
     the caller, the old tracker stands, and the temporary is gone at once (not at the next
     start)."""
-    from asyncckpt import commit
+    from asyncckpt.storage import commit
 
     commit.write_tracker(tmp_path, "global_step", 1)
     (tmp_path / "global_step_2").mkdir()

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import asyncckpt.fingerprint_kernel as fk
-import asyncckpt.unchanged as unchanged
-from asyncckpt.unchanged import device_fingerprint, kernel_state, reference_fingerprint
+import asyncckpt.staging.fingerprint_kernel as fk
+import asyncckpt.staging.unchanged as unchanged
+from asyncckpt.staging.unchanged import device_fingerprint, kernel_state, reference_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 W = fk.WORDS_PER_PROGRAM
@@ -130,7 +130,7 @@ def test_a_kernel_that_passes_its_self_check_is_used_checked_once(
 ):
     calls = stand_in(monkeypatch, torch_lanes)
     t = random_bytes(4 * W + 7, 3)
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         assert torch.equal(device_fingerprint(t), original_fingerprint(t))
         checked = len(calls)
         assert checked > 1  # the self-check's runs, then this tensor's
@@ -154,7 +154,7 @@ def test_a_kernel_turned_off_during_another_devices_self_check_stays_off(
 
     monkeypatch.setattr(unchanged, "_self_check", meanwhile_off)
     t = random_bytes(4 * W + 7, 5)
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         assert torch.equal(device_fingerprint(t), original_fingerprint(t))
     state = kernel_state()
     assert not state["used"] and state["reason"].startswith("off:"), state
@@ -196,7 +196,7 @@ def test_a_kernel_failing_its_self_check_falls_back_for_good_said_once_and_count
     blind_to_bytes.__dict__.pop("seen", None)
     calls = stand_in(monkeypatch, fused)
     t = random_bytes(1001, 4)
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         assert torch.equal(device_fingerprint(t), original_fingerprint(t))
         checked = len(calls)
         assert torch.equal(device_fingerprint(t), original_fingerprint(t))
@@ -219,7 +219,7 @@ def test_a_trusted_kernel_that_raises_later_falls_back_with_the_right_lanes(
 
     stand_in(monkeypatch, ok_for_the_probe)
     t = random_bytes(4 * 12345, 5)
-    with caplog.at_level("WARNING", logger="asyncckpt.unchanged"):
+    with caplog.at_level("WARNING", logger="asyncckpt.staging.unchanged"):
         assert torch.equal(device_fingerprint(t), original_fingerprint(t))
     assert not kernel_state()["used"] and "out of memory" in kernel_state()["reason"]
     assert "fast path fell back" in caplog.records[0].getMessage()
@@ -235,9 +235,9 @@ def test_kernel_state_says_why_not_without_triton(monkeypatch, fresh_kernel_stat
 INTERPRETED = textwrap.dedent(
     """
     import json, torch
-    import asyncckpt.fingerprint_kernel as fk
-    import asyncckpt.unchanged as u
-    from asyncckpt.unchanged import device_fingerprint, reference_fingerprint
+    import asyncckpt.staging.fingerprint_kernel as fk
+    import asyncckpt.staging.unchanged as u
+    from asyncckpt.staging.unchanged import device_fingerprint, reference_fingerprint
 
     W = fk.WORDS_PER_PROGRAM
     out = {}

@@ -72,7 +72,7 @@ def test_a_fresh_sync_run_is_one_info_line_not_a_warning(tmp_path, caplog):
 def test_the_read_bar_of_a_large_load_has_a_total_and_completes(tmp_path, monkeypatch):
     import sys
 
-    from asyncckpt import loadcheck
+    from asyncckpt.formats import loadcheck
 
     bars = []
 
@@ -101,7 +101,7 @@ def _terminal(monkeypatch):
 
     from rich.console import Console
 
-    from asyncckpt import progress
+    from asyncckpt.core import progress
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
@@ -121,7 +121,7 @@ def test_close_shows_a_bar_on_a_terminal_while_it_waits_for_a_save(tmp_path, mon
 
 
 def test_close_stays_quiet_off_a_terminal(tmp_path, monkeypatch, capfd):
-    from asyncckpt import progress
+    from asyncckpt.core import progress
 
     monkeypatch.setattr(progress, "DRAIN_BAR_AFTER_S", 0.0)
     faults.inject("mid_shard_write", "delay", seconds=1.0)
@@ -135,8 +135,8 @@ def test_start_returns_before_the_worker_is_ready_and_the_first_save_waits_for_i
 ):
     import threading
 
-    from asyncckpt import messages as M
-    from asyncckpt.supervisor import WorkerSupervisor
+    from asyncckpt.core import messages as M
+    from asyncckpt.trainer.supervisor import WorkerSupervisor
 
     release = threading.Event()
     original = WorkerSupervisor._on_event
@@ -174,8 +174,8 @@ def _drop_first_ready(monkeypatch):
     set when that Ready was dropped."""
     import threading
 
-    from asyncckpt import messages as M
-    from asyncckpt.supervisor import WorkerSupervisor
+    from asyncckpt.core import messages as M
+    from asyncckpt.trainer.supervisor import WorkerSupervisor
 
     first_ready = threading.Event()
     original = WorkerSupervisor._on_event

@@ -10,8 +10,8 @@ import torch
 from statecmp import assert_same
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt.flatplan import FlattenCache, FlattenPlan
-from asyncckpt.staging import flatten_state
+from asyncckpt.staging.arenas import flatten_state
+from asyncckpt.staging.flatplan import FlattenCache, FlattenPlan
 from asyncckpt.testing import parts
 
 
@@ -127,7 +127,7 @@ def test_paths_travel_once_per_plan_and_again_to_a_new_worker(tmp_path):
     import signal
     import time
 
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     state = make_state(2)
     with SyncCheckpointEngine(tmp_path) as engine:
@@ -169,7 +169,7 @@ def test_a_save_that_waits_for_a_replaced_worker_sends_it_the_paths(tmp_path):
     import json
 
     from asyncckpt import WorkerDied, faults
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     state = make_state(4)
     with SyncCheckpointEngine(tmp_path) as engine:
@@ -197,8 +197,8 @@ def test_prepare_sends_the_paths_ahead_so_the_first_save_carries_none(tmp_path, 
     them into the first save's job was ~0.5 s of its stall); the manifest still has them."""
     import json
 
-    from asyncckpt import layout as L
-    from asyncckpt import saving
+    from asyncckpt.core import layout as L
+    from asyncckpt.trainer import saving
 
     sent = []
     encode = saving._encode_job
@@ -226,7 +226,7 @@ def test_a_replay_does_not_run_the_garbage_collector():
     save every few saves."""
     import gc
 
-    from asyncckpt.flatplan import FlattenCache
+    from asyncckpt.staging.flatplan import FlattenCache
 
     state = {f"g{i}": {f"t{j}": torch.zeros(4) for j in range(100)} for i in range(200)}
     cache = FlattenCache()

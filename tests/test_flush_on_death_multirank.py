@@ -1,6 +1,6 @@
 """Several ranks: a save whose ``save()`` returned on every rank is committed even if trainers
 are SIGKILLed the next instant -- all of them, one of them while the others go on, or rank 0's,
-whose worker serves the side store the workers agree over (asyncckpt/dist.py).
+whose worker serves the side store the workers agree over (asyncckpt/cluster/dist.py).
 
 Each rank is a subprocess (gloo over a FileStore), since a rank killed by SIGKILL cannot report
 through ``run_ranks``. The ranks that die first stage step 2 and die before the others stage it
@@ -23,7 +23,7 @@ from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
 from asyncckpt import SyncCheckpointEngine, verify
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # several ranks: `-m integration`
 

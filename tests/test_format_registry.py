@@ -19,8 +19,8 @@ import pytest
 import torch
 from statecmp import assert_same
 
-from asyncckpt import Preemption, StateMismatch, SyncCheckpointEngine, loadcheck
-from asyncckpt import layout as L
+from asyncckpt import Preemption, StateMismatch, SyncCheckpointEngine
+from asyncckpt.core import layout as L
 from asyncckpt.formats import (
     FORMAT_ALIASES,
     FORMATS,
@@ -29,6 +29,7 @@ from asyncckpt.formats import (
     default_format,
     format_names,
     get_format,
+    loadcheck,
     register_format,
     staged,
     unregister_format,
@@ -43,8 +44,8 @@ from asyncckpt.formats.base import (
     WriteOptions,
 )
 from asyncckpt.formats.dcp import merge_into, unflatten
-from asyncckpt.manifest import checksum
-from asyncckpt.staging import flatten_state, serialize_objects
+from asyncckpt.staging.arenas import flatten_state, serialize_objects
+from asyncckpt.storage.manifest import checksum
 
 
 class OneFile(Format):
@@ -262,7 +263,7 @@ def engine_accepts_registered_formats() -> bool:
     reason="the engine still checks format= against its own list (formats.FORMATS)",
 )
 def test_engine_saves_and_loads_a_registered_format(tmp_path: Path, onefile: OneFile) -> None:
-    from asyncckpt.reading import read_checkpoint
+    from asyncckpt.formats.reading import read_checkpoint
 
     with SyncCheckpointEngine(
         tmp_path, format="one", preemption=Preemption(handle_sigterm=False)

@@ -23,7 +23,7 @@ import torch
 from test_multirank import run_ranks
 
 from asyncckpt import Distributed, Preemption, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.formats import megatron_legacy as legacy
 from asyncckpt.formats import staged
 from asyncckpt.formats import torch_dist as td

@@ -26,7 +26,7 @@ import torch
 from statecmp import assert_same
 
 from asyncckpt import KeepLast, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.frameworks import rlinf, skyrl
 
 pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`

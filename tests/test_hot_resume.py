@@ -30,7 +30,7 @@ from asyncckpt import (
     faults,
     verify,
 )
-from asyncckpt.hot import NO_WORKER
+from asyncckpt.memory.hot_resume import NO_WORKER
 
 N = 1 << 20  # "w": 4 MiB; "b": a small tensor; "meta": an object
 
@@ -302,8 +302,8 @@ def test_corrupt_is_only_for_a_point_that_holds_bytes():
 def offered(state: dict) -> tuple[object, dict]:
     """An offer made before writing, as a worker makes it (hot_serve.offer_staged), of
     ``state``, and its memory: the tensors' bytes by DCP key (a copy, writable here)."""
-    from asyncckpt.hot_serve import Offer, tensor_crcs
-    from asyncckpt.staging import flatten_state, serialize_objects
+    from asyncckpt.memory.hot_serve import Offer, tensor_crcs
+    from asyncckpt.staging.arenas import flatten_state, serialize_objects
 
     flat = flatten_state(state)
     memory = {k: memoryview(bytearray(t.numpy().tobytes())) for k, t in flat.tensors.items()}
@@ -315,7 +315,7 @@ def offered(state: dict) -> tuple[object, dict]:
 
 
 def test_a_load_from_the_offer_alone_is_bit_for_bit():
-    from asyncckpt.hot_load import load_offered
+    from asyncckpt.memory.hot_load import load_offered
 
     offer, memory = offered(state_at(3))
     target = blank()
@@ -324,7 +324,7 @@ def test_a_load_from_the_offer_alone_is_bit_for_bit():
 
 
 def test_memory_that_fails_its_checksum_while_copied_leaves_no_half_load_behind(tmp_path):
-    from asyncckpt.hot_load import HotSpoiled, load_offered
+    from asyncckpt.memory.hot_load import HotSpoiled, load_offered
 
     offer, memory = offered(state_at(3))
     memory["w"][12345] ^= 0x10  # after the checksums were offered
@@ -335,7 +335,7 @@ def test_memory_that_fails_its_checksum_while_copied_leaves_no_half_load_behind(
     # load_latest with nothing on disk to restore the whole target from: an error, never a
     # target left half-written by a load that returns.
     from asyncckpt import NoValidCheckpoint
-    from asyncckpt.restore import Restorer
+    from asyncckpt.trainer.restore import Restorer
 
     restorer = Restorer(
         tmp_path, "global_step", "dcp", None, verify_on_load=True, legacy=None, rank=0,
@@ -372,7 +372,8 @@ def test_an_offer_from_a_run_of_another_size_is_never_taken_from_memory(tmp_path
     failed the resume as uncommitted). Now the load waits for that commit and reads the disk."""
     from types import SimpleNamespace
 
-    from asyncckpt import hot, supervisor
+    from asyncckpt.memory import hot_resume as hot
+    from asyncckpt.trainer import supervisor
 
     offer, _ = offered(state_at(3))
     offer.world_size = 2
@@ -398,12 +399,12 @@ def test_on_node_local_roots_an_offer_never_outruns_the_agreed_step(tmp_path, mo
     refused as before. The agreement is a stand-in answering step 1; the root holds 1 and 2."""
     from types import SimpleNamespace
 
-    from asyncckpt import hot
-    from asyncckpt.hot_serve import Offer
-    from asyncckpt.loadcheck import LoadReport
-    from asyncckpt.local_load import Agreed
-    from asyncckpt.local_recovery import LoadChoice
-    from asyncckpt.restore import Restorer
+    from asyncckpt.cluster.local_recovery import LoadChoice
+    from asyncckpt.formats.loadcheck import LoadReport
+    from asyncckpt.memory import hot_resume as hot
+    from asyncckpt.memory.hot_serve import Offer
+    from asyncckpt.trainer.local_load import Agreed
+    from asyncckpt.trainer.restore import Restorer
 
     root = tmp_path / "root"
     with SyncCheckpointEngine(root, keep=None) as engine:

@@ -31,10 +31,10 @@ from asyncckpt import (
     KeepLast,
     RetentionPolicy,
     SyncCheckpointEngine,
-    layout,
 )
-from asyncckpt.prune import list_quarantined
+from asyncckpt.core import layout
 from asyncckpt.retention import plan_prune
+from asyncckpt.storage.prune import list_quarantined
 
 BIG = (256, 1024)  # 1 MiB of float32: a file of its own (differential.OWN_FILE_BYTES)
 FROZEN = "model.frozen"
@@ -52,7 +52,7 @@ def simulate(
     pruned with ``policy`` as the worker prunes (``by_hand``: before save N, a prune with
     another policy, as the CLI's). Returns each save's kept steps -> file identities, and how
     often the frozen file was written in full."""
-    from asyncckpt.differential import KeepRule, link_source
+    from asyncckpt.formats.differential import KeepRule, link_source
 
     rule = KeepRule(policy)
     ids = itertools.count()
@@ -139,7 +139,7 @@ def test_a_prune_by_hand_of_the_independent_copy_is_repaired_by_the_next_save():
 
 
 def test_the_new_steps_metrics_decide_what_is_predicted_kept():
-    from asyncckpt.differential import KeepRule
+    from asyncckpt.formats.differential import KeepRule
 
     rule = KeepRule(KeepLast(1) | KeepBest(1, "loss"))
     old = [CheckpointInfo(1, 1.0, {"loss": 1.0}), CheckpointInfo(2, 2.0, {"loss": 5.0})]
@@ -153,7 +153,7 @@ def test_the_new_steps_metrics_decide_what_is_predicted_kept():
 
 
 def test_link_source_prefers_the_first_allowed_candidate_and_skips_unknown_steps():
-    from asyncckpt.differential import link_source
+    from asyncckpt.formats.differential import link_source
 
     files = {1: frozenset({10, 11}), 2: frozenset({12, 13}), 3: frozenset({12, 14})}
     assert link_source([3, 2, 1], set(), files.get) == 3  # nothing kept beside: any

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncckpt import ThrottleConfig
-from asyncckpt import io_threads as io
+from asyncckpt.io import io_threads as io
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_a_reading_the_os_refuses_writes_one_file_at_a_time_said_once(monkeypatc
         raise io.psutil.AccessDenied(pid=1)
 
     monkeypatch.setattr(io, "read_cpu", refused)
-    with caplog.at_level("WARNING", logger="asyncckpt.throttle"):
+    with caplog.at_level("WARNING", logger="asyncckpt.io.throttle"):
         threads = io.IoThreads("auto")
         assert [threads.now() for _ in range(3)] == [1, 1, 1]
     assert len([r for r in caplog.records if "cannot read the CPU" in r.getMessage()]) == 1
@@ -219,7 +219,8 @@ def test_a_saves_io_threads_is_what_its_writers_ran_not_what_was_asked(tmp_path)
     ``io_threads`` asks: SaveStats says what ran (it said the setting)."""
     import torch
 
-    from asyncckpt import SyncCheckpointEngine, layout
+    from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.core import layout
 
     state = {"w": torch.full((1 << 14,), 1.0)}
     throttle = ThrottleConfig.background(io_threads=3)
@@ -250,7 +251,8 @@ def test_a_full_save_of_fewer_items_than_threads_writes_no_empty_files(tmp_path)
     threads than items wrote empty shard files and reported the setting as what ran."""
     import torch
 
-    from asyncckpt import Staging, SyncCheckpointEngine, layout
+    from asyncckpt import Staging, SyncCheckpointEngine
+    from asyncckpt.core import layout
 
     state = {"a": torch.full((1 << 12,), 1.0), "b": torch.full((1 << 12,), 2.0)}
     throttle = ThrottleConfig.background(io_threads=8)

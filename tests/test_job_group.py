@@ -15,7 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from asyncckpt import dist as _dist
+from asyncckpt.cluster import dist as _dist
 
 
 def test_a_job_group_with_a_rank_that_never_comes_fails_at_the_timeout():
@@ -107,7 +107,7 @@ def test_a_kept_group_serves_the_next_job_and_any_error_drops_it(monkeypatch):
 
 
 def _rank_of_kept_groups(rank: int, port: int, q) -> None:
-    from asyncckpt import peer_gone
+    from asyncckpt.cluster import peer_gone
 
     cfg = _dist.DistConfig(rank, 2, rank, "127.0.0.1", port, "tok-2", timeout=30.0)
     formed = []

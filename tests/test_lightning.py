@@ -31,7 +31,7 @@ from asyncckpt import (  # noqa: E402
     read_checkpoint,
     verify,
 )
-from asyncckpt import layout as _layout  # noqa: E402
+from asyncckpt.core import layout as _layout  # noqa: E402
 from asyncckpt.integrations.lightning import (  # noqa: E402
     AsyncCheckpointIO,
     load_from_checkpoint,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from asyncckpt import CheckpointError, Retention, SyncCheckpointEngine, WorkerDied, faults
-from asyncckpt import commit as C
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
+from asyncckpt.storage import commit as C
 from asyncckpt.testing import parts
 
 

@@ -22,7 +22,7 @@ from asyncckpt import (
     StateMismatch,
     SyncCheckpointEngine,
 )
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.anyio
 
@@ -268,8 +268,8 @@ def test_a_checkpoint_pruned_after_the_scan_is_skipped_quietly(root, monkeypatch
 
 @pytest.mark.parametrize("when", ["before_verify", "before_read"])
 def test_a_checkpoint_pruned_during_the_load_is_skipped_quietly(root, monkeypatch, quiet, when):
-    from asyncckpt import restore as E  # where the load verifies
     from asyncckpt.formats import staged
+    from asyncckpt.trainer import restore as E  # where the load verifies
 
     newest = root / L.dir_name("global_step", 2)
     if when == "before_verify":
@@ -370,7 +370,7 @@ def test_an_optimizer_that_refuses_the_state_is_a_mismatch(tmp_path):
 def test_progress_bar_on_a_terminal(root, monkeypatch):
     import sys
 
-    from asyncckpt import loadcheck
+    from asyncckpt.formats import loadcheck
 
     shown = []
     real_enter = loadcheck.Progress.__enter__
@@ -397,7 +397,7 @@ def test_loading_while_another_process_prunes(root, quiet):
     import threading
     import time
 
-    from asyncckpt.prune import trash_and_delete
+    from asyncckpt.storage.prune import trash_and_delete
 
     source = root / "global_step_2"
     stop = threading.Event()
@@ -465,7 +465,7 @@ def test_torch_dist_restores_a_fresh_optimizers_state(tmp_path):
 def test_a_missing_step_is_an_error_of_ours(root):
     """A step never committed, and a directory that is not there, are asyncckpt errors (that
     are also FileNotFoundError, for callers that caught that before)."""
-    from asyncckpt.reading import read_checkpoint
+    from asyncckpt.formats.reading import read_checkpoint
 
     target, before = blank(), tensors_of(blank())
     engine = SyncCheckpointEngine(root)
@@ -487,9 +487,8 @@ def test_a_step_pruned_between_listing_and_reading_is_an_error_of_ours(root, mon
     """load(step=N) of a step another process prunes between the caller's listing and the
     read: the same not-found error (``Vanished`` once the read began) wherever the race
     falls, never a bare FileNotFoundError nor a report of corruption."""
-    from asyncckpt import loadcheck
-    from asyncckpt import restore as E
-    from asyncckpt.formats import staged
+    from asyncckpt.formats import loadcheck, staged
+    from asyncckpt.trainer import restore as E
 
     engine = SyncCheckpointEngine(root)
     assert 2 in [c.step for c in engine.list_checkpoints()]  # the caller's listing
@@ -631,6 +630,6 @@ _BASE = torch.arange(12.0)
     ],
 )
 def test_self_overlap_is_found_exactly(t, overlaps):
-    from asyncckpt.loadcheck import self_overlapping
+    from asyncckpt.formats.loadcheck import self_overlapping
 
     assert self_overlapping(t) is overlaps

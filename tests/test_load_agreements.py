@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from asyncckpt import dist as _dist
-from asyncckpt.hot import HotResume
+from asyncckpt.cluster import dist as _dist
+from asyncckpt.memory.hot_resume import HotResume
 
 WORLD = 8
 
@@ -74,7 +74,7 @@ def test_the_load_step_agreement_reads_every_list_on_rank_0_only(tmp_path, monke
     """``storage="local"``'s agreement at load on the step every rank loads: every rank read
     every rank's list of steps (N^2 requests per load, N keys kept); now rank 0 reads them
     and publishes the choice."""
-    from asyncckpt.local_load import StepAgreement
+    from asyncckpt.trainer.local_load import StepAgreement
 
     shared = dist.HashStore()
     views = [Counting(shared) for _ in range(WORLD)]

@@ -12,17 +12,17 @@ from pathlib import Path
 import torch.distributed as dist
 from test_node_local import _damaged_replica, _replica_of_rank
 
-from asyncckpt import layout as L
 from asyncckpt import verify
-from asyncckpt.dist import DistConfig
-from asyncckpt.errors import NoValidCheckpoint
-from asyncckpt.local_load import StepAgreement
-from asyncckpt.local_recovery import (
+from asyncckpt.cluster.dist import DistConfig
+from asyncckpt.cluster.local_recovery import (
     held_replicas,
     replica_root,
     replica_roots,
     replicas_not_needed,
 )
+from asyncckpt.core import layout as L
+from asyncckpt.errors import NoValidCheckpoint
+from asyncckpt.trainer.local_load import StepAgreement
 
 #: The run's secret: the node-local fetch between the "nodes" proves it (framing.py).
 SECRET = "5e" * 32
@@ -166,7 +166,7 @@ def test_dropped_replicas_leave_the_namespace_at_once_and_their_space_behind_the
     """Deleting the dropped replicas (gigabytes of shards, file by file) ran inside the load:
     the training waited for it. They are renamed away during the load and removed behind it;
     a removal cut short (the process exits) is a leftover the next start removes."""
-    from asyncckpt.local_recovery import REPLICAS_DIR, clean_replica_leftovers
+    from asyncckpt.cluster.local_recovery import REPLICAS_DIR, clean_replica_leftovers
     from asyncckpt.storage import localfs
 
     node0, _ = _replica_of_rank(tmp_path, 1, 3)
@@ -202,7 +202,7 @@ def test_dropped_replicas_leave_the_namespace_at_once_and_their_space_behind_the
 def test_a_whole_node_dropped_leaves_no_trash_beside_the_replica_roots(tmp_path):
     """A node's whole replica root is renamed to a trash name in ``.asyncckpt-replicas``,
     which no start looked in: a removal cut short there stayed for good."""
-    from asyncckpt.local_recovery import REPLICAS_DIR, clean_replica_leftovers
+    from asyncckpt.cluster.local_recovery import REPLICAS_DIR, clean_replica_leftovers
 
     node0, _ = _replica_of_rank(tmp_path, 1, 3)
     base = node0 / REPLICAS_DIR

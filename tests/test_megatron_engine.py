@@ -20,7 +20,7 @@ from test_formats_megatron import _assert_same_layout, _megatron, _megatron_load
 from test_multirank import run_ranks
 
 from asyncckpt import Distributed, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 STEP = 50
 ITER = f"iter_{STEP:07d}"

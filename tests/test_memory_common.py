@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt import memory_tier
-from asyncckpt.dist import DistConfig
-from asyncckpt.memory_hold import COMMON, DROPPED, fate, let_go, newest_common
+from asyncckpt.cluster.dist import DistConfig
+from asyncckpt.memory import tier as memory_tier
+from asyncckpt.memory.hold import COMMON, DROPPED, fate, let_go, newest_common
 
 
 def test_newest_common_is_the_newest_step_in_every_set():

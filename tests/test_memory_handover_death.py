@@ -16,7 +16,7 @@ import torch
 from test_flush_on_death import wait_gone
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 # Memory save 3 is the first use of the second memory slot: its memory goes to the worker on
 # the jobs pipe, its Hold on the memory pipe. The worker is descheduled (SIGSTOP, as on a
@@ -25,7 +25,7 @@ from asyncckpt import layout as L
 HANDOVER = r"""
 import json, os, signal, subprocess, sys, torch
 from asyncckpt import MemoryTier, SyncCheckpointEngine
-import asyncckpt.messages as M
+import asyncckpt.core.messages as M
 root = sys.argv[1]
 engine = SyncCheckpointEngine(root, keep=None, memory=MemoryTier())
 engine.__enter__()

@@ -18,7 +18,8 @@ from statecmp import assert_same
 from test_flush_on_death import wait_gone
 from test_memory_tier import N, load, manifest, state_at
 
-from asyncckpt import MemoryTier, Schedule, SyncCheckpointEngine, faults, staging, verify
+from asyncckpt import MemoryTier, Schedule, SyncCheckpointEngine, faults, verify
+from asyncckpt.staging import arenas as staging
 from asyncckpt.testing import parts
 
 

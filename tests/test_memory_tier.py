@@ -21,17 +21,10 @@ import torch
 from statecmp import assert_same
 from test_flush_on_death import wait_gone
 
-from asyncckpt import (
-    MemoryTier,
-    Schedule,
-    StagingMemoryError,
-    SyncCheckpointEngine,
-    faults,
-    staging,
-    verify,
-)
-from asyncckpt import layout as L
+from asyncckpt import MemoryTier, Schedule, StagingMemoryError, SyncCheckpointEngine, faults, verify
 from asyncckpt.cli import main
+from asyncckpt.core import layout as L
+from asyncckpt.staging import arenas as staging
 from asyncckpt.testing import parts
 
 N = 1 << 20  # "w": 4 MiB, copied by the copy pool before the mid_stage point; "b": small

@@ -22,7 +22,7 @@ from test_flush_on_death import wait_gone
 from test_flush_on_death_multirank import all_ranks
 
 from asyncckpt import SyncCheckpointEngine, verify
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # several ranks: `-m integration`
 

@@ -89,7 +89,7 @@ def test_a_string_metric_is_refused_before_anything_is_staged(tmp_path, value):
     """``float("0.5")`` would convert it silently; a string is a mistake the caller must see."""
     import torch
 
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     with SyncCheckpointEngine(tmp_path) as engine:
         with pytest.raises(TypeError, match=r"metric 'val_loss' must be a number, got the string"):
@@ -106,7 +106,7 @@ def test_a_missing_huggingface_hub_is_refused_when_the_engine_is_made(tmp_path, 
     first due step committed and only its export failed, in the worker)."""
     import sys
 
-    from asyncckpt.export import HFExport
+    from asyncckpt.worker.export import HFExport
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # its import now fails
     export = HFExport(every_steps=1, path=tmp_path / "hf")
@@ -119,7 +119,7 @@ def test_an_export_into_the_checkpoint_root_is_refused_when_the_engine_is_made(t
     """``HFExport(path=<the checkpoint root>)`` was refused only by the worker, at the first
     due step (``ExportFailed`` after that step committed): a misconfigured run learnt of it
     one export interval in. Now the engine is not made."""
-    from asyncckpt.export import HFExport
+    from asyncckpt.worker.export import HFExport
 
     root = tmp_path / "ckpt"
     for path in (root, tmp_path / "ckpt" / ".." / "ckpt"):

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncckpt import Distributed
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
 

@@ -21,9 +21,7 @@ from rank_procs import ranks_running
 from statecmp import assert_same
 
 from asyncckpt import SyncCheckpointEngine, verify
-from asyncckpt import layout as L
-from asyncckpt.commit import every_rank_wrote
-from asyncckpt.local_recovery import (
+from asyncckpt.cluster.local_recovery import (
     ReplicaServer,
     commit_fetched,
     fetch_replica,
@@ -32,6 +30,8 @@ from asyncckpt.local_recovery import (
     replica_root,
     which_step_to_load,
 )
+from asyncckpt.core import layout as L
+from asyncckpt.storage.commit import every_rank_wrote
 from asyncckpt.storage.local import LocalStore
 
 TRAINER = """
@@ -109,7 +109,7 @@ def test_a_save_across_roots_on_other_disks_fails_instead_of_committing_a_part(t
 
 
 def test_only_rank_0s_own_files_go_to_every_node(tmp_path):
-    from asyncckpt.node_commit import once_files
+    from asyncckpt.cluster.node_commit import once_files
 
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__1_x.json", "sub/common.pt"):
         (tmp_path / name).parent.mkdir(exist_ok=True)

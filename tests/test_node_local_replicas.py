@@ -20,9 +20,9 @@ from rank_procs import nodes_env, ranks_running
 from statecmp import assert_same
 from test_flush_on_death_multirank import state
 
-from asyncckpt import layout as L
 from asyncckpt import verify
-from asyncckpt.local_recovery import held_replicas, replica_root
+from asyncckpt.cluster.local_recovery import held_replicas, replica_root
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # several ranks and nodes: `-m integration`
 

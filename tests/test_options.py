@@ -227,7 +227,7 @@ def test_lightnings_defaults_are_one_rank_and_no_sigterm_handler_unless_given():
 def test_a_ranks_node_comes_from_torchrun_or_distributed(
     monkeypatch, rank, world, local, node_rank, per_node, env, expected
 ):
-    from asyncckpt.dist import Node, detect_node
+    from asyncckpt.cluster.dist import Node, detect_node
 
     for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -247,7 +247,7 @@ def test_a_ranks_node_comes_from_torchrun_or_distributed(
     ],
 )
 def test_a_node_layout_torchrun_would_not_make_is_refused(monkeypatch, args, match):
-    from asyncckpt.dist import detect_node
+    from asyncckpt.cluster.dist import detect_node
 
     monkeypatch.delenv("GROUP_RANK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

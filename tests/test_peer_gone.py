@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from asyncckpt import peer_gone
+from asyncckpt.cluster import peer_gone
 
 
 def _server() -> tuple[dist.TCPStore, int]:
@@ -148,7 +148,7 @@ def test_a_meeting_cut_by_a_replaced_side_store_meets_again_on_a_new_connection(
     for it (tests/test_multirank.py's plan-caching test, 2 of ~10 runs under load). It meets
     again only where the new connection reached another store: on the same store its count
     may already be in, and counting it twice would let the others pass without a rank."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     server, port = _server()
     cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", port, "run", timeout=30.0)
@@ -211,7 +211,7 @@ def test_a_memory_checkpoint_persisted_after_its_steps_failed_disk_save_meets_an
     disk save fails after both ranks met (its count whole, its keys kept); the trainer then
     dies and the memory copy is persisted: under the disk save's tag, rank 0 would find the
     count whole and go on without rank 1. Under its own tag it waits for rank 1."""
-    from asyncckpt.worker import SaveJob, job_tag
+    from asyncckpt.worker.loop import SaveJob, job_tag
 
     def job(tier: str) -> SaveJob:
         return SaveJob(1, 7, [], None, {}, None, {}, attempt=2, tier=tier)
@@ -256,7 +256,7 @@ class _Served:
     which names itself ``delay`` seconds after it accepts."""
 
     def __init__(self) -> None:
-        from asyncckpt.framing import listen
+        from asyncckpt.cluster.framing import listen
 
         self.listener = listen()
         self.port = self.listener.getsockname()[1]
@@ -273,7 +273,7 @@ class _Served:
 
     def connect(self, cfg) -> None:
         """This worker's connection (``job_store``), once the first store serves."""
-        from asyncckpt import dist as _dist
+        from asyncckpt.cluster import dist as _dist
 
         deadline = time.monotonic() + 60
         while _dist.job_store_id(cfg) is None and time.monotonic() < deadline:
@@ -288,7 +288,7 @@ class _Served:
         self.serve(delay, name)
 
     def close(self, cfg) -> None:
-        from asyncckpt import dist as _dist
+        from asyncckpt.cluster import dist as _dist
 
         _dist.forget_job_store(cfg)
         _dist._job_store_id.pop((cfg.host, cfg.port), None)
@@ -301,7 +301,7 @@ class _Served:
 @pytest.fixture
 def served_old():
     """A store served as ``"old"``, this worker connected to it: (served, cfg, old)."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     served = _Served()
     cfg = _dist.DistConfig(0, 1, 0, "127.0.0.1", served.port, "run", timeout=30.0)
@@ -320,7 +320,7 @@ def test_a_meeting_again_waits_for_the_new_store_to_say_which_it_is(monkeypatch,
     backlog, and asked for the name before it was set: "a store that never said which it is",
     so it gave the save up (the plan-caching test of tests/test_multirank.py, once in a CI
     run). The new store is waited for to name itself; that worker meets again there."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     served, cfg, old = served_old
     real_meet = peer_gone.meet
@@ -343,7 +343,7 @@ def test_a_connection_replaced_between_saves_learns_the_new_stores_name(served_o
     (the old connection fails its check) and read the new store's name before it was set:
     none. A meeting of that save cut by yet another replacement then could not tell the
     stores apart and gave the save up. A store after a named one is waited for to say its."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     served, cfg, old = served_old
     served.replace(old, 3.0, "new")

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import torch
 
-from asyncckpt import SyncCheckpointEngine, pins
-from asyncckpt import messages as M
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt.core import messages as M
 from asyncckpt.testing import parts
+from asyncckpt.trainer import pins
 
 
 def test_a_pin_waits_for_a_message_being_sent_by_another_thread(tmp_path, monkeypatch):

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
-from asyncckpt import precheck
-from asyncckpt.formats import wholefiles
+from asyncckpt.formats import precheck, wholefiles
 
 
 def entry(data: bytes) -> dict:

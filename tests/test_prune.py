@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import asyncckpt
-from asyncckpt import layout as L
-from asyncckpt.prune import (
+from asyncckpt.core import layout as L
+from asyncckpt.retention import KeepBest, KeepLast
+from asyncckpt.storage.prune import (
     PruneRefused,
     clean_leftovers,
     detect_layout,
@@ -23,7 +24,6 @@ from asyncckpt.prune import (
     read_checkpoint_info,
     trash_and_delete,
 )
-from asyncckpt.retention import KeepBest, KeepLast
 
 
 def make_ckpt(

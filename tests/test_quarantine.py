@@ -22,10 +22,10 @@ from asyncckpt import (
     StateMismatch,
     SyncCheckpointEngine,
 )
-from asyncckpt import layout as L
 from asyncckpt.cli import main
+from asyncckpt.core import layout as L
 from asyncckpt.errors import CorruptCheckpoint
-from asyncckpt.prune import list_quarantined
+from asyncckpt.storage.prune import list_quarantined
 
 
 def state(step: int) -> dict:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asyncckpt import replication as R
-from asyncckpt.dist import DistConfig, side_store
-from asyncckpt.recovery_store import BackupStore
+from asyncckpt.cluster.dist import DistConfig, side_store
+from asyncckpt.cluster.recovery_store import BackupStore
+from asyncckpt.memory import replication as R
 
 
 @dataclass(frozen=True)

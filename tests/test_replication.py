@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncckpt import CheckpointEngine, Distributed, MemoryTier, NotReplicated
-from asyncckpt import messages as M
-from asyncckpt import replication as R
-from asyncckpt.dist import DistConfig
-from asyncckpt.jobs import SaveHandle
+from asyncckpt.cluster.dist import DistConfig
+from asyncckpt.core import messages as M
+from asyncckpt.memory import replication as R
 from asyncckpt.stats import SaveStats
-from asyncckpt.worker import SaveJob
+from asyncckpt.trainer.jobs import SaveHandle
+from asyncckpt.worker.loop import SaveJob
 
 STEPS = (1, 2, 3)
 
@@ -253,7 +253,7 @@ def test_a_slot_released_before_the_receiver_is_ready_is_never_read(pair, monkey
     """Job 1's slot is released while its header waits for the receiver's "ready", then
     reused by the trainer; another job's release came meanwhile. The sender remembered one
     released job only, read the reused slot and the receiver held other bytes as step 2."""
-    from asyncckpt import staging
+    from asyncckpt.staging import arenas as staging
 
     registry, sender, receiver, events = pair
     real = staging.check_memory
@@ -275,8 +275,8 @@ def test_a_slot_released_before_the_receiver_is_ready_is_never_read(pair, monkey
 
 
 def test_a_receiver_without_room_refuses_and_keeps_what_it_held(pair, monkeypatch):
-    from asyncckpt import staging
     from asyncckpt.errors import StagingMemoryError
+    from asyncckpt.staging import arenas as staging
 
     registry, sender, receiver, events = pair
     job2, _ = _job(registry, 1, 2, 7)

@@ -23,7 +23,7 @@ from statecmp import assert_same
 from test_flush_on_death_multirank import all_ranks
 
 from asyncckpt import SyncCheckpointEngine, verify
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.integration  # several ranks and nodes: `-m integration`
 

@@ -73,7 +73,7 @@ def test_a_reader_does_not_wait_for_a_live_engines_worker(tmp_path):
     ckpt_path="last") waits for orphans only: a live engine's worker runs for days."""
     import threading
 
-    from asyncckpt.supervisor import wait_for_orphaned_workers
+    from asyncckpt.trainer.supervisor import wait_for_orphaned_workers
 
     with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         engine.save(1, blank()).committed_sync()

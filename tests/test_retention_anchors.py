@@ -130,7 +130,7 @@ def test_plan_prune_with_the_new_options():
 
 
 def _steps(root: Path) -> list[int]:
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     return sorted(s for n in os.listdir(root) if (s := L.parse_dir_name("global_step", n)))
 
@@ -174,7 +174,7 @@ def _fake_root(root: Path, losses: dict[int, float]) -> Path:
     import json
     import zlib
 
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     for step, loss in losses.items():
         d = root / L.dir_name("global_step", step)

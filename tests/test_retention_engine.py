@@ -17,7 +17,7 @@ from asyncckpt import (
     SyncCheckpointEngine,
     faults,
 )
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 pytestmark = pytest.mark.anyio
 
@@ -126,7 +126,7 @@ def test_a_step_being_loaded_is_not_pruned_under_the_load(tmp_path, monkeypatch)
     deleted step 10 half-way through its read (``Vanished``; invariant 3: never one being
     loaded). A load now pins its step in the worker while it reads. (A large checkpoint's
     read is a sleep before the read here.)"""
-    from asyncckpt import restore
+    from asyncckpt.trainer import restore
 
     read = restore.Restorer.load_dir.__wrapped__  # (the read itself, below the pin)
 

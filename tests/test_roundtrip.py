@@ -13,7 +13,7 @@ import torch
 from statecmp import assert_same
 
 from asyncckpt import CheckpointError, Preemption, SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 #: (layout, format) of every format the engine writes; None: the layout's default.
 FORMATS = [("global_step", None), ("megatron", None), ("megatron", "torch")]

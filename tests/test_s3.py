@@ -26,12 +26,10 @@ from asyncckpt import (
     ObjectStore,
     SyncCheckpointEngine,
     ThrottleConfig,
-    commit,
     faults,
-    prune,
 )
-from asyncckpt import layout as L
-from asyncckpt.storage import RemoteTier, UploadFailed
+from asyncckpt.core import layout as L
+from asyncckpt.storage import RemoteTier, UploadFailed, commit, prune
 from asyncckpt.storage.fsspec_store import FsspecStore
 
 pytest_plugins = ("s3server",)  # the s3 fixture: moto's S3 server on loopback

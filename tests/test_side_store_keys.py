@@ -17,8 +17,8 @@ import torch.distributed as dist
 from test_multirank import make_state, run_ranks
 
 from asyncckpt import Distributed
-from asyncckpt import dist as _dist
-from asyncckpt import sidekeys as SK
+from asyncckpt.cluster import dist as _dist
+from asyncckpt.cluster import sidekeys as SK
 
 SAVES = 8
 
@@ -77,7 +77,7 @@ class _NoListing:
 
 
 def test_a_store_without_listing_is_said_once(monkeypatch, caplog) -> None:
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     monkeypatch.setattr(_dist, "side_store", lambda cfg: _NoListing())
     monkeypatch.setattr(SK, "forget", lambda store, token, tags: store.list_keys())
@@ -95,7 +95,7 @@ def test_a_store_without_listing_is_said_once(monkeypatch, caplog) -> None:
 def test_rank_0_frees_a_group_once_a_later_group_closed_cleanly(monkeypatch) -> None:
     """A group's keys go only after a later job's group closed without an error on rank 0
     (its gather returned: every rank had left the earlier groups); a failed group frees none."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     monkeypatch.setattr(_dist, "job_group", lambda cfg, tag, **_: contextlib.nullcontext(tag))
     keys = SK.JobKeys()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncckpt import staging
+from asyncckpt.staging import arenas as staging
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -135,7 +135,7 @@ def test_a_cpu_state_is_staged_into_unpinned_arenas_without_cuda() -> None:
 
 
 def test_same_key_compares_equal_keys_and_knows_one_key_at_once() -> None:
-    from asyncckpt.cachekeys import arena_key, same_key
+    from asyncckpt.core.cachekeys import arena_key, same_key
 
     a = arena_key({"x": torch.zeros(2), "y": torch.zeros(3, dtype=torch.int8)})
     b = arena_key({"x": torch.zeros(2), "y": torch.zeros(3, dtype=torch.int8)})

@@ -3,7 +3,7 @@ the worker that started it.
 
 It holds that rank's worker lock while it writes; when its worker was SIGKILLed mid-write it
 lived on for minutes, and a new trainer of that rank waited on the lock all that time. Driven
-here through the real entry (``python -m asyncckpt.stand_in``, started by
+here through the real entry (``python -m asyncckpt.worker.stand_in``, started by
 ``replication.spawn_stand_in`` from a parent process standing for the worker), its write held
 just after its files (a fault point's delay), as a large write would be.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.storage.local import LocalStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ PARENT = """
 import io, os, sys, torch
 from asyncckpt import faults
 from asyncckpt import replication as R
-from asyncckpt.worker import SaveJob, WorkerConfig
+from asyncckpt.worker.loop import SaveJob, WorkerConfig
 
 root, wait, deadline = sys.argv[1], sys.argv[2], float(sys.argv[3])
 buf = R.SharedBuffer(64)

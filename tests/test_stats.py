@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt import layout as L
 from asyncckpt.cli import main
-from asyncckpt.manifest import read_manifest, verify
+from asyncckpt.core import layout as L
 from asyncckpt.stats import read_stats, summarize
+from asyncckpt.storage.manifest import read_manifest, verify
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

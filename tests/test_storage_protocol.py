@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.storage import CommittedStore, LocalStore
 
 pytest_plugins = ("s3server",)  # the s3 fixture: moto's S3 server on loopback
@@ -69,7 +69,7 @@ def test_the_protocol_holds_alike_on_both_tiers(store, tmp_path):
     # Fetch: the same files, byte for byte.
     fetched = tmp_path / "fetched"
     store.fetch("global_step_2", fetched)
-    from asyncckpt.manifest import check_dir
+    from asyncckpt.storage.manifest import check_dir
 
     assert check_dir(fetched) == []
     # Delete: at once not listed; nothing left behind once leftovers are cleaned.
@@ -101,7 +101,7 @@ def files_of(store, name: str, tmp_path) -> dict[str, bytes]:
 
 def test_stage_seal_publish_is_the_commit_on_both_tiers(store, tmp_path):
     """A new checkpoint made through the store: invisible until published, then committed."""
-    from asyncckpt import commit
+    from asyncckpt.storage import commit
 
     source = tmp_path / "source"
     store.fetch("global_step_2", source)
@@ -146,7 +146,8 @@ def test_retire_then_reclaim_is_the_delete_on_both_tiers(store):
 
 
 def test_a_crash_between_retire_and_reclaim_leaves_a_leftover_only(store):
-    from asyncckpt import faults, prune
+    from asyncckpt import faults
+    from asyncckpt.storage import prune
 
     faults.inject(store.points.retire, "raise")
     try:
@@ -185,7 +186,7 @@ def test_quarantine_and_locks(store):
 def test_both_tiers_refuse_to_guess_a_mixed_layout(store, tmp_path):
     """layout.py's rule for every store: several layouts in one root is an error (the object
     store used to pick the first silently, and prune it by the wrong names)."""
-    from asyncckpt import commit
+    from asyncckpt.storage import commit
 
     assert store.detect_layout() == "global_step"
     source = tmp_path / "source"
@@ -208,7 +209,7 @@ def test_open_store_picks_the_tier_of_a_path_or_a_url(tmp_path):
 # ------------------------------------------------------------------ one pruner, both tiers
 def test_the_pruner_keeps_the_newest_that_verifies_on_both_tiers(store):
     from asyncckpt import KeepLast
-    from asyncckpt.prune import NEWEST_THAT_VERIFIES, prune
+    from asyncckpt.storage.prune import NEWEST_THAT_VERIFIES, prune
 
     break_one_byte(store, "global_step_2")
     result = prune(store, "global_step", KeepLast(1), warn=False)
@@ -219,7 +220,7 @@ def test_the_pruner_keeps_the_newest_that_verifies_on_both_tiers(store):
 
 def test_the_pruner_never_deletes_when_nothing_verifies_on_both_tiers(store):
     from asyncckpt import KeepLast
-    from asyncckpt.prune import PruneRefused, prune
+    from asyncckpt.storage.prune import PruneRefused, prune
 
     break_one_byte(store, "global_step_1")
     break_one_byte(store, "global_step_2")
@@ -230,7 +231,7 @@ def test_the_pruner_never_deletes_when_nothing_verifies_on_both_tiers(store):
 
 def test_the_pruner_refuses_a_lagging_tracker_and_spares_the_step_committed(store):
     from asyncckpt import KeepLast
-    from asyncckpt.prune import PruneRefused, prune
+    from asyncckpt.storage.prune import PruneRefused, prune
 
     with pytest.raises(PruneRefused, match="tracker"):
         prune(store, "global_step", KeepLast(1), tracker_step=1)
@@ -248,8 +249,8 @@ def test_the_cli_answers_alike_over_a_path_and_a_url(s3, tmp_path, capsys):
     that verifies)."""
     import json
 
-    from asyncckpt import commit
     from asyncckpt.cli import main
+    from asyncckpt.storage import commit
     from asyncckpt.storage.fsspec_store import FsspecStore
 
     local = tmp_path / "root"

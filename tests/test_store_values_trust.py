@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from asyncckpt import NoValidCheckpoint, SyncCheckpointEngine
-from asyncckpt import dist as _dist
+from asyncckpt.cluster import dist as _dist
 
 
 class Boom:
@@ -56,7 +56,7 @@ WHY = {False: "not written by this run", True: "not JSON"}
 
 def signed(key: str, value: bytes) -> bytes:
     """``value`` as a process of the run (one that knows ``SECRET``) writes it under ``key``."""
-    from asyncckpt.peerdata import SignedStore
+    from asyncckpt.cluster.peerdata import SignedStore
 
     box = dist.HashStore()
     SignedStore(box, SECRET).set(key, value)
@@ -94,7 +94,7 @@ def threads(target: Any, world: int) -> None:
 
 
 def _early_offer(rank: int, world: int, timeout: float = 30.0) -> Any:
-    from asyncckpt.hot_serve import Offer
+    from asyncckpt.memory.hot_serve import Offer
 
     cfg = _dist.DistConfig(rank, world, rank, "127.0.0.1", 1, "tok", timeout, secret=SECRET)
     staged = {"w": (torch.float32, (4,), 0x1234)}
@@ -106,7 +106,7 @@ def _agree_as_rank_1(
 ) -> tuple[bool, str]:
     """Rank 1 of two agrees while rank 0's key holds ``rank_0_said`` (a stranger's; ``sign``:
     written by a process that knows the run's secret)."""
-    from asyncckpt.hot_agree import agree
+    from asyncckpt.memory.hot_agree import agree
 
     key = "asyncckpt/tok/hot-early/0"
     store = dist.HashStore()
@@ -162,7 +162,7 @@ def test_a_malformed_word_is_refused_and_sends_the_rank_to_disk(
 
 
 def test_two_honest_ranks_still_agree_over_json(monkeypatch):
-    from asyncckpt.hot_agree import agree
+    from asyncckpt.memory.hot_agree import agree
 
     store = dist.HashStore()
     monkeypatch.setattr(_dist, "side_store", lambda cfg: store)
@@ -183,7 +183,7 @@ def _choose(
 ) -> list[Any]:
     """Every rank's ``StepAgreement.choose`` at once (one rank per node, each with its own
     empty root and steps [10, 20]): its ``Agreed``, or the exception it raised."""
-    from asyncckpt.local_load import StepAgreement
+    from asyncckpt.trainer.local_load import StepAgreement
 
     monkeypatch.setattr(_dist, "side_store", lambda cfg: views[cfg.rank])
     out: list[Any] = [None] * world
@@ -299,8 +299,8 @@ def test_a_malformed_agreement_value_is_refused(tmp_path, monkeypatch, key, said
 
 
 def test_a_fetch_outcome_is_a_string_or_refused():
-    from asyncckpt.local_load import decode_outcome
-    from asyncckpt.peerdata import Malformed, dumps
+    from asyncckpt.cluster.peerdata import Malformed, dumps
+    from asyncckpt.trainer.local_load import decode_outcome
 
     assert decode_outcome(dumps("ok"), "k") == "ok"
     assert decode_outcome(dumps("node 1: OSError: gone"), "k") == "node 1: OSError: gone"
@@ -315,7 +315,7 @@ def test_a_fetch_outcome_is_a_string_or_refused():
 def _serve_once(root: Path, rank: int, data: bytes, head: int, fds: list[int]) -> threading.Thread:
     """A process of this user offering ``data`` on the hot-resume socket of ``root`` and
     ``rank``: its first ``head`` bytes with ``fds`` (SCM_RIGHTS), then the rest."""
-    from asyncckpt.hot_serve import socket_name
+    from asyncckpt.memory.hot_serve import socket_name
 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_name(root, rank))
@@ -349,7 +349,7 @@ def _open_fds() -> int:
 
 
 def _header(n: int) -> bytes:
-    from asyncckpt.hot_offer import HEADER, MAGIC
+    from asyncckpt.memory.hot_offer import HEADER, MAGIC
 
     return HEADER.pack(MAGIC, n)
 
@@ -366,7 +366,7 @@ def _framed(payload: bytes) -> tuple[bytes, int]:
 
 @pytest.mark.parametrize("frame", [_legacy, _framed], ids=["legacy-header", "this-header"])
 def test_the_hot_resume_client_refuses_a_pickled_offer_and_runs_nothing(tmp_path, frame):
-    from asyncckpt.hot import ask
+    from asyncckpt.memory.hot_resume import ask
 
     payload, marker = boom(tmp_path)
     fd = _memfd()
@@ -409,7 +409,7 @@ def _offer_json(**change: Any) -> dict:
     ],
 )
 def test_the_hot_resume_client_refuses_a_malformed_offer(tmp_path, offer, fds, problem):
-    from asyncckpt.hot import ask
+    from asyncckpt.memory.hot_resume import ask
 
     mine = [_memfd() for _ in range(fds)]
     before = _open_fds()
@@ -425,7 +425,7 @@ def test_the_hot_resume_client_refuses_a_malformed_offer(tmp_path, offer, fds, p
 
 @pytest.mark.parametrize("kind", ["small", "pipe"])
 def test_the_hot_resume_client_maps_only_shared_memory_as_large_as_its_arena(tmp_path, kind):
-    from asyncckpt.hot import ask
+    from asyncckpt.memory.hot_resume import ask
 
     if kind == "small":
         mine = [_memfd(1024)]  # the offer says 4096
@@ -444,7 +444,7 @@ def test_the_hot_resume_client_maps_only_shared_memory_as_large_as_its_arena(tmp
 
 
 def test_the_hot_resume_client_refuses_a_garbage_header(tmp_path):
-    from asyncckpt.hot import ask
+    from asyncckpt.memory.hot_resume import ask
 
     fd = _memfd()
     server = _serve_once(tmp_path, 0, b"GARBAGE!" * 4, 16, [fd])
@@ -477,7 +477,7 @@ def test_a_pickled_offer_runs_nothing_and_the_load_reads_the_disk(tmp_path):
 
 
 def test_an_offer_goes_over_the_wire_as_it_was():
-    from asyncckpt.hot_offer import Offer, decode_offer, encode_offer
+    from asyncckpt.memory.hot_offer import Offer, decode_offer, encode_offer
 
     cfg = _dist.DistConfig(
         1, 2, 1, "10.0.0.1", 29500, "tok", timeout=12.5, recovery_store="/tmp/fs", ranks_per_node=2

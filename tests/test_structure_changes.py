@@ -1,5 +1,5 @@
 """One engine saving states whose structure changes between saves writes each one as a
-fresh writer would: every cache of a plan or layout (``asyncckpt/cachekeys.py``) is keyed by
+fresh writer would: every cache of a plan or layout (``asyncckpt/core/cachekeys.py``) is keyed by
 everything it depends on.
 
 Two silent corruptions came from caches keyed by less: DCP's plan cache wrote the old dtype

@@ -16,8 +16,7 @@ import psutil
 import pytest
 import torch
 
-from asyncckpt.testing import parts
-from asyncckpt.throttle import (
+from asyncckpt.io.throttle import (
     AppliedThrottle,
     Pacer,
     RateLimiter,
@@ -28,6 +27,7 @@ from asyncckpt.throttle import (
     worker_cores,
     write_all,
 )
+from asyncckpt.testing import parts
 
 # --------------------------------------------------------------------------- config
 
@@ -175,7 +175,7 @@ def test_refused_lever_warns_and_never_raises(monkeypatch, caplog) -> None:
         raise PermissionError("not allowed here")
 
     monkeypatch.setattr(os, "nice", refuse)
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.throttle"):
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.io.throttle"):
         applied = apply_throttle(ThrottleConfig(nice=5))
     assert applied.failed == {"nice": "PermissionError: not allowed here"}
     assert "nice" not in applied.applied

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from asyncckpt import CheckpointEngine, KeepLast, faults
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 
 def torchtitan_find_load_step(folder: str) -> int:
@@ -143,8 +143,8 @@ async def test_torchtitan_finds_and_loads_what_asyncckpt_wrote(tmp_path):
     assert torch.equal(model.weight, torch.full((3, 4), 30.0))
     assert torch.equal(model.bias, torch.full((3,), -30.0))
     # asyncckpt itself reads the same root back: tracker, layout detection, its own load.
-    from asyncckpt.manifest import verify
-    from asyncckpt.prune import detect_layout
+    from asyncckpt.storage.manifest import verify
+    from asyncckpt.storage.prune import detect_layout
 
     assert L.read_tracker(root) == 30 and detect_layout(root) == "torchtitan"
     assert [c.step for c in L.scan(root, "torchtitan")] == [20, 30]

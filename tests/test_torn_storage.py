@@ -28,10 +28,10 @@ from asyncckpt import (
     SaveFailed,
     StateModifiedWhileStaging,
     SyncCheckpointEngine,
-    layout,
 )
-from asyncckpt.saving import Saver
-from asyncckpt.staging import StagingSlot
+from asyncckpt.core import layout
+from asyncckpt.staging.arenas import StagingSlot
+from asyncckpt.trainer.saving import Saver
 
 pytestmark = pytest.mark.anyio
 both_backends = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])

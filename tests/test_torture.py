@@ -57,7 +57,7 @@ import pytest
 import torch
 
 from asyncckpt import SyncCheckpointEngine, faults, verify
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torture_train import make_state, rank_state, same_state  # noqa: E402

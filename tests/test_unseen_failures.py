@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncckpt import CheckpointEngine, SyncCheckpointEngine, faults
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 from asyncckpt.errors import SaveFailed
 
 
@@ -80,9 +80,9 @@ def test_a_failure_seen_on_its_handle_is_not_raised_again(tmp_path):
 
 
 def test_the_first_unseen_failure_is_raised_and_later_ones_are_named(tmp_path):
-    from asyncckpt.jobs import SaveHandle
     from asyncckpt.stats import SaveStats
     from asyncckpt.testing import parts
+    from asyncckpt.trainer.jobs import SaveHandle
 
     with pytest.raises(SaveFailed, match="step 7 failed") as info:
         with SyncCheckpointEngine(tmp_path, keep=None) as engine:

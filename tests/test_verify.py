@@ -27,9 +27,9 @@ from asyncckpt import (
     SyncCheckpointEngine,
     verify,
 )
-from asyncckpt import layout as L
 from asyncckpt.cli import main
-from asyncckpt.prune import list_quarantined
+from asyncckpt.core import layout as L
+from asyncckpt.storage.prune import list_quarantined
 
 STEPS = (1, 2, 3)
 
@@ -301,7 +301,7 @@ def test_manifests_record_crc32c_and_older_crc32_manifests_still_verify(tmp_path
     import zlib
 
     from asyncckpt import SyncCheckpointEngine, verify
-    from asyncckpt.manifest import checksum
+    from asyncckpt.storage.manifest import checksum
 
     with SyncCheckpointEngine(tmp_path) as engine:
         engine.save(1, {"w": torch.arange(1000.0)})
@@ -334,7 +334,7 @@ def test_a_large_file_is_checksummed_in_parallel_parts_to_the_same_value(tmp_pat
 
     from crc32c import crc32c
 
-    from asyncckpt import manifest as M
+    from asyncckpt.storage import manifest as M
 
     monkeypatch.setattr(M, "_PART_BYTES", 1000)
     monkeypatch.setattr(M, "_verify_threads", lambda: 3)

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from asyncckpt import differential
-from asyncckpt.differential import Linker
-from asyncckpt.walltime import OverlapClock
+from asyncckpt.core.walltime import OverlapClock
+from asyncckpt.formats import differential
+from asyncckpt.formats.differential import Linker
 
 
 class _Clock:

@@ -28,15 +28,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncckpt import framing
-from asyncckpt import layout as L
-from asyncckpt import local_recovery as LR
-from asyncckpt import messages as M
-from asyncckpt import replication as R
-from asyncckpt.dist import DistConfig
-from asyncckpt.manifest import checksum
+from asyncckpt.cluster import framing
+from asyncckpt.cluster import local_recovery as LR
+from asyncckpt.cluster.dist import DistConfig
+from asyncckpt.core import layout as L
+from asyncckpt.core import messages as M
+from asyncckpt.memory import replication as R
 from asyncckpt.storage.local import LocalStore
-from asyncckpt.worker import SaveJob
+from asyncckpt.storage.manifest import checksum
+from asyncckpt.worker.loop import SaveJob
 
 SECRET = secrets.token_hex(32)
 WILDCARDS = ("0.0.0.0", "::")
@@ -324,7 +324,7 @@ def test_the_sender_sends_nothing_to_a_receiver_that_cannot_prove_it_belongs_to_
 
 def _prepared_job(fmt: str, state: dict, **kw) -> tuple[SaveJob, list, list[int]]:
     from asyncckpt.formats.staged import prepare
-    from asyncckpt.staging import plan_arenas
+    from asyncckpt.staging.arenas import plan_arenas
 
     part = prepare(fmt, state)
     specs, sizes = plan_arenas(part.tensors)
@@ -350,7 +350,7 @@ def _prepared_job(fmt: str, state: dict, **kw) -> tuple[SaveJob, list, list[int]
 
 
 def _round_trip(job: SaveJob, specs: list, sizes: list[int], keep=(1,)) -> tuple:
-    from asyncckpt import jobwire
+    from asyncckpt.memory import jobwire
 
     header, segments = jobwire.encode_replica(job, specs, sizes, list(keep))
     data = framing.encode_header({**header, "segments": [len(s) for s in segments]})
@@ -388,10 +388,10 @@ def test_a_replicas_header_travels_as_data_field_by_field(fmt):
 
 
 def test_what_cannot_travel_as_data_is_refused_on_the_sender_saying_why():
-    from asyncckpt import jobwire
     from asyncckpt.formats import FORMAT_KEY
     from asyncckpt.formats.components import Component
     from asyncckpt.formats.components import prepare as components
+    from asyncckpt.memory import jobwire
 
     job, specs, sizes = _prepared_job("dcp", STATE)
     cases = {
@@ -452,13 +452,13 @@ def test_a_user_registered_format_is_refused_on_the_handle():
 
 
 def _decode(header: dict, segments: list[bytes] = ()) -> tuple:
-    from asyncckpt import jobwire
+    from asyncckpt.memory import jobwire
 
     return jobwire.decode_replica(framing.Message({"kind": "replica", **header}, list(segments)))
 
 
 def test_a_header_that_does_not_add_up_is_refused_before_anything_is_allocated():
-    from asyncckpt import jobwire
+    from asyncckpt.memory import jobwire
 
     job, specs, sizes = _prepared_job("dcp", STATE)
     header, segments = jobwire.encode_replica(job, specs, sizes, [])
@@ -718,8 +718,8 @@ def _listening_on(port: int) -> list[str]:
 
 
 def test_no_listener_is_bound_to_every_interface(tmp_path):
-    from asyncckpt.dist import Rendezvous
-    from asyncckpt.recovery_store import BackupStore
+    from asyncckpt.cluster.dist import Rendezvous
+    from asyncckpt.cluster.recovery_store import BackupStore
 
     run = _Run()
     server = _server(tmp_path)
@@ -779,7 +779,7 @@ def test_a_machine_name_that_resolves_to_loopback_is_said(monkeypatch, caplog):
 def test_the_secret_is_shared_by_the_rendezvous_and_never_shown(monkeypatch, caplog):
     """Rank 0's trainer makes it and publishes it beside the side store's address; every rank
     reads it from there. Never in a repr or a log line."""
-    from asyncckpt import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     port = _free_port()
     zero, one = _dist.Rendezvous(), _dist.Rendezvous()

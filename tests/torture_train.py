@@ -160,7 +160,7 @@ def node_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from asyncckpt import KeepLast, SaveFailed, Schedule, SyncCheckpointEngine
-    from asyncckpt import layout as L
+    from asyncckpt.core import layout as L
 
     p = argparse.ArgumentParser()
     p.add_argument("root")

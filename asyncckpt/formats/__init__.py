@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .base import Format, Prepared, SaveOptions
+from asyncckpt.formats.base import Format, Prepared, SaveOptions
 
 #: The built-in formats a checkpoint (``format=``) can have; a registered format that owns a
 #: directory can be one too (``check_format``). A plain tuple, not a view of the registry.

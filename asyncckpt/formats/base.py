@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from ..entries import Entries
+    from asyncckpt.core.entries import Entries
 
 #: (checksum, size) of each file a format wrote, by path (see ``Format.write``).
 Crcs = dict[str, tuple[int, int]]
@@ -170,5 +170,5 @@ class Format(ABC):
 
     @classmethod
     def reads_without_target(cls) -> bool:
-        """Whether ``read`` is implemented (``asyncckpt.reading.read_checkpoint``)."""
+        """Whether ``read`` is implemented (``asyncckpt.formats.reading.read_checkpoint``)."""
         return cls.read is not Format.read

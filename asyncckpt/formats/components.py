@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import layout as _layout
-from ..commit import write_synced
-from ..manifest import checksum
-from . import check_format, format_names, format_of, get_format, prepare_part
+from asyncckpt.core import layout as _layout
+from asyncckpt.formats import check_format, format_names, format_of, get_format, prepare_part
+from asyncckpt.storage.commit import write_synced
+from asyncckpt.storage.manifest import checksum
 
 #: The engine's format name for a checkpoint made of components (recorded in its manifest).
 #: Not a registered format: its parts are, each written in its own (``write``).
@@ -243,7 +243,7 @@ def strip(mapping: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any = None) -> Any:
     """Every component's part prepared in its format, keys prefixed by the component name."""
-    from .base import LegacyRanks, Prepared, SaveOptions
+    from asyncckpt.formats.base import LegacyRanks, Prepared, SaveOptions
 
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=True)
@@ -293,7 +293,7 @@ def write(
     collective formats (dcp, torch_dist) meet their peers. ``options``: the worker's
     ``base.WriteOptions``; ``paths``: the prepared paths, prefixed by component.
     """
-    from .base import Prepared
+    from asyncckpt.formats.base import Prepared
 
     rank = options.rank
     crcs: dict[str, tuple[int, int]] = {}
@@ -358,7 +358,7 @@ def load_parts(
     world_size: int = 1,
 ) -> list[Part]:
     """One ``Part`` per component the target asks for, located in ``directory``."""
-    from ..errors import StateMismatch
+    from asyncckpt.errors import StateMismatch
 
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=False)

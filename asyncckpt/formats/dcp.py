@@ -46,26 +46,31 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import faults
-from .. import layout as L
-from .._torch import (
+from asyncckpt import faults
+from asyncckpt._torch import (
     StorageInfo,
     dcp_plan_cache,
     dcp_plan_caches,
     inner_dcp_load,
     stateful_entries_as_is,
 )
-from ..cachekeys import DcpPlanKeys, dcp_plan_signature, metadata_file_key, signature_digest
-from ..differential import Linker, Previous, group_items
-from ..directio import DirectFile, open_for_write
-from ..dist import LocalShard, ShardInfo, dtensor_shard_info, is_dtensor, is_dtensor_type
-from ..entries import Entries, has_sharded_base
-from ..manifest import ChecksumMismatch, checksum, entry_problem
-from ..staging import PathItem, flatten_state, is_stateful, serialize_objects
-from ..storage.localfs import fsync_fd
-from ..throttle import write_all
-from . import hotread, wholefiles
-from .base import (
+from asyncckpt.cluster.dist import (
+    LocalShard,
+    ShardInfo,
+    dtensor_shard_info,
+    is_dtensor,
+    is_dtensor_type,
+)
+from asyncckpt.core import layout as L
+from asyncckpt.core.cachekeys import (
+    DcpPlanKeys,
+    dcp_plan_signature,
+    metadata_file_key,
+    signature_digest,
+)
+from asyncckpt.core.entries import Entries, has_sharded_base
+from asyncckpt.formats import hotread, wholefiles
+from asyncckpt.formats.base import (
     Crcs,
     Format,
     LoadOptions,
@@ -75,7 +80,8 @@ from .base import (
     Verify,
     WriteOptions,
 )
-from .records import (
+from asyncckpt.formats.differential import Linker, Previous, group_items
+from asyncckpt.formats.records import (
     Placement,
     RecordWriter,
     count,
@@ -85,6 +91,11 @@ from .records import (
     tensor_bytes,
     torch_computes_crc,
 )
+from asyncckpt.io.directio import DirectFile, open_for_write
+from asyncckpt.io.throttle import write_all
+from asyncckpt.staging.arenas import PathItem, flatten_state, is_stateful, serialize_objects
+from asyncckpt.storage.localfs import fsync_fd
+from asyncckpt.storage.manifest import ChecksumMismatch, checksum, entry_problem
 
 
 @contextmanager
@@ -508,7 +519,7 @@ def _all_layouts(process_group: Any, signature: tuple | None) -> str | None:
     (O(N) in all; an all-gather handed every rank all N ranks' digests)."""
     import torch.distributed as dist
 
-    from .. import dist as _dist
+    from asyncckpt.cluster import dist as _dist
 
     rank = dist.get_rank(process_group)
     mine = (_PROCESS_ID, None if signature is None else signature_digest(signature))
@@ -665,7 +676,7 @@ class CachedMetadataReader(FileSystemReader):
         self._metadata = metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from ..precheck import before_target  # (precheck imports this package)
+        from asyncckpt.formats.precheck import before_target  # (precheck imports this package)
 
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         hot = hotread.current()  # a hot resume: tensor bytes from a surviving worker's memory
@@ -738,7 +749,7 @@ class CachedMetadataReader(FileSystemReader):
         raise self.damage
 
     def _check_first(self) -> None:
-        from ..precheck import check_files
+        from asyncckpt.formats.precheck import check_files
 
         found = check_files(self.path, self.verify)
         if found.damage:

@@ -23,14 +23,22 @@ from typing import Any
 
 import torch
 
-from .. import layout as L
-from ..dist import is_dtensor
-from ..entries import Entries, walk
-from ..staging import is_stateful
-from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
-from .dcp import merge_into
-from .pt import save_synced
-from .staged import pickle_with_refs, state_dicts, unpickle_with_refs
+from asyncckpt.cluster.dist import is_dtensor
+from asyncckpt.core import layout as L
+from asyncckpt.core.entries import Entries, walk
+from asyncckpt.formats.base import (
+    Crcs,
+    Format,
+    LoadOptions,
+    Paths,
+    Prepared,
+    SaveOptions,
+    WriteOptions,
+)
+from asyncckpt.formats.dcp import merge_into
+from asyncckpt.formats.pt import save_synced
+from asyncckpt.formats.staged import pickle_with_refs, state_dicts, unpickle_with_refs
+from asyncckpt.staging.arenas import is_stateful
 
 
 def legacy_rank_dir(

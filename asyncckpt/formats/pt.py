@@ -21,14 +21,22 @@ from typing import Any
 
 import torch
 
-from ..commit import write_synced
-from ..dist import is_dtensor
-from ..entries import Entries, walk
-from ..manifest import checksum
-from ..staging import is_stateful
-from .base import Crcs, Format, LoadOptions, Paths, Prepared, SaveOptions, WriteOptions
-from .dcp import merge_into
-from .staged import pickle_with_refs, state_dicts, unpickle_with_refs
+from asyncckpt.cluster.dist import is_dtensor
+from asyncckpt.core.entries import Entries, walk
+from asyncckpt.formats.base import (
+    Crcs,
+    Format,
+    LoadOptions,
+    Paths,
+    Prepared,
+    SaveOptions,
+    WriteOptions,
+)
+from asyncckpt.formats.dcp import merge_into
+from asyncckpt.formats.staged import pickle_with_refs, state_dicts, unpickle_with_refs
+from asyncckpt.staging.arenas import is_stateful
+from asyncckpt.storage.commit import write_synced
+from asyncckpt.storage.manifest import checksum
 
 
 def save_synced(obj: Any, path: Path) -> tuple[int, int]:

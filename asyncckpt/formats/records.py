@@ -44,8 +44,8 @@ from typing import Any, BinaryIO, cast
 
 import torch
 
-from ..cachekeys import record_template_key
-from ..staging import writable_bytes
+from asyncckpt.core.cachekeys import record_template_key
+from asyncckpt.staging.arenas import writable_bytes
 
 log = logging.getLogger("asyncckpt")
 

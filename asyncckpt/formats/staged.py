@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ..staging import is_stateful
-from . import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names of this module too
+from asyncckpt.formats import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names of this module too
     _UNIMPORTABLE_IN_WORKER,
     FORMAT_KEY,
     components,
@@ -35,7 +34,16 @@ from . import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names
     get_format,
     prepare_part,
 )
-from .base import Format, LegacyRanks, LoadOptions, Prepared, SaveOptions, Verify, WriteOptions
+from asyncckpt.formats.base import (
+    Format,
+    LegacyRanks,
+    LoadOptions,
+    Prepared,
+    SaveOptions,
+    Verify,
+    WriteOptions,
+)
+from asyncckpt.staging.arenas import is_stateful
 
 
 def legacy_ranks(rank: int, world_size: int, given: Any = None) -> LegacyRanks:

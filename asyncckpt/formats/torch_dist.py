@@ -56,12 +56,18 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan
 
-from .. import layout as L
-from ..commit import write_synced
-from ..dist import ShardInfo
-from ..staging import serialize_objects
-from .base import Crcs, LoadOptions, Paths, Prepared, SaveOptions, Verify, WriteOptions
-from .dcp import (
+from asyncckpt.cluster.dist import ShardInfo
+from asyncckpt.core import layout as L
+from asyncckpt.formats.base import (
+    Crcs,
+    LoadOptions,
+    Paths,
+    Prepared,
+    SaveOptions,
+    Verify,
+    WriteOptions,
+)
+from asyncckpt.formats.dcp import (
     DCPFormat,
     _PassThroughPlanner,
     load_flat,
@@ -69,7 +75,9 @@ from .dcp import (
     merge_into,
     read_dcp_metadata,
 )
-from .staged import materialize
+from asyncckpt.formats.staged import materialize
+from asyncckpt.staging.arenas import serialize_objects
+from asyncckpt.storage.commit import write_synced
 
 #: What megatron's ``save_config`` writes for ``torch_dist``; key order matters for the bytes.
 CONFIG = {
@@ -429,7 +437,7 @@ class TorchDistFormat(DCPFormat):
         mapping = _mcore_mapping()
         if mapping is not None and _has_sharded_base(target, mapping.ShardedBase):
             if options.verify is not None:  # megatron's loader reads: checked before, apart
-                from ..precheck import check_files
+                from asyncckpt.formats.precheck import check_files
 
                 check_files(location, options.verify.files).raise_any(location)
                 options.verify.done.update(options.verify.files)

@@ -24,8 +24,14 @@ from typing import Any
 
 import torch
 
-from ..manifest import _ALGORITHMS, _POLYNOMIALS, crc_combine, entry_problem, file_checksum
-from .records import tensor_bytes
+from asyncckpt.formats.records import tensor_bytes
+from asyncckpt.storage.manifest import (
+    _ALGORITHMS,
+    _POLYNOMIALS,
+    crc_combine,
+    entry_problem,
+    file_checksum,
+)
 
 #: Bytes one ``preadv`` asks for at most (and then checksums, still in cache).
 CHUNK_BYTES = 8 << 20

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..engine import SaveHandle
-from ..errors import CheckpointError, StateMismatch
-from ..retention import KeepBest, KeepLast, RetentionPolicy
-from ..sync import SyncCheckpointEngine
+from asyncckpt.engine import SaveHandle
+from asyncckpt.errors import CheckpointError, StateMismatch
+from asyncckpt.retention import KeepBest, KeepLast, RetentionPolicy
+from asyncckpt.sync import SyncCheckpointEngine
 
 __all__ = ["AsyncCheckpointCallback", "load_checkpoint", "policy_from_args"]
 

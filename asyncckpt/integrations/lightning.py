@@ -42,13 +42,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "pip install 'asyncckpt[lightning]'"
     ) from e
 
-from .. import layout as _layout
-from ..errors import CheckpointError, CorruptCheckpoint
-from ..options import Distributed, Preemption
-from ..reading import read_checkpoint
-from ..retention import KeepBest, KeepLast, RetentionPolicy
-from ..supervisor import wait_for_orphaned_workers
-from ..sync import SyncCheckpointEngine
+from asyncckpt.core import layout as _layout
+from asyncckpt.errors import CheckpointError, CorruptCheckpoint
+from asyncckpt.formats.reading import read_checkpoint
+from asyncckpt.options import Distributed, Preemption
+from asyncckpt.retention import KeepBest, KeepLast, RetentionPolicy
+from asyncckpt.sync import SyncCheckpointEngine
+from asyncckpt.trainer.supervisor import wait_for_orphaned_workers
 
 log = logging.getLogger("asyncckpt")
 
@@ -274,7 +274,7 @@ class AsyncCheckpointIO(CheckpointIO):
     def _collect(self, *, final: bool = False) -> None:
         """Delete the unwanted checkpoints that can go: no saved path names them, committed,
         and not the newest (until a newer one commits, it is the one a crash resumes from)."""
-        from ..prune import trash_and_delete
+        from asyncckpt.storage.prune import trash_and_delete
 
         named = set(self._paths.values())
         for root, step in sorted(self._unwanted):

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import CommittedStore, FaultPoints, Store, StoredCheckpoint
-from .local import LocalStore
-from .remote import RemoteTier, UploadFailed
+from asyncckpt.storage.base import CommittedStore, FaultPoints, Store, StoredCheckpoint
+from asyncckpt.storage.local import LocalStore
+from asyncckpt.storage.remote import RemoteTier, UploadFailed
 
 
 def open_store(root: Any, storage_options: dict[str, Any] | None = None) -> Store:
     """The store of ``root``: a ``FsspecStore`` for a URL (``s3://bucket/run``), else a
     ``LocalStore`` of the path."""
-    from ..paths import is_url
+    from asyncckpt.core.paths import is_url
 
     if is_url(root):
-        from .fsspec_store import FsspecStore
+        from asyncckpt.storage.fsspec_store import FsspecStore
 
         return FsspecStore(str(root), storage_options)
     if storage_options:

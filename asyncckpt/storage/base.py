@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..retention import CheckpointInfo
+    from asyncckpt.retention import CheckpointInfo
 
 
 @dataclass(frozen=True)

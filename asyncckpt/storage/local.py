@@ -21,12 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import layout as _layout
-from ..retention import CheckpointInfo
-from . import localfs
-from .base import FaultPoints, StoredCheckpoint
+from asyncckpt.core import layout as _layout
+from asyncckpt.retention import CheckpointInfo
+from asyncckpt.storage import localfs
+from asyncckpt.storage.base import FaultPoints, StoredCheckpoint
 
-log = logging.getLogger("asyncckpt.prune")
+log = logging.getLogger("asyncckpt.storage.prune")
 
 POINTS = FaultPoints(publish="before_rename", tracker="before_tracker", retire="mid_prune")
 
@@ -120,7 +120,7 @@ class LocalStore:
     points = POINTS
 
     def __init__(self, root: str | os.PathLike) -> None:
-        from ..paths import check_local_root
+        from asyncckpt.core.paths import check_local_root
 
         self.root = check_local_root(root)
         self.url = str(self.root)
@@ -145,7 +145,7 @@ class LocalStore:
         return read_checkpoint_info(self.root / c.name, c.step)
 
     def read_manifest(self, name: str) -> dict[str, Any]:
-        from ..manifest import read_manifest
+        from asyncckpt.storage.manifest import read_manifest
 
         return read_manifest(self.root / name)
 
@@ -158,7 +158,7 @@ class LocalStore:
     def check(
         self, name: str, on_bytes: Callable[[int], None] | None = None, *, quick: bool = False
     ) -> list[str]:
-        from ..manifest import check_dir
+        from asyncckpt.storage.manifest import check_dir
 
         return check_dir(self.root / name, quick=quick, on_bytes=on_bytes)
 

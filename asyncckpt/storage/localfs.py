@@ -18,7 +18,7 @@ import stat
 import uuid
 from pathlib import Path
 
-from ..layout import LOCK_NAME, TMP_PREFIX
+from asyncckpt.core.layout import LOCK_NAME, TMP_PREFIX
 
 
 def new_token() -> str:

@@ -1,0 +1,356 @@
+"""The worker's side of a hot resume (``MemoryTier(hold_seconds=)``; hot.py is the trainer's).
+
+When its trainer dies, a worker finishes what it was writing (staged saves, the memory
+checkpoint it held: worker.py, memory_hold.py). The step it persists after the death (the
+memory checkpoint) is offered *before a byte of it is written* (``offer_staged``): with each
+tensor's dtype, shape and CRC-32C, computed here from the staged memory, and the objects and
+paths a load needs, so a new engine reads no file (hot_load.py) and waits for no write. It
+takes such a step only if it is newer than every committed one (the step ``load_latest`` picks
+once the commit is done) and checks every tensor against those checksums. Here, once the files
+are written, the memory is checksummed again (``EarlyOffer.unchanged``): if it changed since
+the offer the save fails (the files hold what the memory held when written); else the commit
+records the offered checksums in the manifest (``offered``). The new engine's ``start()``
+(which waits for this worker's lock, held until the commit ends) checks that the step
+committed recording the very same checksums: a failed commit reaches it as an error (hot.py
+``check_committed``). A failed commit withdraws the offer here.
+
+Several ranks: every rank's worker offers its own part so, and the new ranks agree over the
+old run's side store (``Offer.vote``) to take the step from memory on every rank or on none.
+Otherwise (a staged disk save, written before the worker learnt of the death) the newest step
+it wrote is offered once committed, as before. Either way the offer is served
+for ``hold_seconds`` over a local socket named after the root and the rank (an abstract Unix
+socket: this node only, this user only); the worker lock is released once the commit is over.
+
+What travels: the step, the files this rank wrote for it, where each tensor's bytes lie in the
+arenas, and the arenas' shared-memory file descriptors (``SCM_RIGHTS``): a fixed header and
+JSON (hot_offer.py), never a pickle. Each side checks that the other runs as this user
+(``SO_PEERCRED``) before anything else. The new engine decodes the offer field by field, maps
+the arenas and checks every byte it copies against the manifest (or the offered checksums);
+nothing offered here is trusted beyond being a place to copy from. The offer goes once: the
+memory is freed when the new engine unmaps it (or when this process exits, at
+``hold_seconds``, if nobody came).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncckpt import faults
+from asyncckpt.memory.hot_offer import HEADER, MAGIC, Offer, encode_offer
+from asyncckpt.storage.manifest import checksum
+
+log = logging.getLogger("asyncckpt")
+
+#: SO_PEERCRED's ``struct ucred``: pid, uid, gid.
+UCRED = struct.Struct("3i")
+#: How long one client may take to read the offer before the next one is served.
+CLIENT_TIMEOUT_S = 10.0
+#: How long a client that took an offer may take to say it is done reading (DONE).
+LOAD_TIMEOUT_S = 600.0
+#: The client's last byte: mapped (``TAKEN``), then done reading (``DONE``).
+TAKEN, DONE = b"T", b"D"
+
+
+def socket_name(root: str | os.PathLike, rank: int) -> str:
+    """The abstract socket a surviving worker of ``rank`` on ``root`` listens on."""
+    key = hashlib.sha1(str(Path(root).resolve()).encode()).hexdigest()[:20]
+    return f"\0asyncckpt-hot-{key}-{rank}"
+
+
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of ``conn``."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size)
+    return UCRED.unpack(raw)[1]
+
+
+@dataclass
+class Written:
+    """What a worker wrote last: the job (its arenas, its specs) and this rank's files."""
+
+    job: Any
+    files: tuple[str, ...]
+
+
+def make_offer(
+    worker: Any, written: Written | None = None
+) -> tuple[Offer, list[int], memoryview | None] | None:
+    """The offer of ``written`` (default: the newest step ``worker`` committed), the arenas'
+    descriptors and the largest tensor's bytes (for the ``corrupt`` fault: several ranks write
+    a tensor they all hold once, a rank's own tensors are its largest); None when it wrote
+    nothing or its arenas went."""
+    written = written if written is not None else worker.last_written
+    if written is None:
+        return None
+    job = written.job
+    fds: list[int] = []
+    sizes: list[int] = []
+    bases: list[int] = []
+    for arena_id in job.arena_ids:
+        arena = worker.arenas.get(arena_id)
+        if arena is None:
+            return None  # dropped by the trainer (a new layout): not this step's bytes
+        fd, size = arena.untyped_storage()._share_fd_cpu_()[-2:]
+        fds.append(fd)
+        sizes.append(size)
+        bases.append(arena.storage_offset())
+    specs = worker._specs(job)
+    tensors = {s.fqn: (s.arena, bases[s.arena] + s.offset, s.nbytes) for s in specs}
+    largest: memoryview | None = None
+    if specs and (s := max(specs, key=lambda spec: spec.nbytes)).nbytes:
+        arena = worker.arenas[job.arena_ids[s.arena]]
+        largest = memoryview(arena.numpy()).cast("B")[s.offset : s.offset + s.nbytes]
+    offer = Offer(job.step, worker.config.rank, written.files, tensors, tuple(sizes), os.getpid())
+    dist = worker.config.dist
+    offer.world_size = dist.world_size if dist is not None else 1
+    return offer, fds, largest
+
+
+def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
+    """Offer the newest step ``worker`` wrote for ``hold_s`` seconds, to one new engine;
+    ``release_lock`` lets the new engine start (called once the socket listens, or at once
+    when there is nothing to offer). An offer made while committing (``offer_early``) that
+    was not withdrawn is the one served."""
+    early: EarlyOffer | None = getattr(worker, "early_offer", None)
+    if early is not None and early.live():
+        release_lock()  # committed: a new engine may start (and check what it took)
+        early.hold(hold_s)
+        return
+    made = make_offer(worker)
+    if made is None:
+        release_lock()
+        return
+    offer, fds, largest = made
+    if early is not None:  # withdrawn: the other ranks may wait for this rank's "no"
+        offer.vote = worker.config.dist
+    payload = _encoded(offer)
+    if payload is None:
+        release_lock()
+        return
+    faults.point("before_hot_serve", largest)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(socket_name(worker.root, worker.config.rank))
+    except OSError as e:  # another process offers this rank's memory: not this one's turn
+        log.warning("cannot offer step %d to a new engine: %s", offer.step, e)
+        sock.close()
+        release_lock()
+        return
+    sock.listen(4)
+    release_lock()  # listening first: a new engine that got the lock finds the offer
+    log.warning(
+        "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
+        "node for %.0fs",
+        offer.step,
+        offer.rank,
+        hold_s,
+    )
+    deadline = time.monotonic() + hold_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                break
+            with conn:
+                if _hand_over(conn, payload, fds, offer.step):
+                    log.info("step %d was taken from memory by a new engine", offer.step)
+                    return
+        log.warning("nobody took step %d from memory in %.0fs: freed", offer.step, hold_s)
+    finally:
+        sock.close()
+
+
+def _encoded(offer: Offer) -> bytes | None:
+    """``offer`` as it goes on the socket (hot_offer.py), or None (logged: not offered)."""
+    try:
+        return encode_offer(offer)
+    except ValueError as e:
+        log.warning("cannot offer step %d to a new engine: %s", offer.step, e)
+        return None
+
+
+def _hand_over(conn: socket.socket, payload: bytes, fds: list[int], step: int) -> bool:
+    """Send the encoded offer and the descriptors; True once the client said it mapped them.
+    A process of another user gets nothing; one whose answer is not ``TAKEN`` took nothing."""
+    try:
+        if peer_uid(conn) != os.getuid():
+            log.warning("a process of another user asked for step %d's memory: refused", step)
+            return False
+        conn.settimeout(CLIENT_TIMEOUT_S)
+        socket.send_fds(conn, [HEADER.pack(MAGIC, len(payload))], fds)
+        conn.sendall(payload)
+        return conn.recv(1) == TAKEN
+    except OSError as e:
+        log.warning("handing step %d over to a new engine failed: %s", step, e)
+        return False
+
+
+def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
+    """Offer ``job``'s step before a byte of it is written: each tensor's dtype, shape and
+    CRC-32C computed here from the staged memory, and the objects and paths a load needs, so
+    a new engine reads no file. None (logged) when it cannot be offered: the offer after the
+    commit is then the only one."""
+    made = make_offer(worker, Written(job, ()))
+    if made is None:
+        return None
+    offer, fds, largest = made
+    specs = worker._specs(job)
+    views = {s.fqn: _arena_bytes(worker, job, s) for s in specs}
+    crcs = tensor_crcs(views)
+    offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
+    offer.objects, offer.paths = dict(job.objects), job.paths
+    offer.vote = worker.config.dist
+    payload = _encoded(offer)
+    if payload is None:
+        return None
+    faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
+    early = EarlyOffer(offer, payload, fds, views)
+    if not early.listen(socket_name(worker.root, offer.rank)):
+        return None
+    log.warning(
+        "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
+        "node before it is written",
+        offer.step,
+        offer.rank,
+    )
+    return early
+
+
+def _arena_bytes(worker: Any, job: Any, spec: Any) -> memoryview:
+    arena = worker.arenas[job.arena_ids[spec.arena]]
+    return memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]
+
+
+def tensor_crcs(views: dict[str, memoryview], threads: int = 4) -> dict[str, int]:
+    """The CRC-32C of each tensor's bytes, by a few threads (the checksum releases the GIL)."""
+    if threads < 2 or len(views) < 2:
+        return {k: checksum(v) for k, v in views.items()}
+    with ThreadPoolExecutor(threads, thread_name_prefix="asyncckpt-crc") as pool:
+        return dict(zip(views, pool.map(checksum, views.values()), strict=True))
+
+
+#: How long a withdrawal waits for the offer's socket to stop listening.
+UNBIND_WAIT_S = 2.0
+
+
+class EarlyOffer:
+    """An offer served on a thread of its own while the main thread writes and commits its
+    step (``payload``: the offer encoded). ``views``: the offered tensors' bytes, checked
+    again once written (``unchanged``)."""
+
+    def __init__(
+        self, offer: Offer, payload: bytes, fds: list[int], views: dict[str, memoryview]
+    ) -> None:
+        self.offer, self.payload, self.fds, self.views = offer, payload, fds, views
+        self.sock: socket.socket | None = None
+        self.stop = threading.Event()
+        self.taken = threading.Event()
+        self.done = threading.Event()  # the thread ended
+        # The socket no longer listens: the name is free for the next offer (after a
+        # withdrawal, the committed step's), which would otherwise fail to bind.
+        self.unbound = threading.Event()
+        self.withdrawn = False
+        self.thread = threading.Thread(target=self._run, name="asyncckpt-hot", daemon=True)
+
+    def listen(self, name: str) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+        except OSError as e:  # another process offers this rank's memory: not this one's turn
+            log.warning("cannot offer step %d to a new engine: %s", self.offer.step, e)
+            sock.close()
+            return False
+        sock.listen(4)
+        sock.settimeout(0.1)  # (to see ``stop``)
+        self.sock = sock
+        self.thread.start()
+        return True
+
+    def checksums(self) -> dict[str, int]:
+        """What the commit records (the manifest's ``offered``): each tensor's CRC-32C."""
+        assert self.offer.staged is not None
+        return {fqn: crc for fqn, (_, _, crc) in self.offer.staged.items()}
+
+    def unchanged(self) -> None:
+        """Once the files are written from the staged memory: it still holds the bytes
+        offered (so the files do), else ``StagedMemoryChanged`` fails the save (nothing that
+        differs from what a new engine may have loaded is committed)."""
+        now = tensor_crcs(self.views)
+        changed = sorted(k for k, crc in self.checksums().items() if now.get(k) != crc)
+        if changed:
+            raise StagedMemoryChanged(
+                f"step {self.offer.step}: the staged memory changed after it was offered to a "
+                f"new engine ({changed[:3]}): not committed"
+            )
+
+    def live(self) -> bool:
+        """Not withdrawn (taken already, or still offered)."""
+        return not self.withdrawn and (self.taken.is_set() or self.thread.is_alive())
+
+    def withdraw(self, why: str) -> None:
+        """The commit failed (``why``): nobody else takes the step (one who did finds out at
+        its start)."""
+        self.withdrawn = True
+        self.stop.set()
+        self.unbound.wait(UNBIND_WAIT_S)  # (the thread sees ``stop`` within its 0.1 s accept)
+        log.warning(
+            "step %d did not commit (%s): no longer offered from memory", self.offer.step, why
+        )
+
+    def hold(self, hold_s: float) -> None:
+        """Until taken (and read) or ``hold_s`` seconds passed, then close."""
+        if not self.taken.is_set() and not self.taken.wait(hold_s):
+            log.warning("nobody took step %d from memory in %.0fs: freed", self.offer.step, hold_s)
+        else:
+            log.info("step %d was taken from memory by a new engine", self.offer.step)
+        self.stop.set()
+        self.done.wait(LOAD_TIMEOUT_S)
+
+    def _run(self) -> None:
+        assert self.sock is not None
+        try:
+            while not self.stop.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    if not _hand_over(conn, self.payload, self.fds, self.offer.step):
+                        continue
+                    self.taken.set()
+                    self._unbind()  # one taker: the name is free while it reads
+                    _until_done(conn)
+                    return
+        finally:
+            self._unbind()
+            self.done.set()
+
+    def _unbind(self) -> None:
+        assert self.sock is not None
+        self.sock.close()
+        self.unbound.set()
+
+
+class StagedMemoryChanged(RuntimeError):
+    """The memory of a step offered before it was written changed before it was written."""
+
+
+def _until_done(conn: socket.socket) -> None:
+    """Until the client said it is done reading the memory (or hung up)."""
+    try:
+        conn.settimeout(LOAD_TIMEOUT_S)
+        conn.recv(1)
+    except OSError:
+        pass

@@ -1,0 +1,624 @@
+"""The memory tier: checkpoints kept in the worker's shared memory, written only when needed.
+
+``save(step, state, tier="memory")`` stages the state as any save does and hands the worker a
+``Hold`` instead of a ``Save``: no disk I/O. The worker keeps the newest complete memory
+checkpoint and writes it to disk, committed like any other save (manifest, tracker, prune,
+marked ``"tier": "memory"`` and ``"persisted_because"`` in the manifest), when
+
+* its trainer dies without closing the engine (the jobs pipe's end of file: ``worker.py``),
+* SIGTERM arrives (the engine's preemption path asks for it before draining),
+* the engine closes, with ``persist_memory_on_close=True``.
+
+Host memory: two staging slots of the state's size for both tiers (the one the worker holds +
+the one the next save stages into); checked before anything is allocated. A disk save made
+while the memory tier is on (``Schedule(memory_every_steps=)`` set, or after a memory save) is
+staged into a memory slot too (``shares``): the worker holds it as its newest memory
+checkpoint (``Hold(writing=True)``) and writes it from there (``SaveJob.held_as``), so the
+disk save's own ``max_in_flight`` slots are never allocated (2x the state, not 3x). Who owns
+such a slot: the hold (``slot_owner[i]`` is the memory job's id, freed by its ``Released``);
+the disk write in flight owns none (``JobTable.add(owns_slot=False)``): the worker's
+``Holder`` keeps the slot pinned until the write is done, even once a newer ``Hold`` replaced
+it, and only then sends its ``Released``. The cost: a memory save that finds one slot held
+and the other still being written waits for the write (back-pressure, in its
+``wait_seconds``). Not shared, counted in ``unshared`` and logged once per reason: an
+overlapped disk save, a state laid out unlike the memory slots, a step not after the last
+memory save; those stage into a disk slot of their own, as without the memory tier.
+
+Why a torn memory checkpoint is never persisted: the trainer stages into a memory slot only
+once the worker has let go of it. The worker lets go of the slot it held only when a ``Hold``
+of a newer, completely staged checkpoint arrives (a ``Hold`` is sent only after the copy), and
+a ``Hold`` is read by a thread of its own (``memory_hold.Holder``), so that this takes a pipe's round trip
+even while the worker writes a disk checkpoint. Forward only: a memory checkpoint whose step is
+not newer than the newest committed one is never written.
+
+Several ranks: only a step every rank holds can be written, so each worker keeps the newest
+step every rank handed off (common) besides the newest. Each memory save, before its
+``save()`` returns, counts itself in the side store (``Agreement.handed_off``); when a third
+step needs a slot, the trainer asks the store whether its newest held step is common
+(``Agreement.common``: proposed and recorded once per step, the same answer on every rank) and
+tells its worker to let go of the older one if so, else of the newest (``LetGo``): the common
+step is never evicted before a newer one is common. A rank a whole memory save ahead of a
+peer waits for it at most ``COMMON_WAIT_S``, then overwrites its non-common step (never
+blocks longer: its peer may be dead). In a training loop with a collective between two memory
+saves every peer has handed a step off before any rank's next save asks, so nothing whose
+``save()`` returned on every rank is lost. No collective runs on the training thread: these
+are key operations on the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncckpt.core.cachekeys import same_key
+from asyncckpt.memory.hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
+from asyncckpt.staging.arenas import check_memory, plan_arenas
+
+__all__ = [
+    "CLOSE",
+    "PREEMPTION",
+    "TRAINER_DIED",
+    "MemoryTier",
+    "check_tier",
+    "persist",
+    "save",
+    "worker_lost",
+]
+
+log = logging.getLogger("asyncckpt")
+
+TIERS = ("disk", "memory")
+
+
+def check_tier(tier: Any) -> str:
+    if tier not in TIERS:
+        raise ValueError(f'tier must be "disk" or "memory", not {tier!r}')
+    return tier
+
+
+def check_memory_tier(tensors: dict[str, Any], held_bytes: int, replicas: int = 0) -> None:
+    """Refuse the memory tier's two slots if the machine cannot hold them (before allocating
+    either). ``held_bytes``: what the memory slots already hold (re-laid out in place).
+    ``replicas=1``: this rank's worker also holds two replicas of its peer rank's memory
+    saves, counted as the same size as this rank's (the peer's receiver checks again)."""
+    from asyncckpt.errors import StagingMemoryError
+
+    _, sizes = plan_arenas(tensors)
+    need = 2 * sum(sizes) * (1 + replicas)
+    try:
+        check_memory(need - held_bytes)
+    except StagingMemoryError as e:
+        what = (
+            "the checkpoint the worker holds and the one being staged"
+            if not replicas
+            else "the checkpoint the worker holds, the one being staged, and two replicas of "
+            "a peer node's rank"
+        )
+        raise StagingMemoryError(
+            f"the memory tier keeps {2 * (1 + replicas)} copies of the state in shared memory "
+            f"({what}): {need / 2**30:.2f} GiB. {e}; nothing was staged"
+        ) from None
+
+
+#: How long a rank a memory save ahead of a peer waits for it before dropping its newest step.
+COMMON_WAIT_S = 1.0
+
+
+class Agreement:
+    """Several ranks: which memory steps every rank handed off, over the side store (served
+    by rank 0's worker; ``dist.py``). Keys: a counter per step, and its fate once asked."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.store: Any = None
+        self.steps: list[int] = []  # handed off here, whose keys rank 0 removes once obsolete
+
+    def _key(self, step: int) -> str:
+        return f"asyncckpt/{self.cfg.token}/memory/{step}"
+
+    def _client(self) -> Any:
+        if self.store is None:
+            import datetime
+
+            import torch.distributed as dist
+
+            td = datetime.timedelta(seconds=self.cfg.timeout)
+            self.store = dist.TCPStore(self.cfg.host, self.cfg.port, None, False, td)
+        return self.store
+
+    def handed_off(self, step: int) -> None:
+        """Count this rank's hand-off of ``step`` (before its ``save()`` returns)."""
+        try:
+            self._client().add(self._key(step), 1)
+            self.steps.append(step)
+        except Exception as e:  # noqa: BLE001 - the peers then see it as not common
+            self.store = None
+            log.warning("memory save of step %d: the side store is unreachable: %s", step, e)
+
+    def common(self, step: int) -> bool:
+        """Whether every rank handed off ``step`` -- decided once for all ranks: the first
+        rank to ask records its answer, the others read it."""
+        try:
+            store = self._client()
+            deadline = time.monotonic() + COMMON_WAIT_S
+            while True:
+                n = store.add(self._key(step), 0)
+                if n >= self.cfg.world_size or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+            want = fate(n, self.cfg.world_size)
+            agreed = store.compare_set(self._key(step) + "/fate", "", want).decode()
+        except Exception as e:  # noqa: BLE001 - keep the older step: never a newer guess
+            self.store = None
+            log.warning("memory step %d: the side store is unreachable: %s", step, e)
+            return False
+        if agreed == COMMON:
+            self._forget_before(step)
+        elif agreed != DROPPED:
+            raise RuntimeError(f"memory step {step}: unexpected agreement {agreed!r}")
+        return agreed == COMMON
+
+    def _forget_before(self, step: int) -> None:
+        """Once ``step`` is common no rank asks about an older one: rank 0 removes their keys."""
+        old = [s for s in self.steps if s < step]
+        self.steps = [s for s in self.steps if s >= step]
+        if self.cfg.rank != 0:
+            return
+        for s in old:
+            self.store.delete_key(self._key(s))
+            self.store.delete_key(self._key(s) + "/fate")
+
+
+@dataclass
+class MemoryTier:
+    """The trainer's side: which of the engine's slots are the memory tier's, what was sent.
+
+    ``slots``: indices into the engine's ``slots`` / ``slot_owner`` (appended at the first
+    memory save). ``slot_owner[i]`` is the id of the memory job the worker may still read from
+    slot ``i`` (until its ``Released``), or of a persist job in flight; None when free.
+    """
+
+    every_steps: int | None = None
+    persist_on_close: bool = False
+    replicas: int = 0  # options.MemoryTier.replicas: the worker replicates each Hold
+    slots: list[int] = field(default_factory=list)
+    held: Any = None  # the SaveJob of the last Hold sent (the newest complete memory save)
+    held_slot: int | None = None
+    held_link: Any = None  # the worker link it was sent on (a new worker holds nothing)
+    # Several ranks: the older step the worker also holds (common to every rank, or the
+    # older of two not yet known to be), and how the ranks agree on it.
+    kept: Any = None
+    kept_slot: int | None = None
+    dist: Any = None  # dist.DistConfig (set at the engine's start) or None
+    agreement: Any = None
+    sent_on: dict[int, Any] = field(default_factory=dict)  # slot -> link of its last Hold
+    last_step: int | None = None  # the newest memory save's step (steps go forward)
+    last_due: int | None = None
+    lost: int = 0  # memory saves lost with a worker that died holding them (worker_lost)
+    unprotected_step: int | None = None  # the last one lost, until a new worker holds one
+    shared: int = 0  # disk saves written from a memory slot (``shares``)
+    unshared: int = 0  # disk saves that could not be, with the memory tier on
+    unshared_why: set[str] = field(default_factory=set)  # the reasons logged already
+
+    def active(self) -> bool:
+        """The memory tier is in use: its slots exist, or its schedule is set."""
+        return bool(self.slots) or self.every_steps is not None
+
+    def due(self, step: int) -> bool:
+        """Every ``every_steps`` steps (``step > 0``), once per step."""
+        if self.every_steps is None or step <= 0 or step == self.last_due:
+            return False
+        if step % self.every_steps == 0:
+            self.last_due = step
+            return True
+        return False
+
+    def pick_slot(
+        self, owner: dict[int, Any], inflight: dict, link: Any, keys: dict[int, Any], key: tuple
+    ) -> int | None:
+        """A memory slot to stage into, or None while the worker still holds both. (Called
+        with the engine's lock held.) A slot sent to a worker that was since replaced is free:
+        the new worker holds nothing of it."""
+        if self.held_link is not None and self.held_link is not link:
+            self.held = self.held_slot = self.held_link = self.kept = self.kept_slot = None
+        for i in self.slots:
+            o = owner[i]
+            if o is not None and o not in inflight and self.sent_on.get(i) is not link:
+                owner[i] = None
+        free = [
+            i for i in self.slots if owner[i] is None and i not in (self.held_slot, self.kept_slot)
+        ]
+        if not free:
+            return None
+        same = [i for i in free if same_key(keys.get(i), key)]
+        return (same or free)[0]
+
+    def agree(self) -> Agreement | None:
+        if self.dist is None:
+            return None
+        if self.agreement is None or self.agreement.cfg is not self.dist:
+            self.agreement = Agreement(self.dist)
+        return self.agreement
+
+    def newest_common(self) -> tuple[Any, int | None]:
+        """Several ranks holding two: the one of them to keep (and its slot), as agreed."""
+        agreement = self.agree()
+        if self.kept is None or agreement is None:
+            return self.held, self.held_slot
+        if self.held is None or not agreement.common(self.held.step):
+            return self.kept, self.kept_slot
+        return self.held, self.held_slot
+
+    def released(self, owner: dict[int, Any], job_id: int) -> bool:
+        """The worker let go of memory job ``job_id``'s slot; True if it was one of ours."""
+        for i in self.slots:
+            if owner[i] == job_id:
+                owner[i] = None
+                return True
+        return False
+
+
+# ------------------------------------------------------------------ the engine's side
+# Functions of the engine's ``saving.Saver`` (``saver``), kept here so that the save path only
+# passes ``tier`` through: its job table's lock and slots, and the worker's link, are used as
+# its disk saves use them.
+
+
+def _add_slots(saver: Any, pending: Any) -> None:
+    """The memory tier's two slots, checked for room (2x the state) before either exists."""
+    from asyncckpt.staging.arenas import StagingSlot
+
+    mem, jobs = saver.memory, saver.jobs
+    keys = {saver.slots[i].key for i in mem.slots}
+    if mem.slots and keys == {pending.key}:
+        return
+    check_memory_tier(
+        pending.flat.tensors, sum(saver.slots[i].nbytes for i in mem.slots), mem.replicas
+    )
+    with jobs.cond:
+        while len(mem.slots) < 2:
+            i = len(saver.slots)
+            saver.slots.append(StagingSlot(i))
+            jobs.slot_owner[i] = None
+            jobs.memory_slots.add(i)
+            mem.slots.append(i)
+
+
+def free_slots(saver: Any, flat: Any, key: tuple) -> list[int]:
+    """``prepare(state)``: the memory tier's slots (added, checked for room) not in use."""
+    import types
+
+    _add_slots(saver, types.SimpleNamespace(flat=flat, key=key))
+    with saver.jobs.cond:
+        return [i for i in saver.memory.slots if saver.jobs.slot_owner[i] is None]
+
+
+def _make_room(saver: Any) -> None:
+    """Several ranks, the worker holding two: let go of the one the ranks agree is not to be
+    kept (its slot comes back with ``Released``, which ``_take_slot`` waits for)."""
+    from asyncckpt.core import messages as M
+
+    mem, jobs = saver.memory, saver.jobs
+    link = saver.worker.link
+    if mem.kept is None or mem.held is None or mem.held_link is not link:
+        return
+    agreement = mem.agree()
+    common = agreement is not None and agreement.common(mem.held.step)  # outside the lock
+    gone = let_go(mem.kept.step, mem.held.step, COMMON if common else DROPPED)
+    victim, keep = (mem.kept, mem.held) if gone == mem.kept.step else (mem.held, mem.kept)
+    keep_slot = mem.held_slot if keep is mem.held else mem.kept_slot
+    with saver.sigterm.handing_off():
+        with saver.worker.sending():
+            M.send(link.memory, M.encode(M.LetGo(victim.job_id)))
+        with jobs.cond:
+            mem.kept, mem.kept_slot = keep, keep_slot
+            mem.held = mem.held_slot = None
+    saver.sigterm.run_deferred()
+
+
+def _take_slot(saver: Any, pending: Any) -> int:
+    """A memory slot the worker does not hold; waits (a pipe's round trip) for its release."""
+    from asyncckpt.errors import CheckpointError
+    from asyncckpt.trainer.jobs import RESERVED
+
+    mem, jobs = saver.memory, saver.jobs
+    with jobs.cond:
+        while True:
+            keys = {i: saver.slots[i].key for i in mem.slots}
+            link = saver.worker.link
+            i = mem.pick_slot(jobs.slot_owner, jobs.inflight, link, keys, pending.key)
+            if i is not None:
+                jobs.slot_owner[i] = RESERVED
+                return i
+            error = saver.worker.start_error
+            if not saver.is_started() or error is not None:
+                raise CheckpointError(
+                    f"memory save of step {pending.step}: the checkpoint worker is not running"
+                    + (f" ({error})" if error else "")
+                )
+            jobs.cond.wait(0.5)
+
+
+def say_if_budget_is_moot(saver: Any, pending: Any) -> bool:
+    """Whether it said (a warning, once per engine: the caller keeps the answer) that
+    ``Staging(max_host_bytes=)`` is below the state while this tier is on: its slots hold
+    whole states and disk saves are written from them, so the budget bounds nothing."""
+    if not saver.memory.active():
+        return False
+    staged = sum(plan_arenas(pending.flat.tensors)[1])
+    if staged <= saver.budget.max_bytes:
+        return False
+    log.warning(
+        "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
+        "stages whole states into its own slots (and disk saves are written from them): the "
+        "budget does not bound them; size host memory for MemoryTier instead",
+        saver.budget.max_bytes,
+        staged / 2**20,
+    )
+    return True
+
+
+def shares(saver: Any, pending: Any, overlap: bool) -> bool:
+    """Whether disk save ``pending`` is staged into a memory slot and written from there
+    (the module's docstring); when the memory tier is on but it cannot be, says why (once
+    per reason) and counts it."""
+    mem = saver.memory
+    if not mem.active():
+        return False
+    why = None
+    if overlap:
+        why = "an overlapped save (overlap=True) copies in the background"
+    elif mem.last_step is not None and pending.step <= mem.last_step:
+        why = f"its step is not after the last memory save (step {mem.last_step})"
+    elif mem.slots and all(saver.slots[i].key not in (None, pending.key) for i in mem.slots):
+        why = "its state is laid out unlike the memory saves' (other tensors)"
+    if why is None:
+        return True
+    with saver.jobs.cond:
+        mem.unshared += 1
+        first = why not in mem.unshared_why
+        mem.unshared_why.add(why)
+    if first:
+        log.info(
+            "disk save of step %d staged into a slot of its own, not the memory tier's: %s "
+            "(host memory: one more copy of the state; engine.stats counts these)",
+            pending.step,
+            why,
+        )
+    return False
+
+
+def save(saver: Any, pending: Any, write: bool = False) -> Any:
+    """Stage ``pending`` into a memory slot and hand it to the worker to hold; the handle
+    completes at once (nothing is written unless the worker must persist it). ``write``: a
+    disk save (``shares``): the worker also writes it from that slot, and the handle
+    completes at its commit, as any disk save's."""
+    import dataclasses
+    import time
+
+    from asyncckpt import faults
+    from asyncckpt.core import messages as M
+    from asyncckpt.errors import CheckpointError, SaveFailed, WorkerDied
+    from asyncckpt.staging.arenas import any_cuda
+    from asyncckpt.staging.unchanged import note_skips, stage_checked, worker_digests
+
+    mem, jobs = saver.memory, saver.jobs
+    step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
+    if mem.last_step is not None and step <= mem.last_step:
+        raise CheckpointError(
+            f"memory save of step {step}: steps must increase (the last memory save was step "
+            f"{mem.last_step})"
+        )
+    _add_slots(saver, pending)
+    try:
+        _make_room(saver)
+    except OSError as e:  # the worker is gone: the next one holds nothing anyway
+        log.warning("memory save of step %d: could not reach the worker: %s", step, e)
+    t_take = time.perf_counter()
+    i = _take_slot(saver, pending)
+    slot = saver.slots[i]
+    stats.wait_seconds = time.perf_counter() - pending.started
+    if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
+        log.info(
+            "save of step %d waited %.3fs for a staging buffer (both of the memory tier's are in "
+            "use: held, or being written)",
+            step,
+            time.perf_counter() - t_take,
+        )
+    try:
+        pin = any_cuda(flat.tensors.values())
+        t0 = time.perf_counter()
+        if slot.ensure(flat.tensors, pin, pending.key):
+            stats.alloc_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        # Blocking, on the caller's thread: only another thread can free a storage before the
+        # copy, racing it as during the copy, which no check makes safe (no guard).
+        torn, skips = stage_checked(saver.skipper, slot, flat.tensors, pending.marks, False, pin)
+        stats.stage_seconds = time.perf_counter() - t1
+        stats.staged_bytes = slot.nbytes
+        note_skips(stats, skips)
+        if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
+            err = SaveFailed(
+                f"{'' if write else 'memory '}save of step {step} failed: the state changed "
+                f"while it was staged ({torn}); nothing was written, the worker still holds the "
+                "previous memory checkpoint"
+            )
+            err.__cause__ = torn
+            jobs.unreserve(i)
+            jobs.fail_unsent(handle, err)
+            return handle
+        faults.point("after_stage")
+        disk = None  # write: the disk save's job, in flight, owning no slot (the hold does)
+        digests = worker_digests(slot, skips)  # the slot's bytes: for whichever job writes them
+        with jobs.cond:
+            if write:
+                disk_id, attempt = jobs.add(step, handle, i, owns_slot=False)
+                disk = saver.job_for(pending, slot, disk_id, attempt, digests=digests)
+            else:
+                attempt = jobs.attempts.get(step, 0)
+                jobs.attempts[step] = attempt + 1
+            jobs.next_job += 1
+            job = saver.job_for(
+                pending, slot, jobs.next_job, attempt, tier="memory", digests=digests
+            )
+            jobs.slot_owner[i] = job.job_id
+            if disk is not None:
+                disk.held_as = job.job_id
+            elif mem.replicas:  # before the Hold: its Replicated may come at once
+                import threading
+
+                handle._replica = threading.Event()
+                jobs.replicating[job.job_id] = handle
+    except BaseException:
+        jobs.unreserve(i)
+        raise
+
+    def let_go(err: Any = None) -> None:
+        with jobs.cond:
+            if jobs.slot_owner[i] == job.job_id:
+                jobs.slot_owner[i] = None
+            if jobs.replicating.pop(job.job_id, None) is not None:
+                handle._replica_done("it never reached the worker")
+            jobs.cond.notify_all()
+        if disk is not None and err is not None:
+            jobs.fail(disk.job_id, err)
+        elif err is not None:
+            jobs.fail_unsent(handle, err)
+
+    sent = False
+    try:
+        with saver.sigterm.handing_off():
+            saver.worker.wait_ready()
+            if disk is not None and not jobs.in_flight(disk.job_id):
+                let_go()  # the worker it waited for died meanwhile: the save failed with it
+                return handle
+            job.faults = faults.snapshot()
+            link = saver.worker.link
+            # Paths only when they changed (a replayed plan hands out the same object).
+            wire = (
+                job if link.memory_paths is not flat.paths else dataclasses.replace(job, paths=None)
+            )
+            # Several ranks: the worker keeps the older one it holds as well (_make_room).
+            keep, keep_slot = (None, None)
+            if mem.dist is not None and mem.held_link is link:
+                keep, keep_slot = (
+                    (mem.kept, mem.kept_slot) if mem.kept else (mem.held, mem.held_slot)
+                )
+            payload = M.encode(
+                M.Hold(wire, keep.job_id if keep is not None else None, writing=disk is not None)
+            )
+            if disk is not None:
+                disk.faults = job.faults
+                if link.paths is flat.paths:
+                    disk.paths = None
+                written = M.encode(M.Save(disk))
+            sent = True
+            with saver.worker.sending():
+                saver.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
+                M.send(link.memory, payload)
+                if disk is not None:  # after the Hold: the Holder pins the slot first
+                    M.send(link.conn, written)
+                    link.paths = flat.paths
+            link.memory_paths = flat.paths
+            with jobs.cond:
+                mem.sent_on[i] = link
+                mem.held, mem.held_slot, mem.held_link = job, i, link
+                mem.kept, mem.kept_slot = keep, keep_slot
+                mem.last_step = step
+                mem.unprotected_step = None  # the hole a dead worker left is closed
+    except OSError as e:
+        let_go(WorkerDied(f"could not hand step {step} to the worker: {e}"))
+        return handle
+    except BaseException as e:
+        # Interrupted (Ctrl-C), or no worker came up: the caller sees this very exception.
+        # (Interrupted mid-send, the worker is being replaced: its death settles the job.)
+        handle._observed = True
+        unsent = disk is not None and not sent  # (in flight: close() would wait for it)
+        let_go(SaveFailed(f"step {step} was not handed to the worker ({e!r})") if unsent else None)
+        raise
+    finally:
+        saver.sigterm.run_deferred()
+    saver.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
+    agreement = mem.agree()
+    if agreement is not None:  # counted before save() returns: the peers may rely on it
+        agreement.handed_off(step)
+    if disk is not None:
+        with jobs.cond:
+            mem.shared += 1
+        handle._staged.set()  # copied and handed over: invariant 12 holds from here
+    else:
+        handle._finish()  # held by the worker: done (it is written only if it must be)
+    return handle
+
+
+def worker_lost(saver: Any, link: Any, pid: int | None) -> None:
+    """The worker ``pid`` (its ``link``) died with the trainer alive: the memory save it held
+    is gone with its memory. Count it and say which step, unless disk has it or newer."""
+    from asyncckpt.core import layout as _layout
+
+    mem, jobs = saver.memory, saver.jobs
+    with jobs.cond:
+        job = mem.held
+        if job is None or mem.held_link is not link:
+            return  # held nothing, or what it held was already counted or persisted
+        newest = _layout.read_tracker(saver.rules.root)
+        if newest is not None and job.step <= newest:
+            return  # a disk checkpoint at least as new: nothing is unprotected
+        mem.lost += 1
+        mem.unprotected_step = job.step
+    # The handle of that save succeeded long ago: this line is the only place it shows.
+    log.warning(
+        "the checkpoint worker (pid %s) died holding the memory save of step %d: it is lost; "
+        "until the next memory save, a trainer's death resumes from disk (step %s)",
+        pid,
+        job.step,
+        newest,
+    )
+
+
+def persist(saver: Any, reason: str) -> Any:
+    """Ask the worker to write the memory checkpoint it holds, as a save in flight (the
+    engine's drain waits for it); None if there is none, or it is not newer than what is on
+    disk or in flight."""
+    import dataclasses
+
+    from asyncckpt import faults
+    from asyncckpt.core import layout as _layout
+    from asyncckpt.core import messages as M
+    from asyncckpt.errors import WorkerDied
+
+    mem, jobs = saver.memory, saver.jobs
+    if mem.held_link is not saver.worker.link or (mem.held is None and mem.kept is None):
+        return None
+    saver.wait_staged()  # an overlapped save's thread may be sending: never two at once
+    dirs = saver.restorer.committed()
+    newest = dirs[-1].step if dirs else None
+    job, slot = mem.newest_common()  # several ranks: the step all of them write
+    with jobs.cond:
+        if job is None:
+            return None
+        flying = max((j.handle.step for j in jobs.inflight.values()), default=None)
+        final = saver.rules.root / _layout.dir_name(saver.rules.layout, job.step)
+        if any(s is not None and job.step <= s for s in (newest, flying)) or final.exists():
+            log.info("memory checkpoint of step %d not written: not newer than disk", job.step)
+            return None
+        jobs.next_job += 1
+        pjob = dataclasses.replace(
+            job,
+            job_id=jobs.next_job,
+            persisted_because=reason,
+            memory_job_id=job.job_id,
+            faults=faults.snapshot(),
+        )
+        handle = jobs.track(pjob, slot)  # its slot is the write's until released
+        # The worker forgets it too (and the other one it holds is not written by the trainer).
+        mem.held = mem.held_slot = mem.held_link = mem.kept = mem.kept_slot = None
+    log.warning("writing the memory checkpoint of step %d (%s)", job.step, reason)
+    try:
+        with saver.worker.sending():
+            M.send(saver.worker.link.conn, M.encode(M.Save(pjob)))
+    except OSError as e:
+        jobs.fail(pjob.job_id, WorkerDied(f"could not ask the worker to write it: {e}"))
+    return handle

@@ -1,0 +1,166 @@
+"""``engine.protect(step)`` reaching a prune already on its way.
+
+A save's prune request carries the steps pinned when the save was handed to the worker
+(``saving.prune_request``); a ``protect`` called after that, while the save was written,
+never reached its prune, which deleted the step the caller had just protected. So the pin
+is also sent to the worker (``Protect``), whose reader thread hands it at once, also while
+a save is being written, to a thread that adds it to the steps every prune of that worker
+keeps (``WorkerPins``); ``protect`` returns once the worker said so (``Protected``). The
+worker prunes holding the same lock, so a prune is either over when the pin lands or sees
+it. A load pins the step it reads the same way, until it is over (``kept_while_read``).
+
+Other processes (``python -m asyncckpt prune``) see the engine's pins in a file under the
+root while the engine runs (``publish_pins``, pinfile.py); a load's pin stays in the worker.
+
+Not covered: only this rank's worker hears of a pin, and on a shared root only rank 0's
+worker prunes (call ``protect`` on every rank; another rank's load is not pinned there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from asyncckpt.core import messages as M
+from asyncckpt.storage import pinfile
+
+log = logging.getLogger("asyncckpt")
+
+#: Seconds ``protect`` waits for the worker's word at most; then it says so and returns
+#: (the pin still holds for every save handed over from then on).
+PROTECT_WAIT_S = 60.0
+
+
+class WorkerPins:
+    """The worker's side: the steps pinned since it started, those being loaded by its
+    trainer now, and the lock its prunes hold. The reader thread hands each message over
+    (``submit``) and goes on: it must never wait for a prune (the arenas and drops behind
+    it would wait too); a thread of its own applies them in order and answers."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: set[int] = set()
+        self.reading: dict[int, int] = {}  # step -> loads of it in progress
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, msg: Any, events: Any) -> None:
+        """A ``Protect`` or ``Unprotect`` from the trainer (the reader thread: never waits)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._apply, args=(events,), name="asyncckpt-pins", daemon=True
+            )
+            self._thread.start()
+        self._todo.put(msg)
+
+    def _apply(self, events: Any) -> None:
+        while True:
+            msg = self._todo.get()
+            self.on(msg)
+            if isinstance(msg, M.Protect):
+                events.send(M.Protected(msg.step))
+
+    def kept(self) -> tuple[int, ...]:
+        """The steps pinned now (the remote tier's prune, never run beside a local one)."""
+        with self.lock:
+            return self._kept()
+
+    def _kept(self) -> tuple[int, ...]:
+        return tuple(sorted(self.steps | set(self.reading)))
+
+    def on(self, msg: Any) -> None:
+        """Apply a ``Protect`` (or its end, ``Unprotect``): waits for a prune running now."""
+        with self.lock:
+            if isinstance(msg, M.Unprotect):
+                left = self.reading.get(msg.step, 0) - 1
+                if left > 0:
+                    self.reading[msg.step] = left
+                else:
+                    self.reading.pop(msg.step, None)
+            elif msg.while_read:
+                self.reading[msg.step] = self.reading.get(msg.step, 0) + 1
+            else:
+                self.steps.add(msg.step)
+
+    @contextlib.contextmanager
+    def pruning(self) -> Iterator[tuple[int, ...]]:
+        """Held for a whole prune (plan and deletions); yields the steps it must keep."""
+        with self.lock:
+            yield self._kept()
+
+
+def protect(saver: Any, step: int) -> None:
+    """``engine.protect``: every later save's prune keeps ``step``, the worker's prunes of
+    saves already handed to it, and other processes' (``python -m asyncckpt prune``)."""
+    saver.pinned.add(step)
+    if saver.is_started():  # (else at the start: the root is not the engine's before)
+        publish_pins(saver)
+    protect_in_worker(saver, step)
+
+
+def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any:
+    """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
+    of ``engine.protect``); nothing to do before the start (every request carries it).
+    ``while_read``: until ``Unprotect`` (a load of it). Returns the worker link it was sent
+    on (None: not sent), whether or not the word came in time."""
+    if not saver.is_started():
+        return None
+    link = saver.worker.link
+    try:
+        with saver.worker.sending():
+            link.unprotected.add(step)
+            M.send(link.conn, M.encode(M.Protect(step, while_read)))
+    except OSError:  # the worker is dead: saves it had fail; the next requests carry the pin
+        link.unprotected.discard(step)
+        return None
+    if threading.current_thread() is saver.worker.reader:
+        return link  # (an on_commit callback: the word comes on this very thread)
+    if M.wait_for_word(saver, link, lambda: step in link.unprotected, PROTECT_WAIT_S):
+        log.warning(
+            "the worker did not confirm protect(%d) in %.0f s: a save already handed to it "
+            "may still prune that step (saves from now on keep it)",
+            step,
+            PROTECT_WAIT_S,
+        )
+    return link
+
+
+def publish_pins(saver: Any) -> None:
+    """The engine's pins (``saver.pinned``) where other processes see them, while it holds
+    the root: at its start and at each ``protect``."""
+    rules = saver.rules
+    try:
+        pinfile.publish(rules.root, rules.rank, saver.pinned)
+    except OSError as e:  # protect still holds in this engine's own prunes
+        log.warning(
+            "could not record the protected steps %s under %s (%s): `python -m asyncckpt "
+            "prune` run beside this engine does not know of them",
+            sorted(saver.pinned),
+            rules.root,
+            e,
+        )
+
+
+def withdraw_pins(saver: Any) -> None:
+    """At the engine's stop, before it lets go of the root: its pins end with it."""
+    try:
+        pinfile.withdraw(saver.rules.root, saver.rules.rank)
+    except OSError as e:  # (ignored anyway once the engine's lock is free)
+        log.debug("could not remove the pins file under %s: %s", saver.rules.root, e)
+
+
+@contextlib.contextmanager
+def kept_while_read(saver: Any, step: int) -> Iterator[None]:
+    """No prune of the running worker deletes ``step`` while the block reads it (invariant
+    3: a load of an older step while a save commits and prunes it failed half-way)."""
+    link = protect_in_worker(saver, step, while_read=True)
+    try:
+        yield
+    finally:  # (also when its word came late: the pin it sent must end)
+        if link is not None and link is saver.worker.link:
+            with contextlib.suppress(OSError), saver.worker.sending():
+                M.send(link.conn, M.encode(M.Unprotect(step)))
