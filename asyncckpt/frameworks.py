@@ -14,7 +14,7 @@ one step::
         "trainer_state": {"global_step": step, "config": cfg},
     })
 
-Every name and key here is the one the framework reads (``tests/test_frameworks.py`` runs a
+Every name and key here is the one the framework reads (``tests/integrations/test_frameworks.py`` runs a
 copy of each load path against what the engine wrote); which keys go *inside* each part
 (``model``, ``optimizer``, ``rng``...) is the caller's state, as the framework writes it.
 """

@@ -222,7 +222,7 @@ def main(out: Path, env: Path | None = None, part: str = "all") -> int:
         lines += ["", "## Machine", "", "```", env.read_text().strip(), "```"]
     cases = read_junit(out / "junit_cuda.xml")
     if "tests" in ran:
-        lines += ["", "## CUDA tests (tests/test_cuda.py)", ""] + _test_lines(cases)
+        lines += ["", "## CUDA tests (tests/e2e/test_cuda.py)", ""] + _test_lines(cases)
     for name, describe, rows in (
         ("overhead", overhead_lines, targets_rows),
         ("training_loop", training_lines, targets_rows),

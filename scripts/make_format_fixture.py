@@ -1,7 +1,7 @@
 """Write tests/fixtures/format_v1: checkpoints committed by the code of 2026-11 (commit 1645e0a).
 
 Run once, then never again: the fixture's point is that it was written by OLD code, so that
-tests/test_format_fixture.py proves that checkpoints committed before a change still load
+tests/formats/test_format_fixture.py proves that checkpoints committed before a change still load
 after it. A change of the on-disk format adds a new fixture directory beside this one.
 
     python scripts/make_format_fixture.py tests/fixtures/format_v1

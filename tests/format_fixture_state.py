@@ -7,7 +7,7 @@ import torch
 
 
 def fixture_state(step: int) -> dict:
-    """The state saved at ``step``; tests/test_format_fixture.py rebuilds it to compare."""
+    """The state saved at ``step``; tests/formats/test_format_fixture.py rebuilds it to compare."""
     g = torch.Generator().manual_seed(step)
     return {
         "model": {

@@ -1,4 +1,4 @@
-"""A tiny Lightning run for tests/test_lightning.py: trains, checkpoints through asyncckpt.
+"""A tiny Lightning run for tests/integrations/test_lightning.py: trains, checkpoints through asyncckpt.
 
 ``python tests/lightning_train.py ROOT OUT MAX_STEPS SLEEP`` prints ``COMMITTED <step>`` when a
 checkpoint commits and records, at every save step, the weights and optimizer state it saves

@@ -31,10 +31,10 @@ NOT_RUN = {
 #: (page, test module) of every block marked ``<!-- run by: ... -->``.
 RUN_BY = {
     ("how-to/pytorch-loop.md", "tests/test_stats.py"),
-    ("how-to/lightning.md", "tests/test_lightning.py"),
-    ("how-to/hf-trainer.md", "tests/test_hf_trainer.py"),
-    ("how-to/object-storage.md", "tests/test_s3.py"),
-    ("how-to/hf-export.md", "tests/test_export.py"),
+    ("how-to/lightning.md", "tests/integrations/test_lightning.py"),
+    ("how-to/hf-trainer.md", "tests/integrations/test_hf_trainer.py"),
+    ("how-to/object-storage.md", "tests/storage/test_s3.py"),
+    ("how-to/hf-export.md", "tests/worker/test_export.py"),
 }
 #: A page whose first block is run a second time, printing its n-th ```text block: the
 #: Getting started loop, run again, resumes.

@@ -11,7 +11,7 @@ The operations are primitives, without fault points: the commit order (``commit.
 pruner (``prune.py``) are written once over a ``Store`` and announce the fault points named
 in ``points`` between them (docs/faults.md); the HF export publishes through the same order
 (``commit.publish``, ``commit.publish_replacing``). The CLI, the engine, the worker, the remote tier and the export all use a store;
-tests/test_storage_protocol.py puts both implementations through the same contract.
+tests/storage/test_storage_protocol.py puts both implementations through the same contract.
 """
 
 from __future__ import annotations
