@@ -14,6 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.core import layout as _layout
+from asyncckpt.core.paths import check_local_root
+from asyncckpt.errors import CheckpointError
+from asyncckpt.storage.manifest import read_manifest
+from asyncckpt.storage.prune import detect_layout
+
 
 @dataclass
 class SaveStats:
@@ -228,11 +234,6 @@ def read_stats(root: str | os.PathLike, layout: str | None = None) -> list[Recor
     ``layout`` is detected from the directory names when None. A checkpoint whose manifest is
     unreadable is listed with ``error`` set and no figures.
     """
-    from asyncckpt.core import layout as _layout
-    from asyncckpt.core.paths import check_local_root
-    from asyncckpt.errors import CheckpointError
-    from asyncckpt.storage.manifest import read_manifest
-    from asyncckpt.storage.prune import detect_layout
 
     root = check_local_root(root)
     layout = layout or detect_layout(root)

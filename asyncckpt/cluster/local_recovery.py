@@ -66,6 +66,7 @@ from asyncckpt.cluster.framing import (
 )
 from asyncckpt.core import layout as _layout
 from asyncckpt.storage.commit import commit_step, remove_tracker
+from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.localfs import fsync_dir, fsync_file, mkdir, remove_tree, rmdir_if_empty
 from asyncckpt.storage.manifest import check_files, read_manifest
 
@@ -215,7 +216,6 @@ def drop_replicas(
     file took as long as the training waited for it. A failure is logged, never raised: the
     load it follows has succeeded, and the next start removes what is left
     (``clean_replica_leftovers``)."""
-    from asyncckpt.storage.local import LocalStore
 
     retired: list[tuple[Any, Path]] = []
     for node, steps in drop.items():
@@ -261,7 +261,6 @@ def clean_replica_leftovers(root: str | os.PathLike) -> list[str]:
     """Remove what a crash left of the replicas under a node's root: a stand-in's write cut
     short, a dropped replica (or a whole node's) not yet removed. Only at start, holding the
     root's lock (a temporary in flight looks like a leftover); names relative to ``root``."""
-    from asyncckpt.storage.local import LocalStore
 
     base = Path(root) / REPLICAS_DIR
     if not base.is_dir():

@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.cluster import dist as _dist
 from asyncckpt.storage import localfs
+from asyncckpt.storage.localfs import lock_held, lock_path
 
 log = logging.getLogger("asyncckpt")
 
@@ -106,7 +108,6 @@ def announce_if_gone(root: Path, rank: int) -> str | None:
     """A new engine of ``rank``, before it joins its own run: if the last worker of this rank
     on ``root`` is gone (its lock free), tell that worker's run, which may wait for it; returns
     that run's token once told. Its record goes either way (told, or its store is gone)."""
-    from asyncckpt.storage.localfs import lock_held, lock_path
 
     note = Path(root) / RUNS_DIR / f"worker{rank}"
     try:
@@ -231,8 +232,6 @@ def meet_on_side_store(cfg: Any, tag: str, fresh: bool) -> bool:
     so the meeting starts again there. The same store still serving (a connection lost, not
     the store) fails the save: this worker's count may already be in it."""
     import torch.distributed as dist
-
-    from asyncckpt.cluster import dist as _dist
 
     store = _dist.job_store(cfg)
     was = _dist.job_store_id(cfg)

@@ -27,6 +27,9 @@ import logging
 import threading
 from typing import Any
 
+from asyncckpt.cluster.dist import serve, side_store
+from asyncckpt.cluster.framing import listen
+
 log = logging.getLogger("asyncckpt")
 
 #: How long a worker waits for rank 0's store to answer at its trainer's death before it takes
@@ -57,8 +60,6 @@ class BackupStore:
         threading.Thread(target=self._run, name="asyncckpt-backup-store", daemon=True).start()
 
     def _run(self) -> None:
-        from asyncckpt.cluster.dist import serve, side_store
-        from asyncckpt.cluster.framing import listen
 
         cfg = self.cfg
         try:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.core.layout import TMP_PREFIX
+
 __all__ = ["Progress", "RichProgress", "BytesReadSince", "DrainProgress"]
 
 
@@ -154,7 +156,6 @@ def _stderr_console() -> Any:
 def _tmp_bytes(root: Path) -> int:
     """Bytes in the root's temporaries (``.tmp-*``): what the worker has written so far of
     the checkpoints it is writing (they are renamed into place at their commit)."""
-    from asyncckpt.core.layout import TMP_PREFIX
 
     total = 0
     try:

@@ -47,6 +47,7 @@ from asyncckpt.errors import CheckpointError, CorruptCheckpoint
 from asyncckpt.formats.reading import read_checkpoint
 from asyncckpt.options import Distributed, Preemption
 from asyncckpt.retention import KeepBest, KeepLast, RetentionPolicy
+from asyncckpt.storage.prune import trash_and_delete
 from asyncckpt.sync import SyncCheckpointEngine
 from asyncckpt.trainer.supervisor import wait_for_orphaned_workers
 
@@ -274,7 +275,6 @@ class AsyncCheckpointIO(CheckpointIO):
     def _collect(self, *, final: bool = False) -> None:
         """Delete the unwanted checkpoints that can go: no saved path names them, committed,
         and not the newest (until a newer one commits, it is the one a crash resumes from)."""
-        from asyncckpt.storage.prune import trash_and_delete
 
         named = set(self._paths.values())
         for root, step in sorted(self._unwanted):

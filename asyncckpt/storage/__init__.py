@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncckpt.core.paths import is_url
 from asyncckpt.storage.base import CommittedStore, FaultPoints, Store, StoredCheckpoint
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.remote import RemoteTier, UploadFailed
@@ -21,7 +22,6 @@ from asyncckpt.storage.remote import RemoteTier, UploadFailed
 def open_store(root: Any, storage_options: dict[str, Any] | None = None) -> Store:
     """The store of ``root``: a ``FsspecStore`` for a URL (``s3://bucket/run``), else a
     ``LocalStore`` of the path."""
-    from asyncckpt.core.paths import is_url
 
     if is_url(root):
         from asyncckpt.storage.fsspec_store import FsspecStore

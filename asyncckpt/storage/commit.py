@@ -25,6 +25,7 @@ from asyncckpt.core import layout as _layout
 from asyncckpt.storage.base import Store
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.localfs import fsync_dir, new_token, remove_tree, write_synced
+from asyncckpt.storage.manifest import write_manifest
 
 log = logging.getLogger("asyncckpt.storage.commit")
 
@@ -111,7 +112,6 @@ def commit_step(
     are durable in ``tmp_dir``): manifest, seal, publish, tracker. ``tracker=False``: a node's
     part of a step across node-local roots, whose tracker waits for every node
     (node_commit.py)."""
-    from asyncckpt.storage.manifest import write_manifest
 
     store = _store(root)
     write_manifest(tmp_dir, manifest)

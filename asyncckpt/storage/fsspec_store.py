@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt.core import layout as _layout
-from asyncckpt.errors import UnsupportedStorage, UploadFailed
+from asyncckpt.errors import CheckpointError, UnsupportedStorage, UploadFailed
+from asyncckpt.retention import CheckpointInfo
 from asyncckpt.storage.base import FaultPoints, StoredCheckpoint
+from asyncckpt.storage.localfs import remove_tree
+from asyncckpt.storage.manifest import checksum_stream, entry_problem, read_manifest, recorded_bytes
 
 if TYPE_CHECKING:
     from asyncckpt.retention import CheckpointInfo
@@ -100,7 +103,6 @@ class FsspecStore:
         """At engine start: the root exists and takes writes (one small object written and
         deleted), else ``CheckpointError`` in one line -- not ``UploadFailed`` after a few
         steps have committed locally. One attempt within ``timeout``, no retries."""
-        from asyncckpt.errors import CheckpointError
 
         path = self.path(f"{_layout.TMP_PREFIX}probe-{uuid.uuid4().hex[:8]}")
         pool = cf.ThreadPoolExecutor(1, thread_name_prefix="asyncckpt-probe")
@@ -157,7 +159,6 @@ class FsspecStore:
         return self.fs.exists(self.path(name))
 
     def describe(self, c: StoredCheckpoint) -> CheckpointInfo:
-        from asyncckpt.retention import CheckpointInfo
 
         try:
             info = CheckpointInfo.from_manifest(self.read_manifest(c.name))
@@ -174,7 +175,6 @@ class FsspecStore:
         )
 
     def discard(self, staged: Path) -> None:
-        from asyncckpt.storage.localfs import remove_tree
 
         self._sealed = {k for k in self._sealed if k[0] != str(staged)}
         if staged.exists() and Path(tempfile.gettempdir()) in staged.parents:
@@ -235,7 +235,6 @@ class FsspecStore:
         records for the file (size and checksum): the store's step of that name may be another
         save's (a run restarted without its local root), whose file a copy would pass off as
         this one's."""
-        from asyncckpt.storage.manifest import read_manifest, recorded_bytes
 
         linked = [p for p in files if p.stat().st_nlink > 1]
         if not linked:
@@ -389,7 +388,6 @@ class FsspecStore:
 
         Every file is streamed once from the store and checksummed as it arrives; ``quick``
         compares sizes only (one listing, no data read)."""
-        from asyncckpt.storage.manifest import checksum_stream, entry_problem
 
         try:
             manifest = self.read_manifest(name)
@@ -488,7 +486,6 @@ def _object_whole(fs: Any, path: str, entry: dict[str, Any], size: int) -> bool:
     """Whether the store's object at ``path`` (``size`` bytes) holds the bytes its manifest
     ``entry`` records, by the one rule ``check`` applies (streamed once and checksummed); a
     damaged or unreadable one is logged."""
-    from asyncckpt.storage.manifest import checksum_stream, entry_problem
 
     def read_checksum(algorithm: str) -> int:
         with fs.open(path, "rb") as f:

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.core import layout as _layout
+from asyncckpt.core.paths import check_local_root
 from asyncckpt.retention import CheckpointInfo
 from asyncckpt.storage import localfs
 from asyncckpt.storage.base import FaultPoints, StoredCheckpoint
+from asyncckpt.storage.manifest import check_dir, read_manifest
 
 log = logging.getLogger("asyncckpt.storage.prune")
 
@@ -120,7 +122,6 @@ class LocalStore:
     points = POINTS
 
     def __init__(self, root: str | os.PathLike) -> None:
-        from asyncckpt.core.paths import check_local_root
 
         self.root = check_local_root(root)
         self.url = str(self.root)
@@ -145,7 +146,6 @@ class LocalStore:
         return read_checkpoint_info(self.root / c.name, c.step)
 
     def read_manifest(self, name: str) -> dict[str, Any]:
-        from asyncckpt.storage.manifest import read_manifest
 
         return read_manifest(self.root / name)
 
@@ -158,7 +158,6 @@ class LocalStore:
     def check(
         self, name: str, on_bytes: Callable[[int], None] | None = None, *, quick: bool = False
     ) -> list[str]:
-        from asyncckpt.storage.manifest import check_dir
 
         return check_dir(self.root / name, quick=quick, on_bytes=on_bytes)
 

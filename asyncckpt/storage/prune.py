@@ -56,6 +56,7 @@ from asyncckpt.retention import (
 )
 from asyncckpt.storage.base import Store
 from asyncckpt.storage.local import LocalStore, read_checkpoint_info, tree_size
+from asyncckpt.storage.localfs import direct_child
 from asyncckpt.storage.manifest import manifest_bytes
 
 if TYPE_CHECKING:
@@ -165,7 +166,6 @@ def trash_and_delete(root: str | os.PathLike, path: str | os.PathLike) -> None:
     """
     store = LocalStore(root)
     path = Path(path)
-    from asyncckpt.storage.localfs import direct_child
 
     direct_child(store.root, path)  # ValueError for anything but a direct child
     delete(store, path.name)
@@ -191,7 +191,6 @@ def quarantine(root: str | os.PathLike, path: str | os.PathLike, problems: list[
     (no scan lists it), so retention and the forward check of steps no longer count it. To
     put one back, move it to its old name (``python -m asyncckpt ls`` lists them).
     """
-    from asyncckpt.storage.localfs import direct_child
 
     store = LocalStore(root)
     path = direct_child(store.root, Path(path))

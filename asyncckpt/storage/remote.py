@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt.core import layout as _layout
-from asyncckpt.errors import UploadFailed
+from asyncckpt.core.paths import is_url
+from asyncckpt.errors import UnsupportedStorage, UploadFailed
 from asyncckpt.retention import RetentionPolicy
+from asyncckpt.storage.commit import publish, write_tracker
+from asyncckpt.storage.fsspec_store import FsspecStore
+from asyncckpt.storage.localfs import fsync_dir, new_token, rename, replace_synced
+from asyncckpt.storage.manifest import read_manifest, recorded_bytes
+from asyncckpt.storage.prune import PruneRefused, prune
 
 log = logging.getLogger("asyncckpt")
 
@@ -56,7 +62,6 @@ class RemoteTier:
     threads: int = 8
 
     def __post_init__(self) -> None:
-        from asyncckpt.core.paths import is_url
 
         if not isinstance(self.url, str) or not is_url(self.url):
             raise ValueError(f"RemoteTier needs a URL such as s3://bucket/run, got {self.url!r}")
@@ -99,7 +104,6 @@ class RemoteTier:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def open(self) -> FsspecStore:
-        from asyncckpt.storage.fsspec_store import FsspecStore
 
         return FsspecStore(
             self.url,
@@ -113,7 +117,6 @@ class RemoteTier:
 def _check_backend(url: str, scheme: str) -> None:
     """Refuse a URL no installed fsspec back-end serves, when the engine is made (not at the
     first upload, after a step of training)."""
-    from asyncckpt.errors import UnsupportedStorage
 
     try:
         import fsspec
@@ -148,8 +151,6 @@ def publish_after_commit(
     just published is trusted (checksummed as it was written) and never deleted, and nothing
     is deleted while no kept checkpoint verifies.
     """
-    from asyncckpt.storage.commit import publish, write_tracker
-    from asyncckpt.storage.prune import PruneRefused, prune
 
     t0 = time.perf_counter()
     remote = {c.step for c in store.committed(layout)}
@@ -201,7 +202,6 @@ def _same_save_in_store(store: FsspecStore, local_root: Path, layout: str, step:
     names, sizes and checksums): a step already there counts as published only when it is
     this save (an upload whose report a crash cut), never another save of the same number (a
     run restarted without its local root), which is never overwritten in place."""
-    from asyncckpt.storage.manifest import read_manifest
 
     name = _layout.dir_name(layout, step)
     try:
@@ -218,7 +218,6 @@ def _same_save_in_store(store: FsspecStore, local_root: Path, layout: str, step:
 
 
 def _file_entries(manifest: dict[str, Any]) -> dict[str, tuple[int, tuple[str, int]]]:
-    from asyncckpt.storage.manifest import recorded_bytes
 
     return {n: recorded_bytes(e) for n, e in manifest["files"].items()}
 
@@ -237,7 +236,6 @@ def _read_record(spool: Path) -> dict[str, Any] | None:
 def _write_record(
     spool: Path, identity: dict[str, Any], published: Iterable[int], url: str | None = None
 ) -> None:
-    from asyncckpt.storage.localfs import replace_synced
 
     text = json.dumps({"store": identity, "url": url, "published": sorted(set(published))})
     replace_synced(spool / SPOOL_RECORD, text.encode())
@@ -282,7 +280,6 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
     renamed to ``.orphaned-<name>-<token>`` in the spool (kept, never loaded, logged), not
     deleted. The record is then rewritten for this store.
     """
-    from asyncckpt.storage.localfs import fsync_dir, new_token, rename
 
     identity = tier.identity()
     record = _read_record(spool)

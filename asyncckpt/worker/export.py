@@ -43,9 +43,20 @@ from asyncckpt import faults
 from asyncckpt.core import layout as _layout
 from asyncckpt.core.paths import is_url
 from asyncckpt.errors import CorruptCheckpoint
+from asyncckpt.formats.components import COMPONENTS, saved_spec
+from asyncckpt.formats.dcp import load_flat, read_dcp_metadata
+from asyncckpt.formats.loadcheck import read_error
+from asyncckpt.formats.pt import read
+from asyncckpt.retention import KeepLast
 from asyncckpt.storage import localfs
 from asyncckpt.storage.base import FaultPoints, StoredCheckpoint
-from asyncckpt.storage.commit import new_token, remove_tree, write_synced
+from asyncckpt.storage.commit import (
+    new_token,
+    publish,
+    publish_replacing,
+    remove_tree,
+    write_synced,
+)
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.manifest import (
     build_manifest,
@@ -55,6 +66,7 @@ from asyncckpt.storage.manifest import (
     read_manifest,
     write_manifest,
 )
+from asyncckpt.storage.prune import prune
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -306,9 +318,6 @@ class _DCPSource(_Source):
         from torch.distributed.checkpoint import DefaultLoadPlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from asyncckpt.formats.dcp import load_flat
-        from asyncckpt.formats.loadcheck import read_error
-
         request = {
             self.fqn[n]: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype)
             for n in names
@@ -373,7 +382,6 @@ def _dcp_source(
     step_dir: Path, manifest: Mapping[str, Any], directory: Path, sub: str, component: str,
     within: str,
 ) -> _DCPSource:  # fmt: skip
-    from asyncckpt.formats.dcp import read_dcp_metadata
 
     rel = directory.relative_to(step_dir).as_posix()
     prefix = "" if rel == "." else f"{rel}/"
@@ -402,7 +410,6 @@ def _pt_source(
     step_dir: Path, manifest: Mapping[str, Any], rel: str, sub: str, component: str, within: str
 ) -> _PtSource:
     _verify(step_dir, manifest, [rel])
-    from asyncckpt.formats.pt import read
 
     # Tensors, containers and plain values only, whatever the component says: the export
     # reads weights, and never runs a pickle's code.
@@ -433,7 +440,6 @@ def _open_source(step_dir: str | os.PathLike, component: str) -> _Source:
 
 
 def _find_source(step_dir: Path, manifest: Mapping[str, Any], component: str) -> _Source:
-    from asyncckpt.formats.components import COMPONENTS, saved_spec
 
     fmt = manifest.get("format")
     if fmt != COMPONENTS:
@@ -636,7 +642,6 @@ class _Staged:
         if self.top != self.final:
             self._publish_new()
             return
-        from asyncckpt.storage.commit import publish_replacing
 
         publish_replacing(self.store, self.tmp, self.final.name)
         self.close()
@@ -644,7 +649,6 @@ class _Staged:
     def _publish_new(self) -> None:
         """``self.top`` was missing: publish the whole chain. If a directory of it appeared
         meanwhile (another component's export of the same step), go one level down."""
-        from asyncckpt.storage.commit import publish
 
         store, src, name = self.store, self.tmp, self.top.name
         while True:
@@ -949,8 +953,6 @@ def prune_exports(export: HFExport, just_exported: int | None = None) -> list[Pa
     if export.keep is None or not found:
         return []
     exports_to_delete(found, export.keep)  # (checks keep)
-    from asyncckpt.retention import KeepLast
-    from asyncckpt.storage.prune import prune
 
     view = _Exports(root, found, len(rel))
     trusted = () if just_exported is None else (just_exported,)
