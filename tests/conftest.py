@@ -1,7 +1,22 @@
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from asyncckpt import faults
+
+#: The tests live by wing (tests/<wing>/), their shared helpers beside this file. A test, or a
+#: script it runs in a subprocess, imports a helper or another test's helpers by module name
+#: (``from statecmp import ...``, ``from test_multirank import run_ranks``): every folder goes
+#: on the path, here and in the environment that subprocesses inherit.
+TESTS = Path(__file__).parent
+_DIRS = [str(TESTS), *sorted(str(d) for d in TESTS.iterdir() if any(d.glob("test_*.py")))]
+sys.path[:0] = [d for d in _DIRS if d not in sys.path]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [*_DIRS, *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
+)
 
 
 @pytest.fixture
