@@ -756,7 +756,7 @@ def test_trainer_killed_mid_export_leaves_nothing_visible_and_the_next_start_exp
     import time
 
     hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
-    code = _TRAINER.format(tests=str(Path(__file__).parents[1]), hf=str(hf), ckpt=str(ckpt))
+    code = _TRAINER.format(tests=str(Path(__file__).parent), hf=str(hf), ckpt=str(ckpt))
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "ASYNCCKPT_FAULTS": "mid_export=hang"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
