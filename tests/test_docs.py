@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,80 @@ def test_page_snippets_run_as_written(page, tmp_path):
                     text=True, timeout=120,
                 )  # fmt: skip
                 assert r.returncode == 0, f"{where}: {cmd}\n{r.stdout}\n{r.stderr}"
+
+
+class _PageText(HTMLParser):
+    """A rendered page's text, split into prose and code (inside <pre> or <code>)."""
+
+    VOID = {"area", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[str] = []
+        self.prose: list[str] = []
+        self.code: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag not in self.VOID:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.open:
+            while self.open.pop() != tag:
+                pass
+
+    def handle_data(self, data: str) -> None:
+        if "script" in self.open or "style" in self.open:
+            return
+        code = "pre" in self.open or "code" in self.open
+        (self.code if code else self.prose).append(data)
+
+
+#: Markdown that rendered would not be seen as these characters in a page's prose.
+UNRENDERED = {
+    "a code fence": re.compile(r"```|~~~"),
+    "an inline-code backtick": re.compile(r"`"),
+    "bold or emphasis marks": re.compile(r"\*\*\S|\S\*\*|(?<!\w)__\w+__(?!\w)"),
+    "a link's brackets": re.compile(r"\]\([^)\s]+\)|\]\[[^\]]*\]"),
+    "a table's pipes": re.compile(r"^[ \t]*\|.*\|[ \t]*$", re.M),
+    "a heading's hashes": re.compile(r"^#{1,6} ", re.M),
+    "an admonition or directive": re.compile(r"^[ \t]*(!!!|\?\?\?|:::) ", re.M),
+    "an HTML comment": re.compile(r"<!--|-->"),
+}
+
+
+def unrendered(html: str) -> list[str]:
+    """Each piece of Markdown a rendered page shows as it was typed, with its surroundings."""
+    text = _PageText()
+    text.feed(html)
+    prose, code = "\n".join(text.prose), "\n".join(text.code)
+    found = []
+    for what, pattern in [*UNRENDERED.items(), ("a code fence in a code block", re.compile("```"))]:
+        where = code if what == "a code fence in a code block" else prose
+        for m in pattern.finditer(where):
+            found.append(f"{what}: ...{where[max(0, m.start() - 60) : m.end() + 60]!r}...")
+    return found
+
+
+def test_unrendered_markdown_is_found():
+    assert not unrendered("<p>A <code>`x`</code> and <strong>b</strong></p><pre><code>a ** 2</code></pre>")
+    assert unrendered("<p>a **b** c</p>") and unrendered("<pre><code>```python\nx = 1</code></pre>")
+    assert unrendered("<p>| a | b |</p>") and unrendered("<p>see [it](x.md)</p>")
+
+
+def test_every_page_renders(tmp_path):
+    """The built site shows no Markdown as typed: a stray fence turns the rest of a page into one
+    code block, and `mkdocs build --strict` does not see it."""
+    pytest.importorskip("mkdocs")
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    built = sorted(site.rglob("*.html"))
+    assert len(built) > len(pages()), built
+    bad = {
+        str(f.relative_to(site)): found for f in built if (found := unrendered(f.read_text()))
+    }
+    assert not bad, bad
