@@ -215,7 +215,9 @@ def unrendered(html: str) -> list[str]:
 
 
 def test_unrendered_markdown_is_found():
-    assert not unrendered("<p>A <code>`x`</code> and <strong>b</strong></p><pre><code>a ** 2</code></pre>")
+    assert not unrendered(
+        "<p>A <code>`x`</code> and <strong>b</strong></p><pre><code>a ** 2</code></pre>"
+    )
     assert unrendered("<p>a **b** c</p>") and unrendered("<pre><code>```python\nx = 1</code></pre>")
     assert unrendered("<p>| a | b |</p>") and unrendered("<p>see [it](x.md)</p>")
 
@@ -232,7 +234,5 @@ def test_every_page_renders(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     built = sorted(site.rglob("*.html"))
     assert len(built) > len(pages()), built
-    bad = {
-        str(f.relative_to(site)): found for f in built if (found := unrendered(f.read_text()))
-    }
+    bad = {str(f.relative_to(site)): found for f in built if (found := unrendered(f.read_text()))}
     assert not bad, bad
