@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
 from typing_extensions import Unpack
 
-from asyncckpt.engine import EngineBase, SaveHandle, left_by, run_steps
+from asyncckpt.engine import EngineBase, SaveHandle
+from asyncckpt.trainer.parts import left_by
 from asyncckpt.trainer.saving import SaveOptions
+from asyncckpt.trainer.steps import run_steps
 
 
 class SyncCheckpointEngine(EngineBase):
@@ -25,7 +28,12 @@ class SyncCheckpointEngine(EngineBase):
         self._engine.sigterm.install()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         # A failed save is raised only when the block ended normally: else the user's own
         # exception goes on and the failure is logged.
         self._close(raise_failure=exc_type is None, why=left_by(exc_type))

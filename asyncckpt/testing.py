@@ -1,6 +1,6 @@
 """Test hooks: an engine's parts, for asyncckpt's own tests, benchmarks and users' crash tests.
 
-``parts(engine)`` is the ``engine.EngineParts`` an engine (async or sync) is made of:
+``parts(engine)`` is the ``trainer.parts.EngineParts`` an engine (async or sync) is made of:
 ``.saver`` (saving.Saver: ``slots``, ``flatten_cache``), ``.jobs`` (jobs.JobTable: what is in
 flight, ``fail``, ``pending_error``), ``.supervisor`` (supervisor.WorkerSupervisor: ``ready``,
 ``link``, ``restarts``, ``wait_ready``), ``.restorer``, ``.sigterm``, and ``drain``/``stop``.
@@ -10,7 +10,8 @@ restarts, readiness and throttle, the last prune, the rank) is public on the eng
 
 from __future__ import annotations
 
-from asyncckpt.engine import EngineBase, EngineParts
+from asyncckpt.engine import EngineBase
+from asyncckpt.trainer.parts import EngineParts
 
 __all__ = ["parts", "wait_worker_ready"]
 
