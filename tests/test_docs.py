@@ -236,3 +236,50 @@ def test_every_page_renders(tmp_path):
     assert len(built) > len(pages()), built
     bad = {str(f.relative_to(site)): found for f in built if (found := unrendered(f.read_text()))}
     assert not bad, bad
+
+
+#: Pages about the code itself, which may name its modules, invariants and history.
+DESIGN_PAGES = {"design.md", "faults.md", "benchmarks.md", "benchmarks-full.md"}
+
+#: What a user page says in the code's words, not the user's.
+INTERNAL = {
+    "a package file": re.compile(r"\basyncckpt/[\w/]*\.py\b"),
+    "a test file": re.compile(r"\b(?:tests/[\w/]*|test_\w*)\.py\b"),
+    "an issue number": re.compile(r"\bissues? #?\d+", re.I),
+    "an invariant number": re.compile(r"\binvariants? #?\d+", re.I),
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"),
+    "the project's own history": re.compile(r"this project's|torch[ _]matrix", re.I),
+}
+
+
+def user_pages() -> list[str]:
+    return [p for p in pages() if p not in DESIGN_PAGES]
+
+
+def internal_words(text: str, modules: set[str]) -> list[str]:
+    """Each place ``text`` (a page's Markdown) speaks of internals; code blocks and comments,
+    which a reader of the page does not see as prose, are left out."""
+    prose = re.sub(r"<!--.*?-->", "", FENCE.sub("", text), flags=re.S)
+    found = [f"{what}: {m.group()!r}" for what, rx in INTERNAL.items() for m in rx.finditer(prose)]
+    for m in re.finditer(r"(?<![\w/.])(\w+)\.py\b", prose):  # a module's bare file name
+        if m.group(1) in modules:
+            found.append(f"a module's file name: {m.group()!r}")
+    return found
+
+
+def test_internal_words_are_found():
+    modules = {"bytecheck", "differential"}
+    assert internal_words("the check (bytecheck.py) and `asyncckpt/core/layout.py`", modules)
+    assert internal_words("fixed in 81bb6c8, issue 34 item 2, invariant 13", modules)
+    assert internal_words("on this project's machines; `tests/e2e/test_torture.py`", modules)
+    ok = "`benchmarks/differential.py` and `train.py`, 1024 bytes, `asyncckpt.faults`"
+    assert not internal_words(ok + "\n```python\n# deadbeef1 bytecheck.py\n```\n", modules)
+
+
+def test_user_pages_speak_the_users_words():
+    """Getting started, concepts, how-to and reference say what happens, which option and what
+    the user sees; module files, issue and invariant numbers, commits and the project's history
+    belong on the design pages."""
+    modules = {p.stem for p in (REPO / "asyncckpt").rglob("*.py")} - {"__init__", "__main__"}
+    bad = {page: found for page in user_pages() if (found := internal_words((DOCS / page).read_text(), modules))}  # fmt: skip
+    assert not bad, bad
