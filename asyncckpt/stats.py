@@ -205,7 +205,7 @@ def _count(value: Any) -> int | None:
     return int(n) if n is not None and n >= 0 else None
 
 
-def record_from_manifest(step: int, path: Path, manifest: Mapping[str, Any]) -> RecordedStats:
+def record_from_manifest(step: int, path: Path | str, manifest: Mapping[str, Any]) -> RecordedStats:
     """The figures of one parsed manifest (any missing or malformed field is None)."""
     raw = manifest.get("stats")
     fig: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}

@@ -63,6 +63,10 @@ class Store(Protocol):
 
     def read_manifest(self, name: str) -> dict[str, Any]: ...
 
+    def url_of(self, name: str) -> str:
+        """Where ``name`` is, for messages and listings: a path, or a URL ('/' kept)."""
+        ...
+
     def read_tracker(self) -> int | None:
         """The step the tracker names; None if there is none or it is not a step number."""
         ...
