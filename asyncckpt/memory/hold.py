@@ -17,13 +17,22 @@ stage into it again) once the main loop says the write is done (``written``), ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+from asyncckpt.cluster import dist as _dist
+from asyncckpt.cluster.dist import DistConfig
 from asyncckpt.core import layout as _layout
+from asyncckpt.core import messages as M
+from asyncckpt.core.savejob import SaveJob
+from asyncckpt.memory.replication import Replication, claim, standing_in, which_step_to_persist
+from asyncckpt.memory.service import WorkerService, WorkerView
+from asyncckpt.storage.local import LocalStore
 
 log = logging.getLogger("asyncckpt")
 
@@ -112,8 +121,6 @@ class Holder:
         return True
 
     def _run(self) -> None:
-        from asyncckpt.core import messages as M
-
         try:
             while True:
                 msg = self.conn.recv()
@@ -173,8 +180,6 @@ class Holder:
         """Let the trainer reuse ``job``'s slot, once nothing reads it (a replica being sent
         from it is cut off: its receiver keeps what it held); a slot a disk save is still
         being written from waits for ``written``."""
-        from asyncckpt.core import messages as M
-
         with self.lock:
             if job.job_id in self.writing:
                 self.deferred[job.job_id] = job
@@ -218,100 +223,144 @@ class FixedHolder:
         return sorted(jobs, key=lambda j: j.step, reverse=True)
 
 
-def persist_held(worker: Any) -> None:
-    """Write the memory checkpoint the trainer left (its death): committed like any save,
-    and only if newer than the newest committed step (steps go forward)."""
-    if worker.holder is None:
-        return
-    # Its pipe ends with the trainer too; a Hold sent before the death is read first. (If
-    # a forked child keeps the pipe open, the slot held is still never being written to:
-    # the trainer stages only into slots this worker released.)
-    worker.holder.wait_closed(10.0)
-    jobs = worker.holder.take()
-    newest = _layout.read_tracker(worker.root)
-    if worker.config.dist is None:
-        job = jobs[0] if jobs else None
-    elif not worker.holder.ever:
-        return  # no memory save reached this rank: nothing for the others to wait for
-    else:
-        if worker.replication is not None and not _speaks_for_itself(worker):
+class MemoryHold(WorkerService):
+    """The memory hold as a worker's service: the Holder told which saves the trainer persists
+    itself (``on_job``) and which slots were written (``released``); at the trainer's death
+    the memory checkpoint it left written, with stand-ins for gone peers whose replicas this
+    worker holds (``trainer_gone``). A stand-in runs ``persist`` alone (``stand_in``: it
+    writes a gone rank's replica)."""
+
+    def __init__(
+        self,
+        worker: WorkerView,
+        holder: Holder | FixedHolder | None,
+        replication: Replication | None = None,
+        *,
+        stand_in: bool = False,
+    ) -> None:
+        self.worker = worker
+        self.holder = holder  # the newest memory checkpoint, or None (no memory tier)
+        self.replication = replication
+        self.stand_in = stand_in
+        self.agreed = False  # took its rank's part in the exchange at the trainers' death
+
+    def on_job(self, job: SaveJob) -> None:
+        if job.memory_job_id is not None and isinstance(self.holder, Holder):
+            self.holder.forget(job.memory_job_id)  # the trainer persists it now
+
+    def released(self, job: SaveJob) -> None:
+        """A disk save written from a memory slot (``held_as``): its holder may release that
+        slot now (``Holder.written``, idempotent)."""
+        if job.held_as is not None and isinstance(self.holder, Holder):
+            self.holder.written(job.held_as)
+
+    def trainer_gone(self) -> None:
+        """The trainer died: write the memory checkpoint it left, beside the stand-ins for
+        gone peers whose replicas this worker holds (replication.py). (The worker's config is
+        already the recovery's: ``replication.recovering``.)"""
+        with standing_in(self.replication, self.worker.config):
+            self.persist()
+        self.recovery_over()
+
+    def persist(self) -> None:
+        """Write the memory checkpoint the trainer left (its death): committed like any save,
+        and only if newer than the newest committed step (steps go forward)."""
+        holder, worker = self.holder, self.worker
+        if holder is None:
             return
-        job, newest = _agree(worker, jobs, newest)
-        worker.agreed = True
-    if job is None:
-        return
-    final = worker.root / _layout.dir_name(worker.config.layout, job.step)
-    if (newest is not None and job.step <= newest) or final.exists():
+        # Its pipe ends with the trainer too; a Hold sent before the death is read first. (If
+        # a forked child keeps the pipe open, the slot held is still never being written to:
+        # the trainer stages only into slots this worker released.)
+        holder.wait_closed(10.0)
+        jobs = holder.take()
+        newest = _layout.read_tracker(worker.root)
+        cfg = worker.config.dist
+        if cfg is None:
+            job = jobs[0] if jobs else None
+        elif not holder.ever:
+            return  # no memory save reached this rank: nothing for the others to wait for
+        else:
+            if self.replication is not None and not self._speaks_for_itself(cfg):
+                return
+            job, newest = self._agree(cfg, jobs, newest)
+            self.agreed = True
+        if job is None:
+            return
+        final = worker.root / _layout.dir_name(worker.config.layout, job.step)
+        if (newest is not None and job.step <= newest) or final.exists():
+            log.warning(
+                "the trainer is gone; its memory checkpoint of step %d is not newer than "
+                "step %s on disk: not written",
+                job.step,
+                newest,
+            )
+            return
         log.warning(
-            "the trainer is gone; its memory checkpoint of step %d is not newer than "
-            "step %s on disk: not written",
+            "the trainer is gone: writing %s memory checkpoint of step %d",
+            f"rank {worker.config.rank}'s replicated" if self.stand_in else "its",
             job.step,
-            newest,
         )
-        return
-    log.warning(
-        "the trainer is gone: writing %s memory checkpoint of step %d",
-        f"rank {worker.config.rank}'s replicated" if worker.stand_in else "its",
-        job.step,
-    )
-    job.tier, job.persisted_because = "memory", TRAINER_DIED
-    worker._save(job)
+        job.tier, job.persisted_because = "memory", TRAINER_DIED
+        worker.save(job)
 
+    def _speaks_for_itself(self, cfg: DistConfig) -> bool:
+        """Replicas: this worker takes its rank's part in the exchange unless the holder of
+        its replica already does (it found this worker gone or hung): one voice per rank."""
+        try:
+            who = claim(cfg, cfg.rank, "self")
+        except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
+            log.warning("rank %d: the side store is unreachable: %s", cfg.rank, e)
+            return False
+        if who != "self":
+            log.warning(
+                "rank %d: its peer (%s) already speaks for it with its replica; not written here",
+                cfg.rank,
+                who,
+            )
+            return False
+        return True
 
-def _speaks_for_itself(worker: Any) -> bool:
-    """Replicas: this worker takes its rank's part in the exchange unless the holder of its
-    replica already does (it found this worker gone or hung): one voice per rank."""
-    from asyncckpt.memory.replication import claim
+    def _agree(
+        self, cfg: DistConfig, jobs: list[SaveJob], newest: int | None
+    ) -> tuple[SaveJob | None, int | None]:
+        """Several ranks: every worker (or the stand-in holding a gone rank's replica) says
+        what it holds; the newest step all ranks hold is written (its attempt the highest any
+        rank had, so that every rank joins the same group), or nothing. Also returns the
+        newest step on disk as any rank read it."""
+        mine = [(j.step, j.attempt) for j in jobs]
+        try:
+            with _dist.job_group(cfg, "memory-held") as pg:
+                results = _dist.all_gather(pg, (mine, newest, self.stand_in), cfg.world_size)
+        except Exception as e:  # noqa: BLE001 - a peer that never came: write nothing
+            log.warning(
+                "the ranks could not agree on a memory checkpoint to write (a rank whose node "
+                "is gone with no replica of it elsewhere never comes): %s",
+                e,
+            )
+            return None, newest
+        own = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if not rep}
+        replicas = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if rep}
+        step = which_step_to_persist(own, replicas, cfg.world_size)
+        newest = max((n for _, n, _ in results if n is not None), default=None)
+        if step is None:
+            log.warning(
+                "the trainer is gone; no memory step is held by every rank (%s): none written",
+                "; ".join(
+                    f"rank {r}{' (replica)' if rep else ''}: {[s for s, _ in h]}"
+                    for r, (h, _, rep) in enumerate(results)
+                ),
+            )
+            return None, newest
+        job = next(j for j in jobs if j.step == step)
+        job.attempt = max(a for held, _, _ in results for s, a in held if s == step)
+        return job, newest
 
-    cfg = worker.config.dist
-    try:
-        who = claim(cfg, cfg.rank, "self")
-    except Exception as e:  # noqa: BLE001 - the store is gone: nobody can agree anyway
-        log.warning("rank %d: the side store is unreachable: %s", cfg.rank, e)
-        return False
-    if who != "self":
-        log.warning(
-            "rank %d: its peer (%s) already speaks for it with its replica; not written here",
-            cfg.rank,
-            who,
-        )
-        return False
-    return True
-
-
-def _agree(worker: Any, jobs: list[Any], newest: int | None) -> tuple[Any, int | None]:
-    """Several ranks: every worker (or the stand-in holding a gone rank's replica) says what
-    it holds; the newest step all ranks hold is written (its attempt the highest any rank
-    had, so that every rank joins the same group), or nothing. Also returns the newest step
-    on disk as any rank read it."""
-    from asyncckpt.cluster import dist as _dist
-    from asyncckpt.memory.replication import which_step_to_persist
-
-    cfg = worker.config.dist
-    mine = [(j.step, j.attempt) for j in jobs]
-    try:
-        with _dist.job_group(cfg, "memory-held") as pg:
-            results = _dist.all_gather(pg, (mine, newest, worker.stand_in), cfg.world_size)
-    except Exception as e:  # noqa: BLE001 - a peer that never came: write nothing
-        log.warning(
-            "the ranks could not agree on a memory checkpoint to write (a rank whose node is "
-            "gone with no replica of it elsewhere never comes): %s",
-            e,
-        )
-        return None, newest
-    own = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if not rep}
-    replicas = {r: [s for s, _ in h] for r, (h, _, rep) in enumerate(results) if rep}
-    step = which_step_to_persist(own, replicas, cfg.world_size)
-    newest = max((n for _, n, _ in results if n is not None), default=None)
-    if step is None:
-        log.warning(
-            "the trainer is gone; no memory step is held by every rank (%s): none written",
-            "; ".join(
-                f"rank {r}{' (replica)' if rep else ''}: {[s for s, _ in h]}"
-                for r, (h, _, rep) in enumerate(results)
-            ),
-        )
-        return None, newest
-    job = next(j for j in jobs if j.step == step)
-    job.attempt = max(a for held, _, _ in results for s, a in held if s == step)
-    return job, newest
+    def recovery_over(self) -> None:
+        """Whoever spoke for rank 0 at the recovery removes the shared root's FileStore once
+        its own part is done: every other rank took its part in the same exchange (and
+        commit) by then, and nobody reads the store after it."""
+        cfg = self.worker.config.dist
+        if cfg is None or cfg.recovery_store is None or cfg.rank != 0 or not self.agreed:
+            return
+        with contextlib.suppress(OSError):  # else a leftover the next start removes
+            LocalStore(self.worker.root).discard(Path(cfg.recovery_store))

@@ -42,12 +42,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncckpt import faults
+from asyncckpt.core.savejob import SaveJob, TensorSpec
 from asyncckpt.memory.hot_offer import HEADER, MAGIC, Offer, encode_offer
+from asyncckpt.memory.service import WorkerService, WorkerView, Written
 from asyncckpt.storage.manifest import checksum
 
 log = logging.getLogger("asyncckpt")
@@ -74,102 +75,180 @@ def peer_uid(conn: socket.socket) -> int:
     return UCRED.unpack(raw)[1]
 
 
-@dataclass
-class Written:
-    """What a worker wrote last: the job (its arenas, its specs) and this rank's files."""
+class HotServe(WorkerService):
+    """A hot resume's worker side, as a worker's service: the step persisted after the
+    trainer's death offered before it is written (``before_write``), checked again once
+    written (``after_write``), its checksums recorded by the commit (``manifest``; several
+    ranks: ``checksums``) or the offer withdrawn (``failed``); once the loop ended, the offer
+    served for ``hold_seconds`` (``close``)."""
 
-    job: Any
-    files: tuple[str, ...]
+    def __init__(self, worker: WorkerView) -> None:
+        self.worker = worker
+        self.early: EarlyOffer | None = None  # a step offered before it was written
 
+    def before_write(self, job: SaveJob) -> None:
+        """Offer a step persisted after the trainer's death before writing it
+        (``offer_staged``): plain DCP tensors staged whole, ranks of one root (not node-local
+        nor a recovery)."""
+        cfg = self.worker.config
+        one_root = cfg.dist is None or not (cfg.dist.ranks_per_node or cfg.dist.recovery_store)
+        if not self.worker.trainer_gone or cfg.hot_hold_s <= 0 or not one_root:
+            return
+        plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
+        if self.early is None and plain:
+            self.early = self.offer_staged(job)
 
-def make_offer(
-    worker: Any, written: Written | None = None
-) -> tuple[Offer, list[int], memoryview | None] | None:
-    """The offer of ``written`` (default: the newest step ``worker`` committed), the arenas'
-    descriptors and the largest tensor's bytes (for the ``corrupt`` fault: several ranks write
-    a tensor they all hold once, a rank's own tensors are its largest); None when it wrote
-    nothing or its arenas went."""
-    written = written if written is not None else worker.last_written
-    if written is None:
-        return None
-    job = written.job
-    fds: list[int] = []
-    sizes: list[int] = []
-    bases: list[int] = []
-    for arena_id in job.arena_ids:
-        arena = worker.arenas.get(arena_id)
-        if arena is None:
-            return None  # dropped by the trainer (a new layout): not this step's bytes
-        fd, size = arena.untyped_storage()._share_fd_cpu_()[-2:]
-        fds.append(fd)
-        sizes.append(size)
-        bases.append(arena.storage_offset())
-    specs = worker._specs(job)
-    tensors = {s.fqn: (s.arena, bases[s.arena] + s.offset, s.nbytes) for s in specs}
-    largest: memoryview | None = None
-    if specs and (s := max(specs, key=lambda spec: spec.nbytes)).nbytes:
-        arena = worker.arenas[job.arena_ids[s.arena]]
-        largest = memoryview(arena.numpy()).cast("B")[s.offset : s.offset + s.nbytes]
-    offer = Offer(job.step, worker.config.rank, written.files, tensors, tuple(sizes), os.getpid())
-    dist = worker.config.dist
-    offer.world_size = dist.world_size if dist is not None else 1
-    return offer, fds, largest
+    def after_write(self, job: SaveJob) -> None:
+        if (early := self.offered(job)) is not None:
+            early.unchanged()  # the files hold the bytes offered, or no commit
 
+    def manifest(self, job: SaveJob) -> dict[str, Any]:
+        """One rank: ``offered``, the checksums of a step offered before it was written (the
+        new engine checks them at its start; several ranks: ``offered_ranks``, worker.py)."""
+        early = self.offered(job) if self.worker.config.dist is None else None
+        return {"offered": early.checksums()} if early is not None else {}
 
-def serve(worker: Any, hold_s: float, release_lock: Callable[[], None]) -> None:
-    """Offer the newest step ``worker`` wrote for ``hold_s`` seconds, to one new engine;
-    ``release_lock`` lets the new engine start (called once the socket listens, or at once
-    when there is nothing to offer). An offer made while committing (``offer_early``) that
-    was not withdrawn is the one served."""
-    early: EarlyOffer | None = getattr(worker, "early_offer", None)
-    if early is not None and early.live():
-        release_lock()  # committed: a new engine may start (and check what it took)
-        early.hold(hold_s)
-        return
-    made = make_offer(worker)
-    if made is None:
-        release_lock()
-        return
-    offer, fds, largest = made
-    if early is not None:  # withdrawn: the other ranks may wait for this rank's "no"
-        offer.vote = worker.config.dist
-    payload = _encoded(offer)
-    if payload is None:
-        release_lock()
-        return
-    faults.point("before_hot_serve", largest)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(socket_name(worker.root, worker.config.rank))
-    except OSError as e:  # another process offers this rank's memory: not this one's turn
-        log.warning("cannot offer step %d to a new engine: %s", offer.step, e)
-        sock.close()
-        release_lock()
-        return
-    sock.listen(4)
-    release_lock()  # listening first: a new engine that got the lock finds the offer
-    log.warning(
-        "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
-        "node for %.0fs",
-        offer.step,
-        offer.rank,
-        hold_s,
-    )
-    deadline = time.monotonic() + hold_s
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            try:
-                conn, _ = sock.accept()
-            except TimeoutError:
-                break
-            with conn:
-                if _hand_over(conn, payload, fds, offer.step):
-                    log.info("step %d was taken from memory by a new engine", offer.step)
-                    return
-        log.warning("nobody took step %d from memory in %.0fs: freed", offer.step, hold_s)
-    finally:
-        sock.close()
+    def failed(self, job: SaveJob, why: str) -> None:
+        if (early := self.offered(job)) is not None:
+            early.withdraw(why)  # (a new engine that took it fails its start)
+
+    def close(self, release_lock: Callable[[], None]) -> None:
+        """The trainer is gone: what it wrote stays in memory a while for a new engine."""
+        if self.worker.trainer_gone and self.worker.config.hot_hold_s > 0:
+            self.serve(self.worker.config.hot_hold_s, release_lock)
+
+    def offered(self, job: SaveJob) -> EarlyOffer | None:
+        """The early offer of ``job``'s step, or None."""
+        early = self.early
+        return early if early is not None and early.offer.step == job.step else None
+
+    def checksums(self, job: SaveJob) -> dict[str, int] | None:
+        """The checksums of ``job``'s step if it was offered before it was written, or None."""
+        early = self.offered(job)
+        return early.checksums() if early is not None else None
+
+    def make_offer(
+        self, written: Written | None = None
+    ) -> tuple[Offer, list[int], memoryview | None] | None:
+        """The offer of ``written`` (default: the newest step the worker committed), the
+        arenas' descriptors and the largest tensor's bytes (for the ``corrupt`` fault: several
+        ranks write a tensor they all hold once, a rank's own tensors are its largest); None
+        when it wrote nothing or its arenas went."""
+        worker = self.worker
+        written = written if written is not None else worker.last_written
+        if written is None:
+            return None
+        job = written.job
+        fds: list[int] = []
+        sizes: list[int] = []
+        bases: list[int] = []
+        for arena_id in job.arena_ids:
+            arena = worker.arenas.get(arena_id)
+            if arena is None:
+                return None  # dropped by the trainer (a new layout): not this step's bytes
+            fd, size = arena.untyped_storage()._share_fd_cpu_()[-2:]
+            fds.append(fd)
+            sizes.append(int(size))
+            bases.append(int(arena.storage_offset()))
+        specs = worker.job_specs(job)
+        tensors = {s.fqn: (s.arena, bases[s.arena] + s.offset, s.nbytes) for s in specs}
+        largest: memoryview | None = None
+        if specs and (s := max(specs, key=lambda spec: spec.nbytes)).nbytes:
+            largest = self._arena_bytes(job, s)
+        config = worker.config
+        offer = Offer(job.step, config.rank, written.files, tensors, tuple(sizes), os.getpid())
+        offer.world_size = config.dist.world_size if config.dist is not None else 1
+        return offer, fds, largest
+
+    def serve(self, hold_s: float, release_lock: Callable[[], None]) -> None:
+        """Offer the newest step the worker wrote for ``hold_s`` seconds, to one new engine;
+        ``release_lock`` lets the new engine start (called once the socket listens, or at
+        once when there is nothing to offer). An offer made while committing
+        (``before_write``) that was not withdrawn is the one served."""
+        early = self.early
+        if early is not None and early.live():
+            release_lock()  # committed: a new engine may start (and check what it took)
+            early.hold(hold_s)
+            return
+        made = self.make_offer()
+        if made is None:
+            release_lock()
+            return
+        offer, fds, largest = made
+        if early is not None:  # withdrawn: the other ranks may wait for this rank's "no"
+            offer.vote = self.worker.config.dist
+        payload = _encoded(offer)
+        if payload is None:
+            release_lock()
+            return
+        faults.point("before_hot_serve", largest)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(socket_name(self.worker.root, self.worker.config.rank))
+        except OSError as e:  # another process offers this rank's memory: not this one's turn
+            log.warning("cannot offer step %d to a new engine: %s", offer.step, e)
+            sock.close()
+            release_lock()
+            return
+        sock.listen(4)
+        release_lock()  # listening first: a new engine that got the lock finds the offer
+        log.warning(
+            "the trainer is gone: offering step %d (rank %d) from memory to a new engine on "
+            "this node for %.0fs",
+            offer.step,
+            offer.rank,
+            hold_s,
+        )
+        deadline = time.monotonic() + hold_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    conn, _ = sock.accept()
+                except TimeoutError:
+                    break
+                with conn:
+                    if _hand_over(conn, payload, fds, offer.step):
+                        log.info("step %d was taken from memory by a new engine", offer.step)
+                        return
+            log.warning("nobody took step %d from memory in %.0fs: freed", offer.step, hold_s)
+        finally:
+            sock.close()
+
+    def offer_staged(self, job: SaveJob) -> EarlyOffer | None:
+        """Offer ``job``'s step before a byte of it is written: each tensor's dtype, shape
+        and CRC-32C computed here from the staged memory, and the objects and paths a load
+        needs, so a new engine reads no file. None (logged) when it cannot be offered: the
+        offer after the commit is then the only one."""
+        made = self.make_offer(Written(job, ()))
+        if made is None:
+            return None
+        offer, fds, largest = made
+        specs = self.worker.job_specs(job)
+        views = {s.fqn: self._arena_bytes(job, s) for s in specs}
+        crcs = tensor_crcs(views)
+        offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
+        offer.objects, offer.paths = dict(job.objects), job.paths
+        offer.vote = self.worker.config.dist
+        payload = _encoded(offer)
+        if payload is None:
+            return None
+        faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
+        early = EarlyOffer(offer, payload, fds, views)
+        if not early.listen(socket_name(self.worker.root, offer.rank)):
+            return None
+        log.warning(
+            "the trainer is gone: offering step %d (rank %d) from memory to a new engine on "
+            "this node before it is written",
+            offer.step,
+            offer.rank,
+        )
+        return early
+
+    def _arena_bytes(self, job: SaveJob, spec: TensorSpec) -> memoryview:
+        arena = self.worker.arenas[job.arena_ids[spec.arena]]
+        view = memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
+        return view[spec.offset : spec.offset + spec.nbytes]
 
 
 def _encoded(offer: Offer) -> bytes | None:
@@ -195,42 +274,6 @@ def _hand_over(conn: socket.socket, payload: bytes, fds: list[int], step: int) -
     except OSError as e:
         log.warning("handing step %d over to a new engine failed: %s", step, e)
         return False
-
-
-def offer_staged(worker: Any, job: Any) -> EarlyOffer | None:
-    """Offer ``job``'s step before a byte of it is written: each tensor's dtype, shape and
-    CRC-32C computed here from the staged memory, and the objects and paths a load needs, so
-    a new engine reads no file. None (logged) when it cannot be offered: the offer after the
-    commit is then the only one."""
-    made = make_offer(worker, Written(job, ()))
-    if made is None:
-        return None
-    offer, fds, largest = made
-    specs = worker._specs(job)
-    views = {s.fqn: _arena_bytes(worker, job, s) for s in specs}
-    crcs = tensor_crcs(views)
-    offer.staged = {s.fqn: (s.dtype, tuple(s.shape), crcs[s.fqn]) for s in specs}
-    offer.objects, offer.paths = dict(job.objects), job.paths
-    offer.vote = worker.config.dist
-    payload = _encoded(offer)
-    if payload is None:
-        return None
-    faults.point("before_hot_serve", largest)  # (after the checksums: a change is caught)
-    early = EarlyOffer(offer, payload, fds, views)
-    if not early.listen(socket_name(worker.root, offer.rank)):
-        return None
-    log.warning(
-        "the trainer is gone: offering step %d (rank %d) from memory to a new engine on this "
-        "node before it is written",
-        offer.step,
-        offer.rank,
-    )
-    return early
-
-
-def _arena_bytes(worker: Any, job: Any, spec: Any) -> memoryview:
-    arena = worker.arenas[job.arena_ids[spec.arena]]
-    return memoryview(arena.numpy()).cast("B")[spec.offset : spec.offset + spec.nbytes]
 
 
 def tensor_crcs(views: dict[str, memoryview], threads: int = 4) -> dict[str, int]:

@@ -59,8 +59,12 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+import torch
+
+from asyncckpt import faults
+from asyncckpt.cluster.dist import DistConfig, side_store
 from asyncckpt.cluster.framing import (
     AuthError,
     Message,
@@ -73,7 +77,16 @@ from asyncckpt.cluster.framing import (
     recv_msg,
     send_msg,
 )
+from asyncckpt.cluster.local_recovery import replica_root
+from asyncckpt.cluster.recovery_store import BackupStore
+from asyncckpt.core import layout as _layout
+from asyncckpt.core import messages as M
+from asyncckpt.errors import StagingMemoryError
 from asyncckpt.memory.jobwire import NotReplicable, decode_replica, encode_replica
+from asyncckpt.memory.service import Settings, WorkerService, WorkerSettings
+
+# (its check_memory looked up when used: tests replace it)
+from asyncckpt.staging import arenas as staging
 from asyncckpt.storage.manifest import checksum
 
 log = logging.getLogger("asyncckpt")
@@ -140,26 +153,11 @@ def _key(token: str, what: str) -> str:
     return f"asyncckpt/{token}/replica/{what}"
 
 
-def _store(cfg: Any, timeout: float | None = None) -> Any:
-    from asyncckpt.cluster.dist import side_store
-
+def _store(cfg: DistConfig, timeout: float | None = None) -> Any:
     return side_store(cfg, timeout)
 
 
-def recovery_over(worker: Any) -> None:
-    """Whoever spoke for rank 0 at the recovery removes the shared root's FileStore once its
-    own part is done: every other rank took its part in the same exchange (and commit) by
-    then, and nobody reads the store after it."""
-    from asyncckpt.storage.local import LocalStore
-
-    cfg = worker.config.dist
-    if cfg is None or cfg.recovery_store is None or cfg.rank != 0 or not worker.agreed:
-        return
-    with contextlib.suppress(OSError):  # else a leftover the next start removes
-        LocalStore(worker.root).discard(Path(cfg.recovery_store))
-
-
-def recovering(config: Any, replication: Replication | None = None) -> Any:
+def recovering(config: Settings, replication: Replication | None = None) -> Settings:
     """A worker's config for the recovery at its trainer's death: with replicas, every rank's
     worker (and stand-in) agrees over a FileStore on the shared root instead of rank 0's
     store, which dies with node 0. Every rank switches at the same moment (its trainer's
@@ -171,13 +169,11 @@ def recovering(config: Any, replication: Replication | None = None) -> Any:
     if config.dist.ranks_per_node:
         backup = replication.backup if replication is not None else None
         return backup.recovering(config) if backup is not None else config
-    from asyncckpt.core import layout as _layout
-
     path = os.path.join(config.root, _layout.recovery_store_name(config.dist.token))
     return replace(config, dist=replace(config.dist, recovery_store=path))
 
 
-def claim(cfg: Any, rank: int, who: str) -> str:
+def claim(cfg: DistConfig, rank: int, who: str) -> str:
     """Say once, for every process, who speaks for ``rank`` in the exchange at the trainers'
     death (``"self"`` or ``"replica:<holder rank>"``); returns whoever did first."""
     store = _store(cfg, min(cfg.timeout, 60.0))
@@ -188,7 +184,7 @@ def claimed(store: Any, token: str, rank: int) -> bool:
     return store.check([_key(token, f"claim/{rank}")])
 
 
-def _my_address(cfg: Any) -> str:
+def _my_address(cfg: DistConfig) -> str:
     """The address peers reach this machine on: ``$ASYNCCKPT_REPLICA_HOST``, else the local
     address of a route to the side store's host. A worker's listeners (its replica receiver,
     its second side store, its trainer's node-local replica server) bind it and publish it."""
@@ -203,8 +199,8 @@ def _my_address(cfg: Any) -> str:
         return socket.gethostname()
 
 
-def _bytes_of(arena: Any) -> memoryview:
-    return memoryview(arena.numpy()).cast("B")
+def _bytes_of(arena: torch.Tensor) -> memoryview:
+    return memoryview(arena.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ the sender's side
@@ -220,8 +216,6 @@ class ArenaRegistry:
         self.specs: dict[tuple[int, ...], list] = {}
 
     def note(self, msg: Any) -> None:
-        from asyncckpt.core import messages as M
-
         with self.cond:
             if isinstance(msg, M.Arena):
                 self.arenas[msg.arena_id] = msg.tensor
@@ -262,7 +256,7 @@ class ReplicaSender:
     and reports ``Replicated`` (or why not) to the trainer. Only the newest offer waits: an
     older one not yet begun is superseded."""
 
-    def __init__(self, cfg: Any, rep: ReplicaConfig, registry: ArenaRegistry, events: Any):
+    def __init__(self, cfg: DistConfig, rep: ReplicaConfig, registry: ArenaRegistry, events: Any):
         self.cfg = cfg
         self.rep = rep
         self.registry = registry
@@ -303,8 +297,6 @@ class ReplicaSender:
                 self.cond.wait_for(lambda: self.sending != job_id, 30.0)
 
     def _report(self, job_id: int, error: str | None) -> None:
-        from asyncckpt.core import messages as M
-
         self.events.send(M.Replicated(job_id, error))
 
     def _run(self) -> None:
@@ -385,8 +377,6 @@ class ReplicaSender:
                 self._close()  # the receiver waits for bytes that never come: start afresh
                 return "its slot was released before it was sent"
             self.reading = job.job_id
-        from asyncckpt import faults
-
         faults.point_of(job.faults, "mid_replication")
         crcs = []
         for arena in arenas:
@@ -425,8 +415,6 @@ def _anonymous_file() -> int:
 def map_shared(fd: int, nbytes: int) -> Any:
     """A uint8 tensor over the shared file ``fd`` (every process mapping it sees the same
     bytes); it keeps the mapping alive."""
-    import torch
-
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
@@ -462,7 +450,7 @@ class Replica:
 class ReplicaReceiver:
     """A worker's listener for its source peer's replicas: each held whole or not at all."""
 
-    def __init__(self, cfg: Any, rep: ReplicaConfig) -> None:
+    def __init__(self, cfg: DistConfig, rep: ReplicaConfig) -> None:
         if not cfg.secret:
             raise ValueError("a replica receiver needs the run's secret (DistConfig.secret)")
         self.cfg = cfg
@@ -522,11 +510,6 @@ class ReplicaReceiver:
                 self.gone.set()  # mid-transfer or between: what is held stays whole
 
     def _one(self, sock: socket.socket) -> None:
-        from asyncckpt.errors import StagingMemoryError
-        from asyncckpt.staging import (
-            arenas as staging,  # (its check_memory looked up when used: tests replace it)
-        )
-
         try:
             msg = recv_msg(sock, segment_room=lambda n: staging.check_memory(n))  # (objects)
         except StagingMemoryError as e:
@@ -594,22 +577,27 @@ class ReplicaReceiver:
             self.listener.close()
 
 
-class Replication:
-    """A worker's two halves (``WorkerConfig.replication``): its sender and its receiver."""
+class Replication(WorkerService):
+    """A worker's two halves (``WorkerConfig.replication``): its sender and its receiver. As a
+    worker's service, it notes the arenas the trainer sends for its sender (``on_message``)."""
 
-    def __init__(self, cfg: Any, rep: ReplicaConfig, events: Any) -> None:
+    def __init__(self, cfg: DistConfig, rep: ReplicaConfig, events: Any) -> None:
         self.cfg = cfg
         self.rep = rep
         self.registry = ArenaRegistry()
         self.receiver = ReplicaReceiver(cfg, rep)
         self.sender = ReplicaSender(cfg, rep, self.registry, events)
-        self.backup: Any = None  # node-local roots: the store a recovery meets at if node 0 died
+        # Node-local roots: the store a recovery meets at if node 0 died.
+        self.backup: BackupStore | None = None
         if cfg.ranks_per_node:
-            from asyncckpt.cluster.recovery_store import BackupStore
-
             self.backup = BackupStore(cfg, _my_address(cfg))
 
-    def source_is_gone(self, cfg: Any, wait: float) -> bool:
+    def on_message(self, msg: object) -> bool:
+        """On the worker's reader thread: its sender reads the arenas beside the main loop."""
+        self.registry.note(msg)
+        return False
+
+    def source_is_gone(self, cfg: DistConfig, wait: float) -> bool:
         """Whether the source peer's worker is gone: its connection ended, or it did not
         speak for its own rank within ``wait`` seconds (a peer that hangs). ``cfg``: the
         side group's config at the recovery (``recovering``)."""
@@ -623,7 +611,7 @@ class Replication:
             time.sleep(0.05)
         return not claimed(store, cfg.token, self.rep.source)
 
-    def stand_in_jobs(self, cfg: Any) -> list[Any] | None:
+    def stand_in_jobs(self, cfg: DistConfig) -> list[Replica] | None:
         """At the trainers' death: the replica jobs to write as the source rank (with their
         arenas), if its worker is gone and this worker speaks for it; else None."""
         if not self.receiver.steps():
@@ -643,16 +631,15 @@ class Replication:
         return replicas
 
 
-def stand_in_config(config: Any, rank: int) -> Any:
+def stand_in_config(config: Settings, rank: int) -> Settings:
     """A worker's config, as the worker of ``rank`` (a stand-in writes that rank's files).
     On node-local roots it writes into the holder's root under ``.asyncckpt-replicas/node<n>``
     (``local_recovery.replica_root``): that rank's node's directory, committed there whole by
     the usual node commit, for a replacement node to fetch at load."""
+    assert config.dist is not None  # (replicas: several ranks)
     dist = replace(config.dist, rank=rank, local_rank=config.dist.local_rank)
-    root = config.root
+    root: str | Path = config.root
     if dist.ranks_per_node:
-        from asyncckpt.cluster.local_recovery import replica_root
-
         root = replica_root(config.root, rank // dist.ranks_per_node)
     return replace(
         config,
@@ -666,7 +653,7 @@ def stand_in_config(config: Any, rank: int) -> Any:
 
 @contextlib.contextmanager
 def standing_in(
-    replication: Replication | None, config: Any, entry: str = STAND_IN_MODULE
+    replication: Replication | None, config: WorkerSettings, entry: str = STAND_IN_MODULE
 ) -> Iterator[None]:
     """Around a worker's own persist at the trainers' death: the stand-ins it starts, waited
     for at the end (``start_stand_ins``)."""
@@ -685,12 +672,12 @@ def standing_in(
 
 
 def start_stand_ins(
-    replication: Replication | None, config: Any, entry: str = STAND_IN_MODULE
+    replication: Replication | None, config: WorkerSettings, entry: str = STAND_IN_MODULE
 ) -> list[subprocess.Popen]:
     """At the trainers' death: a process standing in for the source peer if its worker is
     gone, writing its part of the memory step as that rank would (``entry``: the module run
     with ``python -m``, ``stand_in.py``), or none."""
-    if replication is None:
+    if replication is None or config.dist is None:  # (replicas: several ranks)
         return []
     try:
         replicas = replication.stand_in_jobs(config.dist)
@@ -706,7 +693,7 @@ def start_stand_ins(
 
 
 def spawn_stand_in(
-    entry: str, config: Any, jobs: list[Any], buffers: Mapping[int, SharedBuffer]
+    entry: str, config: WorkerSettings, jobs: list[Any], buffers: Mapping[int, SharedBuffer]
 ) -> subprocess.Popen:
     """A plain child process (a worker is a daemonic multiprocessing process, which may not
     have multiprocessing children): the replicas' shared files are handed over by descriptor
@@ -732,7 +719,7 @@ def spawn_stand_in(
     return proc
 
 
-def read_stand_in(stream: Any) -> tuple[Any, list[Any], dict[int, Any]]:
+def read_stand_in(stream: BinaryIO) -> tuple[Any, list[Any], dict[int, Any]]:
     """The stand-in's side of ``spawn_stand_in``: its config, its jobs and their arenas."""
     for path in reversed(pickle.load(stream)):  # noqa: S301 - from its parent worker
         if path not in sys.path:

@@ -26,7 +26,8 @@ from asyncckpt.core import messages as M
 from asyncckpt.errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
 from asyncckpt.io.throttle import AppliedThrottle
 from asyncckpt.storage.localfs import lock_path, unlock
-from asyncckpt.worker.loop import WorkerConfig, worker_main
+from asyncckpt.worker.config import WorkerConfig
+from asyncckpt.worker.main import worker_main
 
 log = logging.getLogger("asyncckpt")
 

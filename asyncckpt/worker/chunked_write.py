@@ -30,8 +30,10 @@ from torch.futures import Future
 
 from asyncckpt import faults
 from asyncckpt.cluster.dist import LocalShard, ShardInfo
+from asyncckpt.core.savejob import SaveJob
 from asyncckpt.formats.dcp import ChecksumWriter, _result, dcp_object_paths, write_flat
 from asyncckpt.formats.records import torch_computes_crc
+from asyncckpt.memory.service import WorkerView
 from asyncckpt.staging.chunked import ChunkedPlan, ChunkSignals
 
 
@@ -134,7 +136,11 @@ def trainer_alive(parent_pid: int) -> Callable[[], bool]:
 
 
 def write_chunked(
-    worker: Any, job: Any, objects: dict[str, Any], directory: Path, process_group: Any = None
+    worker: WorkerView,
+    job: SaveJob,
+    objects: dict[str, Any],
+    directory: Path,
+    process_group: Any = None,
 ) -> dict[str, tuple[int, int]]:
     """Write ``job`` (a save staged in chunks into its one arena of ``worker``) as DCP into
     ``directory``; returns the checksums per file. ``objects``: its pre-serialised leaves."""

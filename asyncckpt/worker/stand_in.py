@@ -4,7 +4,8 @@ it and hands it the replicas' shared memory by descriptor). It takes that rank's
 exchange at the trainers' death and writes that rank's files of the step agreed, as that
 rank's worker would have.
 
-It ends with the worker that started it (``watch_parent``), as a worker ends with its
+Its work (``stand_in_main``) is in main.py, beside a worker's start. It ends with the worker
+that started it (``watch_parent``), as a worker ends with its
 trainer: it holds that rank's worker lock, which a new trainer of the rank waits for, and a
 SIGKILLed worker left it writing for minutes. What a stand-in cut short leaves is the step's
 temporary, never a commit (its part never reached the exchange; every rank's part must),
@@ -15,14 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from asyncckpt.worker.loop import SaveJob, WorkerConfig
 
 log = logging.getLogger("asyncckpt")
 
@@ -32,13 +28,6 @@ PARENT_ENV = "ASYNCCKPT_STAND_IN_PARENT"
 PARENT_POLL_S = 0.2
 #: The exit status of a stand-in whose parent worker is gone (or its deadline passed).
 PARENT_GONE_EXIT = 3
-
-
-class _Nowhere:
-    """A stand-in's events: no trainer listens."""
-
-    def send(self, msg: Any) -> None:
-        pass
 
 
 def parent_is_gone(parent_pid: int) -> bool:
@@ -80,33 +69,6 @@ def watch_parent(parent_pid: int, deadline_s: float) -> None:
     ).start()
 
 
-def stand_in_main(config: WorkerConfig, jobs: list[SaveJob], arenas: dict[int, Any]) -> None:
-    """Write the gone rank's part of the memory step agreed, from its replicas."""
-    from asyncckpt import faults
-    from asyncckpt.memory.hold import FixedHolder, persist_held
-    from asyncckpt.memory.replication import recovery_over
-    from asyncckpt.storage.local import LocalStore
-    from asyncckpt.worker.loop import Worker, skip_torch_save_crc
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if config.dist is not None and config.dist.ranks_per_node:  # node-local roots
-        from asyncckpt.formats.dcp import _PassThroughPlanner
-        from asyncckpt.storage.localfs import makedirs
-
-        _PassThroughPlanner.replicated_on_rank0 = True  # as every worker there
-        makedirs(config.root)  # the holder's .asyncckpt-replicas/node<n> (replication.py)
-    # The gone worker's lock: a new trainer of that rank waits for this process.
-    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=False)  # noqa: F841
-    skip_torch_save_crc()
-    faults.clear()
-    worker = Worker(config, None, _Nowhere(), None, FixedHolder(jobs))
-    worker.stand_in = True
-    worker.arenas = dict(arenas)
-    persist_held(worker)
-    recovery_over(worker)
-
-
 def main() -> None:
     # The parent first, before torch is imported (seconds): it may die meanwhile.
     # Named by the worker at spawn (replication.spawn_stand_in): one that died before this line
@@ -114,7 +76,9 @@ def main() -> None:
     parent = int(os.environ.pop(PARENT_ENV, 0) or os.getppid())
     if parent_is_gone(parent):
         sys.exit(f"the stand-in's parent worker is gone before it started (pid {os.getpid()})")
+    # Only now the package's worker modules (they import torch: seconds).
     from asyncckpt.memory.replication import read_stand_in
+    from asyncckpt.worker.main import stand_in_main
 
     config, jobs, arenas = read_stand_in(sys.stdin.buffer)
     watch_parent(parent, config.orphan_deadline_s)

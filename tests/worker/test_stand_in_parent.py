@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARENT = """
 import io, os, sys, torch
 from asyncckpt import faults
-from asyncckpt import replication as R
+from asyncckpt.memory import replication as R
 from asyncckpt.worker.loop import SaveJob, WorkerConfig
 
 root, wait, deadline = sys.argv[1], sys.argv[2], float(sys.argv[3])
