@@ -36,7 +36,6 @@ from asyncckpt.retention import CheckpointInfo, RetentionPolicy, best_step
 from asyncckpt.stats import EngineStats, SaveStats
 from asyncckpt.storage import RemoteTier
 from asyncckpt.storage.prune import PruneResult, disk_usage
-from asyncckpt.trainer import pins
 from asyncckpt.trainer.jobs import SaveHandle
 from asyncckpt.trainer.parts import EngineParts, left_by
 from asyncckpt.trainer.pause import PauseHooks
@@ -198,7 +197,7 @@ class EngineBase:
         """Never prune ``step``, whatever the retention policy; saves already handed to the
         worker included (it returns once the worker said so)."""
         step = _check_step(step)
-        pins.protect(self._engine.saver, step)
+        self._engine.saver.pins.protect(step)
 
     @contextlib.contextmanager
     def pause_writes(self) -> Iterator[None]:

@@ -9,6 +9,7 @@ the pipe stays whole, instead of leaving half a message the worker can never rea
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,16 +190,31 @@ def send(conn: Any, payload: bytes) -> None:
     conn.send_bytes(payload)
 
 
-def wait_for_word(saver: Any, link: Any, waiting: Callable[[], bool], limit: float) -> bool:
-    """Wait while ``waiting()`` (the worker's answer to a message sent on ``link`` has not
-    come), at most ``limit`` s; True if it gave up then (the caller says so). A worker
-    replaced or an engine stopped meanwhile ends the wait: that worker answers nothing."""
-    deadline = time.monotonic() + limit
-    with saver.jobs.cond:
-        while waiting():
-            if link is not saver.worker.link or not saver.is_started():
-                return False
-            if time.monotonic() > deadline:
-                return True
-            saver.jobs.cond.wait(0.5)
-    return False
+class WordWait:
+    """Waits for the worker's answer to a message sent on its link: on the job table's
+    condition (the reader thread notifies it as answers come), ended early by a worker
+    replaced (``current()`` is another link) or an engine stopped (``started()`` False)."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        current: Callable[[], object],
+        started: Callable[[], bool],
+    ) -> None:
+        self.cond = cond
+        self.current = current
+        self.started = started
+
+    def wait_for_word(self, link: object, waiting: Callable[[], bool], limit: float) -> bool:
+        """Wait while ``waiting()`` (the worker's answer to a message sent on ``link`` has not
+        come), at most ``limit`` s; True if it gave up then (the caller says so). A worker
+        replaced or an engine stopped meanwhile ends the wait: that worker answers nothing."""
+        deadline = time.monotonic() + limit
+        with self.cond:
+            while waiting():
+                if link is not self.current() or not self.started():
+                    return False
+                if time.monotonic() > deadline:
+                    return True
+                self.cond.wait(0.5)
+        return False

@@ -47,24 +47,48 @@ are key operations on the store.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from asyncckpt import faults
+from asyncckpt.cluster.dist import DistConfig
+from asyncckpt.core import layout as _layout
+from asyncckpt.core import messages as M
 from asyncckpt.core.cachekeys import same_key
+from asyncckpt.core.savejob import SaveJob
+from asyncckpt.errors import CheckpointError, SaveFailed, StagingMemoryError, WorkerDied
 from asyncckpt.memory.hold import CLOSE, COMMON, DROPPED, PREEMPTION, TRAINER_DIED, fate, let_go
-from asyncckpt.staging.arenas import check_memory, plan_arenas
+from asyncckpt.staging.arenas import (
+    HostBudget,
+    StagingSlot,
+    any_cuda,
+    check_memory,
+    plan_arenas,
+)
+from asyncckpt.staging.stager import (
+    Deferral,
+    Handover,
+    Link,
+    PendingSave,
+    SaveHandle,
+    SlotJobs,
+)
+from asyncckpt.staging.unchanged import CopySkipper, note_skips, stage_checked, worker_digests
 
 __all__ = [
     "CLOSE",
     "PREEMPTION",
     "TRAINER_DIED",
+    "MemoryStager",
     "MemoryTier",
     "check_tier",
-    "persist",
-    "save",
-    "worker_lost",
 ]
 
 log = logging.getLogger("asyncckpt")
@@ -83,8 +107,6 @@ def check_memory_tier(tensors: dict[str, Any], held_bytes: int, replicas: int = 
     either). ``held_bytes``: what the memory slots already hold (re-laid out in place).
     ``replicas=1``: this rank's worker also holds two replicas of its peer rank's memory
     saves, counted as the same size as this rank's (the peer's receiver checks again)."""
-    from asyncckpt.errors import StagingMemoryError
-
     _, sizes = plan_arenas(tensors)
     need = 2 * sum(sizes) * (1 + replicas)
     try:
@@ -171,29 +193,39 @@ class Agreement:
             self.store.delete_key(self._key(s) + "/fate")
 
 
+class SlotOwners(Protocol):
+    """Who holds a slot, as the job table (``jobs.JobTable``, its only writer) says."""
+
+    def owner(self, slot: int) -> int | None: ...
+
+    def disown(self, slot: int, job_id: int | None = None) -> None: ...
+
+    def in_flight(self, job_id: int) -> bool: ...
+
+
 @dataclass
 class MemoryTier:
     """The trainer's side: which of the engine's slots are the memory tier's, what was sent.
 
-    ``slots``: indices into the engine's ``slots`` / ``slot_owner`` (appended at the first
-    memory save). ``slot_owner[i]`` is the id of the memory job the worker may still read from
-    slot ``i`` (until its ``Released``), or of a persist job in flight; None when free.
+    ``slots``: indices into the engine's ``slots`` (appended at the first memory save). The job
+    table's ``owner(i)`` is the id of the memory job the worker may still read from slot ``i``
+    (until its ``Released``), or of a persist job in flight; None when free.
     """
 
     every_steps: int | None = None
     persist_on_close: bool = False
     replicas: int = 0  # options.MemoryTier.replicas: the worker replicates each Hold
     slots: list[int] = field(default_factory=list)
-    held: Any = None  # the SaveJob of the last Hold sent (the newest complete memory save)
+    held: SaveJob | None = None  # the job of the last Hold sent (the newest complete memory save)
     held_slot: int | None = None
-    held_link: Any = None  # the worker link it was sent on (a new worker holds nothing)
+    held_link: Link | None = None  # the worker link it was sent on (a new worker holds nothing)
     # Several ranks: the older step the worker also holds (common to every rank, or the
     # older of two not yet known to be), and how the ranks agree on it.
-    kept: Any = None
+    kept: SaveJob | None = None
     kept_slot: int | None = None
-    dist: Any = None  # dist.DistConfig (set at the engine's start) or None
-    agreement: Any = None
-    sent_on: dict[int, Any] = field(default_factory=dict)  # slot -> link of its last Hold
+    dist: DistConfig | None = None  # set at the engine's start (several ranks)
+    agreement: Agreement | None = None
+    sent_on: dict[int, Link] = field(default_factory=dict)  # slot -> link of its last Hold
     last_step: int | None = None  # the newest memory save's step (steps go forward)
     last_due: int | None = None
     lost: int = 0  # memory saves lost with a worker that died holding them (worker_lost)
@@ -216,7 +248,7 @@ class MemoryTier:
         return False
 
     def pick_slot(
-        self, owner: dict[int, Any], inflight: dict, link: Any, keys: dict[int, Any], key: tuple
+        self, jobs: SlotOwners, link: Link, keys: dict[int, Any], key: tuple
     ) -> int | None:
         """A memory slot to stage into, or None while the worker still holds both. (Called
         with the engine's lock held.) A slot sent to a worker that was since replaced is free:
@@ -224,11 +256,13 @@ class MemoryTier:
         if self.held_link is not None and self.held_link is not link:
             self.held = self.held_slot = self.held_link = self.kept = self.kept_slot = None
         for i in self.slots:
-            o = owner[i]
-            if o is not None and o not in inflight and self.sent_on.get(i) is not link:
-                owner[i] = None
+            o = jobs.owner(i)
+            if o is not None and not jobs.in_flight(o) and self.sent_on.get(i) is not link:
+                jobs.disown(i)
         free = [
-            i for i in self.slots if owner[i] is None and i not in (self.held_slot, self.kept_slot)
+            i
+            for i in self.slots
+            if jobs.owner(i) is None and i not in (self.held_slot, self.kept_slot)
         ]
         if not free:
             return None
@@ -242,7 +276,7 @@ class MemoryTier:
             self.agreement = Agreement(self.dist)
         return self.agreement
 
-    def newest_common(self) -> tuple[Any, int | None]:
+    def newest_common(self) -> tuple[SaveJob | None, int | None]:
         """Several ranks holding two: the one of them to keep (and its slot), as agreed."""
         agreement = self.agree()
         if self.kept is None or agreement is None:
@@ -251,374 +285,449 @@ class MemoryTier:
             return self.kept, self.kept_slot
         return self.held, self.held_slot
 
-    def released(self, owner: dict[int, Any], job_id: int) -> bool:
-        """The worker let go of memory job ``job_id``'s slot; True if it was one of ours."""
-        for i in self.slots:
-            if owner[i] == job_id:
-                owner[i] = None
-                return True
-        return False
-
 
 # ------------------------------------------------------------------ the engine's side
-# Functions of the engine's ``saving.Saver`` (``saver``), kept here so that the save path only
-# passes ``tier`` through: its job table's lock and slots, and the worker's link, are used as
-# its disk saves use them.
+class TierWorker(Protocol):
+    """What the memory tier needs of the worker's supervisor (``supervisor.WorkerSupervisor``)."""
+
+    @property
+    def link(self) -> Link: ...
+
+    @property
+    def start_error(self) -> str | None: ...
+
+    def wait_ready(self) -> None: ...
+
+    def sending(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-def _add_slots(saver: Any, pending: Any) -> None:
-    """The memory tier's two slots, checked for room (2x the state) before either exists."""
-    from asyncckpt.staging.arenas import StagingSlot
+class TierJobs(SlotJobs, SlotOwners, Protocol):
+    """What the memory tier needs of the job table (``jobs.JobTable``): it is the only writer
+    of who holds a slot, and of job ids and attempts."""
 
-    mem, jobs = saver.memory, saver.jobs
-    keys = {saver.slots[i].key for i in mem.slots}
-    if mem.slots and keys == {pending.key}:
-        return
-    check_memory_tier(
-        pending.flat.tensors, sum(saver.slots[i].nbytes for i in mem.slots), mem.replicas
-    )
-    with jobs.cond:
-        while len(mem.slots) < 2:
-            i = len(saver.slots)
-            saver.slots.append(StagingSlot(i))
-            jobs.slot_owner[i] = None
-            jobs.memory_slots.add(i)
-            mem.slots.append(i)
+    replicating: dict[int, SaveHandle]  # memory job id -> handle, while its replica is sent
 
+    def add_memory_slot(self, slot: int) -> None: ...
 
-def free_slots(saver: Any, flat: Any, key: tuple) -> list[int]:
-    """``prepare(state)``: the memory tier's slots (added, checked for room) not in use."""
-    import types
+    def reserve(self, slot: int) -> None: ...
 
-    _add_slots(saver, types.SimpleNamespace(flat=flat, key=key))
-    with saver.jobs.cond:
-        return [i for i in saver.memory.slots if saver.jobs.slot_owner[i] is None]
+    def own(self, slot: int, job_id: int) -> None: ...
+
+    def new_job_id(self) -> int: ...
+
+    def next_attempt(self, step: int) -> int: ...
+
+    def track(self, job: SaveJob, slot: int) -> SaveHandle: ...
+
+    def steps(self) -> list[int]: ...
 
 
-def _make_room(saver: Any) -> None:
-    """Several ranks, the worker holding two: let go of the one the ranks agree is not to be
-    kept (its slot comes back with ``Released``, which ``_take_slot`` waits for)."""
-    from asyncckpt.core import messages as M
+class TierHost(Handover, Protocol):
+    """What the memory tier needs of the saver (``saving.Saver``) beside a disk save's
+    hand-over: the arenas sent as theirs are, and an overlapped save's copy waited for."""
 
-    mem, jobs = saver.memory, saver.jobs
-    link = saver.worker.link
-    if mem.kept is None or mem.held is None or mem.held_link is not link:
-        return
-    agreement = mem.agree()
-    common = agreement is not None and agreement.common(mem.held.step)  # outside the lock
-    gone = let_go(mem.kept.step, mem.held.step, COMMON if common else DROPPED)
-    victim, keep = (mem.kept, mem.held) if gone == mem.kept.step else (mem.held, mem.kept)
-    keep_slot = mem.held_slot if keep is mem.held else mem.kept_slot
-    with saver.sigterm.handing_off():
-        with saver.worker.sending():
-            M.send(link.memory, M.encode(M.LetGo(victim.job_id)))
-        with jobs.cond:
-            mem.kept, mem.kept_slot = keep, keep_slot
-            mem.held = mem.held_slot = None
-    saver.sigterm.run_deferred()
+    def send_arenas(self, slot: StagingSlot, link: Link) -> None: ...
+
+    def wait_mapped(self, slot: StagingSlot, link: Link) -> None: ...
+
+    def wait_staged(self, timeout: float | None = None) -> bool: ...
 
 
-def _take_slot(saver: Any, pending: Any) -> int:
-    """A memory slot the worker does not hold; waits (a pipe's round trip) for its release."""
-    from asyncckpt.errors import CheckpointError
-    from asyncckpt.trainer.jobs import RESERVED
+class MemoryStager:
+    """The memory tier as a ``Stager``: memory saves (``tier="memory"``) and the disk saves
+    staged into its slots (``shares``), held by the worker; its bookkeeping is ``state``
+    (``MemoryTier``). Its slots join the saver's ``slots`` (the same list) at its first save;
+    the job table's lock and the worker's link are used as the disk saves use them."""
 
-    mem, jobs = saver.memory, saver.jobs
-    with jobs.cond:
-        while True:
-            keys = {i: saver.slots[i].key for i in mem.slots}
-            link = saver.worker.link
-            i = mem.pick_slot(jobs.slot_owner, jobs.inflight, link, keys, pending.key)
-            if i is not None:
-                jobs.slot_owner[i] = RESERVED
-                return i
-            error = saver.worker.start_error
-            if not saver.is_started() or error is not None:
-                raise CheckpointError(
-                    f"memory save of step {pending.step}: the checkpoint worker is not running"
-                    + (f" ({error})" if error else "")
-                )
-            jobs.cond.wait(0.5)
+    uses_disk_slot = False  # its own two slots, taken in ``stage``
 
+    def __init__(
+        self,
+        state: MemoryTier,
+        *,
+        slots: list[StagingSlot],
+        jobs: TierJobs,
+        worker: TierWorker,
+        host: TierHost,
+        sigterm: Deferral,
+        skipper: CopySkipper,
+        budget: HostBudget | None,
+        root: Path,
+        layout: str,
+        committed: Callable[[], list[_layout.CommittedDir]],
+        is_started: Callable[[], bool],
+    ) -> None:
+        self.state = state
+        self.slots = slots
+        self.jobs = jobs
+        self.worker = worker
+        self.host = host
+        self.sigterm = sigterm
+        self.skipper = skipper
+        self.budget = budget
+        self.root = root
+        self.layout = layout
+        self.committed = committed
+        self.is_started = is_started
+        self._budget_moot_said = False
 
-def say_if_budget_is_moot(saver: Any, pending: Any) -> bool:
-    """Whether it said (a warning, once per engine: the caller keeps the answer) that
-    ``Staging(max_host_bytes=)`` is below the state while this tier is on: its slots hold
-    whole states and disk saves are written from them, so the budget bounds nothing."""
-    if not saver.memory.active():
-        return False
-    staged = sum(plan_arenas(pending.flat.tensors)[1])
-    if staged <= saver.budget.max_bytes:
-        return False
-    log.warning(
-        "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
-        "stages whole states into its own slots (and disk saves are written from them): the "
-        "budget does not bound them; size host memory for MemoryTier instead",
-        saver.budget.max_bytes,
-        staged / 2**20,
-    )
-    return True
+    # ------------------------------------------------------------------ Stager
+    def claims(self, pending: PendingSave, overlap: bool) -> bool:
+        """A memory save, or a disk save staged into a memory slot (``shares``)."""
+        if self.budget is not None and not self._budget_moot_said:
+            self._budget_moot_said = self._say_if_budget_is_moot(pending, self.budget)
+        return pending.tier == "memory" or self.shares(pending, overlap)
 
+    def stage(self, pending: PendingSave, overlap: bool = False) -> SaveHandle:
+        """A memory save held by the worker; a disk save (``shares``) written from its slot."""
+        return self.save(pending, write=pending.tier != "memory")
 
-def shares(saver: Any, pending: Any, overlap: bool) -> bool:
-    """Whether disk save ``pending`` is staged into a memory slot and written from there
-    (the module's docstring); when the memory tier is on but it cannot be, says why (once
-    per reason) and counts it."""
-    mem = saver.memory
-    if not mem.active():
-        return False
-    why = None
-    if overlap:
-        why = "an overlapped save (overlap=True) copies in the background"
-    elif mem.last_step is not None and pending.step <= mem.last_step:
-        why = f"its step is not after the last memory save (step {mem.last_step})"
-    elif mem.slots and all(saver.slots[i].key not in (None, pending.key) for i in mem.slots):
-        why = "its state is laid out unlike the memory saves' (other tensors)"
-    if why is None:
-        return True
-    with saver.jobs.cond:
-        mem.unshared += 1
-        first = why not in mem.unshared_why
-        mem.unshared_why.add(why)
-    if first:
-        log.info(
-            "disk save of step %d staged into a slot of its own, not the memory tier's: %s "
-            "(host memory: one more copy of the state; engine.stats counts these)",
-            pending.step,
-            why,
-        )
-    return False
+    # ------------------------------------------------------------------ slots
+    def _add_slots(self, flat: Any, key: tuple) -> None:
+        """The memory tier's two slots, checked for room (2x the state) before either exists."""
+        mem = self.state
+        keys = {self.slots[i].key for i in mem.slots}
+        if mem.slots and keys == {key}:
+            return
+        check_memory_tier(flat.tensors, sum(self.slots[i].nbytes for i in mem.slots), mem.replicas)
+        with self.jobs.cond:
+            while len(mem.slots) < 2:
+                i = len(self.slots)
+                self.slots.append(StagingSlot(i))
+                self.jobs.add_memory_slot(i)
+                mem.slots.append(i)
 
+    def free_slots(self, flat: Any, key: tuple) -> list[int]:
+        """``prepare(state)``: the memory tier's slots (added, checked for room) not in use."""
+        self._add_slots(flat, key)
+        with self.jobs.cond:
+            return [i for i in self.state.slots if self.jobs.owner(i) is None]
 
-def save(saver: Any, pending: Any, write: bool = False) -> Any:
-    """Stage ``pending`` into a memory slot and hand it to the worker to hold; the handle
-    completes at once (nothing is written unless the worker must persist it). ``write``: a
-    disk save (``shares``): the worker also writes it from that slot, and the handle
-    completes at its commit, as any disk save's."""
-    import dataclasses
-    import time
-
-    from asyncckpt import faults
-    from asyncckpt.core import messages as M
-    from asyncckpt.errors import CheckpointError, SaveFailed, WorkerDied
-    from asyncckpt.staging.arenas import any_cuda
-    from asyncckpt.staging.unchanged import note_skips, stage_checked, worker_digests
-
-    mem, jobs = saver.memory, saver.jobs
-    step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
-    if mem.last_step is not None and step <= mem.last_step:
-        raise CheckpointError(
-            f"memory save of step {step}: steps must increase (the last memory save was step "
-            f"{mem.last_step})"
-        )
-    _add_slots(saver, pending)
-    try:
-        _make_room(saver)
-    except OSError as e:  # the worker is gone: the next one holds nothing anyway
-        log.warning("memory save of step %d: could not reach the worker: %s", step, e)
-    t_take = time.perf_counter()
-    i = _take_slot(saver, pending)
-    slot = saver.slots[i]
-    stats.wait_seconds = time.perf_counter() - pending.started
-    if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
-        log.info(
-            "save of step %d waited %.3fs for a staging buffer (both of the memory tier's are in "
-            "use: held, or being written)",
-            step,
-            time.perf_counter() - t_take,
-        )
-    try:
-        pin = any_cuda(flat.tensors.values())
-        t0 = time.perf_counter()
-        if slot.ensure(flat.tensors, pin, pending.key):
-            stats.alloc_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        # Blocking, on the caller's thread: only another thread can free a storage before the
-        # copy, racing it as during the copy, which no check makes safe (no guard).
-        torn, skips = stage_checked(saver.skipper, slot, flat.tensors, pending.marks, False, pin)
-        stats.stage_seconds = time.perf_counter() - t1
-        stats.staged_bytes = slot.nbytes
-        note_skips(stats, skips)
-        if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
-            err = SaveFailed(
-                f"{'' if write else 'memory '}save of step {step} failed: the state changed "
-                f"while it was staged ({torn}); nothing was written, the worker still holds the "
-                "previous memory checkpoint"
-            )
-            err.__cause__ = torn
-            jobs.unreserve(i)
-            jobs.fail_unsent(handle, err)
-            return handle
-        faults.point("after_stage")
-        disk = None  # write: the disk save's job, in flight, owning no slot (the hold does)
-        digests = worker_digests(slot, skips)  # the slot's bytes: for whichever job writes them
-        with jobs.cond:
-            if write:
-                disk_id, attempt = jobs.add(step, handle, i, owns_slot=False)
-                disk = saver.job_for(pending, slot, disk_id, attempt, digests=digests)
-            else:
-                attempt = jobs.attempts.get(step, 0)
-                jobs.attempts[step] = attempt + 1
-            jobs.next_job += 1
-            job = saver.job_for(
-                pending, slot, jobs.next_job, attempt, tier="memory", digests=digests
-            )
-            jobs.slot_owner[i] = job.job_id
-            if disk is not None:
-                disk.held_as = job.job_id
-            elif mem.replicas:  # before the Hold: its Replicated may come at once
-                import threading
-
-                handle._replica = threading.Event()
-                jobs.replicating[job.job_id] = handle
-    except BaseException:
-        jobs.unreserve(i)
-        raise
-
-    def let_go(err: Any = None) -> None:
-        with jobs.cond:
-            if jobs.slot_owner[i] == job.job_id:
-                jobs.slot_owner[i] = None
-            if jobs.replicating.pop(job.job_id, None) is not None:
-                handle._replica_done("it never reached the worker")
-            jobs.cond.notify_all()
-        if disk is not None and err is not None:
-            jobs.fail(disk.job_id, err)
-        elif err is not None:
-            jobs.fail_unsent(handle, err)
-
-    sent = False
-    try:
-        with saver.sigterm.handing_off():
-            saver.worker.wait_ready()
-            if disk is not None and not jobs.in_flight(disk.job_id):
-                let_go()  # the worker it waited for died meanwhile: the save failed with it
-                return handle
-            job.faults = faults.snapshot()
-            link = saver.worker.link
-            # Paths only when they changed (a replayed plan hands out the same object).
-            wire = (
-                job if link.memory_paths is not flat.paths else dataclasses.replace(job, paths=None)
-            )
-            # Several ranks: the worker keeps the older one it holds as well (_make_room).
-            keep, keep_slot = (None, None)
-            if mem.dist is not None and mem.held_link is link:
-                keep, keep_slot = (
-                    (mem.kept, mem.kept_slot) if mem.kept else (mem.held, mem.held_slot)
-                )
-            payload = M.encode(
-                M.Hold(wire, keep.job_id if keep is not None else None, writing=disk is not None)
-            )
-            if disk is not None:
-                disk.faults = job.faults
-                if link.paths is flat.paths:
-                    disk.paths = None
-                written = M.encode(M.Save(disk))
-            sent = True
-            with saver.worker.sending():
-                saver.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
-                M.send(link.memory, payload)
-                if disk is not None:  # after the Hold: the Holder pins the slot first
-                    M.send(link.conn, written)
-                    link.paths = flat.paths
-            link.memory_paths = flat.paths
+    def _make_room(self) -> None:
+        """Several ranks, the worker holding two: let go of the one the ranks agree is not to
+        be kept (its slot comes back with ``Released``, which ``_take_slot`` waits for)."""
+        mem, jobs = self.state, self.jobs
+        link = self.worker.link
+        if mem.kept is None or mem.held is None or mem.held_link is not link:
+            return
+        agreement = mem.agree()
+        common = agreement is not None and agreement.common(mem.held.step)  # outside the lock
+        gone = let_go(mem.kept.step, mem.held.step, COMMON if common else DROPPED)
+        victim, keep = (mem.kept, mem.held) if gone == mem.kept.step else (mem.held, mem.kept)
+        keep_slot = mem.held_slot if keep is mem.held else mem.kept_slot
+        with self.sigterm.handing_off():
+            with self.worker.sending():
+                M.send(link.memory, M.encode(M.LetGo(victim.job_id)))
             with jobs.cond:
-                mem.sent_on[i] = link
-                mem.held, mem.held_slot, mem.held_link = job, i, link
                 mem.kept, mem.kept_slot = keep, keep_slot
-                mem.last_step = step
-                mem.unprotected_step = None  # the hole a dead worker left is closed
-    except OSError as e:
-        let_go(WorkerDied(f"could not hand step {step} to the worker: {e}"))
-        return handle
-    except BaseException as e:
-        # Interrupted (Ctrl-C), or no worker came up: the caller sees this very exception.
-        # (Interrupted mid-send, the worker is being replaced: its death settles the job.)
-        handle._observed = True
-        unsent = disk is not None and not sent  # (in flight: close() would wait for it)
-        let_go(SaveFailed(f"step {step} was not handed to the worker ({e!r})") if unsent else None)
-        raise
-    finally:
-        saver.sigterm.run_deferred()
-    saver.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
-    agreement = mem.agree()
-    if agreement is not None:  # counted before save() returns: the peers may rely on it
-        agreement.handed_off(step)
-    if disk is not None:
+                mem.held = mem.held_slot = None
+        self.sigterm.run_deferred()
+
+    def _take_slot(self, pending: PendingSave) -> int:
+        """A memory slot the worker does not hold; waits (a pipe's round trip) for its release."""
+        mem, jobs = self.state, self.jobs
         with jobs.cond:
-            mem.shared += 1
-        handle._staged.set()  # copied and handed over: invariant 12 holds from here
-    else:
-        handle._finish()  # held by the worker: done (it is written only if it must be)
-    return handle
+            while True:
+                keys = {i: self.slots[i].key for i in mem.slots}
+                link = self.worker.link
+                i = mem.pick_slot(jobs, link, keys, pending.key)
+                if i is not None:
+                    jobs.reserve(i)
+                    return i
+                error = self.worker.start_error
+                if not self.is_started() or error is not None:
+                    raise CheckpointError(
+                        f"memory save of step {pending.step}: the checkpoint worker is not "
+                        "running" + (f" ({error})" if error else "")
+                    )
+                jobs.cond.wait(0.5)
 
-
-def worker_lost(saver: Any, link: Any, pid: int | None) -> None:
-    """The worker ``pid`` (its ``link``) died with the trainer alive: the memory save it held
-    is gone with its memory. Count it and say which step, unless disk has it or newer."""
-    from asyncckpt.core import layout as _layout
-
-    mem, jobs = saver.memory, saver.jobs
-    with jobs.cond:
-        job = mem.held
-        if job is None or mem.held_link is not link:
-            return  # held nothing, or what it held was already counted or persisted
-        newest = _layout.read_tracker(saver.rules.root)
-        if newest is not None and job.step <= newest:
-            return  # a disk checkpoint at least as new: nothing is unprotected
-        mem.lost += 1
-        mem.unprotected_step = job.step
-    # The handle of that save succeeded long ago: this line is the only place it shows.
-    log.warning(
-        "the checkpoint worker (pid %s) died holding the memory save of step %d: it is lost; "
-        "until the next memory save, a trainer's death resumes from disk (step %s)",
-        pid,
-        job.step,
-        newest,
-    )
-
-
-def persist(saver: Any, reason: str) -> Any:
-    """Ask the worker to write the memory checkpoint it holds, as a save in flight (the
-    engine's drain waits for it); None if there is none, or it is not newer than what is on
-    disk or in flight."""
-    import dataclasses
-
-    from asyncckpt import faults
-    from asyncckpt.core import layout as _layout
-    from asyncckpt.core import messages as M
-    from asyncckpt.errors import WorkerDied
-
-    mem, jobs = saver.memory, saver.jobs
-    if mem.held_link is not saver.worker.link or (mem.held is None and mem.kept is None):
-        return None
-    saver.wait_staged()  # an overlapped save's thread may be sending: never two at once
-    dirs = saver.restorer.committed()
-    newest = dirs[-1].step if dirs else None
-    job, slot = mem.newest_common()  # several ranks: the step all of them write
-    with jobs.cond:
-        if job is None:
-            return None
-        flying = max((j.handle.step for j in jobs.inflight.values()), default=None)
-        final = saver.rules.root / _layout.dir_name(saver.rules.layout, job.step)
-        if any(s is not None and job.step <= s for s in (newest, flying)) or final.exists():
-            log.info("memory checkpoint of step %d not written: not newer than disk", job.step)
-            return None
-        jobs.next_job += 1
-        pjob = dataclasses.replace(
-            job,
-            job_id=jobs.next_job,
-            persisted_because=reason,
-            memory_job_id=job.job_id,
-            faults=faults.snapshot(),
+    def _say_if_budget_is_moot(self, pending: PendingSave, budget: HostBudget) -> bool:
+        """Whether it said (a warning, once per engine: the caller keeps the answer) that
+        ``Staging(max_host_bytes=)`` is below the state while this tier is on: its slots hold
+        whole states and disk saves are written from them, so the budget bounds nothing."""
+        if not self.state.active():
+            return False
+        staged = sum(plan_arenas(pending.flat.tensors)[1])
+        if staged <= budget.max_bytes:
+            return False
+        log.warning(
+            "Staging(max_host_bytes=%d) is below this state's %.1f MiB, but the memory tier "
+            "stages whole states into its own slots (and disk saves are written from them): "
+            "the budget does not bound them; size host memory for MemoryTier instead",
+            budget.max_bytes,
+            staged / 2**20,
         )
-        handle = jobs.track(pjob, slot)  # its slot is the write's until released
-        # The worker forgets it too (and the other one it holds is not written by the trainer).
-        mem.held = mem.held_slot = mem.held_link = mem.kept = mem.kept_slot = None
-    log.warning("writing the memory checkpoint of step %d (%s)", job.step, reason)
-    try:
-        with saver.worker.sending():
-            M.send(saver.worker.link.conn, M.encode(M.Save(pjob)))
-    except OSError as e:
-        jobs.fail(pjob.job_id, WorkerDied(f"could not ask the worker to write it: {e}"))
-    return handle
+        return True
+
+    def shares(self, pending: PendingSave, overlap: bool) -> bool:
+        """Whether disk save ``pending`` is staged into a memory slot and written from there
+        (the module's docstring); when the memory tier is on but it cannot be, says why (once
+        per reason) and counts it."""
+        mem = self.state
+        if not mem.active():
+            return False
+        why = None
+        if overlap:
+            why = "an overlapped save (overlap=True) copies in the background"
+        elif mem.last_step is not None and pending.step <= mem.last_step:
+            why = f"its step is not after the last memory save (step {mem.last_step})"
+        elif mem.slots and all(self.slots[i].key not in (None, pending.key) for i in mem.slots):
+            why = "its state is laid out unlike the memory saves' (other tensors)"
+        if why is None:
+            return True
+        with self.jobs.cond:
+            mem.unshared += 1
+            first = why not in mem.unshared_why
+            mem.unshared_why.add(why)
+        if first:
+            log.info(
+                "disk save of step %d staged into a slot of its own, not the memory tier's: %s "
+                "(host memory: one more copy of the state; engine.stats counts these)",
+                pending.step,
+                why,
+            )
+        return False
+
+    # ------------------------------------------------------------------ saving
+    def save(self, pending: PendingSave, write: bool = False) -> SaveHandle:
+        """Stage ``pending`` into a memory slot and hand it to the worker to hold; the handle
+        completes at once (nothing is written unless the worker must persist it). ``write``: a
+        disk save (``shares``): the worker also writes it from that slot, and the handle
+        completes at its commit, as any disk save's."""
+        mem = self.state
+        step, handle = pending.step, pending.handle
+        if mem.last_step is not None and step <= mem.last_step:
+            raise CheckpointError(
+                f"memory save of step {step}: steps must increase (the last memory save was "
+                f"step {mem.last_step})"
+            )
+        self._add_slots(pending.flat, pending.key)
+        try:
+            self._make_room()
+        except OSError as e:  # the worker is gone: the next one holds nothing anyway
+            log.warning("memory save of step %d: could not reach the worker: %s", step, e)
+        t_take = time.perf_counter()
+        i = self._take_slot(pending)
+        slot = self.slots[i]
+        pending.stats.wait_seconds = time.perf_counter() - pending.started
+        if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
+            log.info(
+                "save of step %d waited %.3fs for a staging buffer (both of the memory tier's "
+                "are in use: held, or being written)",
+                step,
+                time.perf_counter() - t_take,
+            )
+        staged = self._stage(pending, i, write)
+        if staged is None:
+            return handle
+        job, disk = staged
+        link = self._hand_over(pending, i, job, disk)
+        if link is None:
+            return handle
+        self.host.wait_mapped(slot, link)  # the worker has the slot's memory (once per layout)
+        agreement = mem.agree()
+        if agreement is not None:  # counted before save() returns: the peers may rely on it
+            agreement.handed_off(step)
+        if disk is not None:
+            with self.jobs.cond:
+                mem.shared += 1
+            handle._staged.set()  # copied and handed over: invariant 12 holds from here
+        else:
+            handle._finish()  # held by the worker: done (it is written only if it must be)
+        return handle
+
+    def _stage(
+        self, pending: PendingSave, i: int, write: bool
+    ) -> tuple[SaveJob, SaveJob | None] | None:
+        """Copy ``pending`` into memory slot ``i`` (reserved) and make its jobs: the memory
+        job, and ``write``: the disk save's, in flight, owning no slot (the hold does). None:
+        the state changed while it was copied (its handle failed, the slot is given back)."""
+        jobs, slot = self.jobs, self.slots[i]
+        step, flat, stats, handle = pending.step, pending.flat, pending.stats, pending.handle
+        try:
+            pin = any_cuda(flat.tensors.values())
+            t0 = time.perf_counter()
+            if slot.ensure(flat.tensors, pin, pending.key):
+                stats.alloc_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            # Blocking, on the caller's thread: only another thread can free a storage before
+            # the copy, racing it as during the copy, which no check makes safe (no guard).
+            torn, skips = stage_checked(self.skipper, slot, flat.tensors, pending.marks, False, pin)
+            stats.stage_seconds = time.perf_counter() - t1
+            stats.staged_bytes = slot.nbytes
+            note_skips(stats, skips)
+            if torn is not None:  # invariant 13, as for a disk save: a torn slot is never held
+                err = SaveFailed(
+                    f"{'' if write else 'memory '}save of step {step} failed: the state changed "
+                    f"while it was staged ({torn}); nothing was written, the worker still holds "
+                    "the previous memory checkpoint"
+                )
+                err.__cause__ = torn
+                jobs.unreserve(i)
+                jobs.fail_unsent(handle, err)
+                return None
+            faults.point("after_stage")
+            disk = None
+            digests = worker_digests(slot, skips)  # the slot's bytes: for whichever job writes
+            with jobs.cond:
+                if write:
+                    disk_id, attempt = jobs.add(step, handle, i, owns_slot=False)
+                    disk = self.host.job_for(pending, slot, disk_id, attempt, digests=digests)
+                else:
+                    attempt = jobs.next_attempt(step)
+                job = self.host.job_for(
+                    pending, slot, jobs.new_job_id(), attempt, tier="memory", digests=digests
+                )
+                jobs.own(i, job.job_id)
+                if disk is not None:
+                    disk.held_as = job.job_id
+                elif self.state.replicas:  # before the Hold: its Replicated may come at once
+                    handle._replica = threading.Event()
+                    jobs.replicating[job.job_id] = handle
+        except BaseException:
+            jobs.unreserve(i)
+            raise
+        return job, disk
+
+    def _hand_over(
+        self, pending: PendingSave, i: int, job: SaveJob, disk: SaveJob | None
+    ) -> Link | None:
+        """Send memory job ``job`` (a ``Hold``) and ``disk``'s ``Save`` staged in slot ``i``;
+        the link they went down, or None if the save ended (its handle says why)."""
+        mem, jobs, slot = self.state, self.jobs, self.slots[i]
+        step, flat, handle = pending.step, pending.flat, pending.handle
+
+        def let_go(err: SaveFailed | None = None) -> None:
+            with jobs.cond:
+                jobs.disown(i, job.job_id)
+                if jobs.replicating.pop(job.job_id, None) is not None:
+                    handle._replica_done("it never reached the worker")
+                jobs.cond.notify_all()
+            if disk is not None and err is not None:
+                jobs.fail(disk.job_id, err)
+            elif err is not None:
+                jobs.fail_unsent(handle, err)
+
+        sent = False
+        try:
+            with self.sigterm.handing_off():
+                self.worker.wait_ready()
+                if disk is not None and not jobs.in_flight(disk.job_id):
+                    let_go()  # the worker it waited for died meanwhile: the save failed with it
+                    return None
+                job.faults = faults.snapshot()
+                link = self.worker.link
+                # Paths only when they changed (a replayed plan hands out the same object).
+                wire = (
+                    job
+                    if link.memory_paths is not flat.paths
+                    else dataclasses.replace(job, paths=None)
+                )
+                # Several ranks: the worker keeps the older one it holds as well (_make_room).
+                keep: SaveJob | None = None
+                keep_slot: int | None = None
+                if mem.dist is not None and mem.held_link is link:
+                    keep, keep_slot = (
+                        (mem.kept, mem.kept_slot) if mem.kept else (mem.held, mem.held_slot)
+                    )
+                payload = M.encode(
+                    M.Hold(
+                        wire, keep.job_id if keep is not None else None, writing=disk is not None
+                    )
+                )
+                if disk is not None:
+                    disk.faults = job.faults
+                    if link.paths is flat.paths:
+                        disk.paths = None
+                    written = M.encode(M.Save(disk))
+                sent = True
+                with self.worker.sending():
+                    self.host.send_arenas(slot, link)  # the arenas and specs: on the jobs pipe
+                    M.send(link.memory, payload)
+                    if disk is not None:  # after the Hold: the Holder pins the slot first
+                        M.send(link.conn, written)
+                        link.paths = flat.paths
+                link.memory_paths = flat.paths
+                with jobs.cond:
+                    mem.sent_on[i] = link
+                    mem.held, mem.held_slot, mem.held_link = job, i, link
+                    mem.kept, mem.kept_slot = keep, keep_slot
+                    mem.last_step = step
+                    mem.unprotected_step = None  # the hole a dead worker left is closed
+        except OSError as e:
+            let_go(WorkerDied(f"could not hand step {step} to the worker: {e}"))
+            return None
+        except BaseException as e:
+            # Interrupted (Ctrl-C), or no worker came up: the caller sees this very exception.
+            # (Interrupted mid-send, the worker is being replaced: its death settles the job.)
+            handle._observed = True
+            unsent = disk is not None and not sent  # (in flight: close() would wait for it)
+            let_go(
+                SaveFailed(f"step {step} was not handed to the worker ({e!r})") if unsent else None
+            )
+            raise
+        finally:
+            self.sigterm.run_deferred()
+        return link
+
+    # ------------------------------------------------------------------ the worker's end
+    def worker_lost(self, link: Link, pid: int | None) -> None:
+        """The worker ``pid`` (its ``link``) died with the trainer alive: the memory save it
+        held is gone with its memory. Count it and say which step, unless disk has it or newer."""
+        mem = self.state
+        with self.jobs.cond:
+            job = mem.held
+            if job is None or mem.held_link is not link:
+                return  # held nothing, or what it held was already counted or persisted
+            newest = _layout.read_tracker(self.root)
+            if newest is not None and job.step <= newest:
+                return  # a disk checkpoint at least as new: nothing is unprotected
+            mem.lost += 1
+            mem.unprotected_step = job.step
+        # The handle of that save succeeded long ago: this line is the only place it shows.
+        log.warning(
+            "the checkpoint worker (pid %s) died holding the memory save of step %d: it is "
+            "lost; until the next memory save, a trainer's death resumes from disk (step %s)",
+            pid,
+            job.step,
+            newest,
+        )
+
+    def persist(self, reason: str) -> SaveHandle | None:
+        """Ask the worker to write the memory checkpoint it holds, as a save in flight (the
+        engine's drain waits for it); None if there is none, or it is not newer than what is
+        on disk or in flight."""
+        mem, jobs = self.state, self.jobs
+        if mem.held_link is not self.worker.link or (mem.held is None and mem.kept is None):
+            return None
+        self.host.wait_staged()  # an overlapped save's thread may be sending: never two at once
+        dirs = self.committed()
+        newest = dirs[-1].step if dirs else None
+        job, slot = mem.newest_common()  # several ranks: the step all of them write
+        with jobs.cond:
+            if job is None or slot is None:
+                return None
+            flying = max(jobs.steps(), default=None)
+            final = self.root / _layout.dir_name(self.layout, job.step)
+            if any(s is not None and job.step <= s for s in (newest, flying)) or final.exists():
+                log.info("memory checkpoint of step %d not written: not newer than disk", job.step)
+                return None
+            pjob = dataclasses.replace(
+                job,
+                job_id=jobs.new_job_id(),
+                persisted_because=reason,
+                memory_job_id=job.job_id,
+                faults=faults.snapshot(),
+            )
+            handle = jobs.track(pjob, slot)  # its slot is the write's until released
+            # The worker forgets it too (and the other one it holds is not written by the
+            # trainer).
+            mem.held = mem.held_slot = mem.held_link = mem.kept = mem.kept_slot = None
+        log.warning("writing the memory checkpoint of step %d (%s)", job.step, reason)
+        try:
+            with self.worker.sending():
+                M.send(self.worker.link.conn, M.encode(M.Save(pjob)))
+        except OSError as e:
+            jobs.fail(pjob.job_id, WorkerDied(f"could not ask the worker to write it: {e}"))
+        return handle

@@ -40,15 +40,18 @@ from asyncckpt import faults
 from asyncckpt.errors import SaveFailed, StagingMemoryError, StateModifiedWhileStaging
 from asyncckpt.options import MIN_HOST_BYTES
 from asyncckpt.staging.arenas import (
+    HostBudget,
     Marks,
     StagingSlot,
     allocate_arena,
     check_memory,
+    plan_arenas,
     read_only_bytes,
     torn_since,
 )
 from asyncckpt.staging.bytecheck import ChunkFingerprints
 from asyncckpt.staging.chunking import ALIGN, Chunk, plan_chunks
+from asyncckpt.staging.stager import Deferral, Handover, PendingSave, SaveHandle, SlotJobs
 
 log = logging.getLogger("asyncckpt")
 
@@ -311,45 +314,159 @@ class ChunkedStaging:
 
 
 # ------------------------------------------------------------------ the save path's side
-#: The last (layout, budget) asked about (``over_budget``): its staged bytes and chunk plan.
-_last: tuple[Any, int, ChunkedPlan | None] = (None, 0, None)
+class ChunkedStager:
+    """The chunked budget as a ``Stager``: a disk save whose state is over
+    ``Staging(max_host_bytes=)`` is staged through the budget's one chunk arena."""
 
+    uses_disk_slot = True  # the chunk arena is a disk slot's (max_in_flight=1)
 
-def over_budget(saver: Any, flat: Any, key: tuple) -> ChunkedPlan | None:
-    """The chunk plan of ``flat``'s tensors if their staging is over ``saver``'s budget
-    (None: it fits, or there is no budget). Raises ``StagingMemoryError`` where such a state
-    cannot be staged in chunks (the reason is in the message)."""
-    global _last
-    budget = saver.budget
-    if budget is None:
-        return None
-    if _last[0] is None or _last[0] != (key, budget):  # the plan of a layout, made once
-        from asyncckpt.staging.arenas import plan_arenas
+    def __init__(
+        self,
+        budget: HostBudget | None,
+        *,
+        fmt: str,
+        components: bool,
+        slots: list[StagingSlot],
+        jobs: SlotJobs,
+        handover: Handover,
+        sigterm: Deferral,
+        let_go: Callable[[StagingSlot], None] | None,
+        whole_states: Callable[[], bool],
+    ) -> None:
+        self.budget = budget
+        self.fmt = fmt
+        self.components = components  # Components(...): not plain DCP
+        self.slots = slots
+        self.jobs = jobs
+        self.handover = handover
+        self.sigterm = sigterm
+        self.let_go = let_go
+        self.whole_states = whole_states  # the memory tier is on: its slots hold whole states
+        # The last (layout, budget) asked about (``plan``): its staged bytes and chunk plan.
+        self._last: tuple[Any, int, ChunkedPlan | None] = (None, 0, None)
 
-        staged = sum(plan_arenas(flat.tensors)[1])
-        over = staged * budget.copies > budget.max_bytes
-        plan = plan_for(flat.tensors, budget.max_bytes) if over and budget.copies == 1 else None
-        _last = ((key, budget), staged, plan)
-    staged, plan = _last[1], _last[2]
-    if staged * budget.copies <= budget.max_bytes:
-        return None
-    why = None
-    if budget.copies > 1:
-        why = f"max_in_flight={budget.copies} (chunks need max_in_flight=1)"
-    elif saver.rules.components is not None or saver.rules.fmt != "dcp":
-        why = f"format {saver.rules.fmt!r} (chunks are written for plain DCP only)"
-    elif flat.extra and flat.extra.get("shards"):
-        why = "DTensor pieces (chunks take plain tensors only)"
-    elif saver.memory.active():
-        why = "a memory tier (its slots hold whole states)"
-    if why is not None or plan is None:
-        raise StagingMemoryError(
-            f"staging this state takes {staged / 2**20:.1f} MiB of host memory per save, over "
-            f"Staging(max_host_bytes={budget.max_bytes}) with {budget.copies} in flight, and "
-            f"it cannot be staged in chunks with {why}; raise max_host_bytes; nothing was "
-            "written"
-        )
-    return plan
+    def plan(self, flat: Any, key: tuple) -> ChunkedPlan | None:
+        """The chunk plan of ``flat``'s tensors if their staging is over the budget (None: it
+        fits, or there is no budget). Raises ``StagingMemoryError`` where such a state cannot
+        be staged in chunks (the reason is in the message)."""
+        budget = self.budget
+        if budget is None:
+            return None
+        if self._last[0] is None or self._last[0] != (key, budget):  # once per layout
+            staged = sum(plan_arenas(flat.tensors)[1])
+            over = staged * budget.copies > budget.max_bytes
+            plan = plan_for(flat.tensors, budget.max_bytes) if over and budget.copies == 1 else None
+            self._last = ((key, budget), staged, plan)
+        staged, plan = self._last[1], self._last[2]
+        if staged * budget.copies <= budget.max_bytes:
+            return None
+        why = None
+        if budget.copies > 1:
+            why = f"max_in_flight={budget.copies} (chunks need max_in_flight=1)"
+        elif self.components or self.fmt != "dcp":
+            why = f"format {self.fmt!r} (chunks are written for plain DCP only)"
+        elif flat.extra and flat.extra.get("shards"):
+            why = "DTensor pieces (chunks take plain tensors only)"
+        elif self.whole_states():
+            why = "a memory tier (its slots hold whole states)"
+        if why is not None or plan is None:
+            raise StagingMemoryError(
+                f"staging this state takes {staged / 2**20:.1f} MiB of host memory per save, "
+                f"over Staging(max_host_bytes={budget.max_bytes}) with {budget.copies} in "
+                f"flight, and it cannot be staged in chunks with {why}; raise max_host_bytes; "
+                "nothing was written"
+            )
+        return plan
+
+    def claims(self, pending: PendingSave, overlap: bool) -> bool:
+        """Over the budget: staged in chunks (a refusal raises here, and an overlapped save is
+        refused: the chunks are copied before ``save()`` returns)."""
+        plan = self.plan(pending.flat, pending.key)
+        if plan is not None and overlap:
+            refuse_overlap(plan)
+        return plan is not None
+
+    def stage(self, pending: PendingSave, overlap: bool = False) -> SaveHandle:
+        """Copy ``pending`` into its reserved slot chunk by chunk while the worker writes
+        them; returns the handle once the last chunk is copied (or the save failed)."""
+        # The plan ``claims`` found (made once per layout: ``plan`` answers from its cache).
+        plan, slot_idx = self.plan(pending.flat, pending.key), pending.slot
+        assert plan is not None and slot_idx is not None
+        slot = self.slots[slot_idx]
+        tensors = pending.flat.tensors
+        stats, handle = pending.stats, pending.handle
+        pin = any(t.is_cuda for t in tensors.values())
+        t0 = time.perf_counter()
+        if hold_arena(slot, plan.arena_bytes, pin, self.let_go):
+            stats.alloc_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        job_id, attempt = self.jobs.add(pending.step, handle, slot_idx)
+        job = self.handover.job_for(pending, slot, job_id, attempt)
+        job.chunks = plan
+        job.figures["chunks"] = len(plan.chunks)
+        job.figures["staged_bytes"] = sum(p.nbytes for c in plan.chunks for p in c.pieces)
+        arena = slot.arenas[0]
+        staging = ChunkedStaging(plan, arena, tensors, pending.marks, ChunkSignals(arena))
+        sent: list[Any] = []
+
+        def hand_over() -> None:
+            link = self.handover.send_job(pending, slot, job_id, job)
+            if link is None:
+                raise _Ended()
+            sent.append(link)
+
+        def going() -> bool:
+            return self.jobs.in_flight(job_id)
+
+        failed: list[SaveFailed] = []
+
+        def torn(e: StateModifiedWhileStaging) -> None:
+            err = SaveFailed(
+                f"save of step {pending.step} failed: the state changed while it was staged "
+                f"in chunks ({e}); nothing was committed, older checkpoints are intact. Do not "
+                "mutate the state or free its storage while save() runs"
+            )
+            err.__cause__ = e
+            failed.append(err)
+            self.jobs.explain(job_id, err)  # the handle raises it, not the worker's word
+
+        with self.sigterm.handing_off():  # a SIGTERM's drain would wait for chunks never copied
+            try:
+                complete = staging.run(job_id, going, hand_over, torn)
+            except _Ended:
+                complete = False
+            except StateModifiedWhileStaging:
+                complete = False
+                log.error("%s", failed[0])
+                if sent:  # the worker fails it (told by the header), then gives the slot back
+                    while going():
+                        time.sleep(POLL_S)
+                else:
+                    self.jobs.fail(job_id, failed[0])
+            except BaseException as e:
+                handle._observed = True  # the caller sees this very exception
+                if not sent:
+                    self.jobs.fail(job_id, SaveFailed(f"staging step {pending.step} failed: {e!r}"))
+                raise  # (sent: the worker fails it, told by the header)
+            finally:
+                self.sigterm.run_deferred()
+        stats.stage_seconds = time.perf_counter() - t1 - staging.waited  # (blocked: stage+wait)
+        stats.wait_seconds += staging.waited
+        stats.copy_check_seconds = staging.prints.seconds
+        stats.staged_bytes = job.figures["staged_bytes"]
+        stats.chunks = len(plan.chunks)
+        if complete:
+            log.info(
+                "save of step %d staged in %d chunks of %.1f MiB (over Staging(max_host_bytes=)): "
+                "%.3fs, of which %.3fs waiting for the worker's writes",
+                pending.step,
+                len(plan.chunks),
+                plan.chunk_bytes / 2**20,
+                stats.stage_seconds,
+                staging.waited,
+            )
+            handle._staged.set()
+        return handle
 
 
 def refuse_overlap(plan: ChunkedPlan) -> None:
@@ -359,87 +476,6 @@ def refuse_overlap(plan: ChunkedPlan) -> None:
         "stage it behind the training loop; save it without overlap or raise max_host_bytes; "
         "nothing was written"
     )
-
-
-def stage(saver: Any, pending: Any, plan: ChunkedPlan) -> Any:
-    """Copy ``pending`` into ``saver``'s reserved slot chunk by chunk while the worker writes
-    them; returns the handle once the last chunk is copied (or the save failed)."""
-    slot_idx = pending.slot
-    slot = saver.slots[slot_idx]
-    tensors = pending.flat.tensors
-    stats, handle = pending.stats, pending.handle
-    pin = any(t.is_cuda for t in tensors.values())
-    t0 = time.perf_counter()
-    if hold_arena(slot, plan.arena_bytes, pin, saver.let_go):
-        stats.alloc_seconds = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    job_id, attempt = saver.jobs.add(pending.step, handle, slot_idx)
-    job = saver.job_for(pending, slot, job_id, attempt)
-    job.chunks = plan
-    job.figures["chunks"] = len(plan.chunks)
-    job.figures["staged_bytes"] = sum(p.nbytes for c in plan.chunks for p in c.pieces)
-    arena = slot.arenas[0]
-    staging = ChunkedStaging(plan, arena, tensors, pending.marks, ChunkSignals(arena))
-    sent: list[Any] = []
-
-    def hand_over() -> None:
-        link = saver.send_job(pending, slot, job_id, job)
-        if link is None:
-            raise _Ended()
-        sent.append(link)
-
-    def going() -> bool:
-        return saver.jobs.in_flight(job_id)
-
-    failed: list[SaveFailed] = []
-
-    def torn(e: StateModifiedWhileStaging) -> None:
-        err = SaveFailed(
-            f"save of step {pending.step} failed: the state changed while it was staged "
-            f"in chunks ({e}); nothing was committed, older checkpoints are intact. Do not "
-            "mutate the state or free its storage while save() runs"
-        )
-        err.__cause__ = e
-        failed.append(err)
-        saver.jobs.explain(job_id, err)  # the handle raises it, not the worker's word
-
-    with saver.sigterm.handing_off():  # a SIGTERM's drain would wait for chunks never copied
-        try:
-            complete = staging.run(job_id, going, hand_over, torn)
-        except _Ended:
-            complete = False
-        except StateModifiedWhileStaging:
-            complete = False
-            log.error("%s", failed[0])
-            if sent:  # the worker fails it (told by the header), then gives the slot back
-                while going():
-                    time.sleep(POLL_S)
-            else:
-                saver.jobs.fail(job_id, failed[0])
-        except BaseException as e:
-            handle._observed = True  # the caller sees this very exception
-            if not sent:
-                saver.jobs.fail(job_id, SaveFailed(f"staging step {pending.step} failed: {e!r}"))
-            raise  # (sent: the worker fails it, told by the header)
-        finally:
-            saver.sigterm.run_deferred()
-    stats.stage_seconds = time.perf_counter() - t1 - staging.waited  # (blocked: stage + wait)
-    stats.wait_seconds += staging.waited
-    stats.copy_check_seconds = staging.prints.seconds
-    stats.staged_bytes = job.figures["staged_bytes"]
-    stats.chunks = len(plan.chunks)
-    if complete:
-        log.info(
-            "save of step %d staged in %d chunks of %.1f MiB (over Staging(max_host_bytes=)): "
-            "%.3fs, of which %.3fs waiting for the worker's writes",
-            pending.step,
-            len(plan.chunks),
-            plan.chunk_bytes / 2**20,
-            stats.stage_seconds,
-            staging.waited,
-        )
-        handle._staged.set()
-    return handle
 
 
 class _Ended(Exception):

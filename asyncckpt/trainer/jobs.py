@@ -4,7 +4,10 @@
 worker's ``Committed``), failed (``Failed``, a dead or hung worker), or committed all the same
 when its worker died after the rename (the trainer writes the tracker: ``_finish_commit``). It
 holds the condition variable that ``drain`` and back-pressure wait on. The supervisor reaches
-it only through ``supervisor.JobEvents``; the saver through its public methods.
+it only through ``supervisor.JobEvents``; the saver through its public methods. Who holds each
+staging slot, job ids and attempts are its ``SlotLedger`` part: the memory tier asks it to change
+them (memory/tier.py: ``TierJobs``), never writes them. ``SaveHandle`` lives below the stagers
+(staging/stager.py) and is the same class here.
 """
 
 from __future__ import annotations
@@ -18,141 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from asyncckpt.core import layout as _layout
 from asyncckpt.core import messages as M
+from asyncckpt.core import progress as _progress
 from asyncckpt.errors import CheckpointError, ExportFailed, SaveFailed, WorkerDied
+from asyncckpt.staging.stager import SaveHandle
 from asyncckpt.stats import SaveStats
 from asyncckpt.storage import UploadFailed
+from asyncckpt.storage.commit import finish_commit
 from asyncckpt.storage.manifest import read_manifest
+from asyncckpt.storage.prune import report_warnings
+from asyncckpt.worker.export import export_dir
 
 log = logging.getLogger("asyncckpt")
 
 #: Not a job: a slot reserved by a save that is staging into it.
 RESERVED = -1
-
-
-class SaveHandle:
-    """What ``save`` returns: completes when the checkpoint has committed (or failed).
-
-    ``staged()`` / ``staged_sync()`` wait until the state has been copied (at once for a
-    blocking save; an overlapped one, ``save(..., overlap=True)``, copies in the background):
-    from then on the state may be mutated.
-    """
-
-    def __init__(self, step: int, stats: SaveStats) -> None:
-        self.step = step
-        self.stats = stats
-        self._done = threading.Event()
-        self._staged = threading.Event()
-        self._error: BaseException | None = None
-        self._observed = False
-        # MemoryTier(replicas=1): set once the peer node's worker holds this memory save's
-        # replica, or it will not (``_replica_error``); None: not a replicated save.
-        self._replica: threading.Event | None = None
-        self._replica_error: str | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def is_staged(self) -> bool:
-        """True once the state is copied (or the save failed): mutating it is safe."""
-        return self._staged.is_set()
-
-    def staged_sync(self, timeout: float | None = None) -> None:
-        """Block until the state is copied; the training loop may mutate it afterwards.
-
-        Does not raise when the save failed (``committed`` does): either way the copy is over.
-        """
-        if self._staged.is_set():
-            return
-        t0 = time.perf_counter()
-        if not self._staged.wait(timeout):
-            raise TimeoutError(f"step {self.step} was not staged within {timeout} s")
-        self.stats.staged_wait_seconds += time.perf_counter() - t0
-
-    async def staged(self) -> None:
-        """Wait (without blocking the event loop) until the state is copied."""
-        if not self._staged.is_set():
-            t0 = time.perf_counter()
-            await anyio.to_thread.run_sync(self._staged.wait, abandon_on_cancel=True)
-            self.stats.staged_wait_seconds += time.perf_counter() - t0
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def committed_sync(self, timeout: float | None = None) -> SaveStats:
-        """Block until committed; raise ``SaveFailed`` with the cause if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"step {self.step} did not commit within {timeout} s")
-        return self._result()
-
-    async def committed(self) -> SaveStats:
-        """Wait (without blocking the event loop) until committed; raise if it failed."""
-        if not self._done.is_set():
-            await anyio.to_thread.run_sync(self._done.wait, abandon_on_cancel=True)
-        return self._result()
-
-    def _result(self) -> SaveStats:
-        if self._error is not None:
-            self._observed = True
-            raise self._error
-        return self.stats
-
-    def replicated_sync(self, timeout: float | None = None) -> None:
-        """Block until this memory save's replica is held whole by the worker of the peer
-        node (``memory=MemoryTier(replicas=1)``); from then on it survives the loss of this
-        rank's node. Raises ``NotReplicated`` if it will not be (the save stands: its own
-        worker holds it), ``TimeoutError`` after ``timeout`` seconds."""
-        event = self._replica_event()
-        if not event.wait(timeout):
-            raise TimeoutError(f"step {self.step} was not replicated within {timeout} s")
-        self._replica_result()
-
-    async def replicated(self) -> None:
-        """``replicated_sync`` without blocking the event loop."""
-        event = self._replica_event()
-        if not event.is_set():
-            await anyio.to_thread.run_sync(event.wait, abandon_on_cancel=True)
-        self._replica_result()
-
-    def is_replicated(self) -> bool:
-        """True once the replica is held (False while it is not, or if it will not be)."""
-        return self._replica is not None and self._replica.is_set() and not self._replica_error
-
-    def _replica_event(self) -> threading.Event:
-        from asyncckpt.errors import NotReplicated
-
-        if self._replica is None:
-            raise NotReplicated(
-                f"step {self.step} is not a replicated save: only memory saves "
-                '(tier="memory") with memory=MemoryTier(replicas=1) are replicated'
-            )
-        return self._replica
-
-    def _replica_result(self) -> None:
-        from asyncckpt.errors import NotReplicated
-
-        if self._replica_error is not None:
-            raise NotReplicated(
-                f"memory save of step {self.step} is not replicated: {self._replica_error} "
-                "(its own worker holds it)"
-            )
-
-    def _replica_done(self, error: str | None) -> None:
-        if self._replica is not None and not self._replica.is_set():
-            self._replica_error = error
-            self._replica.set()
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self._staged.set()  # (a save that failed while staging touches the state no more)
-        self._done.set()
-
-    def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._error else "committed")
-        return f"<SaveHandle step={self.step} {state}>"
 
 
 @dataclass
@@ -234,7 +118,75 @@ _WORKER_FIGURES: dict[str, Any] = {
 }
 
 
-class JobTable:
+class SlotLedger:
+    """Who holds each staging slot, and the job ids and attempts handed out: the job table's
+    own part that the memory tier (memory/tier.py) and the disk slots ask it to change (they
+    never write it themselves). Every method takes ``cond`` itself (a re-entrant lock)."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.cond = threading.Condition()
+        self.slot_owner: dict[int, int | None] = {i: None for i in range(n_slots)}
+        self.memory_slots: set[int] = set()  # the memory tier's (memory/tier.py hands them out)
+        self.next_job = 0
+        self.attempts: dict[int, int] = {}  # step -> SaveJob.attempt of its next save
+
+    def unreserve(self, slot: int) -> None:
+        with self.cond:
+            if self.slot_owner[slot] == RESERVED:
+                self.slot_owner[slot] = None
+                self.cond.notify_all()
+
+    def free_slots(self) -> list[int]:
+        """The free slots of disk saves."""
+        with self.cond:
+            return self._free_disk_slots_locked()
+
+    # ------------------------------------------------------------------ the memory tier's
+    def add_memory_slot(self, slot: int) -> None:
+        """Slot ``slot`` is the memory tier's from now on, free."""
+        with self.cond:
+            self.slot_owner[slot] = None
+            self.memory_slots.add(slot)
+
+    def owner(self, slot: int) -> int | None:
+        """The job that holds ``slot`` (``RESERVED``: a save staging into it), or None: free."""
+        with self.cond:
+            return self.slot_owner[slot]
+
+    def reserve(self, slot: int) -> None:
+        """``slot`` is a save's to stage into (``unreserve`` gives it back)."""
+        with self.cond:
+            self.slot_owner[slot] = RESERVED
+
+    def own(self, slot: int, job_id: int) -> None:
+        """``slot`` is held by job ``job_id`` until its ``Released`` (or ``disown``)."""
+        with self.cond:
+            self.slot_owner[slot] = job_id
+
+    def disown(self, slot: int, job_id: int | None = None) -> None:
+        """``slot`` is free again, if job ``job_id`` holds it (None: whoever does)."""
+        with self.cond:
+            if job_id is None or self.slot_owner[slot] == job_id:
+                self.slot_owner[slot] = None
+
+    def new_job_id(self) -> int:
+        """A job id never used by this engine (a memory job: no entry in flight)."""
+        with self.cond:
+            self.next_job += 1
+            return self.next_job
+
+    def next_attempt(self, step: int) -> int:
+        """The ``SaveJob.attempt`` of a new job of ``step`` (counted: the next is one more)."""
+        with self.cond:
+            attempt = self.attempts.get(step, 0)
+            self.attempts[step] = attempt + 1
+            return attempt
+
+    def _free_disk_slots_locked(self) -> list[int]:
+        return [i for i, o in self.slot_owner.items() if o is None and i not in self.memory_slots]
+
+
+class JobTable(SlotLedger):
     """Saves handed to the worker (job id -> ``_InFlight``) and the slots they hold.
 
     Every method takes ``cond`` itself; those named ``_..._locked`` expect it held.
@@ -244,15 +196,11 @@ class JobTable:
     """
 
     def __init__(self, n_slots: int, ctx: CommitContext) -> None:
+        super().__init__(n_slots)
         self.ctx = ctx
-        self.cond = threading.Condition()
-        self.slot_owner: dict[int, int | None] = {i: None for i in range(n_slots)}
-        self.memory_slots: set[int] = set()  # the memory tier's (memory_tier.py hands them out)
         # Memory jobs whose replica the worker is sending (replication.py): job id -> handle.
         self.replicating: dict[int, SaveHandle] = {}
         self.inflight: dict[int, _InFlight] = {}
-        self.next_job = 0
-        self.attempts: dict[int, int] = {}  # step -> SaveJob.attempt of its next save
         # Failures in the order they happened; a caller sees one on its handle, or it is
         # raised by the next save, wait() or leaving the engine (take_pending_error).
         self.failures: list[tuple[SaveFailed, SaveHandle]] = []
@@ -276,20 +224,6 @@ class JobTable:
                     return None
                 self.cond.wait(0.5)
 
-    def unreserve(self, slot: int) -> None:
-        with self.cond:
-            if self.slot_owner[slot] == RESERVED:
-                self.slot_owner[slot] = None
-                self.cond.notify_all()
-
-    def free_slots(self) -> list[int]:
-        """The free slots of disk saves."""
-        with self.cond:
-            return self._free_disk_slots_locked()
-
-    def _free_disk_slots_locked(self) -> list[int]:
-        return [i for i, o in self.slot_owner.items() if o is None and i not in self.memory_slots]
-
     def track(self, job: Any, slot: int) -> SaveHandle:
         """A job sent outside ``save`` (the memory tier writing the checkpoint it holds): in
         flight like any save, its slot the write's until released. Called with cond held."""
@@ -305,12 +239,10 @@ class JobTable:
     ) -> tuple[int, int]:
         """Enter a save about to be handed over; returns (job id, attempt of this step).
         ``owns_slot=False``: a disk save written from a memory slot, which the memory job
-        holding it owns (memory_tier.py): its end leaves the slot alone."""
+        holding it owns (memory/tier.py): its end leaves the slot alone."""
         with self.cond:
-            self.next_job += 1
-            job_id = self.next_job
-            attempt = self.attempts.get(step, 0)
-            self.attempts[step] = attempt + 1
+            job_id = self.new_job_id()
+            attempt = self.next_attempt(step)
             if owns_slot:
                 self.slot_owner[slot] = job_id
             self.inflight[job_id] = _InFlight(
@@ -366,8 +298,6 @@ class JobTable:
     ) -> None:
         """Block until nothing is in flight. ``watching()``: someone still reads the worker's
         events; if not, what is in flight can never complete and is failed instead."""
-        from asyncckpt.core import progress as _progress
-
         deadline = None if timeout is None else time.monotonic() + timeout
         began, bar = time.monotonic(), None
         with self.cond, contextlib.ExitStack() as bars:
@@ -409,7 +339,7 @@ class JobTable:
             elif isinstance(msg, M.Released) and job:
                 self._release_locked(job)
             elif isinstance(msg, M.Released) and job_id is not None:
-                # A memory save's slot the worker let go of (memory_tier.py).
+                # A memory save's slot the worker let go of (memory/tier.py).
                 for i in self.memory_slots:
                     if self.slot_owner[i] == job_id:
                         self.slot_owner[i] = None
@@ -432,8 +362,6 @@ class JobTable:
             elif isinstance(msg, M.Pruned):
                 self.last_prune = msg.report
                 # The worker's warnings (a policy's metric missing, ...): once each, here.
-                from asyncckpt.storage.prune import report_warnings
-
                 report_warnings(msg.report, self._prune_warned, stacklevel=1)
                 if msg.error is not None:
                     log.warning(
@@ -613,8 +541,6 @@ class JobTable:
         handle is completed as committed, or the error to fail it with, which says that the
         step IS committed (it loads, and a second save of it is refused).
         """
-        from asyncckpt.storage.commit import finish_commit
-
         ctx, step = self.ctx, job.handle.step
         final = ctx.root / _layout.dir_name(ctx.layout, step)
         try:
@@ -635,8 +561,6 @@ class JobTable:
         )
         export = ctx.export
         if export is not None and export.due(step) and ctx.rank == 0:
-            from asyncckpt.worker.export import export_dir
-
             out = export_dir(export, step)
             if not (out / _layout.MANIFEST).is_file():
                 # Killed mid-export: the export did not happen, and the handle must say so.

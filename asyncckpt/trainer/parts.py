@@ -11,7 +11,6 @@ is synchronous and thread-safe; the facades (engine.py, sync.py) wrap it.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import uuid
@@ -36,7 +35,6 @@ from asyncckpt.retention import RetentionPolicy, should_prune
 from asyncckpt.staging.arenas import check_memory
 from asyncckpt.storage.prune import clean_leftovers
 from asyncckpt.storage.remote import mark_published, reconcile_spool
-from asyncckpt.trainer import pins
 from asyncckpt.trainer.checks import check_export, check_picklable
 from asyncckpt.trainer.jobs import CommitContext, JobTable, log_unraised
 from asyncckpt.trainer.local_load import StepAgreement
@@ -130,7 +128,7 @@ class EngineParts:
             # Nobody serves the side store then: refuse the other ranks' workers rather than
             # leave them waiting on a socket that no process answers.
             on_start_failed=self.rendezvous.close,
-            on_worker_lost=lambda link, pid: memory_tier.worker_lost(self.saver, link, pid),
+            on_worker_lost=lambda link, pid: self.saver.tier.worker_lost(link, pid),
         )
         # SIGTERM: drain, then one last save (preemption.py).
         self.sigterm = SigtermHandler(
@@ -140,7 +138,7 @@ class EngineParts:
             drain=lambda timeout: self.drain(timeout=timeout),
             stop=lambda: self.stop(drain=False),
             in_flight=lambda: len(self.jobs),
-            before_drain=lambda: memory_tier.persist(self.saver, memory_tier.PREEMPTION),
+            before_drain=lambda: self.saver.tier.persist(memory_tier.PREEMPTION),
         )
         self.saver = Saver(
             SaveRules(
@@ -171,7 +169,7 @@ class EngineParts:
         self.saver.memory.every_steps = opts.schedule.memory_every_steps
         self.saver.memory.persist_on_close = opts.memory.persist_on_close
         self.saver.memory.replicas = opts.memory.replicas
-        self.restorer.kept_while_read = functools.partial(pins.kept_while_read, self.saver)
+        self.restorer.kept_while_read = self.saver.pins.kept_while_read
         self.started = False
         self.lock_fd: int | None = None
 
@@ -289,7 +287,7 @@ class EngineParts:
         self.lock_fd = lock_root(self.root, rank, self.opts.write_timeout)
         self.restorer.root_locked = True  # lock_root waited for an orphaned worker
         if self.saver.pinned:  # protect() before the start: other processes see it now
-            pins.publish_pins(self.saver)
+            self.saver.pins.publish()
         try:  # a step loaded while the earlier worker committed it: committed? (hot.py)
             self.restorer.hot.check_committed(self.layout)
         except BaseException:
@@ -349,14 +347,14 @@ class EngineParts:
             return
         try:
             if drain and self.saver.memory.persist_on_close:
-                memory_tier.persist(self.saver, memory_tier.CLOSE)
+                self.saver.tier.persist(memory_tier.CLOSE)
             if drain:
                 self.drain(progress=True)
         finally:
             self.supervisor.stop()
             self.saver.release_slots()
             if self.lock_fd is not None:
-                pins.withdraw_pins(self.saver)  # (before the lock: the pins end with it)
+                self.saver.pins.withdraw()  # (before the lock: the pins end with it)
                 os.close(self.lock_fd)
                 self.lock_fd = None
             self.rendezvous.close()

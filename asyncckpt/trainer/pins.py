@@ -7,10 +7,10 @@ is also sent to the worker (``Protect``), whose reader thread hands it at once, 
 a save is being written, to a thread that adds it to the steps every prune of that worker
 keeps (``WorkerPins``); ``protect`` returns once the worker said so (``Protected``). The
 worker prunes holding the same lock, so a prune is either over when the pin lands or sees
-it. A load pins the step it reads the same way, until it is over (``kept_while_read``).
+it. A load pins the step it reads the same way, until it is over (``Pins.kept_while_read``).
 
 Other processes (``python -m asyncckpt prune``) see the engine's pins in a file under the
-root while the engine runs (``publish_pins``, pinfile.py); a load's pin stays in the worker.
+root while the engine runs (``Pins.publish``, pinfile.py); a load's pin stays in the worker.
 
 Not covered: only this rank's worker hears of a pin, and on a shared root only rank 0's
 worker prunes (call ``protect`` on every rank; another rank's load is not pinned there).
@@ -22,10 +22,12 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
 
 from asyncckpt.core import messages as M
+from asyncckpt.staging.stager import Link
 from asyncckpt.storage import pinfile
 
 log = logging.getLogger("asyncckpt")
@@ -93,74 +95,100 @@ class WorkerPins:
             yield self._kept()
 
 
-def protect(saver: Any, step: int) -> None:
-    """``engine.protect``: every later save's prune keeps ``step``, the worker's prunes of
-    saves already handed to it, and other processes' (``python -m asyncckpt prune``)."""
-    saver.pinned.add(step)
-    if saver.is_started():  # (else at the start: the root is not the engine's before)
-        publish_pins(saver)
-    protect_in_worker(saver, step)
+class PinsWorker(Protocol):
+    """What the pins need of the worker's supervisor (``supervisor.WorkerSupervisor``)."""
+
+    @property
+    def link(self) -> Link: ...
+
+    @property
+    def reader(self) -> threading.Thread | None: ...
+
+    def sending(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-def protect_in_worker(saver: Any, step: int, *, while_read: bool = False) -> Any:
-    """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
-    of ``engine.protect``); nothing to do before the start (every request carries it).
-    ``while_read``: until ``Unprotect`` (a load of it). Returns the worker link it was sent
-    on (None: not sent), whether or not the word came in time."""
-    if not saver.is_started():
-        return None
-    link = saver.worker.link
-    try:
-        with saver.worker.sending():
-            link.unprotected.add(step)
-            M.send(link.conn, M.encode(M.Protect(step, while_read)))
-    except OSError:  # the worker is dead: saves it had fail; the next requests carry the pin
-        link.unprotected.discard(step)
-        return None
-    if threading.current_thread() is saver.worker.reader:
-        return link  # (an on_commit callback: the word comes on this very thread)
-    if M.wait_for_word(saver, link, lambda: step in link.unprotected, PROTECT_WAIT_S):
-        log.warning(
-            "the worker did not confirm protect(%d) in %.0f s: a save already handed to it "
-            "may still prune that step (saves from now on keep it)",
-            step,
-            PROTECT_WAIT_S,
-        )
-    return link
+class Pins:
+    """The trainer's side: the steps ``engine.protect`` pinned (``steps``: every save's prune
+    request carries them), handed to the running worker and published under the root."""
 
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        worker: PinsWorker,
+        words: M.WordWait,
+        is_started: Callable[[], bool],
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.worker = worker
+        self.words = words
+        self.is_started = is_started
+        self.steps: set[int] = set()  # engine.protect(step): never pruned
 
-def publish_pins(saver: Any) -> None:
-    """The engine's pins (``saver.pinned``) where other processes see them, while it holds
-    the root: at its start and at each ``protect``."""
-    rules = saver.rules
-    try:
-        pinfile.publish(rules.root, rules.rank, saver.pinned)
-    except OSError as e:  # protect still holds in this engine's own prunes
-        log.warning(
-            "could not record the protected steps %s under %s (%s): `python -m asyncckpt "
-            "prune` run beside this engine does not know of them",
-            sorted(saver.pinned),
-            rules.root,
-            e,
-        )
+    def protect(self, step: int) -> None:
+        """``engine.protect``: every later save's prune keeps ``step``, the worker's prunes of
+        saves already handed to it, and other processes' (``python -m asyncckpt prune``)."""
+        self.steps.add(step)
+        if self.is_started():  # (else at the start: the root is not the engine's before)
+            self.publish()
+        self.protect_in_worker(step)
 
+    def protect_in_worker(self, step: int, *, while_read: bool = False) -> Link | None:
+        """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
+        of ``engine.protect``); nothing to do before the start (every request carries it).
+        ``while_read``: until ``Unprotect`` (a load of it). Returns the worker link it was sent
+        on (None: not sent), whether or not the word came in time."""
+        if not self.is_started():
+            return None
+        link = self.worker.link
+        try:
+            with self.worker.sending():
+                link.unprotected.add(step)
+                M.send(link.conn, M.encode(M.Protect(step, while_read)))
+        except OSError:  # the worker is dead: saves it had fail; the next requests carry the pin
+            link.unprotected.discard(step)
+            return None
+        if threading.current_thread() is self.worker.reader:
+            return link  # (an on_commit callback: the word comes on this very thread)
+        if self.words.wait_for_word(link, lambda: step in link.unprotected, PROTECT_WAIT_S):
+            log.warning(
+                "the worker did not confirm protect(%d) in %.0f s: a save already handed to it "
+                "may still prune that step (saves from now on keep it)",
+                step,
+                PROTECT_WAIT_S,
+            )
+        return link
 
-def withdraw_pins(saver: Any) -> None:
-    """At the engine's stop, before it lets go of the root: its pins end with it."""
-    try:
-        pinfile.withdraw(saver.rules.root, saver.rules.rank)
-    except OSError as e:  # (ignored anyway once the engine's lock is free)
-        log.debug("could not remove the pins file under %s: %s", saver.rules.root, e)
+    def publish(self) -> None:
+        """The engine's pins (``steps``) where other processes see them, while it holds the
+        root: at its start and at each ``protect``."""
+        try:
+            pinfile.publish(self.root, self.rank, self.steps)
+        except OSError as e:  # protect still holds in this engine's own prunes
+            log.warning(
+                "could not record the protected steps %s under %s (%s): `python -m asyncckpt "
+                "prune` run beside this engine does not know of them",
+                sorted(self.steps),
+                self.root,
+                e,
+            )
 
+    def withdraw(self) -> None:
+        """At the engine's stop, before it lets go of the root: its pins end with it."""
+        try:
+            pinfile.withdraw(self.root, self.rank)
+        except OSError as e:  # (ignored anyway once the engine's lock is free)
+            log.debug("could not remove the pins file under %s: %s", self.root, e)
 
-@contextlib.contextmanager
-def kept_while_read(saver: Any, step: int) -> Iterator[None]:
-    """No prune of the running worker deletes ``step`` while the block reads it (invariant
-    3: a load of an older step while a save commits and prunes it failed half-way)."""
-    link = protect_in_worker(saver, step, while_read=True)
-    try:
-        yield
-    finally:  # (also when its word came late: the pin it sent must end)
-        if link is not None and link is saver.worker.link:
-            with contextlib.suppress(OSError), saver.worker.sending():
-                M.send(link.conn, M.encode(M.Unprotect(step)))
+    @contextlib.contextmanager
+    def kept_while_read(self, step: int) -> Iterator[None]:
+        """No prune of the running worker deletes ``step`` while the block reads it (invariant
+        3: a load of an older step while a save commits and prunes it failed half-way)."""
+        link = self.protect_in_worker(step, while_read=True)
+        try:
+            yield
+        finally:  # (also when its word came late: the pin it sent must end)
+            if link is not None and link is self.worker.link:
+                with contextlib.suppress(OSError), self.worker.sending():
+                    M.send(link.conn, M.encode(M.Unprotect(step)))

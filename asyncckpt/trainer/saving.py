@@ -8,6 +8,12 @@ the worker (invariant 12 holds from there). Its collaborators are explicit: the 
 (jobs.py) that completes what was handed over, a ``WorkerPort`` (the supervisor: the current
 worker's pipe) and the engine's ``SigtermHandler`` (a SIGTERM during a hand-off waits for it).
 
+How a save is staged is a ``Stager``'s (staging/stager.py, after DCP's ``AsyncStager``): the
+saver asks the memory tier (memory/tier.py), the chunked budget (staging/chunked.py) and the disk
+slots (stagers.py), in that order, and the first that claims the save stages it; the saver is
+their ``Handover`` (the job, its arenas and its hand-off to the worker). Its ``Pins`` (pins.py)
+are ``engine.protect``'s.
+
 ``save_steps`` is the one implementation of ``save``: a generator that yields the calls that
 may block, which the async facade runs in a thread and the sync facade runs in place.
 """
@@ -17,10 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
 
@@ -29,26 +34,28 @@ from typing_extensions import Unpack
 from asyncckpt import faults
 from asyncckpt.core import layout as _layout
 from asyncckpt.core import messages as M
-from asyncckpt.core.cachekeys import same_key
 from asyncckpt.errors import CheckpointError, SaveFailed, WorkerDied
+from asyncckpt.formats import components, staged
+from asyncckpt.memory.tier import MemoryStager, MemoryTier, check_tier
 from asyncckpt.retention import RetentionPolicy, SaveSchedule
-from asyncckpt.staging.arenas import (
-    HostBudget,
-    Marks,
-    StagingSlot,
-    any_cuda,
-    layout_key,
-    ready_events,
-)
+from asyncckpt.staging import chunked
+from asyncckpt.staging.arenas import HostBudget, Marks, StagingSlot, any_cuda, layout_key
 from asyncckpt.staging.flatplan import FlattenCache
-from asyncckpt.staging.unchanged import CopySkipper, note_skips, stage_checked, worker_digests
+from asyncckpt.staging.stager import Link, PendingSave, SaveHandle, Stager
+from asyncckpt.staging.unchanged import CopySkipper
 from asyncckpt.stats import SaveStats
-from asyncckpt.trainer.jobs import JobTable, SaveHandle
+from asyncckpt.storage.manifest import check_metadata
+from asyncckpt.trainer.jobs import JobTable
+from asyncckpt.trainer.pins import Pins
 from asyncckpt.trainer.preemption import SigtermHandler
 from asyncckpt.trainer.restore import Restorer
 from asyncckpt.trainer.restore import check_step as _check_step
+from asyncckpt.trainer.stagers import DiskSlots
 from asyncckpt.trainer.supervisor import WorkerLink
+from asyncckpt.worker.export import check_source
 from asyncckpt.worker.loop import PruneRequest, SaveJob
+
+__all__ = ["PendingSave", "SaveOptions", "SaveRules", "Saver", "WorkerPort"]
 
 log = logging.getLogger("asyncckpt")
 
@@ -60,7 +67,7 @@ class SaveOptions(TypedDict, total=False):
     """
 
     overlap: bool
-    tier: str  # "disk" (default) or "memory" (memory_tier.py)
+    tier: str  # "disk" (default) or "memory" (memory/tier.py)
 
 
 def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
@@ -74,8 +81,6 @@ def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
     overlap = options.get("overlap", False)
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, not {overlap!r}")
-    from asyncckpt.memory.tier import check_tier
-
     tier = check_tier(options.get("tier", "disk"))
     if tier == "memory" and overlap:
         raise ValueError("a memory save copies while save() blocks: overlap=True is for disk")
@@ -87,6 +92,12 @@ class WorkerPort(Protocol):
 
     @property
     def link(self) -> WorkerLink: ...
+
+    @property
+    def reader(self) -> Any: ...  # the thread that reads its events (pins.py)
+
+    @property
+    def start_error(self) -> str | None: ...  # why no worker came up (memory/tier.py)
 
     def wait_ready(self) -> None: ...
 
@@ -136,9 +147,8 @@ class Saver:
         self.schedule = schedule
         self.sigterm = sigterm
         self.is_started = is_started
+        # The disk slots, then (at the memory tier's first save) its two: one list, shared.
         self.slots = [StagingSlot(i, not rules.max_host_bytes) for i in range(rules.max_in_flight)]
-        self._giving_back = threading.Lock()  # take_slot vs give_back_slot of one save
-        self._budget_moot_said = False
         self.budget = (
             HostBudget(rules.max_host_bytes, rules.max_in_flight)
             if rules.max_host_bytes is not None
@@ -149,12 +159,48 @@ class Saver:
         self.flatten_cache = FlattenCache()
         # Which tensors a slot holds already, byte for byte, need no copy (unchanged.py).
         self.skipper = CopySkipper(rules.differential)
-        self.staging: SaveHandle | None = None  # the last overlapped save (staged or not)
-        from asyncckpt.memory.tier import MemoryTier
-
-        # The memory tier's bookkeeping; its two slots join self.slots at its first save.
+        self.words = M.WordWait(jobs.cond, lambda: self.worker.link, is_started)
+        self.pins = Pins(rules.root, rules.rank, worker, self.words, is_started)
+        self.pinned = self.pins.steps  # engine.protect(step): never pruned
+        # The memory tier's bookkeeping (MemoryTier: the engine sets its options).
         self.memory = MemoryTier()
-        self.pinned: set[int] = set()  # engine.protect(step): never pruned
+        # How a save is staged, asked in this order (staging/stager.py): the memory tier,
+        # the chunked budget, the disk slots (which claim every save).
+        self.tier = MemoryStager(
+            self.memory,
+            slots=self.slots,
+            jobs=jobs,
+            worker=worker,
+            host=self,
+            sigterm=sigterm,
+            skipper=self.skipper,
+            budget=self.budget,
+            root=rules.root,
+            layout=rules.layout,
+            committed=restorer.committed,
+            is_started=is_started,
+        )
+        self.chunks = chunked.ChunkedStager(
+            self.budget,
+            fmt=rules.fmt,
+            components=rules.components is not None,
+            slots=self.slots,
+            jobs=jobs,
+            handover=self,
+            sigterm=sigterm,
+            let_go=self.let_go,
+            whole_states=self.memory.active,
+        )
+        self.disk = DiskSlots(
+            slots=self.slots,
+            jobs=jobs,
+            handover=self,
+            skipper=self.skipper,
+            budget=self.budget,
+            let_go=self.let_go,
+            check_can_save=self.check_can_save,
+        )
+        self.stagers: tuple[Stager, ...] = (self.tier, self.chunks, self.disk)
 
     # ------------------------------------------------------------------ save()
     def save_steps(
@@ -171,39 +217,26 @@ class Saver:
         if self.staging_busy():  # one copy at a time: the previous overlapped save's first
             yield self.wait_staged
         pending = self.begin_save(step, state, metrics, metadata)
-        from asyncckpt.memory import tier as memory_tier
-
-        if self.budget is not None and not self._budget_moot_said:
-            self._budget_moot_said = memory_tier.say_if_budget_is_moot(self, pending)
-        if opts["tier"] == "memory":
-            return memory_tier.save(self, pending)
-        if memory_tier.shares(self, pending, opts["overlap"]):
-            # Two copies serve both tiers: staged into a memory slot, written from it.
-            handle = memory_tier.save(self, pending, write=True)
-            self.schedule.mark_saved(pending.step)
-            return handle
-        from asyncckpt.staging import chunked
-
-        plan = chunked.over_budget(self, pending.flat, pending.key)  # a refusal raises here
-        if plan is not None and opts["overlap"]:
-            chunked.refuse_overlap(plan)
-        if not self.take_slot(pending, block=False):
+        pending.tier = opts["tier"]
+        overlap = opts["overlap"]
+        # The first that claims it stages it (the disk slots claim every save).
+        stager = next(s for s in self.stagers if s.claims(pending, overlap))
+        if stager.uses_disk_slot and not self.take_slot(pending, block=False):
             # Other code runs while it waits (the async facade's other tasks, other threads).
             pending.guard = True
             try:
                 yield lambda: self.take_slot(pending)
             except BaseException:  # cancelled as it waited (a timeout around save)
-                self.give_back_slot(pending)
+                self.disk.give_back_slot(pending)
                 raise
-        if plan is None:
-            return self.finish_save(pending, overlap=opts["overlap"])
-        try:  # over the staging budget: copied in chunks as the worker writes them
-            handle = chunked.stage(self, pending, plan)
+        try:
+            handle = stager.stage(pending, overlap)
         except BaseException:
-            assert pending.slot is not None
-            self.jobs.unreserve(pending.slot)
+            if pending.slot is not None:  # a disk slot it reserved, unused
+                self.jobs.unreserve(pending.slot)
             raise
-        self.schedule.mark_saved(pending.step)
+        if pending.tier == "disk":
+            self.schedule.mark_saved(pending.step)
         return handle
 
     def check_can_save(self, step: Any) -> int:
@@ -260,15 +293,11 @@ class Saver:
         metadata: dict[str, Any] | None = None,
     ) -> PendingSave:
         """Validate and flatten: every error about the input is raised here, before any write."""
-        from asyncckpt.storage.manifest import check_metadata
-
         step = self.check_can_save(step)
         clean = check_metrics(metrics)
         meta = check_metadata(metadata)
         export = self.rules.export
         if export is not None and export.due(step):
-            from asyncckpt.worker.export import check_source
-
             check_source(state, export.component)
         flat = self.prepare_state(state)
         key = flat.key if flat.key is not None else layout_key(flat.tensors)
@@ -286,137 +315,26 @@ class Saver:
         )
 
     def take_slot(self, pending: PendingSave, block: bool = True) -> bool:
-        """Reserve a staging slot (back-pressure); False only if ``block`` is False and none
-        is free."""
-        slot = self.jobs.acquire_slot(
-            lambda i: same_key(self.slots[i].key, pending.key), block=block
-        )
-        if slot is None:
-            if not block:
-                return False
-            self.check_can_save(pending.step)  # raises the failure that freed nothing
-        with self._giving_back:
-            if pending.abandoned:  # its caller was cancelled while this thread waited
-                if slot is not None:
-                    self.jobs.unreserve(slot)
-                return False
-            pending.slot = slot
-        pending.stats.wait_seconds = time.perf_counter() - pending.started
-        if pending.stats.wait_seconds > 0.001:
-            log.info(
-                "save of step %d waited %.3fs for a staging buffer",
-                pending.step,
-                pending.stats.wait_seconds,
-            )
-        return True
+        """Reserve a disk staging slot (back-pressure); False only if ``block`` is False and
+        none is free (``DiskSlots.take_slot``)."""
+        return self.disk.take_slot(pending, block)
 
-    def give_back_slot(self, pending: PendingSave) -> None:
-        """The slot of a save abandoned before it staged: back to the table, now or (its
-        ``take_slot`` still waiting in a thread that cannot be interrupted) once taken."""
-        with self._giving_back:
-            pending.abandoned = True
-            if pending.slot is not None:
-                self.jobs.unreserve(pending.slot)
-                pending.slot = None
-
-    def finish_save(self, pending: PendingSave, overlap: bool = False) -> SaveHandle:
-        """Stage into the reserved slot and hand the job to the worker.
-
-        ``overlap``: return at once; a background thread copies (and hands the job over) while
-        the training loop goes on, and the handle's ``staged`` says when the copy is done.
-        """
-        assert pending.slot is not None
-        if overlap:
-            if any_cuda(pending.flat.tensors.values()):
-                pending.ready = ready_events(pending.flat.tensors)
-            pending.stats.overlapped = True
-            pending.guard = True  # the loop goes on (and may free a storage) as it copies
-            thread = threading.Thread(
-                target=self._stage_behind, args=(pending,), name="asyncckpt-stage", daemon=True
-            )
-            self.staging = pending.handle
-            try:
-                thread.start()
-            except BaseException:
-                self.staging = None
-                self.jobs.unreserve(pending.slot)
-                raise
-            self.schedule.mark_saved(pending.step)
-            return pending.handle
-        try:
-            handle = self._stage_and_send(pending)
-        except BaseException:
-            self.jobs.unreserve(pending.slot)
-            raise
-        self.schedule.mark_saved(pending.step)
-        return handle
-
-    def _stage_behind(self, pending: PendingSave) -> None:
-        """An overlapped save's staging, on its own thread: a failure fails the handle."""
-        handle = pending.handle
-        try:
-            self._stage_and_send(pending)
-        except BaseException as e:  # noqa: BLE001 - reported on the handle, not lost
-            assert pending.slot is not None
-            self.jobs.unreserve(pending.slot)
-            if not handle.done():
-                err = SaveFailed(f"staging step {pending.step} failed: {e!r}; nothing was written")
-                err.__cause__ = e
-                self.jobs.fail_unsent(handle, err)
-            else:
-                handle._observed = False  # no caller saw it raise: the next save reports it
-        finally:
-            handle._staged.set()
+    @property
+    def staging(self) -> SaveHandle | None:
+        """The last overlapped save (staged or not)."""
+        return self.disk.staging
 
     def staging_busy(self) -> bool:
         """True while an overlapped save is still copying."""
-        h = self.staging
-        return h is not None and not h._staged.is_set()
+        return self.disk.staging_busy()
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Wait until the overlapped save under way (if any) has copied the state."""
-        h = self.staging
-        return h is None or h._staged.wait(timeout)
-
-    def _stage_and_send(self, pending: PendingSave) -> SaveHandle:
-        step, flat, stats, slot_idx = pending.step, pending.flat, pending.stats, pending.slot
-        assert slot_idx is not None
-        slot = self.slots[slot_idx]
-        pin = any_cuda(flat.tensors.values())
-        t0 = time.perf_counter()
-        if slot.ensure(flat.tensors, pin, pending.key, self.budget, self.let_go):
-            stats.alloc_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        torn, skips = stage_checked(
-            self.skipper, slot, flat.tensors, pending.marks, pending.guard, pin, pending.ready,
-            check_bytes=stats.overlapped,
-        )  # fmt: skip
-        stats.stage_seconds = time.perf_counter() - t1
-        stats.staged_bytes = slot.nbytes
-        note_skips(stats, skips)
-        handle = pending.handle
-        if torn is not None:
-            # Invariant 13: the arena may hold two moments of the state; never send it.
-            err = SaveFailed(
-                f"save of step {step} failed: the state changed while it was staged ({torn}); "
-                "nothing was written, older checkpoints are intact. Wait for the copy before "
-                "mutating the state or freeing its storage (handle.staged(), "
-                "engine.stage_before_step(optimizer))"
-            )
-            err.__cause__ = torn
-            self.jobs.unreserve(slot_idx)
-            self.jobs.fail_unsent(handle, err)
-            return handle
-        faults.point("after_stage")
-        job_id, attempt = self.jobs.add(step, handle, slot_idx)
-        job = self.job_for(pending, slot, job_id, attempt, digests=worker_digests(slot, skips))
-        if self.send_job(pending, slot, job_id, job) is not None:
-            handle._staged.set()  # copied and handed over: invariant 12 holds from here
-        return handle
+        return self.disk.wait_staged(timeout)
 
     def send_job(
         self, pending: PendingSave, slot: StagingSlot, job_id: int, job: SaveJob
-    ) -> WorkerLink | None:
+    ) -> Link | None:
         """Hand ``job``, staged (or, chunked.py, its first chunk) in ``slot``, to the worker;
         the link it went down once the worker mapped the arenas, or None if the job ended
         first (its handle says why)."""
@@ -466,7 +384,7 @@ class Saver:
         self.wait_mapped(slot, link)
         return link
 
-    def wait_mapped(self, slot: StagingSlot, link: WorkerLink) -> None:
+    def wait_mapped(self, slot: StagingSlot, link: Link) -> None:
         """Until the worker has received (mapped) the slot's arenas: it fetches their shared
         memory from this process, so a save must not return before (invariant 12). Once per
         slot layout; a worker that dies meanwhile fails the save its own way."""
@@ -525,14 +443,10 @@ class Saver:
         # Disk saves are staged into the memory tier's slots while it is on (the budget
         # caps the disk saves' own slots: the memory tier's are outside it).
         if self.memory.active():
-            from asyncckpt.memory.tier import free_slots
-
-            slots, budget = free_slots(self, flat, key), None
+            slots, budget = self.tier.free_slots(flat, key), None
         else:
             slots, budget = self.jobs.free_slots(), self.budget
-        from asyncckpt.staging import chunked
-
-        plan = chunked.over_budget(self, flat, key) if budget is not None else None
+        plan = self.chunks.plan(flat, key) if budget is not None else None
         for i in slots[:1] if plan is not None else slots:
             if plan is not None:  # staged in chunks: the chunk buffers, within the budget
                 chunked.hold_arena(self.slots[i], plan.arena_bytes, pin, self.let_go)
@@ -551,15 +465,13 @@ class Saver:
 
     def prepare_state(self, state: Any) -> Any:
         """Split ``state`` for staging in this engine's format (formats.staged.Prepared)."""
-        from asyncckpt.formats import components, staged
-
         rules = self.rules
         if rules.components is not None:
             return components.prepare(rules.components, state, rank=rules.rank, legacy=rules.legacy)
         return staged.prepare(rules.fmt, state, legacy=rules.legacy, cache=self.flatten_cache)
 
-    def send_arenas(self, slot: StagingSlot, link: WorkerLink) -> None:
-        """The slot's arenas and specs, to the worker that lacks them (memory_tier.py)."""
+    def send_arenas(self, slot: StagingSlot, link: Link) -> None:
+        """The slot's arenas and specs, to the worker that lacks them (memory/tier.py)."""
         _send_arenas(slot, link)
 
     def release_slots(self) -> None:
@@ -606,7 +518,7 @@ def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
             dropped = _send_drops(slot, link)
     except OSError:  # the worker is dead: its mappings went with it (send_job says so)
         return
-    if M.wait_for_word(saver, link, lambda: bool(dropped & link.undropped), DROP_WAIT_S):
+    if saver.words.wait_for_word(link, lambda: bool(dropped & link.undropped), DROP_WAIT_S):
         # (no hang for the budget's sake: said, not waited)
         log.warning(
             "the worker did not say it let go of %d old staging buffer(s) in %.0f s: "
@@ -616,7 +528,7 @@ def let_worker_go(saver: Saver, slot: StagingSlot) -> None:
         )
 
 
-def _send_drops(slot: StagingSlot, link: WorkerLink) -> set[int]:
+def _send_drops(slot: StagingSlot, link: Link) -> set[int]:
     """Tell the worker to drop the arenas of this slot's old layout (both processes must let
     go of them for the shared memory to be freed); returns their ids."""
     dropped = set()
@@ -630,7 +542,7 @@ def _send_drops(slot: StagingSlot, link: WorkerLink) -> set[int]:
     return dropped
 
 
-def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
+def _send_arenas(slot: StagingSlot, link: Link) -> None:
     # The worker first drops the arenas of this slot's old layout, then maps the new ones.
     _send_drops(slot, link)
     for aid, arena in zip(slot.arena_ids, slot.arenas, strict=True):
@@ -646,7 +558,7 @@ def _send_arenas(slot: StagingSlot, link: WorkerLink) -> None:
         link.specs.add(key)
 
 
-def _send_paths(paths: Any, link: WorkerLink) -> None:
+def _send_paths(paths: dict[str, list] | None, link: Link) -> None:
     # Ahead of the first save, which then sends none (see _stage_and_send).
     if paths is not None and link.paths is not paths:
         M.send(link.conn, M.encode(M.Paths(paths)))
@@ -682,22 +594,3 @@ def check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
         except (TypeError, ValueError):
             raise TypeError(f"metric {k!r} must be a number, got {v!r}") from None
     return clean
-
-
-@dataclass
-class PendingSave:
-    """A save between validation and hand-off."""
-
-    step: int
-    flat: Any
-    key: tuple  # staging.layout_key of the tensors: which slot layout fits
-    metrics: dict[str, float]
-    stats: SaveStats
-    started: float
-    handle: SaveHandle
-    marks: Marks  # the tensors' version counters and data pointers when save was called (torn)
-    slot: int | None = None
-    guard: bool = False  # other code ran since save was called: check pointers before the copy
-    abandoned: bool = False  # cancelled before it staged: a slot it takes goes back at once
-    ready: dict[int, Any] | None = None  # overlapped: CUDA events of the save() call's streams
-    metadata: dict[str, Any] = field(default_factory=dict)  # save(metadata=...), checked

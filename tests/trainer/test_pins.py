@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -80,12 +81,11 @@ class _Link:
         self.unprotected: set[int] = set()
 
 
-def _saver(reader: threading.Thread | None = None) -> SimpleNamespace:
+def _saver(reader: threading.Thread | None = None) -> pins.Pins:
     link = _Link()
     worker = SimpleNamespace(link=link, reader=reader, sending=contextlib.nullcontext)
-    return SimpleNamespace(
-        is_started=lambda: True, worker=worker, jobs=SimpleNamespace(cond=threading.Condition())
-    )
+    words = M.WordWait(threading.Condition(), lambda: worker.link, lambda: True)
+    return pins.Pins(Path("."), 0, worker, words, lambda: True)  # type: ignore[arg-type]
 
 
 def test_a_loads_pin_ends_even_when_the_worker_answered_late(monkeypatch):
@@ -97,7 +97,7 @@ def test_a_loads_pin_ends_even_when_the_worker_answered_late(monkeypatch):
     monkeypatch.setattr(M, "encode", lambda msg: msg)
     monkeypatch.setattr(pins, "PROTECT_WAIT_S", 0.2)
     saver = _saver()
-    with pins.kept_while_read(saver, 5):
+    with saver.kept_while_read(5):
         pass
     assert sent == [M.Protect(5, True), M.Unprotect(5)]
 
@@ -110,5 +110,5 @@ def test_protect_from_an_on_commit_callback_does_not_wait_for_its_own_thread(mon
     monkeypatch.setattr(M, "encode", lambda msg: msg)
     saver = _saver(reader=threading.current_thread())
     t0 = time.monotonic()
-    assert pins.protect_in_worker(saver, 3) is saver.worker.link
+    assert saver.protect_in_worker(3) is saver.worker.link
     assert time.monotonic() - t0 < 1.0
