@@ -305,6 +305,27 @@ DOCS_QUOTES = [
     ),
 ]
 
+DT = "differential_threshold.json"
+DOCS_QUOTES += [
+    Quote(
+        "docs/how-to/memory-tier.md",
+        "| memory tier + disk saves | 2 | {}x |",
+        (Fig("memory_peak.json", "peak_ratio"),),
+    ),
+    *(
+        Quote(  # the run the results file holds: the table's last column
+            "docs/how-to/differential-saves.md",
+            "| {}x ({} / {} ms) |",
+            (
+                Fig(DT, f"threshold/sizes/{kib}/fingerprint_over_copy"),
+                Fig(DT, f"threshold/sizes/{kib}/fingerprint_s", ".0f", per=1e-3),
+                Fig(DT, f"threshold/sizes/{kib}/copy_s", ".0f", per=1e-3),
+            ),
+        )
+        for kib in (4, 64, 256, 512, 1024, 4096)
+    ),
+]
+
 #: A number with a unit, as the headline writes its figures.
 FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:x|%| s\b| MB/s| GB/s)")
 
