@@ -61,6 +61,8 @@ from asyncckpt.memory.hot_agree import agree, wait_count
 from asyncckpt.memory.hot_load import HotSpoiled, load_offered
 from asyncckpt.memory.hot_offer import HEADER, MAGIC, MAX_OFFER_BYTES, decode_offer
 from asyncckpt.memory.hot_serve import DONE, TAKEN, Offer, peer_uid, socket_name
+from asyncckpt.storage.localfs import lock_held, lock_path
+from asyncckpt.storage.manifest import read_manifest
 
 log = logging.getLogger("asyncckpt")
 
@@ -189,8 +191,6 @@ def _connect(sock: socket.socket, root: Path, rank: int) -> bool:
 
 
 def _orphan_at_work(root: Path, rank: int) -> bool:
-    from asyncckpt.storage.localfs import lock_held, lock_path
-
     return not lock_held(lock_path(root, f"rank{rank}")) and lock_held(
         lock_path(root, f"worker{rank}")
     )
@@ -207,13 +207,23 @@ def _exactly(sock: socket.socket, have: bytes, n: int) -> bytes:
     return b"".join(parts)
 
 
+#: Blocks until the worker of an earlier trainer of (root, rank) is done: what it was
+#: committing is committed, or not, for good (``supervisor.wait_for_worker``, handed in by the
+#: trainer, which owns the locks it waits on).
+WaitForWorker = Callable[[Path, int], None]
+
+
 class HotResume:
     """One engine's hot resumes (``Restorer.hot``): per ``load_latest``, the offer asked for,
     the decision, the ranks' vote. ``vote_cfg``: the side store's ``dist.DistConfig`` once
-    the engine started (several ranks agree over it)."""
+    the engine started (several ranks agree over it). ``wait_for_worker``: how a load waits
+    for a worker that may still commit the step it offered (``WaitForWorker``)."""
 
-    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+    def __init__(
+        self, root: Path, rank: int, world_size: int, *, wait_for_worker: WaitForWorker
+    ) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
+        self.wait_for_worker = wait_for_worker
         self.vote_cfg: Any = None
         # Every rank calls load_latest together (node-local roots: local_load.StepAgreement):
         # rank 0 then waits for every rank's word, even after its own "no".
@@ -310,9 +320,7 @@ class HotResume:
             else:
                 return None  # committed by now
         if taken is None:
-            from asyncckpt.trainer.supervisor import wait_for_worker
-
-            wait_for_worker(self.root, self.rank)
+            self.wait_for_worker(self.root, self.rank)
         return taken
 
     def committing(self, newest: int | None) -> Offer | None:
@@ -401,8 +409,6 @@ class HotResume:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        from asyncckpt.storage.manifest import read_manifest
-
         step, crcs = pending
         found = {c.step: c.path for c in _layout.scan(self.root, layout)}.get(step)
         why = None
@@ -431,8 +437,6 @@ class HotResume:
     def _offered_as_committed(self, path: Path) -> bool:
         """The committed step at ``path`` is the one offered before it was written, with the
         very checksums offered: its memory alone is read (no file)."""
-        from asyncckpt.storage.manifest import read_manifest
-
         src = self.source
         if src is None or src.offer.staged is None or self.world_size > 1:
             return False

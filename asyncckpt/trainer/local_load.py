@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncckpt.cluster import dist as _dist
 from asyncckpt.cluster.local_recovery import (
     LoadChoice,
     ReplicaServer,
@@ -59,6 +60,8 @@ from asyncckpt.cluster.peerdata import Malformed, Reader, SignedStore, dumps, lo
 from asyncckpt.core import layout as _layout
 from asyncckpt.errors import NoValidCheckpoint
 from asyncckpt.memory.hot_agree import wait_count
+from asyncckpt.memory.replication import _my_address
+from asyncckpt.storage.local import LocalStore
 
 log = logging.getLogger("asyncckpt")
 
@@ -101,19 +104,15 @@ class StepAgreement:
         self.reclaiming: threading.Thread | None = None  # dropped replicas' space (tests join)
 
     def choose(self, steps: Iterable[int]) -> Agreed:
-        from asyncckpt.cluster.dist import side_store
-
         cfg = self.cfg
         per = cfg.ranks_per_node
         leader = cfg.rank % per == 0
         self.loads += 1
         prefix = f"asyncckpt/{cfg.token}/load-steps/{self.loads}/"
-        store = SignedStore(side_store(cfg), cfg.secret)  # a stranger's value: refused
+        store = SignedStore(_dist.side_store(cfg), cfg.secret)  # a stranger's value: refused
         held = held_replicas(self.root, self.layout) if leader else {}
         server = None
         if held:  # bound to the address it publishes, and serving the run only
-            from asyncckpt.memory.replication import _my_address
-
             host = _my_address(cfg)
             server = ReplicaServer(self.root, self.layout, host=host, secret=cfg.secret)
         try:
@@ -191,8 +190,6 @@ class StepAgreement:
         node = cfg.rank // cfg.ranks_per_node
         if not leader or node not in nodes:
             return
-        from asyncckpt.storage.local import LocalStore
-
         assert choice.step is not None
         holder = choice.fetch[cfg.rank]
         outcome = "ok"
@@ -216,7 +213,7 @@ class StepAgreement:
         store.set(f"{prefix}fetched/{node}", dumps(outcome))
 
 
-def _decide(store: Any, keys: list[str], per: int, world_size: int) -> bytes:
+def _decide(store: SignedStore, keys: list[str], per: int, world_size: int) -> bytes:
     """Rank 0's plan from every rank's word under ``keys``, encoded; a word it refuses makes
     the plan that refusal (every rank then fails its load, saying so)."""
     try:
@@ -314,7 +311,7 @@ def decode_outcome(raw: bytes, what: str) -> str:
     return Reader(what).text(loads(raw, what), "")
 
 
-def _outcome(store: Any, key: str) -> str:
+def _outcome(store: SignedStore, key: str) -> str:
     """A fetching node's word; one refused counts as that fetch's failure."""
     try:
         return decode_outcome(store.get(key), f"the side store's {key!r}")

@@ -44,7 +44,7 @@ from asyncckpt.trainer.restore import Restorer
 from asyncckpt.trainer.roots import resolve_root
 from asyncckpt.trainer.saving import Saver, SaveRules
 from asyncckpt.trainer.supervisor import WorkerSupervisor, lock_root
-from asyncckpt.worker.loop import WorkerConfig
+from asyncckpt.worker.config import WorkerConfig
 
 __all__ = ["EngineParts", "left_by"]
 

@@ -30,18 +30,28 @@ from asyncckpt.errors import (
     NoValidCheckpoint,
     StateMismatch,
 )
+from asyncckpt.formats import dcp, loadcheck, records, staged
 from asyncckpt.formats.base import Verify
 from asyncckpt.formats.components import COMPONENTS, Component, Part, load_parts, saved_spec
 from asyncckpt.formats.hotread import HotDeclined, HotRead, active
-from asyncckpt.formats.loadcheck import LoadReport, Vanished
+from asyncckpt.formats.loadcheck import LoadReport, Vanished, restrict, without
 from asyncckpt.formats.precheck import Pending, check_files, gating
 from asyncckpt.memory.hot_resume import HotResume
 from asyncckpt.retention import CheckpointInfo
 from asyncckpt.storage import RemoteTier
+from asyncckpt.storage.commit import (
+    advance_tracker,
+    new_token,
+    remove_tracker,
+    remove_tree,
+    rename_into_place,
+)
 from asyncckpt.storage.fresh_start import check_not_lost
-from asyncckpt.storage.manifest import read_manifest
+from asyncckpt.storage.local import LocalStore
+from asyncckpt.storage.manifest import check_dir, read_manifest
 from asyncckpt.storage.prune import list_checkpoints, quarantine, trash_and_delete
-from asyncckpt.trainer.supervisor import wait_for_orphaned_workers
+from asyncckpt.trainer.local_load import Agreed, StepAgreement
+from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
 
 _deferred = threading.local()
 
@@ -144,9 +154,9 @@ class Restorer:
         # check of steps ignores them) also where they could not be moved aside.
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot.py).
-        self.hot = HotResume(root, rank, world_size)
-        self.agreement: Any = None  # local_load.StepAgreement (node-local roots), at start
-        self.agreed: Any = None  # its outcome for the load in progress (local_load.Agreed)
+        self.hot = HotResume(root, rank, world_size, wait_for_worker=wait_for_worker)
+        self.agreement: StepAgreement | None = None  # node-local roots, set at start
+        self.agreed: Agreed | None = None  # its outcome for the load in progress
         self.root_locked = False  # the engine started: lock_root waited for an orphan
         # The running worker prunes nothing a load reads (engine: pins.kept_while_read).
         self.kept_while_read: Callable[[int], Any] = lambda step: contextlib.nullcontext()
@@ -175,8 +185,6 @@ class Restorer:
         ``given_manifest``: the checksums to check against, for a step not committed yet
         (hot.py ``load_committing``: the worker committing it offered them).
         """
-        from asyncckpt.formats import loadcheck, records
-
         manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
         if given_manifest is not None:
@@ -262,8 +270,6 @@ class Restorer:
         return [Part(None, fmt, state, directory, paths)]
 
     def _read_part(self, part: Part, report: LoadReport, directory: Path, verify: Any) -> None:
-        from asyncckpt.formats import loadcheck, staged
-
         try:
             # strict=False and something to skip, or other ranks' keys: read only the target's
             if report.missing or report.unexpected or report.other_ranks:
@@ -297,9 +303,6 @@ class Restorer:
         """strict=False: read into a copy of the target's containers without the missing keys,
         then hand each part back cut to the target's keys (missing ones keep their value,
         unexpected ones are dropped), so a module's ``load_state_dict`` gets exactly its keys."""
-        from asyncckpt.formats import dcp, staged
-        from asyncckpt.formats.loadcheck import restrict, without
-
         like = staged.materialize(part.state)
         sub = without(like, set(report.missing))
         staged.load_into(
@@ -434,8 +437,6 @@ class Restorer:
             return e.problems or None
         if self.verify_on_load or not (directory / _layout.MANIFEST).exists():
             return None
-        from asyncckpt.storage.manifest import check_dir
-
         try:
             return check_dir(directory) or None
         except OSError:
@@ -484,9 +485,6 @@ class Restorer:
     def _fetch(self, name: str, final: Path) -> None:
         """Download a committed checkpoint of the store into the local root, as a commit there
         (temporary, then rename: a crash mid-download leaves only a leftover)."""
-        from asyncckpt.storage.commit import new_token, rename_into_place
-        from asyncckpt.storage.local import LocalStore
-
         LocalStore(self.root).create_root()
         step = _layout.parse_dir_name(self.layout, name)
         if step is None:
@@ -499,8 +497,6 @@ class Restorer:
             rename_into_place(tmp_dir, final)
         except BaseException:
             if tmp_dir.exists():
-                from asyncckpt.storage.commit import remove_tree
-
                 remove_tree(tmp_dir)
             raise
 
@@ -557,8 +553,6 @@ def _tracker_past(root: Path, layout: str, step: int) -> None:
     """The tracker named the step just quarantined: name the newest one left instead, or
     remove it when none is left (it must only ever name a committed checkpoint; Megatron's
     loaders read it)."""
-    from asyncckpt.storage.commit import advance_tracker, remove_tracker
-
     left = _layout.scan(root, layout)
     if _layout.read_tracker(root) != step:
         return

@@ -25,6 +25,7 @@ from asyncckpt import faults
 from asyncckpt.core import messages as M
 from asyncckpt.errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
 from asyncckpt.io.throttle import AppliedThrottle
+from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.localfs import lock_path, unlock
 from asyncckpt.worker.config import WorkerConfig
 from asyncckpt.worker.main import worker_main
@@ -299,8 +300,6 @@ class WorkerSupervisor:
 def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     """Create and check ``root``, take this rank's lock on it (returned: close it to let go),
     and wait for a worker an earlier trainer left behind."""
-    from asyncckpt.storage.local import LocalStore
-
     store = LocalStore(root)
     try:
         store.create_root()
@@ -334,7 +333,9 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     return fd
 
 
-def _wait_for_orphan(store: Any, holder: str, root: Path, write_timeout: float | None) -> None:
+def _wait_for_orphan(
+    store: LocalStore, holder: str, root: Path, write_timeout: float | None
+) -> None:
     bound = write_timeout or WorkerConfig.orphan_deadline_s
     deadline = time.monotonic() + bound + 30
     told = False
@@ -356,8 +357,6 @@ def _wait_for_orphan(store: Any, holder: str, root: Path, write_timeout: float |
 def wait_for_worker(root: Path, rank: int) -> None:
     """Wait until the worker of an earlier trainer of ``rank`` on ``root`` is done (its lock
     is free): what it was committing is committed, or not, for good."""
-    from asyncckpt.storage.local import LocalStore
-
     _wait_for_orphan(LocalStore(root), f"worker{rank}", root, None)
 
 
@@ -366,8 +365,6 @@ def wait_for_orphaned_workers(root: str | Path) -> None:
     newest checkpoint of a root it does not write. A worker orphaned by a killed trainer
     finishes the saves that trainer staged; reading before it is done resumes from an older
     step, and that run's next save then meets the orphan's newer commit."""
-    from asyncckpt.storage.local import LocalStore
-
     store = LocalStore(Path(root))
     prefix = lock_path(root, "").name  # a holder's lock file is <prefix><holder>
     for path in sorted(Path(root).glob(prefix + "worker*")):
@@ -380,7 +377,7 @@ def wait_for_orphaned_workers(root: str | Path) -> None:
             log.debug("cannot check %s for a running worker (read-only)", path)
 
 
-def _trainer_holds(store: Any, holder: str) -> bool:
+def _trainer_holds(store: LocalStore, holder: str) -> bool:
     """Whether a live engine holds the rank lock ``holder``. Tried by taking it and letting
     go at once (flock has no test; a pid would not say it across nodes); an engine starting
     in that instant retries (``lock_root``)."""

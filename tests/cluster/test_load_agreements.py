@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from asyncckpt.cluster import dist as _dist
 from asyncckpt.memory.hot_resume import HotResume
+from asyncckpt.trainer.supervisor import wait_for_worker
 
 WORLD = 8
 
@@ -44,7 +45,7 @@ def _vote(words: list[bool], tmp_path: Path) -> tuple[list[bool], list[int], int
     views = [Counting(shared) for _ in range(WORLD)]
 
     def rank(r: int) -> None:
-        hot = HotResume(tmp_path, r, WORLD)
+        hot = HotResume(tmp_path, r, WORLD, wait_for_worker=wait_for_worker)
         hot.vote_cfg, hot.loads, hot.store = cfg, 1, views[r]
         said[r] = hot.vote(words[r])
 

@@ -373,14 +373,12 @@ def test_an_offer_from_a_run_of_another_size_is_never_taken_from_memory(tmp_path
     from types import SimpleNamespace
 
     from asyncckpt.memory import hot_resume as hot
-    from asyncckpt.trainer import supervisor
 
     offer, _ = offered(state_at(3))
     offer.world_size = 2
-    resume = hot.HotResume(tmp_path, 0, 1)
-    resume.source = SimpleNamespace(offer=offer, step=3)
     waited = []
-    monkeypatch.setattr(supervisor, "wait_for_worker", lambda root, rank: waited.append(rank))
+    resume = hot.HotResume(tmp_path, 0, 1, wait_for_worker=lambda root, rank: waited.append(rank))
+    resume.source = SimpleNamespace(offer=offer, step=3)
 
     def loaded(*a, **k):
         raise AssertionError("taken from memory")
