@@ -326,6 +326,31 @@ DOCS_QUOTES += [
     ),
 ]
 
+CS = "chunked_staging.json"
+DOCS_QUOTES += [
+    *(
+        Quote(
+            "docs/how-to/host-memory-budget.md",
+            f"| {label} | {{}} | {{}} s | {{}} s |",
+            (
+                Fig(CS, f"budgets/{b}/chunks", ".0f"),
+                Fig(CS, f"budgets/{b}/stall_s", ".3f"),
+                Fig(CS, f"budgets/{b}/durable_s", ".3f"),
+            ),
+        )
+        for b, label in (
+            ("1.0x", "the whole state"),
+            ("0.5x", "half the state"),
+            ("0.25x", "a quarter of the state"),
+        )
+    ),
+    Quote(
+        "docs/how-to/host-memory-budget.md",
+        "Under a {} MiB budget the processes' memory (PSS) rose by at most {}x the state",
+        (Fig(CS, "peak/budget_bytes", ".0f", per=MIB), Fig(CS, "peak/peak_ratio")),
+    ),
+]
+
 #: A number with a unit, as the headline writes its figures.
 FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:x|%| s\b| MB/s| GB/s)")
 
