@@ -67,11 +67,11 @@ _LAZY = {
     "CheckpointEngine": ".engine",
     "PauseHooks": ".engine",
     "SaveHandle": ".engine",
-    "LoadReport": ".loadcheck",
+    "LoadReport": ".formats.loadcheck",
     "SyncCheckpointEngine": ".sync",
-    "read_checkpoint": ".reading",
+    "read_checkpoint": ".formats.reading",
     "HFExport": ".export",
-    "start_fresh": ".fresh_start",
+    "start_fresh": ".storage.fresh_start",
 }
 
 

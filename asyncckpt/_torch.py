@@ -98,6 +98,16 @@ def host_unregister(ptr: int) -> None:
 
 # ---------------------------------------------------------------------------------- DCP
 
+# ------------------------------------------------------------------------ tensor subclasses
+
+
+def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype) -> Any:
+    """A tensor of type ``cls``, of ``shape`` and ``dtype``, with no storage of its own
+    (``torch.Tensor._make_wrapper_subclass``: how torch documents wrapper subclasses, with no
+    public stand-in); ``core.shards.LocalShard`` carries its pieces beside it."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype)
+
+
 try:  # pickled into every ``.metadata`` by its path: there is no public stand-in.
     from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: F401
 except ImportError as e:  # pragma: no cover - a torch release that renamed it

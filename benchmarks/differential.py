@@ -224,7 +224,7 @@ THRESHOLD_KB = (4, 64, 256, 512, 1024, 4096)
 
 def fingerprint_of(t: torch.Tensor) -> bytes:
     """As ``unchanged.CopySkipper`` fingerprints a CPU tensor: its bytes through NumPy."""
-    from asyncckpt.formats.differential import fingerprint_bytes
+    from asyncckpt.staging.fingerprints import fingerprint_bytes
 
     return fingerprint_bytes(t.detach().reshape(-1).view(torch.uint8).numpy())
 

@@ -37,10 +37,6 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
   the group's timeout a hung one); only if every rank succeeded does rank 0's worker write the
   manifest, rename the directory into place and write the tracker, then broadcast the outcome.
   Any failure anywhere fails every rank's handle with the cause and commits nothing.
-
-``LocalShard`` lets a rank hand DCP only its own piece of a global tensor (a DTensor's local
-shard, a megatron ``ShardedTensor``'s chunk) from plain staging memory, without a device mesh
-or megatron in the worker process.
 """
 
 from __future__ import annotations
@@ -53,12 +49,13 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from asyncckpt import errors
 from asyncckpt.cluster.framing import listen
 
 log = logging.getLogger("asyncckpt")
@@ -320,8 +317,6 @@ def relayed_failure(what: str, cause: str) -> Exception:
     """Another rank's failure to start, as it published it (``"<class name>: <message>"``), to
     raise here: the same asyncckpt error class where it is one (a trainer catching, say,
     ``UncommittedResume`` does so on every rank), else ``RuntimeError``."""
-    from asyncckpt import errors
-
     text = f"{what}: {cause}"
     cls = getattr(errors, cause.partition(":")[0], None)
     if isinstance(cls, type) and issubclass(cls, errors.CheckpointError):
@@ -521,113 +516,3 @@ def ranks_error(failed: list[tuple[int, dict]]) -> dict[str, Any]:
         "errno": first.get("errno"),
         "traceback": f"rank {failed[0][0]}:\n" + first.get("traceback", ""),
     }
-
-
-# ------------------------------------------------------------------------------ local shards
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Where a rank's local pieces sit in a global tensor: one (offsets, sizes) per piece."""
-
-    global_shape: tuple[int, ...]
-    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-
-
-def dtensor_shard_info(t: Any) -> ShardInfo:
-    """The global shape and this rank's chunk of a DTensor (no collective)."""
-    chunk = t.__create_chunk_list__()[0]
-    return ShardInfo(tuple(t.shape), ((tuple(chunk.offsets), tuple(chunk.sizes)),))
-
-
-def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def is_dtensor_type(cls: type) -> bool:
-    """``is_dtensor`` for a type: one check for all the tensors of a type in a state."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return issubclass(cls, DTensor)
-
-
-class LocalShard(torch.Tensor):
-    """A rank's piece(s) of a global tensor, for DCP's save planner (the _Checkpointable protocol).
-
-    The global tensor is ``global_shape``; this rank holds ``pieces[i]`` at ``offsets[i]``.
-    The pieces are plain tensors (views into the worker's staging arena).
-    """
-
-    _pieces: list[torch.Tensor]
-    _offsets: list[torch.Size]
-
-    @staticmethod
-    def __new__(cls, pieces: Sequence[torch.Tensor], info: ShardInfo) -> LocalShard:
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, torch.Size(info.global_shape), dtype=pieces[0].dtype
-        )
-        r._pieces = list(pieces)
-        r._offsets = [torch.Size(off) for off, _ in info.chunks]
-        return r
-
-    def __init__(self, pieces: Sequence[torch.Tensor], info: ShardInfo) -> None:
-        pass
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise NotImplementedError(f"LocalShard is only a carrier for DCP's planner, not {func}")
-
-    def __create_write_items__(self, fqn: str, obj: Any, index: int | None = None) -> list:
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            MetadataIndex,
-            TensorProperties,
-        )
-        from torch.distributed.checkpoint.planner import (
-            TensorWriteData,
-            WriteItem,
-            WriteItemType,
-        )
-
-        items = []
-        for i, (piece, off) in enumerate(zip(self._pieces, self._offsets, strict=True)):
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(fqn, off, i if len(self._pieces) > 1 else None),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=off, sizes=piece.size()),
-                        properties=TensorProperties.create_from_tensor(piece),
-                        size=self.size(),
-                    ),
-                )
-            )
-        return items
-
-    def __create_chunk_list__(self) -> list:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [
-            ChunkStorageMetadata(offsets=off, sizes=p.size())
-            for p, off in zip(self._pieces, self._offsets, strict=True)
-        ]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        if index.index is not None and index.index < len(self._pieces):
-            if self._offsets[index.index] == index.offset:
-                return self._pieces[index.index]
-        for p, off in zip(self._pieces, self._offsets, strict=True):
-            if off == index.offset:
-                return p
-        raise ValueError(f"{index.fqn}: no local piece at offset {tuple(index.offset)}")
-
-    def __repr__(self) -> str:  # the default repr would try to read data we do not have
-        return (
-            f"LocalShard(global={tuple(self.shape)}, offsets={[tuple(o) for o in self._offsets]})"
-        )

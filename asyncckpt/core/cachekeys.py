@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from asyncckpt.core.shards import LocalShard
+
 
 def arena_key(tensors: Mapping[str, torch.Tensor]) -> tuple:
     """Two states with the same key share staging arenas (their byte layout is the same)."""
@@ -62,8 +64,6 @@ def dcp_plan_signature(
     ``object_paths``: each key's path in the nested state, the plan's ``planner_data``
     (``{"a": {"0": t}}`` and ``{"a": [t]}`` have the same keys and tensors, not the same paths).
     """
-    from asyncckpt.cluster.dist import LocalShard
-
     paths = object_paths or {}
     sig: list[tuple[Any, ...]] = []
     for k, v in flat.items():

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from asyncckpt.staging.arenas import _is_terminal, is_stateful
+from asyncckpt.core.tree import is_stateful, is_terminal
 
 #: A tensor's (shape, dtype); None for a non-tensor entry.
 Entry = tuple[tuple[int, ...], torch.dtype] | None
@@ -80,7 +80,7 @@ def walk(state: Any) -> Entries:
                 visit(f"{fqn}.{k}" if not top else str(k), v, False)
         elif isinstance(value, list) and not value:
             out.open.add(fqn)
-        elif not _is_terminal(value):
+        elif not is_terminal(value):
             for i, v in enumerate(value):
                 visit(f"{fqn}.{i}" if not top else str(i), v, False)
         elif value is None and not top:

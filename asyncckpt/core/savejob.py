@@ -1,13 +1,26 @@
 """What the trainer hands its worker for one save (``SaveJob``), in a module of its own: the
 worker (worker.py) runs it, and the replicas' wire codec (jobwire.py) builds one from what a
-peer sent, below the worker that imports replication.py."""
+peer sent, below the worker that imports replication.py. ``TensorSpec`` says where each staged
+tensor sits in the arenas (``staging.arenas`` lays them out)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncckpt.staging.arenas import TensorSpec
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one staged tensor's bytes sit: which arena of the slot, at what offset."""
+
+    fqn: str
+    arena: int  # index of the arena within the slot
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
 
 
 @dataclass

@@ -5,6 +5,26 @@ and ``megatron_legacy`` (``--ckpt-format torch``) build on it; ``pt`` is one ``t
 file (a component's format only). Each is a ``Format`` (``base.py``), looked up by name in a
 registry that a user's own format joins with ``register_format``; the built-in ones are
 imported on first use, so ``import asyncckpt`` stays free of torch.
+
+The formats:
+
+- ``dcp``: plain DCP (a package: planner, writer, reader, metadata cache).
+- ``torch_dist``: Megatron's ``torch_dist``: ``metadata.json``, ``common.pt``, DCP shards.
+- ``megatron_legacy``: Megatron-LM's legacy per-rank ``torch.save`` files.
+- ``pt``: one ``torch.save`` file, a component's format.
+- ``components``: several formats in one checkpoint, committed together.
+
+What they share:
+
+- ``base``: the ``Format`` protocol, what the engine asks of a format and hands over.
+- ``staged``: the bridge to staging: what the trainer stages, what the worker writes.
+- ``records``: DCP's per-tensor ``torch.save`` records, written from templates, read in place.
+- ``differential``: the worker's half of differential saves: unchanged files hard-linked.
+- ``wholefiles``: a checkpoint's files read once, whole, checked as they are read.
+- ``precheck``: before a load reads into its target, every file against the manifest.
+- ``loadcheck``: before a load writes anything, whether the target fits the checkpoint.
+- ``hotread``: a DCP read whose tensor bytes come from a surviving worker's memory.
+- ``reading``: a whole checkpoint read back as a new nested dict, without a target.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.core import layout as _layout
+from asyncckpt.errors import StateMismatch
 from asyncckpt.formats import check_format, format_names, format_of, get_format, prepare_part
+from asyncckpt.formats.base import LegacyRanks, Prepared, SaveOptions
 from asyncckpt.storage.commit import write_synced
 from asyncckpt.storage.manifest import checksum
 
@@ -243,8 +245,6 @@ def strip(mapping: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any = None) -> Any:
     """Every component's part prepared in its format, keys prefixed by the component name."""
-    from asyncckpt.formats.base import LegacyRanks, Prepared, SaveOptions
-
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=True)
     tensors: dict = {}
@@ -293,8 +293,6 @@ def write(
     collective formats (dcp, torch_dist) meet their peers. ``options``: the worker's
     ``base.WriteOptions``; ``paths``: the prepared paths, prefixed by component.
     """
-    from asyncckpt.formats.base import Prepared
-
     rank = options.rank
     crcs: dict[str, tuple[int, int]] = {}
     for name, c, part_extra in extra["components"]:
@@ -358,8 +356,6 @@ def load_parts(
     world_size: int = 1,
 ) -> list[Part]:
     """One ``Part`` per component the target asks for, located in ``directory``."""
-    from asyncckpt.errors import StateMismatch
-
     state = expand_groups(spec, state)
     check_state_names(spec, state, saving=False)
     saved = saved_spec(manifest, spec)

@@ -50,8 +50,9 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from asyncckpt.core.layout import MANIFEST
+from asyncckpt.core.layout import MANIFEST, dir_name, read_tracker, scan
 from asyncckpt.core.walltime import OverlapClock
+from asyncckpt.formats import format_of
 from asyncckpt.retention import (
     SCOPES,
     CheckpointInfo,
@@ -63,6 +64,8 @@ from asyncckpt.retention import (
     Union,
     plan_prune,
 )
+from asyncckpt.staging.fingerprints import fingerprint_bytes
+from asyncckpt.storage.local import read_checkpoint_info
 from asyncckpt.storage.localfs import link_file, write_synced
 from asyncckpt.storage.manifest import checksum_file, entry_problem
 
@@ -76,11 +79,6 @@ SIDECAR_VERSION = 1
 OWN_FILE_BYTES = 1 << 20
 #: Smaller items are packed, in key order, into files of about this size.
 PACK_BYTES = 64 << 20
-
-
-def fingerprint_bytes(data: Any) -> bytes:
-    """xxh3-128 of a bytes-like object (released GIL: the files of a save hash in parallel)."""
-    return xxhash.xxh3_128_digest(data)
 
 
 class FileFingerprint:
@@ -346,8 +344,6 @@ def figures(directory: Path) -> Figures:
 
 def _links(fmt: str, extra: Any) -> bool:
     """Whether the format writes differential saves (a format carried by the job included)."""
-    from asyncckpt.formats import format_of
-
     try:
         return format_of(fmt, extra).differential
     except (KeyError, ValueError):
@@ -541,8 +537,6 @@ class LinkSource:
         return Previous(self._source(new), tmp, known or {})
 
     def _source(self, new: CheckpointInfo) -> Path | None:
-        from asyncckpt.core.layout import dir_name, read_tracker, scan
-
         committed = {c.step: c.path for c in scan(self.root, self.layout)}
         if self.last is None:
             step = read_tracker(self.root)
@@ -579,8 +573,6 @@ class LinkSource:
 
     def _describe(self, committed: Mapping[int, Path]) -> list[CheckpointInfo]:
         """What the prune's policy looks at, of each committed step (a step gone: left out)."""
-        from asyncckpt.storage.local import read_checkpoint_info
-
         if self.keep.reads_steps_only():
             return [CheckpointInfo(step, 0.0, path=path) for step, path in committed.items()]
         out = []

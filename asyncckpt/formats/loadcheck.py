@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.core.entries import Entries, Entry, has_sharded_base, self_overlapping, walk  # noqa: F401 - names of this module too
+from asyncckpt.core.progress import BytesReadSince
+from asyncckpt.core.tree import is_terminal
 from asyncckpt.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint, StateMismatch
-from asyncckpt.staging.arenas import _is_terminal
+from asyncckpt.formats import get_format
+from asyncckpt.formats.base import LegacyRanks, LoadOptions
 
 #: How many keys of each kind a StateMismatch message names before "... and N more".
 MAX_LISTED = 20
@@ -177,7 +180,7 @@ def without(like: Any, drop: set[str]) -> Any:
                 if key not in drop:
                     out[k] = go(v, key, False)
             return out
-        if isinstance(x, list) and x and not _is_terminal(x):
+        if isinstance(x, list) and x and not is_terminal(x):
             return [go(v, str(i) if top else f"{fqn}.{i}", False) for i, v in enumerate(x)]
         return x
 
@@ -189,7 +192,7 @@ def restrict(loaded: Any, like: Any) -> Any:
     ``loaded`` lacks are taken from ``like``; an empty container in ``like`` takes all."""
     if isinstance(like, Mapping) and like and isinstance(loaded, Mapping):
         return {k: restrict(loaded[k], v) if k in loaded else v for k, v in like.items()}
-    if isinstance(like, list) and like and not _is_terminal(like) and isinstance(loaded, list):
+    if isinstance(like, list) and like and not is_terminal(like) and isinstance(loaded, list):
         return [restrict(loaded[i], v) if i < len(loaded) else v for i, v in enumerate(like)]
     return loaded
 
@@ -201,8 +204,6 @@ class Vanished(CheckpointNotFound):
 
 def _format(fmt: str, directory: Path) -> Any:
     """The registered format ``fmt`` (a name from a manifest, or the engine's)."""
-    from asyncckpt.formats import get_format
-
     try:
         return get_format(fmt)
     except ValueError as e:
@@ -233,8 +234,6 @@ def check(
     metadata cannot be read) or ``Vanished``. A state holding megatron ShardedTensors is left
     to megatron's loader, which validates it itself.
     """
-    from asyncckpt.formats.base import LegacyRanks, LoadOptions
-
     directory = Path(directory)
     where = str(directory)
     fmt_ = _format(fmt, directory)
@@ -356,8 +355,6 @@ class Progress:
             # The reader (DCP, formats/) reports no bytes: the total is the checkpoint's size,
             # and what this process has read since (/proc/self/io) moves the bar.
             self._read = self._bar.add_task(f"read {self.directory.name}", total=self.nbytes)
-            from asyncckpt.core.progress import BytesReadSince
-
             self._reads = BytesReadSince(
                 lambda n: self._bar.update(self._read, completed=min(n, self.nbytes))
             )

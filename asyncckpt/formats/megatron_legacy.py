@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from asyncckpt.cluster.dist import is_dtensor
 from asyncckpt.core import layout as L
 from asyncckpt.core.entries import Entries, walk
+from asyncckpt.core.shards import is_dtensor
+from asyncckpt.core.tree import is_stateful, merge_into
 from asyncckpt.formats.base import (
     Crcs,
     Format,
@@ -35,10 +36,8 @@ from asyncckpt.formats.base import (
     SaveOptions,
     WriteOptions,
 )
-from asyncckpt.formats.dcp import merge_into
 from asyncckpt.formats.pt import save_synced
 from asyncckpt.formats.staged import pickle_with_refs, state_dicts, unpickle_with_refs
-from asyncckpt.staging.arenas import is_stateful
 
 
 def legacy_rank_dir(

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from asyncckpt.cluster.dist import is_dtensor
 from asyncckpt.core.entries import Entries, walk
+from asyncckpt.core.shards import is_dtensor
+from asyncckpt.core.tree import is_stateful, merge_into
 from asyncckpt.formats.base import (
     Crcs,
     Format,
@@ -32,9 +33,7 @@ from asyncckpt.formats.base import (
     SaveOptions,
     WriteOptions,
 )
-from asyncckpt.formats.dcp import merge_into
 from asyncckpt.formats.staged import pickle_with_refs, state_dicts, unpickle_with_refs
-from asyncckpt.staging.arenas import is_stateful
 from asyncckpt.storage.commit import write_synced
 from asyncckpt.storage.manifest import checksum
 

@@ -15,6 +15,8 @@ from typing import Any
 from asyncckpt.core import layout as _layout
 from asyncckpt.errors import CheckpointError, CheckpointNotFound, CorruptCheckpoint
 from asyncckpt.formats import Format, format_names, get_format
+from asyncckpt.formats.precheck import check_files
+from asyncckpt.storage.manifest import read_manifest
 
 
 def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
@@ -28,9 +30,6 @@ def read_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str
     ``global_step`` layout's default) of the built-in ones.
     """
     import torch.distributed.checkpoint as dcp_api
-
-    from asyncckpt.formats.precheck import check_files
-    from asyncckpt.storage.manifest import read_manifest
 
     directory = Path(path)
     if not directory.is_dir():

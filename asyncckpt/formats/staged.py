@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from asyncckpt.core.tree import is_stateful
 from asyncckpt.formats import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names of this module too
     _UNIMPORTABLE_IN_WORKER,
     FORMAT_KEY,
@@ -43,7 +44,6 @@ from asyncckpt.formats.base import (
     Verify,
     WriteOptions,
 )
-from asyncckpt.staging.arenas import is_stateful
 
 
 def legacy_ranks(rank: int, world_size: int, given: Any = None) -> LegacyRanks:

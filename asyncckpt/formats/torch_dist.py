@@ -56,8 +56,9 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan
 
-from asyncckpt.cluster.dist import ShardInfo
 from asyncckpt.core import layout as L
+from asyncckpt.core.shards import ShardInfo
+from asyncckpt.core.tree import merge_into
 from asyncckpt.formats.base import (
     Crcs,
     LoadOptions,
@@ -72,9 +73,9 @@ from asyncckpt.formats.dcp import (
     _PassThroughPlanner,
     load_flat,
     local_piece,
-    merge_into,
     read_dcp_metadata,
 )
+from asyncckpt.formats.precheck import check_files
 from asyncckpt.formats.staged import materialize
 from asyncckpt.staging.arenas import serialize_objects
 from asyncckpt.storage.commit import write_synced
@@ -437,8 +438,6 @@ class TorchDistFormat(DCPFormat):
         mapping = _mcore_mapping()
         if mapping is not None and _has_sharded_base(target, mapping.ShardedBase):
             if options.verify is not None:  # megatron's loader reads: checked before, apart
-                from asyncckpt.formats.precheck import check_files
-
                 check_files(location, options.verify.files).raise_any(location)
                 options.verify.done.update(options.verify.files)
             _load_megatron(target, location)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from asyncckpt.core.entries import Entries, walk
+from asyncckpt.core.tree import is_stateful, merge_into, target_tensors, unflatten
 from asyncckpt.formats.hotread import HotDeclined, _frombuffer, copy_bytes, fits_in_place
 from asyncckpt.formats.loadcheck import LoadReport, compare
 from asyncckpt.memory.hot_serve import Offer, tensor_crcs
-from asyncckpt.staging.arenas import is_stateful, read_only_bytes
+from asyncckpt.staging.arenas import read_only_bytes
 from asyncckpt.storage.manifest import _POLYNOMIALS, checksum, crc_combine
 
 #: Threads that checksum and copy (both release the GIL).
@@ -52,8 +53,6 @@ def load_offered(
     state: Any, offer: Offer, memory: Mapping[str, memoryview], strict: bool
 ) -> LoadReport:
     """Restore the offered step into ``state`` from ``memory`` (DCP key -> mapped bytes)."""
-    from asyncckpt.formats.dcp import merge_into, target_tensors, unflatten
-
     assert offer.staged is not None
     report = compare(walk(state), entries(offer), strict=strict, where=f"step {offer.step}")
     if report.missing or report.unexpected or report.other_ranks:

@@ -45,14 +45,13 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from asyncckpt.cluster.dist import ShardInfo
 from asyncckpt.cluster.framing import Message, ProtocolError
 from asyncckpt.cluster.peerdata import DTYPE_NAMES, DTYPES
-from asyncckpt.core.savejob import SaveJob
+from asyncckpt.core.savejob import SaveJob, TensorSpec
+from asyncckpt.core.shards import ShardInfo
 from asyncckpt.formats import FORMAT_KEY
 from asyncckpt.formats.base import LegacyRanks
 from asyncckpt.formats.components import Component
-from asyncckpt.staging.arenas import TensorSpec
 
 __all__ = ["DTYPES", "NotReplicable", "decode_replica", "encode_replica"]
 

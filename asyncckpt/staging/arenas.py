@@ -1,8 +1,8 @@
 """Stage: copy the training state into reused shared-memory arenas.
 
 ``save`` blocks the training loop only for what happens in this module. The state is flattened
-the way DCP flattens it (so plain ``torch.distributed.checkpoint.load`` finds the same keys),
-tensors are copied into a few large shared-memory arenas allocated once per state layout and
+the way DCP flattens it (``core.tree``: plain ``torch.distributed.checkpoint.load`` finds the
+same keys), tensors are copied into a few large shared-memory arenas allocated once per state layout and
 handed to the worker once, and non-tensor leaves are pickled (which both snapshots them and
 proves they can be written, before anything touches the disk).
 """
@@ -13,7 +13,7 @@ import io
 import operator
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,8 @@ import torch
 from asyncckpt import faults
 from asyncckpt._torch import foreach_copy_, host_register, host_unregister, version_counters
 from asyncckpt.core.cachekeys import arena_key, same_key
-from asyncckpt.errors import StateModifiedWhileStaging
+from asyncckpt.core.savejob import TensorSpec
+from asyncckpt.errors import StagingMemoryError, StateModifiedWhileStaging
 from asyncckpt.staging.copyruns import SmallCopyPlan, empty_plan
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
@@ -33,114 +34,6 @@ ALIGN = 64
 ARENA_BYTES = 4 << 30
 #: Staging refuses to allocate if less than this would be left available afterwards.
 MEMORY_HEADROOM = 1 << 30
-
-#: A path from the state's root to a leaf: ("d", key) for a dict key, ("l", i) for a list index.
-PathItem = tuple[str, Any]
-
-
-def is_stateful(obj: Any) -> bool:
-    """DCP's Stateful protocol: ``state_dict()`` and ``load_state_dict()`` (module, optimizer)."""
-    return (
-        not isinstance(obj, (torch.Tensor, Mapping))
-        and callable(getattr(obj, "state_dict", None))
-        and callable(getattr(obj, "load_state_dict", None))
-    )
-
-
-def _is_terminal(value: Any) -> bool:
-    # Mirrors torch.distributed.checkpoint._traverse.traverse_state_dict: mappings are always
-    # walked; a list only if it holds tensors or walkable containers; anything else is a leaf.
-    if isinstance(value, Mapping):
-        return False
-    if isinstance(value, list):
-        for entry in value:
-            if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
-                return False
-            if isinstance(entry, torch.Tensor):
-                return False
-            if is_stateful(entry):  # saved as its state_dict(), not pickled whole
-                return False
-        return True
-    return True
-
-
-@dataclass
-class FlatState:
-    """A state flattened to DCP keys (fully qualified names, "a.b.0.c")."""
-
-    tensors: dict[str, torch.Tensor]
-    objects: dict[str, Any]
-    paths: dict[str, list[PathItem]]  # fqn -> path with the original key types
-    key: tuple | None = None  # layout_key(tensors), where already known (flatplan)
-
-
-def flatten_state(state: Any) -> FlatState:
-    """Flatten a nested state; Stateful objects are replaced by their ``state_dict()``."""
-    if is_stateful(state):
-        state = state.state_dict()
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"state must be a dict of named components (or a Stateful object), not {type(state).__name__}"
-        )
-    flat = FlatState({}, {}, {})
-
-    def visit(path: list[PathItem], fqn: str, value: Any) -> None:
-        # ``fqn`` is the path's keys joined by dots, carried along rather than re-joined per leaf.
-        if is_stateful(value):
-            value = value.state_dict()
-        if isinstance(value, Mapping) and not value and path:
-            # An empty dict (an optimizer's ``state`` before its first step) has no leaves, so
-            # DCP's flattening would drop it and the load could not give it back: keep it as
-            # an object leaf. Plain ``dcp.load`` reads only the keys its target asks for, and
-            # a target's empty dict asks for none, so it still loads such a checkpoint. Kept
-            # as a plain dict (always picklable), as non-empty mappings come back.
-            _leaf(path, fqn, {})
-        elif isinstance(value, Mapping):
-            for k, v in value.items():
-                if not isinstance(k, (str, int)) or isinstance(k, bool):
-                    raise TypeError(
-                        f"state key {k!r} at {fqn or '<root>'}: keys must be str or int"
-                    )
-                visit(path + [("d", k)], f"{fqn}.{k}" if path else str(k), v)
-        elif not _is_terminal(value):
-            for i, v in enumerate(value):
-                visit(path + [("l", i)], f"{fqn}.{i}" if path else str(i), v)
-        else:
-            _leaf(path, fqn, value)
-
-    def _leaf(path: list[PathItem], fqn: str, value: Any) -> None:
-        if fqn in flat.paths:
-            raise ValueError(f"two entries of the state flatten to the same key {fqn!r}")
-        flat.paths[fqn] = path
-        if isinstance(value, torch.Tensor):
-            _check_tensor(fqn, value)
-            flat.tensors[fqn] = value
-        else:
-            flat.objects[fqn] = value
-
-    visit([], "", state)
-    return flat
-
-
-def _check_tensor(fqn: str, t: torch.Tensor) -> None:
-    if t.layout != torch.strided:
-        raise TypeError(f"{fqn}: only dense (strided) tensors can be staged, not {t.layout}")
-    if t.device.type == "meta":
-        raise TypeError(f"{fqn}: a meta tensor has no data to save")
-    if t.is_quantized:
-        raise TypeError(f"{fqn}: quantized tensors are not supported")
-    if t.dtype in _BITS_DTYPES:  # DCP's writer fails on them (torch.iinfo), as dcp.save does
-        raise TypeError(
-            f"{fqn}: {t.dtype} tensors cannot be saved by DCP; view them as torch.uint8 "
-            "(or int16) to save their bytes"
-        )
-
-
-_BITS_DTYPES = frozenset(
-    getattr(torch, n)
-    for n in ("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16")
-    if hasattr(torch, n)
-)
 
 
 def serialize_objects(objects: dict[str, Any]) -> dict[str, bytes]:
@@ -161,16 +54,6 @@ def serialize_objects(objects: dict[str, Any]) -> dict[str, bytes]:
             ) from e
         out[fqn] = buf.getvalue()
     return out
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    fqn: str
-    arena: int  # index of the arena within the slot
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
 
 
 #: Two states with the same key share staging arenas (``cachekeys`` says what each cache covers).
@@ -196,8 +79,6 @@ def plan_arenas(
 
 def check_memory(nbytes: int) -> None:
     """Refuse an allocation that would push the machine into swap or the OOM killer."""
-    from asyncckpt.errors import StagingMemoryError
-
     available = psutil.virtual_memory().available
     if nbytes + MEMORY_HEADROOM > available:
         raise StagingMemoryError(
@@ -227,8 +108,6 @@ class HostBudget:
 
     def check(self, nbytes: int) -> None:
         """Raise ``StagingMemoryError`` if one slot of ``nbytes`` is over its share."""
-        from asyncckpt.errors import StagingMemoryError
-
         if nbytes * self.copies > self.max_bytes:
             raise StagingMemoryError(
                 f"staging this state takes {nbytes / 2**20:.1f} MiB of host memory per save in "

@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from asyncckpt._torch import foreach_copy_
-from asyncckpt.formats.differential import fingerprint_bytes
 from asyncckpt.staging.arenas import (
     Marks,
     StagingSlot,
@@ -49,6 +48,7 @@ from asyncckpt.staging.arenas import (
     cpu_copy_threads,
     read_only_bytes,
 )
+from asyncckpt.staging.fingerprints import fingerprint_bytes
 
 log = logging.getLogger("asyncckpt")
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncckpt.staging.arenas import FlatState, _is_terminal, flatten_state, is_stateful
+from asyncckpt.core.tree import FlatState, flatten_state, is_stateful, is_terminal
 
 #: Containers whose ``values()`` (iteration, for a list) are what indexing them by their keys
 #: in order gives: a replay takes a whole one's tensors in one pass.
@@ -152,7 +152,7 @@ class FlattenPlan:
         if list(map(type, objects)) != self.object_types:
             return None
         for o in objects:  # a leaf list that now holds a tensor, a leaf dict no longer empty
-            if (isinstance(o, list) and not _is_terminal(o)) or (isinstance(o, Mapping) and o):
+            if (isinstance(o, list) and not is_terminal(o)) or (isinstance(o, Mapping) and o):
                 return None
         # dtypes compared as a C-level list; shapes one at a time, each torch.Size freed right
         # after its comparison: a list of 20,000 fresh Sizes would run the garbage collector's

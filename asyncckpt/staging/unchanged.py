@@ -49,9 +49,19 @@ import torch
 
 from asyncckpt.core.cachekeys import same_key
 from asyncckpt.errors import StateModifiedWhileStaging
-from asyncckpt.formats.differential import fingerprint_bytes
 from asyncckpt.staging import fingerprint_kernel
-from asyncckpt.staging.arenas import Marks, StagingSlot, _as_bytes, _pool, copy_checked, torn_since
+from asyncckpt.staging.arenas import (
+    Marks,
+    StagingSlot,
+    _as_bytes,
+    _pool,
+    copy_checked,
+    cpu_copy_threads,
+    side_stream,
+    torn_since,
+)
+from asyncckpt.staging.bytecheck import changed_since_copied
+from asyncckpt.staging.fingerprints import fingerprint_bytes
 
 #: The torch ops of ``device_fingerprint`` work through a tensor in pieces of this many 32-bit
 #: words (bounds their temporaries to three times 64 MiB on the device; the kernel has none).
@@ -399,8 +409,6 @@ def _moved(prev: Marks, now: Marks, i: int) -> bool:
 
 def _map(fn: Callable[[Any], bytes], items: list[Any]) -> list[bytes]:
     """``fn`` over ``items`` on the copy pool (xxhash releases the GIL on large inputs)."""
-    from asyncckpt.staging.arenas import cpu_copy_threads
-
     threads = cpu_copy_threads()
     if threads <= 1 or len(items) <= 1:
         return [fn(x) for x in items]
@@ -414,8 +422,6 @@ def _cuda_fingerprints(
     that follow queue after it and the values are the ``save`` call's); one sync per device.
     Also the seconds the fingerprints took, not counting the wait for the trainer's queued work
     (the copy waits for that in any case)."""
-    from asyncckpt.staging.arenas import side_stream
-
     seconds = 0.0
     by_device: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for i, t in items:
@@ -461,8 +467,6 @@ def stage_checked(
     if torn is None:
         torn = torn_since(tensors, marks)
     if torn is None and check_bytes:
-        from asyncckpt.staging.bytecheck import changed_since_copied
-
         t1 = time.perf_counter()
         try:
             unseen = changed_since_copied(slot, tensors, marks)

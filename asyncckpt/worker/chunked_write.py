@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from asyncckpt import faults
-from asyncckpt.cluster.dist import LocalShard, ShardInfo
 from asyncckpt.core.savejob import SaveJob
+from asyncckpt.core.shards import LocalShard, ShardInfo
 from asyncckpt.formats.dcp import ChecksumWriter, _result, dcp_object_paths, write_flat
 from asyncckpt.formats.records import torch_computes_crc
 from asyncckpt.memory.service import WorkerView

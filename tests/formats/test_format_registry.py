@@ -21,6 +21,7 @@ from statecmp import assert_same
 
 from asyncckpt import Preemption, StateMismatch, SyncCheckpointEngine
 from asyncckpt.core import layout as L
+from asyncckpt.core.tree import flatten_state, merge_into, unflatten
 from asyncckpt.formats import (
     FORMAT_ALIASES,
     FORMATS,
@@ -43,8 +44,7 @@ from asyncckpt.formats.base import (
     SaveOptions,
     WriteOptions,
 )
-from asyncckpt.formats.dcp import merge_into, unflatten
-from asyncckpt.staging.arenas import flatten_state, serialize_objects
+from asyncckpt.staging.arenas import serialize_objects
 from asyncckpt.storage.manifest import checksum
 
 

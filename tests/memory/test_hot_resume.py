@@ -302,8 +302,9 @@ def test_corrupt_is_only_for_a_point_that_holds_bytes():
 def offered(state: dict) -> tuple[object, dict]:
     """An offer made before writing, as a worker makes it (hot_serve.offer_staged), of
     ``state``, and its memory: the tensors' bytes by DCP key (a copy, writable here)."""
+    from asyncckpt.core.tree import flatten_state
     from asyncckpt.memory.hot_serve import Offer, tensor_crcs
-    from asyncckpt.staging.arenas import flatten_state, serialize_objects
+    from asyncckpt.staging.arenas import serialize_objects
 
     flat = flatten_state(state)
     memory = {k: memoryview(bytearray(t.numpy().tobytes())) for k, t in flat.tensors.items()}

@@ -10,7 +10,7 @@ import torch
 from statecmp import assert_same
 
 from asyncckpt import SyncCheckpointEngine
-from asyncckpt.staging.arenas import flatten_state
+from asyncckpt.core.tree import flatten_state
 from asyncckpt.staging.flatplan import FlattenCache, FlattenPlan
 from asyncckpt.testing import parts
 
