@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from asyncckpt import faults
 from asyncckpt.cluster import dist as _dist
+from asyncckpt.cluster.dist import DistConfig
 from asyncckpt.cluster.node_commit import commit_across_nodes, leads_node
 from asyncckpt.cluster.peer_gone import meet_on_side_store
 from asyncckpt.cluster.sidekeys import JobKeys
@@ -56,7 +58,7 @@ from asyncckpt.storage.remote import mark_published, publish_after_commit
 from asyncckpt.worker.chunked_write import trainer_alive, write_chunked
 from asyncckpt.worker.config import PruneRequest, WorkerConfig
 from asyncckpt.worker.pins import WorkerPins
-from asyncckpt.worker.report import error_info
+from asyncckpt.worker.report import collect_thread_errors, error_info
 
 __all__ = ["PruneRequest", "SaveJob", "Worker", "WorkerConfig", "job_tag", "worker_view"]
 
@@ -145,15 +147,7 @@ class Worker:
         self.pacer: Pacer | None = None  # rate cap + pause hint, before every piece
         # DCP's extra writer threads drop their exceptions (the file is left short and the save
         # "succeeds"): collect them here and fail the save with them.
-        self.thread_errors: list[BaseException] = []
-        previous_hook = threading.excepthook
-
-        def hook(args: Any) -> None:
-            if args.exc_value is not None:
-                self.thread_errors.append(args.exc_value)
-            previous_hook(args)
-
-        threading.excepthook = hook
+        self.thread_errors = collect_thread_errors()
 
     def run(self) -> None:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -595,7 +589,7 @@ def _trainer_gone(parent_pid: int) -> bool:
 
 
 def _receive(
-    jobs: Any,
+    jobs: Connection,
     events: Any,
     inbox: queue.SimpleQueue,
     arenas: dict[int, torch.Tensor] | None = None,
@@ -652,7 +646,7 @@ def _receive(
 RECEIVE_POLL_S = 0.5
 
 
-def _job_group(keys: JobKeys, cfg: Any, tag: str) -> Any:
+def _job_group(keys: JobKeys, cfg: DistConfig | None, tag: str) -> Any:
     """The save's group of every rank's worker (none for one rank), once the workers have
     met: failing at once when a peer's worker is said to have died with its trainer, and
     reusing the group kept from the last save when every rank still holds it (peer_gone.py,

@@ -27,6 +27,21 @@ def error_info(exc: BaseException) -> dict[str, Any]:
     }
 
 
+def collect_thread_errors() -> list[BaseException]:
+    """The exceptions of this process's threads from now on, in a list the caller clears (each
+    also goes to the hook before: logged as ever)."""
+    errors: list[BaseException] = []
+    previous_hook = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if args.exc_value is not None:
+            errors.append(args.exc_value)
+        previous_hook(args)
+
+    threading.excepthook = hook
+    return errors
+
+
 class ToTrainer:
     """The worker's side of the events pipe. Once the trainer is gone nobody listens: what
     would have been reported is dropped and the staged saves are finished all the same."""
