@@ -26,6 +26,7 @@ import datetime
 import time
 from typing import Any
 
+from asyncckpt.cluster import dist as _dist
 from asyncckpt.cluster.peerdata import Reader, SignedStore, dumps, loads
 from asyncckpt.memory.hot_serve import Offer
 from asyncckpt.storage.manifest import checksum
@@ -48,9 +49,7 @@ def agree(offer: Offer, rank: int, world_size: int, took: bool) -> tuple[bool, s
     prefix = f"asyncckpt/{cfg.token}/hot-early/"
     mine: Word = word_of(offer) if took else None
     try:
-        from asyncckpt.cluster.dist import side_store
-
-        store = SignedStore(side_store(cfg), cfg.secret)  # a stranger's word: refused
+        store = SignedStore(_dist.side_store(cfg), cfg.secret)  # a stranger's word: refused
         store.set(prefix + str(rank), encode_word(mine))
         if mine is None:  # (a "no" needs no other word)
             store.add(prefix + "heard", 1)

@@ -64,7 +64,8 @@ from typing import Any, BinaryIO
 import torch
 
 from asyncckpt import faults
-from asyncckpt.cluster.dist import DistConfig, side_store
+from asyncckpt.cluster import dist as _dist
+from asyncckpt.cluster.dist import DistConfig
 from asyncckpt.cluster.framing import (
     AuthError,
     Message,
@@ -154,7 +155,7 @@ def _key(token: str, what: str) -> str:
 
 
 def _store(cfg: DistConfig, timeout: float | None = None) -> Any:
-    return side_store(cfg, timeout)
+    return _dist.side_store(cfg, timeout)  # (looked up when used: tests replace it)
 
 
 def recovering(config: Settings, replication: Replication | None = None) -> Settings:
