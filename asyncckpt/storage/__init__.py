@@ -7,6 +7,19 @@ store (S3, GCS, any fsspec URL), where a checkpoint is committed by a marker wri
 ``remote.RemoteTier`` says which store a local root's commits are published to and what to
 keep there. ``open_store(root)`` picks the store of a path or a URL. Nothing in this package
 imports torch.
+
+The modules:
+
+- ``base``: the ``Store`` protocol every durable write and read goes through.
+- ``local``: ``LocalStore``, a local or mounted root: atomic rename, tracker, trash, locks.
+- ``localfs``: the local file system's write side: the package's only renames, deletes, fsyncs, locks.
+- ``fsspec_store``: ``FsspecStore``, an object store: committed by a marker written last.
+- ``remote``: the remote tier: what to upload where, and what to keep there.
+- ``commit``: the commit order, written once over any store: seal, publish, tracker.
+- ``prune``: the one pruner over any store: read what is committed, plan, delete.
+- ``manifest``: a checksum of every file of a checkpoint, and ``verify``.
+- ``pinfile``: a live engine's protected steps, where other processes (the CLI's prune) see them.
+- ``fresh_start``: a root whose every checkpoint was quarantined never starts from scratch in silence.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from asyncckpt.core import layout as L
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from torture_train import make_state, rank_state, same_state  # noqa: E402
 
-TRAIN = (Path(__file__).parents[1] / "torture_train.py")
+TRAIN = Path(__file__).parents[1] / "torture_train.py"
 DEFAULT_TRIALS = 20
 STEPS_PER_RUN = 8
 STEP_SLEEP = 0.02

@@ -28,7 +28,7 @@ from asyncckpt.formats import megatron_legacy as legacy
 from asyncckpt.formats import staged
 from asyncckpt.formats import torch_dist as td
 
-HELPERS = (Path(__file__).parents[1] / "megatron_helpers.py")
+HELPERS = Path(__file__).parents[1] / "megatron_helpers.py"
 ROOT = HELPERS.parent.parent
 
 

@@ -31,7 +31,7 @@ from asyncckpt.frameworks import rlinf, skyrl
 
 pytestmark = pytest.mark.integration  # real frameworks / several ranks: `-m integration`
 
-LOADERS = (Path(__file__).parents[1] / "rl_loaders.py")
+LOADERS = Path(__file__).parents[1] / "rl_loaders.py"
 
 
 class Trainer:
@@ -177,7 +177,7 @@ def test_skyrl_megatron_policy_is_read_by_megatron(tmp_path):
                 "trainer_state": {"global_step": 10, "config": {}},
             },
         )
-    helpers = (Path(__file__).parents[1] / "megatron_helpers.py")
+    helpers = Path(__file__).parents[1] / "megatron_helpers.py"
     p = subprocess.run(
         [sys.executable, str(helpers), "load", "plain", str(root / "global_step_10" / "policy")],
         capture_output=True,
