@@ -240,7 +240,7 @@ def test_a_memory_checkpoint_persisted_after_its_steps_failed_disk_save_meets_an
 _SERVE_LATE = """
 import datetime, sys, time
 import torch.distributed as dist
-from asyncckpt import dist as _dist
+from asyncckpt.cluster import dist as _dist
 fd, port, delay, name = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30),
                       wait_for_workers=False, use_libuv=True, master_listen_fd=fd)

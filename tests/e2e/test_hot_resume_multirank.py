@@ -51,7 +51,7 @@ import json, os, sys, torch
 from pathlib import Path
 import torch.distributed as dist
 from asyncckpt import SyncCheckpointEngine, UncommittedResume
-from asyncckpt import layout as L
+from asyncckpt.core import layout as L
 sys.path.insert(0, sys.argv[5])
 from test_flush_on_death_multirank import state
 rank, world, root, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

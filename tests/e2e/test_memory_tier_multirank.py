@@ -127,7 +127,8 @@ STAGGERED = """
 import os, signal, sys, time
 import torch
 import torch.distributed as dist
-from asyncckpt import SyncCheckpointEngine, memory_tier
+from asyncckpt import SyncCheckpointEngine
+from asyncckpt.memory import tier as memory_tier
 sys.path.insert(0, sys.argv[5])
 from test_flush_on_death_multirank import state
 rank, world, root, store, last = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
