@@ -5,7 +5,7 @@ A save's prune request carries the steps pinned when the save was handed to the 
 never reached its prune, which deleted the step the caller had just protected. So the pin
 is also sent to the worker (``Protect``), whose reader thread hands it at once, also while
 a save is being written, to a thread that adds it to the steps every prune of that worker
-keeps (``WorkerPins``); ``protect`` returns once the worker said so (``Protected``). The
+keeps (``WorkerPins``, the worker's side: worker/pins.py); ``protect`` returns once the worker said so (``Protected``). The
 worker prunes holding the same lock, so a prune is either over when the pin lands or sees
 it. A load pins the step it reads the same way, until it is over (``Pins.kept_while_read``).
 
@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from asyncckpt.core import messages as M
 from asyncckpt.staging.stager import Link
@@ -35,64 +34,6 @@ log = logging.getLogger("asyncckpt")
 #: Seconds ``protect`` waits for the worker's word at most; then it says so and returns
 #: (the pin still holds for every save handed over from then on).
 PROTECT_WAIT_S = 60.0
-
-
-class WorkerPins:
-    """The worker's side: the steps pinned since it started, those being loaded by its
-    trainer now, and the lock its prunes hold. The reader thread hands each message over
-    (``submit``) and goes on: it must never wait for a prune (the arenas and drops behind
-    it would wait too); a thread of its own applies them in order and answers."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.steps: set[int] = set()
-        self.reading: dict[int, int] = {}  # step -> loads of it in progress
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, msg: Any, events: Any) -> None:
-        """A ``Protect`` or ``Unprotect`` from the trainer (the reader thread: never waits)."""
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._apply, args=(events,), name="asyncckpt-pins", daemon=True
-            )
-            self._thread.start()
-        self._todo.put(msg)
-
-    def _apply(self, events: Any) -> None:
-        while True:
-            msg = self._todo.get()
-            self.on(msg)
-            if isinstance(msg, M.Protect):
-                events.send(M.Protected(msg.step))
-
-    def kept(self) -> tuple[int, ...]:
-        """The steps pinned now (the remote tier's prune, never run beside a local one)."""
-        with self.lock:
-            return self._kept()
-
-    def _kept(self) -> tuple[int, ...]:
-        return tuple(sorted(self.steps | set(self.reading)))
-
-    def on(self, msg: Any) -> None:
-        """Apply a ``Protect`` (or its end, ``Unprotect``): waits for a prune running now."""
-        with self.lock:
-            if isinstance(msg, M.Unprotect):
-                left = self.reading.get(msg.step, 0) - 1
-                if left > 0:
-                    self.reading[msg.step] = left
-                else:
-                    self.reading.pop(msg.step, None)
-            elif msg.while_read:
-                self.reading[msg.step] = self.reading.get(msg.step, 0) + 1
-            else:
-                self.steps.add(msg.step)
-
-    @contextlib.contextmanager
-    def pruning(self) -> Iterator[tuple[int, ...]]:
-        """Held for a whole prune (plan and deletions); yields the steps it must keep."""
-        with self.lock:
-            yield self._kept()
 
 
 class PinsWorker(Protocol):

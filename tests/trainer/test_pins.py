@@ -15,6 +15,7 @@ from asyncckpt import SyncCheckpointEngine
 from asyncckpt.core import messages as M
 from asyncckpt.testing import parts
 from asyncckpt.trainer import pins
+from asyncckpt.worker.pins import WorkerPins
 
 
 def test_a_pin_waits_for_a_message_being_sent_by_another_thread(tmp_path, monkeypatch):
@@ -54,7 +55,7 @@ def test_the_worker_reader_never_waits_for_a_prune():
     stalled, and the arenas and drops behind the pin with it (a save's ``wait_mapped``, a
     budget's ``let_worker_go``). It hands the pin over and goes on; the answer comes once
     the prune is over."""
-    worker_pins, events = pins.WorkerPins(), _Events()
+    worker_pins, events = WorkerPins(), _Events()
     with worker_pins.pruning():  # a prune running
         t0 = time.monotonic()
         worker_pins.submit(M.Protect(7), events)
