@@ -162,8 +162,14 @@ class EngineBase:
         """The engine's figures across saves, as of now (``EngineStats``): memory saves lost
         with a dead worker, and the step left unprotected until the next memory save."""
         mem = self._engine.saver.memory
+        run, total = self._engine.goodput.totals()
+        auto = self._engine.goodput.auto
         with self._engine.jobs.cond:
-            return EngineStats(mem.lost, mem.unprotected_step, mem.shared, mem.unshared)
+            return EngineStats(
+                mem.lost, mem.unprotected_step, mem.shared, mem.unshared,
+                self._engine.schedule.every_steps, mem.every_steps,
+                auto is not None and auto.chosen, run, total,
+            )  # fmt: skip
 
     @property
     def last_prune(self) -> PruneResult | None:
@@ -183,12 +189,14 @@ class EngineBase:
     # -------------------------------------------------------------- saving, no wait
     def should_save(self, step: int, *, force: bool = False) -> bool:
         """True when the schedule (every N steps / H seconds / preemption) says to save."""
+        self._engine.goodput.seen(step)
         return self._engine.schedule.should_save(step, force=force)
 
     def due(self, step: int, *, force: bool = False) -> str | None:
         """Which save is due at ``step``: ``"disk"`` when ``should_save`` says so (it is asked,
         with its effects), else ``"memory"`` every ``Schedule(memory_every_steps=)``, else
         None. ``tier = engine.due(step); if tier: engine.save(step, state, tier=tier)``."""
+        self._engine.goodput.seen(step)
         if self._engine.schedule.should_save(step, force=force):
             return "disk"
         return "memory" if self._engine.saver.memory.due(step) else None

@@ -46,17 +46,24 @@ def _optional_int(name: str, value: Any, minimum: int) -> None:
 @dataclass(frozen=True)
 class Schedule:
     """When ``should_save`` answers yes: every ``every_steps`` steps, every ``every_seconds``
-    seconds, or whichever comes first (``retention.SaveSchedule`` has the exact rules)."""
+    seconds, or whichever comes first (``retention.SaveSchedule`` has the exact rules).
+
+    ``mtbf``: the mean time between failures, in seconds: the engine then chooses
+    ``every_steps`` and ``memory_every_steps`` itself (Young/Daly, from the step time and the
+    saves' cost it measures: trainer/autoschedule.py), starting from the ones given here until
+    it has measured them (docs/how-to/goodput.md)."""
 
     every_steps: int | None = None
     every_seconds: float | None = None
     #: ``engine.due(step)`` answers "memory" every this many steps (memory_tier.py)
     memory_every_steps: int | None = None
+    mtbf: float | None = None
 
     def __post_init__(self) -> None:
         self.make()  # SaveSchedule checks the fields (types and ranges)
         # (Not memory_tier's check: that module imports torch, and `import asyncckpt` must not.)
         _optional_int("memory_every_steps", self.memory_every_steps, 1)
+        _number("mtbf", self.mtbf)
 
     def make(self) -> SaveSchedule:
         """The stateful trigger an engine asks (one per engine)."""

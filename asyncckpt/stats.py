@@ -17,6 +17,7 @@ from typing import Any
 from asyncckpt.core import layout as _layout
 from asyncckpt.core.paths import check_local_root
 from asyncckpt.errors import CheckpointError
+from asyncckpt.storage.goodput import Goodput, RunRecord
 from asyncckpt.storage.manifest import read_manifest
 from asyncckpt.storage.prune import detect_layout
 
@@ -136,6 +137,15 @@ class EngineStats:
     #: another layout, a step not after the last memory save): one more copy of the state;
     #: each reason is logged once at INFO
     disk_saves_unshared: int = 0
+    #: the intervals in effect, in steps: disk saves (``should_save``/``due``) and memory saves
+    #: (``due``); the user's, or those ``Schedule(mtbf=)`` chose (``intervals_measured``)
+    disk_every_steps: int | None = None
+    memory_every_steps: int | None = None
+    intervals_measured: bool = False
+    #: the goodput ledger (docs/how-to/goodput.md): this run's seconds per category, and
+    #: every run's on this root added up (the file ``<root>/.asyncckpt-goodput.json``)
+    goodput_run: RunRecord | None = None
+    goodput: Goodput | None = None
 
 
 # ------------------------------------------------------------------ figures read back from disk

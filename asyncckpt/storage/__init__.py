@@ -20,6 +20,7 @@ The modules:
 - ``manifest``: a checksum of every file of a checkpoint, and ``verify``.
 - ``pinfile``: a live engine's protected steps, where other processes (the CLI's prune) see them.
 - ``fresh_start``: a root whose every checkpoint was quarantined never starts from scratch in silence.
+- ``goodput``: the goodput ledger file: each run's seconds per category, and their sums.
 """
 
 from __future__ import annotations

@@ -15,4 +15,6 @@ worker.
 - ``preemption``: SIGTERM turned into "drain the staged saves, then one last save".
 - ``restore``: ``Restorer``: the newest good checkpoint found, checked, read.
 - ``local_load``: the load on node-local roots of several nodes.
+- ``ledger``: ``GoodputMeter``: the engine's start, loads, saves and step time, in the root's goodput ledger.
+- ``autoschedule``: ``Schedule(mtbf=)``: the save intervals chosen from measurements (Young/Daly).
 """

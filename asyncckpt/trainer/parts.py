@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -37,6 +38,7 @@ from asyncckpt.storage.prune import clean_leftovers
 from asyncckpt.storage.remote import mark_published, reconcile_spool
 from asyncckpt.trainer.checks import check_export, check_picklable
 from asyncckpt.trainer.jobs import CommitContext, JobTable, log_unraised
+from asyncckpt.trainer.ledger import GoodputMeter, auto_schedule
 from asyncckpt.trainer.local_load import StepAgreement
 from asyncckpt.trainer.preemption import SigtermHandler
 from asyncckpt.trainer.ranks import Ranks, check_node_local, node_local, replication
@@ -92,6 +94,12 @@ class EngineParts:
         legacy = staged.legacy_ranks(rank, self.ranks.world_size, d.legacy_ranks)
         self.run_id = uuid.uuid4().hex[:16]
         self.schedule = opts.schedule.make()
+        self.goodput = GoodputMeter(
+            self.root,
+            self.run_id,
+            writes=rank == 0,
+            load_seconds=lambda: self.restorer.load_seconds,
+        )
         self.jobs = JobTable(
             opts.staging.max_in_flight,
             CommitContext(
@@ -101,7 +109,7 @@ class EngineParts:
                 self.run_id,
                 export=opts.export,
                 remote=self.remote,
-                on_commit=opts.on_commit,
+                on_commit=self.goodput.then(opts.on_commit),
                 keep_resumed=opts.retention.keep_resumed,
             ),
         )
@@ -169,9 +177,15 @@ class EngineParts:
         self.saver.memory.every_steps = opts.schedule.memory_every_steps
         self.saver.memory.persist_on_close = opts.memory.persist_on_close
         self.saver.memory.replicas = opts.memory.replicas
+        self.saver.after_save = self.goodput.saved
+        if opts.schedule.mtbf is not None:
+            self.goodput.auto = auto_schedule(
+                opts.schedule, self.goodput, self.schedule, self.saver.memory
+            )
         self.restorer.kept_while_read = self.saver.pins.kept_while_read
         self.started = False
         self.lock_fd: int | None = None
+        self.goodput.built()
 
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -197,11 +211,13 @@ class EngineParts:
 
     def _on_loaded(self, step: int) -> None:
         self.jobs.resumed_from = step
+        self.goodput.resumed(step)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.started:
             raise CheckpointError("engine already started")
+        t0 = time.monotonic()
         budget = self.opts.staging.max_host_bytes
         if budget is not None:
             # The budget is what staging will take at most: refused now if the machine does
@@ -246,6 +262,7 @@ class EngineParts:
         # torch, seconds) overlaps the trainer's own; a save stages, then waits for it only
         # if it is not ready yet, and a failed start fails that save.
         self.started = True
+        self.goodput.started(time.monotonic() - t0)
         # Ours runs before multiprocessing's own exit hook, which would join the worker (it
         # ignores SIGTERM and waits on its pipe) forever if the engine was never closed.
         atexit.register(self._at_exit)
@@ -362,6 +379,7 @@ class EngineParts:
                 peer_gone.forget_run(self.root, self.dist_cfg.token)
             self.started = False
             atexit.unregister(self._at_exit)
+            self.goodput.closed()
 
     def drain(self, timeout: float | None = None, *, progress: bool = False) -> None:
         """Block until nothing is in flight (committed or failed); ``progress``: a bar on a

@@ -14,10 +14,11 @@ import functools
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -101,6 +102,26 @@ class _Damaged(CorruptCheckpoint):
         self.problems = problems
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _timed(
+    load: Callable[Concatenate[Restorer, _P], _R],
+) -> Callable[Concatenate[Restorer, _P], _R]:
+    """Add the load's wall time to ``Restorer.load_seconds`` (the goodput ledger's)."""
+
+    @functools.wraps(load)
+    def timed(self: Restorer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        t0 = time.monotonic()
+        try:
+            return load(self, *args, **kwargs)
+        finally:
+            self.load_seconds += time.monotonic() - t0
+
+    return timed
+
+
 def _kept_while_read(load_dir: Callable[..., LoadReport]) -> Callable[..., LoadReport]:
     """``load_dir`` with no prune of the running worker deleting that step meanwhile."""
 
@@ -149,6 +170,7 @@ class Restorer:
         self.remote = remote
         self.on_loaded = on_loaded  # the step a load restored (the engine's resumed-from)
         self.last_load_report: LoadReport | None = None
+        self.load_seconds = 0.0  # every load's wall time (trainer/ledger.py)
         self.quarantine = quarantine
         # Steps this engine found failing their manifest: they stop counting (the forward
         # check of steps ignores them) also where they could not be moved aside.
@@ -334,6 +356,7 @@ class Restorer:
             self.on_loaded(step)
         _log_skipped(report, directory)
 
+    @_timed
     def load_latest(self, state: Any, strict: bool = True) -> int | None:
         # (Before the start, the hot session waits for this rank's earlier worker to offer or
         # end, hot._connect; with no offer, or by step or path, _settle_orphans waits for every
@@ -500,6 +523,7 @@ class Restorer:
                 remove_tree(tmp_dir)
             raise
 
+    @_timed
     def load(
         self,
         state: Any,

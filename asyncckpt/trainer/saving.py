@@ -201,6 +201,8 @@ class Saver:
             check_can_save=self.check_can_save,
         )
         self.stagers: tuple[Stager, ...] = (self.tier, self.chunks, self.disk)
+        # Told of every save (step, tier, seconds it held the loop): the goodput meter.
+        self.after_save: Callable[[int, str, float], None] = lambda step, tier, s: None
 
     # ------------------------------------------------------------------ save()
     def save_steps(
@@ -213,6 +215,7 @@ class Saver:
     ) -> Generator[Callable[[], Any], None, SaveHandle]:
         """``save`` as steps: yields each call that may block (the facade runs it), returns
         the handle."""
+        t0 = time.perf_counter()
         opts = check_save_options(options)  # before a slot is reserved
         if self.staging_busy():  # one copy at a time: the previous overlapped save's first
             yield self.wait_staged
@@ -237,6 +240,7 @@ class Saver:
             raise
         if pending.tier == "disk":
             self.schedule.mark_saved(pending.step)
+        self.after_save(pending.step, pending.tier, time.perf_counter() - t0)  # (ledger.py)
         return handle
 
     def check_can_save(self, step: Any) -> int:
