@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from asyncckpt.stats import SaveStats
+from asyncckpt.storage.goodput import read_ledger, summarize
 
 #: The ``SaveStats`` figures logged, each as the scalar ``<prefix><name>`` at the save's step.
 SCALARS = (
@@ -29,6 +31,17 @@ SCALARS = (
     "staged_bytes",
     "throughput_bytes_per_s",
 )
+#: The goodput ledger's figures (every run on the root added up, storage/goodput.py), logged
+#: at each commit as ``<prefix>goodput/<name>``: where the wall time went so far.
+GOODPUT_SCALARS = (
+    "goodput",
+    "productive_seconds",
+    "save_blocking_seconds",
+    "load_seconds",
+    "startup_seconds",
+    "wasted_seconds",
+    "wall_seconds",
+)
 
 
 class TensorBoardLogger:
@@ -42,6 +55,9 @@ class TensorBoardLogger:
     an existing ``SummaryWriter`` (e.g. the training loop's own), which stays the caller's
     to close. The engine calls ``on_commit`` on its reader thread, not the training thread;
     ``SummaryWriter`` may be used from both (it queues events to its own writer thread).
+
+    ``goodput=True``: also log the root's goodput ledger (``GOODPUT_SCALARS``, read from the
+    directory the checkpoint was committed in, when it has one).
     """
 
     def __init__(
@@ -50,10 +66,12 @@ class TensorBoardLogger:
         *,
         writer: Any = None,
         prefix: str = "checkpoint/",
+        goodput: bool = False,
     ) -> None:
         if (log_dir is None) == (writer is None):
             raise ValueError("TensorBoardLogger needs exactly one of log_dir= or writer=")
         self.prefix = prefix
+        self.goodput = goodput
         self._owned = writer is None
         if log_dir is not None:
             try:
@@ -79,7 +97,22 @@ class TensorBoardLogger:
                     global_step=stats.step,
                     walltime=stats.committed_at,
                 )
+            self._log_goodput(stats)
             self.writer.flush()
+
+    def _log_goodput(self, stats: SaveStats) -> None:
+        ledger = read_ledger(Path(stats.path).parent) if self.goodput and stats.path else None
+        if ledger is None:
+            return
+        total = summarize(ledger.runs).as_dict()
+        for name in GOODPUT_SCALARS:
+            if total[name] is not None:
+                self.writer.add_scalar(
+                    f"{self.prefix}goodput/{name}",
+                    float(total[name]),
+                    global_step=stats.step,
+                    walltime=stats.committed_at,
+                )
 
     def close(self) -> None:
         """Flush; close the writer if this logger made it. Later commits are not logged."""

@@ -32,6 +32,7 @@ from asyncckpt.retention import (
 from asyncckpt.stats import RecordedStats, plot_stats, read_stats, record_from_manifest, summarize
 from asyncckpt.storage import pinfile
 from asyncckpt.storage.base import Store
+from asyncckpt.storage.goodput import Ledger, read_ledger
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.prune import disk_usage
 from asyncckpt.storage.remote import pending_uploads
@@ -189,7 +190,10 @@ def add_stats(sub: argparse._SubParsersAction) -> None:
         "was blocked (stall = stage + wait + alloc), how long the background write took, its "
         "throughput, the time its writes were paused, and the size; then the median and p90 "
         "stall, median throughput and total size. Checkpoints written before asyncckpt "
-        "recorded figures show '-'. --plot writes a PNG (needs matplotlib: the bench extra).",
+        "recorded figures show '-'. Then the goodput ledger, where the root has one: each "
+        "run's wall time split into productive time, save blocking, load, start-up and "
+        "wasted progress (steps a restart repeated). --plot writes a PNG (needs matplotlib: "
+        "the bench extra).",
     )
     add_root(p)
     p.add_argument(
@@ -217,6 +221,7 @@ def run_stats(args: argparse.Namespace, console: Console) -> int:
     if not records:
         raise Failure(no_checkpoints(store, args.root, layout))
     summary = summarize(records)
+    ledger = read_ledger(store.root) if isinstance(store, LocalStore) else None
     plotted = None
     if args.plot:
         try:
@@ -232,6 +237,7 @@ def run_stats(args: argparse.Namespace, console: Console) -> int:
             "checkpoints": [r.as_dict() for r in records],
             "summary": summary,
             "plot": None if plotted is None else str(plotted),
+            "goodput": None if ledger is None else ledger.as_dict(),
         }
         console.print_json(json.dumps(out))
         return 0
@@ -260,9 +266,41 @@ def run_stats(args: argparse.Namespace, console: Console) -> int:
         f"median throughput {_rate(s['median_throughput_bytes_per_s'])}  "
         f"total {human(s['total_bytes'])}"
     )
+    if ledger is not None:
+        _print_goodput(ledger, console)
     if plotted is not None:
         console.print(f"plot written to {plotted}")
     return 0
+
+
+def _print_goodput(ledger: Ledger, console: Console) -> None:
+    """The goodput ledger (storage/goodput.py): seconds per category, per run and in all."""
+    rows = [
+        (
+            local_time(r.started_at),
+            f"{r.wall_seconds:.1f}s",
+            f"{r.productive_seconds:.1f}s",
+            f"{r.save_blocking_seconds:.1f}s",
+            f"{r.load_seconds:.1f}s",
+            f"{r.startup_seconds:.1f}s",
+            f"{r.wasted_seconds:.1f}s ({r.wasted_steps} steps)",
+            "-" if r.resumed_step is None else str(r.resumed_step),
+            "closed" if r.closed else "died or running",
+        )
+        for r in ledger.runs
+    ]
+    cols = ("run started", "wall", "productive", "save blocking", "load", "start-up",
+            "wasted", "resumed", "end")  # fmt: skip
+    console.print(make_table("goodput ledger", rows, cols))
+    t = ledger.as_dict()["total"]
+    share = "-" if t["goodput"] is None else f"{t['goodput']:.1%}"
+    console.print(
+        f"goodput {share} over {t['runs']} run(s): productive {t['productive_seconds']:.1f}s of "
+        f"{t['wall_seconds']:.1f}s; save blocking {t['save_blocking_seconds']:.1f}s, load "
+        f"{t['load_seconds']:.1f}s, start-up {t['startup_seconds']:.1f}s, wasted "
+        f"{t['wasted_seconds']:.1f}s ({t['wasted_steps']} steps); between runs "
+        f"{t['down_seconds']:.1f}s"
+    )
 
 
 def _url_stats(store: Store, layout: str) -> list:
