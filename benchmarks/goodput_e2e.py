@@ -71,6 +71,10 @@ from typing import Any
 import torch
 
 STRATEGIES = ("disk", "memory", "memory+hot", "dcp.async_save")
+#: The engine choosing its intervals (``Schedule(mtbf=M minutes)``), one row per ``M``: from
+#: disk every ``--disk-every`` (``auto``), or that and the memory tier every ``--memory-every``
+#: with hot resume (``auto+memory+hot``), until it has measured the saves.
+AUTO = ("auto", "auto+memory+hot")
 #: Elements at the head of every tensor a step changes (every shard file changes: a
 #: differential save writes each one whole, as after a real step).
 HEAD = 1024
@@ -119,14 +123,16 @@ def expected_state(mb: int, step: int) -> dict:
 def make_engine(args: argparse.Namespace) -> Any:
     from asyncckpt import KeepLast, MemoryTier, Schedule, SyncCheckpointEngine
 
-    memory = args.strategy in ("memory", "memory+hot")
-    hold = args.hold if args.strategy == "memory+hot" else 0.0
+    memory = args.strategy in ("memory", "memory+hot", "auto+memory+hot")
+    hold = args.hold if args.strategy.endswith("+hot") else 0.0
     return SyncCheckpointEngine(
         Path(args.root),
         keep=KeepLast(2),
         memory=MemoryTier(hold_seconds=hold),
         schedule=Schedule(
-            every_steps=args.disk_every, memory_every_steps=args.memory_every if memory else None
+            every_steps=args.disk_every,
+            memory_every_steps=args.memory_every if memory else None,
+            mtbf=args.mtbf if args.strategy in AUTO else None,
         ),
     )
 
@@ -151,6 +157,7 @@ def train(args: argparse.Namespace) -> None:
     for step in range(1, 1_000_000):
         t0 = time.perf_counter()
         compute(state, step, args.step_ms / 1e3)
+        tier = None
         if engine is not None:
             tier = engine.due(step)
             if tier:
@@ -159,7 +166,17 @@ def train(args: argparse.Namespace) -> None:
             if fut is not None:
                 fut.result()
             fut = dcp.async_save(state, checkpoint_id=str(root / f"step_{step}"))
-        say("step", step=step, wall=time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        chosen = {}
+        if tier and args.strategy in AUTO:  # the intervals in effect after this save
+            st = engine.stats
+            chosen = dict(
+                tier=tier,
+                disk_every=st.disk_every_steps,
+                memory_every=st.memory_every_steps,
+                measured=st.intervals_measured,
+            )
+        say("step", step=step, wall=wall, **chosen)
 
 
 def newest_dcp(root: Path) -> tuple[int, Path] | None:
@@ -239,13 +256,43 @@ def child_cmd(args: argparse.Namespace, strategy: str, root: Path, phase: str) -
     cmd = [sys.executable, __file__, f"--{phase}", strategy, "--root", str(root)]
     for k in ("state_mb", "step_ms", "disk_every", "memory_every", "hold"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    if strategy in AUTO:
+        cmd += ["--mtbf", str(args.mtbf)]
     if args.load_before_start:
         cmd.append("--load-before-start")
     return cmd
 
 
+class KillAt:
+    """When the launcher kills: after step ``kill``; for an ``AUTO`` strategy, at the same
+    place in the interval the engine chose (``kill``'s offset after a disk save over
+    ``--disk-every``: 62 and 87 with 50 are 24% and 74% of the way to the next save), counted
+    from the first save of the tier that protects the run (memory, else disk) made on the
+    intervals chosen from measurements."""
+
+    def __init__(self, strategy: str, kill: int, disk_every: int) -> None:
+        self.auto = strategy in AUTO
+        self.target: int | None = None if self.auto else kill
+        self.fraction = (kill % disk_every) / disk_every or 0.5
+        self.tier = "memory" if "memory" in strategy else "disk"
+        self.measured_at: int | None = None  # the first save after which they were chosen
+
+    def see(self, ev: dict) -> None:
+        if not self.auto or self.target is not None or not ev.get("measured"):
+            return
+        if self.measured_at is None:
+            self.measured_at = ev["step"]
+        elif ev["tier"] == self.tier:
+            every = ev["memory_every" if self.tier == "memory" else "disk_every"]
+            self.target = ev["step"] + max(1, round(self.fraction * every))
+
+    def due(self, step: int) -> bool:
+        return self.target is not None and step >= self.target
+
+
 def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -> dict:
     root = scratch / f"{strategy.replace('+', '_').replace('.', '_')}_{kill}"
+    killer = KillAt(strategy, kill, args.disk_every)
     out, err = scratch / "train.out", scratch / "train.err"
     # Files, not pipes: the orphaned worker inherits them and outlives the trainer.
     with open(out, "w") as o, open(err, "w") as e:
@@ -253,7 +300,7 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
     deadline = time.monotonic() + 600
     seen, buf = 0, b""
     with open(out, "rb") as f:
-        while seen < kill:  # its steps as they come; the kill right after step ``kill``
+        while not killer.due(seen):  # its steps as they come; the kill right after the target
             chunk = f.read()
             if not chunk:
                 if proc.poll() is not None or time.monotonic() > deadline:
@@ -263,7 +310,9 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
             *lines, buf = (buf + chunk).split(b"\n")
             for ln in lines:
                 if ln.startswith(b"{"):
-                    seen = max(seen, json.loads(ln).get("step", 0))
+                    ev = json.loads(ln)
+                    seen = max(seen, ev.get("step", 0))
+                    killer.see(ev)
     killed_at = time.time()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -283,7 +332,21 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
     ev = {e["event"]: e for e in events(rout)}
     shutil.rmtree(root, ignore_errors=True)
     resumed = ev["loaded"]["step"]
+    auto = {}
+    if killer.auto:  # the intervals chosen; the step time on them, and the warm-up's extra
+        at = killer.measured_at
+        assert at is not None
+        tuned = statistics.fmean(s["wall"] for s in steps if s["step"] > at)
+        last = [s for s in steps if "measured" in s][-1]
+        auto = {
+            "measured_at": at,
+            "disk_every": last["disk_every"],
+            "memory_every": last["memory_every"],
+            "step_s_tuned": tuned,
+            "warmup_s": sum(s["wall"] - tuned for s in steps if s["step"] <= at),
+        }
     return {
+        **auto,
         "kill_step": kill,
         "steps_done": done,
         "resumed_step": resumed,
@@ -306,20 +369,59 @@ def goodput(step_compute_s: float, step_s: float, restart_s: float, lost: float,
     return max(0.0, (w - restart_s) / step_s - lost) * step_compute_s / w
 
 
-def summarize(runs: list[dict], args: argparse.Namespace) -> dict:
+def summarize(runs: list[dict], args: argparse.Namespace, told: float | None = None) -> dict:
+    """A strategy's row. An ``AUTO`` row (``told``: the ``M`` its engine was told) is worth
+    its goodput at that ``M`` only: its step time is the one on the intervals it chose
+    (``step_s``; ``step_s_run``: the whole first run's), and each failure costs the warm-up
+    on the starting intervals again (the restarted engine measures anew): ``warmup_s`` is
+    added to ``restart_s`` in the model (``model_restart_s``)."""
+
     def mean(k: str) -> float:
         return statistics.fmean(r[k] for r in runs)
 
-    row = {k: mean(k) for k in ("step_s", "start_s", "load_s", "first_step_s", "restart_s")}
+    row: dict[str, Any] = {
+        k: mean(k) for k in ("step_s", "start_s", "load_s", "first_step_s", "restart_s")
+    }
     row["steps_lost"] = mean("steps_lost")
+    row["model_restart_s"] = row["restart_s"]
+    minutes = args.minutes
+    if told is not None:
+        row["step_s_run"] = row["step_s"]
+        row["step_s"] = mean("step_s_tuned")
+        row["warmup_s"] = mean("warmup_s")
+        row["model_restart_s"] += row["warmup_s"]
+        row["disk_every"] = [r["disk_every"] for r in runs]
+        row["memory_every"] = [r["memory_every"] for r in runs]
+        minutes = [told]
     row["overhead_pct"] = (row["step_s"] / (args.step_ms / 1e3) - 1) * 100
     row["goodput"] = {
         str(m): goodput(
-            args.step_ms / 1e3, row["step_s"], row["restart_s"], row["steps_lost"], m * 60
+            args.step_ms / 1e3, row["step_s"], row["model_restart_s"], row["steps_lost"], m * 60
         )
-        for m in args.minutes
+        for m in minutes
     }
     return row
+
+
+def auto_vs_fixed(rep: dict) -> dict:
+    """Per ``M``: the best ``AUTO`` row's goodput against every fixed row's (the target: at
+    least each of them - 0.005)."""
+    out = {}
+    for m in rep["fail_every_min"]:
+        key = str(m)
+        fixed = {n: r["goodput"][key] for n, r in rep["rows"].items() if n in STRATEGIES}
+        auto = {n: r["goodput"][key] for n, r in rep["rows"].items() if key in r["goodput"]}
+        auto = {n: g for n, g in auto.items() if n not in fixed}
+        if not auto or not fixed:
+            continue
+        best = max(auto, key=auto.__getitem__)
+        out[key] = {
+            "best_auto": best,
+            "best_auto_goodput": auto[best],
+            "fixed": fixed,
+            "met": all(auto[best] >= g - 0.005 for g in fixed.values()),
+        }
+    return out
 
 
 def plot(rep: dict, path: Path) -> None:
@@ -331,9 +433,17 @@ def plot(rep: dict, path: Path) -> None:
     step = rep["step_ms"] / 1e3
     ms = [2**i / 4 for i in range(11)]  # 15 s .. 4 h between failures
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    autos: dict[str, list[tuple[float, float]]] = {}
     for name, row in rep["rows"].items():
+        if " M=" in name:  # an auto row: worth its goodput at the M its engine was told only
+            ((m, g),) = row["goodput"].items()
+            autos.setdefault(name.split(" M=")[0], []).append((float(m), g))
+            continue
         ys = [goodput(step, row["step_s"], row["restart_s"], row["steps_lost"], m * 60) for m in ms]
         ax.plot(ms, ys, "o-" if name.startswith("memory") else "s--", label=name, markersize=3)
+    for name, points in autos.items():
+        at, gs = zip(*sorted(points), strict=True)
+        ax.plot(at, gs, "*:", label=f"{name} (told M)", markersize=10)
     for m in rep["fail_every_min"]:
         ax.axvline(m, color="tab:gray", linewidth=0.6, linestyle=":")
     ax.set_xscale("log")
@@ -353,14 +463,21 @@ def main(args: argparse.Namespace) -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="goodput-e2e-", dir=args.dir))
     kills = [int(k) for k in args.kills.split(",")]
-    runs: dict[str, list[dict]] = {s: [] for s in args.strategies.split(",")}
+    # Row name -> (strategy, M told or None): the fixed ones, then each auto one per M.
+    plan: dict[str, tuple[str, float | None]] = {
+        s: (s, None) for s in args.strategies.split(",") if s
+    }
+    for a in (a for a in (args.auto or "").split(",") if a):
+        plan.update({f"{a} M={m:g}": (a, m) for m in args.minutes})
+    runs: dict[str, list[dict]] = {name: [] for name in plan}
     try:
         for k in kills:  # interleaved: the machine's load drifts between runs
-            for s in runs:
-                runs[s].append(run_one(s, k, args, scratch))
+            for name, (s, m) in plan.items():
+                args.mtbf = None if m is None else m * 60
+                runs[name].append(run_one(s, k, args, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    rows = {s: summarize(r, args) for s, r in runs.items()}
+    rows = {name: summarize(runs[name], args, plan[name][1]) for name in plan}
     rep = {
         "bench": "goodput_e2e",
         "state_mb": args.state_mb,
@@ -375,6 +492,7 @@ def main(args: argparse.Namespace) -> None:
         "rows": rows,
         "runs": runs,
     }
+    rep["auto_vs_fixed"] = auto_vs_fixed(rep)
     print_table(rep)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput_e2e.json").write_text(json.dumps(rep, indent=2) + "\n")
@@ -397,9 +515,22 @@ def print_table(rep: dict) -> None:
             f"{r['first_step_s']:.3f}",
             f"{r['restart_s']:.2f}",
             f"{r['steps_lost']:g}",
-            *(f"{r['goodput'][str(m)]:.4f}" for m in ms),
+            *(f"{r['goodput'][str(m)]:.4f}" if str(m) in r["goodput"] else "-" for m in ms),
         ]
         print("| " + " | ".join(cells) + " |")
+    for name, r in rep["rows"].items():
+        if "warmup_s" in r:
+            print(
+                f"{name}: chose disk every {r['disk_every']}, memory every {r['memory_every']} "
+                f"steps; warm-up {r['warmup_s']:.2f} s per failure; step on the whole first run "
+                f"{r['step_s_run'] * 1e3:.1f} ms"
+            )
+    for m, c in rep.get("auto_vs_fixed", {}).items():
+        fixed = ", ".join(f"{n} {g:.4f}" for n, g in c["fixed"].items())
+        print(
+            f"M={m}: best auto {c['best_auto']} {c['best_auto_goodput']:.4f} vs {fixed}: "
+            f"{'met' if c['met'] else 'NOT met'} (>= every fixed row - 0.005)"
+        )
     for name, runs in rep["runs"].items():
         for r in runs:
             print(
@@ -413,6 +544,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--step-ms", type=float, default=100.0, help="e2e: a step's compute time")
     ap.add_argument("--hold", type=float, default=60.0, help="e2e: memory+hot's hold_seconds")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument(
+        "--auto",
+        default=None,
+        help="e2e: the auto strategies, one row per M (default: all; none with --quick)",
+    )
     ap.add_argument("--fail-every-min", default="5,30,120", help="e2e: M, minutes per failure")
     ap.add_argument("--plot", action="store_true", help="e2e: goodput_e2e.png")
     ap.add_argument(
@@ -424,8 +560,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def child_main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--train", choices=STRATEGIES)
-    ap.add_argument("--resume", choices=STRATEGIES)
+    ap.add_argument("--train", choices=STRATEGIES + AUTO)
+    ap.add_argument("--resume", choices=STRATEGIES + AUTO)
+    ap.add_argument("--mtbf", type=float, default=None)
     ap.add_argument("--root", required=True)
     ap.add_argument("--state-mb", type=int, required=True)
     ap.add_argument("--disk-every", type=int, required=True)
