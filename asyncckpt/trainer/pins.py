@@ -9,6 +9,13 @@ keeps (``WorkerPins``, the worker's side: worker/pins.py); ``protect`` returns o
 worker prunes holding the same lock, so a prune is either over when the pin lands or sees
 it. A load pins the step it reads the same way, until it is over (``Pins.kept_while_read``).
 
+The word is waited for only where a prune may be on its way: a job was handed to the worker
+before the pin. The worker reads its pipe in order and prunes only as part of a job, and it
+counts a pin from the moment it read it (``WorkerPins.arriving``); so with no job handed
+before, every prune comes after the pin and keeps its step, and the pin is sent without
+waiting. A load inside a freshly started engine (its worker still importing torch, seconds)
+then reads at disk speed.
+
 Other processes (``python -m asyncckpt prune``) see the engine's pins in a file under the
 root while the engine runs (``Pins.publish``, pinfile.py); a load's pin stays in the worker.
 
@@ -59,12 +66,16 @@ class Pins:
         worker: PinsWorker,
         words: M.WordWait,
         is_started: Callable[[], bool],
+        handed: Callable[[], bool] = lambda: True,
     ) -> None:
         self.root = root
         self.rank = rank
         self.worker = worker
         self.words = words
         self.is_started = is_started
+        # Whether a job (which may prune) was handed to a worker: asked while sending the
+        # pin, so that a job handed after it is read after it. True: always wait.
+        self.handed = handed
         self.steps: set[int] = set()  # engine.protect(step): never pruned
 
     def protect(self, step: int) -> None:
@@ -76,8 +87,9 @@ class Pins:
         self.protect_in_worker(step)
 
     def protect_in_worker(self, step: int, *, while_read: bool = False) -> Link | None:
-        """Hand ``step``'s pin to the running worker and wait for its word (the trainer's side
-        of ``engine.protect``); nothing to do before the start (every request carries it).
+        """Hand ``step``'s pin to the running worker and wait for its word if a job went
+        before it (the trainer's side of ``engine.protect``; see the module); nothing to do
+        before the start (every request carries it).
         ``while_read``: until ``Unprotect`` (a load of it). Returns the worker link it was sent
         on (None: not sent), whether or not the word came in time."""
         if not self.is_started():
@@ -85,11 +97,14 @@ class Pins:
         link = self.worker.link
         try:
             with self.worker.sending():
+                first = not self.handed()  # (no job can be sent meanwhile: we hold the pipe)
                 link.unprotected.add(step)
                 M.send(link.conn, M.encode(M.Protect(step, while_read)))
         except OSError:  # the worker is dead: saves it had fail; the next requests carry the pin
             link.unprotected.discard(step)
             return None
+        if first:
+            return link  # every prune of that worker comes with a job sent after the pin
         if threading.current_thread() is self.worker.reader:
             return link  # (an on_commit callback: the word comes on this very thread)
         if self.words.wait_for_word(link, lambda: step in link.unprotected, PROTECT_WAIT_S):

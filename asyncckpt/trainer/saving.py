@@ -160,7 +160,10 @@ class Saver:
         # Which tensors a slot holds already, byte for byte, need no copy (unchanged.py).
         self.skipper = CopySkipper(rules.differential)
         self.words = M.WordWait(jobs.cond, lambda: self.worker.link, is_started)
-        self.pins = Pins(rules.root, rules.rank, worker, self.words, is_started)
+        # (A pin needs the worker's word only after a job: pins.py. Every job's id is one.)
+        self.pins = Pins(
+            rules.root, rules.rank, worker, self.words, is_started, lambda: jobs.next_job > 0
+        )
         self.pinned = self.pins.steps  # engine.protect(step): never pruned
         # The memory tier's bookkeeping (MemoryTier: the engine sets its options).
         self.memory = MemoryTier()

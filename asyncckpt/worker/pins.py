@@ -18,12 +18,17 @@ class WorkerPins:
     """The worker's side: the steps pinned since it started, those being loaded by its
     trainer now, and the lock its prunes hold. The reader thread hands each message over
     (``submit``) and goes on: it must never wait for a prune (the arenas and drops behind
-    it would wait too); a thread of its own applies them in order and answers."""
+    it would wait too); a thread of its own applies them in order and answers. A ``Protect``
+    counts from the moment the reader read it (``arriving``): a job read after it may be
+    written and pruned before that thread ran, and the trainer does not wait for the word
+    when no job went before the pin (trainer/pins.py)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.steps: set[int] = set()
         self.reading: dict[int, int] = {}  # step -> loads of it in progress
+        self.arriving: dict[int, int] = {}  # step -> Protects read, not applied yet
+        self._arrival = threading.Lock()  # (held for a dict update only: the reader takes it)
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -34,6 +39,9 @@ class WorkerPins:
                 target=self._apply, args=(events,), name="asyncckpt-pins", daemon=True
             )
             self._thread.start()
+        if isinstance(msg, M.Protect):
+            with self._arrival:
+                self.arriving[msg.step] = self.arriving.get(msg.step, 0) + 1
         self._todo.put(msg)
 
     def _apply(self, events: Any) -> None:
@@ -49,7 +57,9 @@ class WorkerPins:
             return self._kept()
 
     def _kept(self) -> tuple[int, ...]:
-        return tuple(sorted(self.steps | set(self.reading)))
+        with self._arrival:
+            arriving = set(self.arriving)
+        return tuple(sorted(self.steps | set(self.reading) | arriving))
 
     def on(self, msg: Any) -> None:
         """Apply a ``Protect`` (or its end, ``Unprotect``): waits for a prune running now."""
@@ -60,10 +70,17 @@ class WorkerPins:
                     self.reading[msg.step] = left
                 else:
                     self.reading.pop(msg.step, None)
-            elif msg.while_read:
-                self.reading[msg.step] = self.reading.get(msg.step, 0) + 1
             else:
-                self.steps.add(msg.step)
+                if msg.while_read:
+                    self.reading[msg.step] = self.reading.get(msg.step, 0) + 1
+                else:
+                    self.steps.add(msg.step)
+                with self._arrival:  # (applied: it counts as such from now on)
+                    left = self.arriving.get(msg.step, 0) - 1
+                    if left > 0:
+                        self.arriving[msg.step] = left
+                    else:
+                        self.arriving.pop(msg.step, None)
 
     @contextlib.contextmanager
     def pruning(self) -> Iterator[tuple[int, ...]]:
