@@ -168,7 +168,7 @@ class EngineBase:
             return EngineStats(
                 mem.lost, mem.unprotected_step, mem.shared, mem.unshared,
                 self._engine.schedule.every_steps, mem.every_steps,
-                auto is not None and auto.chosen, run, total,
+                auto is not None and auto.chosen, run, total, memory_saves_skipped=mem.skipped,
             )  # fmt: skip
 
     @property

@@ -146,6 +146,9 @@ class EngineStats:
     #: every run's on this root added up (the file ``<root>/.asyncckpt-goodput.json``)
     goodput_run: RunRecord | None = None
     goodput: Goodput | None = None
+    #: memory saves not taken (``handle.skipped``) because a disk write held the memory tier's
+    #: other slot: training does not wait for a write; the first is logged at INFO
+    memory_saves_skipped: int = 0
 
 
 # ------------------------------------------------------------------ figures read back from disk

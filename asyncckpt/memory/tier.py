@@ -18,11 +18,13 @@ disk save's own ``max_in_flight`` slots are never allocated (2x the state, not 3
 such a slot: the hold (``slot_owner[i]`` is the memory job's id, freed by its ``Released``);
 the disk write in flight owns none (``JobTable.add(owns_slot=False)``): the worker's
 ``Holder`` keeps the slot pinned until the write is done, even once a newer ``Hold`` replaced
-it, and only then sends its ``Released``. The cost: a memory save that finds one slot held
-and the other still being written waits for the write (back-pressure, in its
-``wait_seconds``). Not shared, counted in ``unshared`` and logged once per reason: an
-overlapped disk save, a state laid out unlike the memory slots, a step not after the last
-memory save; those stage into a disk slot of their own, as without the memory tier.
+it, and only then sends its ``Released``. A memory save that finds one slot held and the
+other still being written is skipped rather than wait the write's length (``in_the_way``:
+its handle ``skipped``, counted, logged once): the worker keeps the newest memory save it
+holds. A disk save then waits for the write (back-pressure, in its ``wait_seconds``). Not
+shared, counted in ``unshared`` and logged once per reason: an overlapped disk save, a state
+laid out unlike the memory slots, a step not after the last memory save; those stage into a
+disk slot of their own, as without the memory tier.
 
 Why a torn memory checkpoint is never persisted: the trainer stages into a memory slot only
 once the worker has let go of it. The worker lets go of the slot it held only when a ``Hold``
@@ -37,7 +39,9 @@ step every rank handed off (common) besides the newest. Each memory save, before
 step needs a slot, the trainer asks the store whether its newest held step is common
 (``Agreement.common``: proposed and recorded once per step, the same answer on every rank) and
 tells its worker to let go of the older one if so, else of the newest (``LetGo``): the common
-step is never evicted before a newer one is common. A rank a whole memory save ahead of a
+step is never evicted before a newer one is common. A rank that skips a memory save says so
+in the store (``Agreement.skipped``): the step is never common, and a peer holding it learns
+that at once instead of waiting for its hand-off. A rank a whole memory save ahead of a
 peer waits for it at most ``COMMON_WAIT_S``, then overwrites its non-common step (never
 blocks longer: its peer may be dead). In a training loop with a collective between two memory
 saves every peer has handed a step off before any rank's next save asks, so nothing whose
@@ -159,6 +163,16 @@ class Agreement:
             self.store = None
             log.warning("memory save of step %d: the side store is unreachable: %s", step, e)
 
+    def skipped(self, step: int) -> None:
+        """This rank skipped memory save ``step`` (no free slot): it is never common, and a
+        peer that holds it need not wait for this rank's hand-off to know."""
+        try:
+            self._client().add(self._key(step) + "/skipped", 1)
+            self.steps.append(step)  # (its keys go as a handed-off step's do)
+        except Exception as e:  # noqa: BLE001 - the peers then wait COMMON_WAIT_S, no more
+            self.store = None
+            log.warning("memory save of step %d: the side store is unreachable: %s", step, e)
+
     def common(self, step: int) -> bool:
         """Whether every rank handed off ``step`` -- decided once for all ranks: the first
         rank to ask records its answer, the others read it."""
@@ -168,6 +182,8 @@ class Agreement:
             while True:
                 n = store.add(self._key(step), 0)
                 if n >= self.cfg.world_size or time.monotonic() >= deadline:
+                    break
+                if store.add(self._key(step) + "/skipped", 0):  # a rank never held it
                     break
                 time.sleep(0.01)
             want = fate(n, self.cfg.world_size)
@@ -191,6 +207,7 @@ class Agreement:
         for s in old:
             self.store.delete_key(self._key(s))
             self.store.delete_key(self._key(s) + "/fate")
+            self.store.delete_key(self._key(s) + "/skipped")
 
 
 class SlotOwners(Protocol):
@@ -233,6 +250,10 @@ class MemoryTier:
     shared: int = 0  # disk saves written from a memory slot (``shares``)
     unshared: int = 0  # disk saves that could not be, with the memory tier on
     unshared_why: set[str] = field(default_factory=set)  # the reasons logged already
+    skipped: int = 0  # memory saves not taken: no slot free but behind a disk write
+    # Memory job id -> the disk save's job id written from its slot (the worker pins the slot
+    # until that write is done, not a pipe's round trip).
+    written_by: dict[int, int] = field(default_factory=dict)
 
     def active(self) -> bool:
         """The memory tier is in use: its slots exist, or its schedule is set."""
@@ -268,6 +289,19 @@ class MemoryTier:
             return None
         same = [i for i in free if same_key(keys.get(i), key)]
         return (same or free)[0]
+
+    def in_the_way(self, jobs: SlotOwners) -> bool:
+        """No slot is free and only a disk write would free one: each memory slot is held
+        (the newest memory save, or the older one several ranks keep) or being written from.
+        Not when one is on its way back (a pipe's round trip). (The engine's lock held.)"""
+        pinned = False
+        for i in self.slots:
+            o = jobs.owner(i)
+            if o is not None and (jobs.in_flight(o) or jobs.in_flight(self.written_by.get(o, -1))):
+                pinned = True  # a disk save (or a persist) is being written from it
+            elif i not in (self.held_slot, self.kept_slot):
+                return False
+        return pinned
 
     def agree(self) -> Agreement | None:
         if self.dist is None:
@@ -423,8 +457,9 @@ class MemoryStager:
                 mem.held = mem.held_slot = None
         self.sigterm.run_deferred()
 
-    def _take_slot(self, pending: PendingSave) -> int:
-        """A memory slot the worker does not hold; waits (a pipe's round trip) for its release."""
+    def _take_slot(self, pending: PendingSave, skip: bool) -> int | None:
+        """A memory slot the worker does not hold; waits (a pipe's round trip) for its release.
+        ``skip``: None instead of waiting for a disk write (``MemoryTier.in_the_way``)."""
         mem, jobs = self.state, self.jobs
         with jobs.cond:
             while True:
@@ -434,6 +469,8 @@ class MemoryStager:
                 if i is not None:
                     jobs.reserve(i)
                     return i
+                if skip and mem.in_the_way(jobs):
+                    return None
                 error = self.worker.start_error
                 if not self.is_started() or error is not None:
                     raise CheckpointError(
@@ -441,6 +478,26 @@ class MemoryStager:
                         "running" + (f" ({error})" if error else "")
                     )
                 jobs.cond.wait(0.5)
+
+    def _skip(self, pending: PendingSave) -> None:
+        """Memory save ``pending`` is not taken: no slot is free before a disk write ends, and
+        training does not wait for a write (its handle completes at once, ``skipped``)."""
+        mem, step = self.state, pending.step
+        agreement = mem.agree()
+        if agreement is not None:  # never counted as handed off: not common, said at once
+            agreement.skipped(step)
+        with self.jobs.cond:
+            mem.skipped += 1
+            first, kept = mem.skipped == 1, (mem.held or mem.kept or pending).step
+        log.log(
+            logging.INFO if first else logging.DEBUG,
+            "memory save of step %d skipped, not waiting for a disk write: one memory slot is "
+            "being written to disk, the other holds step %d, which the worker keeps "
+            "(handle.skipped; engine.stats counts memory_saves_skipped; said once)",
+            step,
+            kept,
+        )
+        pending.handle._skip()
 
     def _say_if_budget_is_moot(self, pending: PendingSave, budget: HostBudget) -> bool:
         """Whether it said (a warning, once per engine: the caller keeps the answer) that
@@ -508,9 +565,12 @@ class MemoryStager:
         except OSError as e:  # the worker is gone: the next one holds nothing anyway
             log.warning("memory save of step %d: could not reach the worker: %s", step, e)
         t_take = time.perf_counter()
-        i = self._take_slot(pending)
-        slot = self.slots[i]
+        i = self._take_slot(pending, skip=not write)
         pending.stats.wait_seconds = time.perf_counter() - pending.started
+        if i is None:
+            self._skip(pending)
+            return handle
+        slot = self.slots[i]
         if write and time.perf_counter() - t_take > 0.001:  # as a disk save's back-pressure
             log.info(
                 "save of step %d waited %.3fs for a staging buffer (both of the memory tier's "
@@ -582,6 +642,9 @@ class MemoryStager:
                 jobs.own(i, job.job_id)
                 if disk is not None:
                     disk.held_as = job.job_id
+                    mem = self.state
+                    mem.written_by = {m: d for m, d in mem.written_by.items() if jobs.in_flight(d)}
+                    mem.written_by[job.job_id] = disk.job_id
                 elif self.state.replicas:  # before the Hold: its Replicated may come at once
                     handle._replica = threading.Event()
                     jobs.replicating[job.job_id] = handle

@@ -31,6 +31,11 @@ class SaveHandle:
     ``staged()`` / ``staged_sync()`` wait until the state has been copied (at once for a
     blocking save; an overlapped one, ``save(..., overlap=True)``, copies in the background):
     from then on the state may be mutated.
+
+    ``skipped``: a memory save (``tier="memory"``) that found both of the memory tier's slots
+    in use, one held and one being written to disk, and was not taken rather than stall
+    training for the write; complete at once, not failed: nothing of this step is held (the
+    worker keeps the previous memory save).
     """
 
     def __init__(self, step: int, stats: SaveStats) -> None:
@@ -44,6 +49,7 @@ class SaveHandle:
         # replica, or it will not (``_replica_error``); None: not a replicated save.
         self._replica: threading.Event | None = None
         self._replica_error: str | None = None
+        self.skipped = False
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -138,8 +144,14 @@ class SaveHandle:
         self._staged.set()  # (a save that failed while staging touches the state no more)
         self._done.set()
 
+    def _skip(self) -> None:
+        """Not taken (``skipped``): complete, nothing staged or held."""
+        self.skipped = True
+        self._finish()
+
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        state = "skipped" if self.skipped else state
         return f"<SaveHandle step={self.step} {state}>"
 
 

@@ -71,8 +71,10 @@ def test_prepare_allocates_the_memory_tiers_slots_only(tmp_path):
 
 def test_a_slot_being_written_is_not_staged_into_before_the_write_is_done(tmp_path):
     """Disk step 2 is written slowly from slot B. Memory step 3 goes into slot A (the worker
-    let go of step 1 for step 2); memory step 4 finds A held and B still being written, so it
-    waits for the write: step 2 on disk is step 2's state, not step 4's bytes."""
+    let go of step 1 for step 2); memory step 4 finds A held and B still being written: it is
+    skipped (issue 53: before, it waited for the write; test_memory_skip.py holds the write),
+    never staged into B: step 2 on disk is step 2's state, not step 4's bytes. Memory step 5,
+    after the write, goes into B."""
     state = state_at(1)
     schedule = Schedule(every_steps=2, memory_every_steps=1)
     with SyncCheckpointEngine(
@@ -86,18 +88,20 @@ def test_a_slot_being_written_is_not_staged_into_before_the_write_is_done(tmp_pa
         advance(state, 3)
         engine.save(3, state, tier="memory")
         advance(state, 4)
-        engine.save(4, state, tier="memory")  # into slot B, once its write is done
+        engine.save(4, state, tier="memory")  # skipped (or into B, if its write is done)
         disk.committed_sync(120)
+        advance(state, 5)
+        assert not engine.save(5, state, tier="memory").skipped
         assert engine.stats.disk_saves_shared == 1
     report = verify(tmp_path)
-    assert report.ok and [c.step for c in report.checkpoints] == [2, 4], report
+    assert report.ok and [c.step for c in report.checkpoints] == [2, 5], report
     with SyncCheckpointEngine(tmp_path, keep=None) as engine:
         target = {"w": torch.zeros(N), "b": torch.zeros(10, dtype=torch.int64)}
         assert engine.load(target, step=2) == 2
         assert_same(target, state_at(2))
-    step, target = load(tmp_path)  # close wrote the memory save held: step 4, whole
-    assert step == 4
-    assert_same(target, state_at(4))
+    step, target = load(tmp_path)  # close wrote the memory save held: step 5, whole
+    assert step == 5
+    assert_same(target, state_at(5))
 
 
 def test_an_overlapped_disk_save_falls_back_to_a_slot_of_its_own_and_says_so(tmp_path, caplog):
