@@ -183,11 +183,13 @@ class MemoryTier:
     writing) keeps the newest step it wrote in its shared memory this long, so that a new
     engine on the same root, node and rank loads it from there (a hot resume: checked against
     the manifest's checksums, else read from disk; ``last_load_report.source`` says which);
-    freed as soon as a new engine took it. 0 (the default): the worker exits at once."""
+    freed as soon as a new engine took it. None (the default): 30 s, only for a memory save
+    the worker persisted after the death and only where the node has room for a new trainer's
+    staging beside it (said in the log when not; hot_serve.py). 0: the worker exits at once."""
 
     persist_on_close: bool = False
     replicas: int = 0
-    hold_seconds: float = 0.0
+    hold_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas not in (0, 1):
@@ -197,8 +199,10 @@ class MemoryTier:
                 f"persist_on_close must be True or False, got {self.persist_on_close!r}"
             )
         hold = self.hold_seconds
-        if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not hold >= 0:
-            raise ValueError(f"hold_seconds must be a number >= 0, got {hold!r}")
+        if hold is not None and (
+            isinstance(hold, bool) or not isinstance(hold, (int, float)) or not hold >= 0
+        ):
+            raise ValueError(f"hold_seconds must be a number >= 0 or None, got {hold!r}")
 
 
 #: The smallest ``Staging(max_host_bytes=)``: a page (chunked.py checks its buffers fit).

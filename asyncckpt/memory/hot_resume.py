@@ -20,10 +20,12 @@ checkpoint persisted after the trainer's death) is taken before it is even on di
 when it is newer than every committed step (the one ``load_latest`` picks once the commit is
 done): from the memory alone (``hot_load``), every tensor checked against the checksum the
 worker computed from its staged memory, objects and paths from the offer, no file read. Then
-the engine's ``start()``, which waits for that worker, checks that the step committed
-recording those very checksums (the manifest's ``offered``; the worker checks after writing
-that its memory still held them), else raises ``UncommittedResume``: the state loaded is on no
-disk. A step that could not be taken so is read from disk once the worker is done
+``load_latest`` itself (``settle``) waits for that worker (the engine's ``start()`` would wait
+for it anyway) and checks that the step committed recording those very checksums (the
+manifest's ``offered``; the worker checks after writing that its memory still held them); if
+not, the state loaded is on no disk: it says so in the log and restores the whole target from
+the newest committed step on disk, raising ``UncommittedResume`` only when none restores it.
+A step that could not be taken so is read from disk once the worker is done
 (``wait_for_worker``), never an older one meanwhile; once committed, such a step is read from
 the memory alone too when its manifest records the checksums offered.
 
@@ -234,9 +236,11 @@ class HotResume:
         self.voted = False
         self.tried = False
         self.store: Any = None
-        # A step taken before its worker wrote it: (step, its tensors' checksums), checked at
-        # start() (check_committed).
+        # A step taken before its worker wrote it: (step, its tensors' checksums), checked by
+        # the same load once that worker is done (settle).
         self.pending: tuple[int, dict[str, int]] | None = None
+        # Why such a step did not stand (its commit failed...): the target is on no disk.
+        self.uncommitted = ""
         # A memory that failed its checksums as it was copied into the target (hot_load
         # ``HotSpoiled``): the load must restore the whole target from disk, or fail.
         self.spoiled = False
@@ -246,7 +250,7 @@ class HotResume:
         """Around one ``load_latest``: ask for the offer, and let it go after."""
         self.loads += 1
         self.voted = self.tried = self.spoiled = False
-        self.pending = None  # (what start() checks is what the last load took)
+        self.pending, self.uncommitted = None, ""  # (each load settles what it took)
         self.source, self.reason = ask(self.root, self.rank)
         if self.source is None and self.world_size > 1:
             # The other workers of its old run may wait for this rank's (peer_gone.py).
@@ -401,14 +405,50 @@ class HotResume:
         report.source_reason = "taken before it was written (its commit checked at start())"
         return step, report
 
+    def settle(self, layout: str, *, started: bool) -> bool:
+        """After this load took a step before its worker wrote it (``pending``): wait for that
+        worker (unless the engine's ``start()`` did: ``started``) and check that the step
+        committed as loaded (``_not_committed``). True: the load stands. False: the target
+        holds a step on no disk (why: ``uncommitted``, said in the log); the caller restores
+        the whole target from the disk (``spoiled``), or raises."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return True
+        if not started:
+            self.wait_for_worker(self.root, self.rank)
+        why = self._not_committed(pending, layout)
+        if why is None:
+            log.info("step %d, loaded before it was written, is committed", pending[0])
+            return True
+        self.spoiled = True
+        self.uncommitted = self.reason = (
+            f"step {pending[0]} was loaded from the memory of the worker of an earlier trainer "
+            f"before that worker wrote it, and {why}"
+        )
+        log.warning("%s: reading the newest committed step from disk instead", self.reason)
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        return False
+
     def check_committed(self, layout: str) -> None:
-        """At ``start()``, once the worker of a step taken before it was written is done: that
-        step is committed, recording the checksums it was checked against (the manifest's
-        ``offered``: the worker checks its files were written from those bytes); else
-        ``UncommittedResume``."""
+        """At ``start()``: a step taken before it was written and not settled by its load (none
+        is: ``settle``) is committed as loaded, else ``UncommittedResume``."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        why = self._not_committed(pending, layout)
+        if why is not None:
+            raise UncommittedResume(
+                f"step {pending[0]} was loaded from the memory of the worker of an earlier "
+                f"trainer before that worker wrote it, and {why}: the state loaded is on no "
+                "disk. Load again (load_latest) before training on."
+            )
+
+    def _not_committed(self, pending: tuple[int, dict[str, int]], layout: str) -> str | None:
+        """Why the step taken before it was written (``pending``: it and its checksums) is not
+        committed recording the checksums it was checked against (the manifest's ``offered``:
+        the worker checks its files were written from those bytes), or None: it is."""
         step, crcs = pending
         found = {c.step: c.path for c in _layout.scan(self.root, layout)}.get(step)
         why = None
@@ -426,13 +466,7 @@ class HotResume:
                     why = "it committed other bytes than those loaded"
             except CheckpointError as e:
                 why = f"its manifest cannot be read: {e}"
-        if why is not None:
-            raise UncommittedResume(
-                f"step {step} was loaded from the memory of the worker of an earlier trainer "
-                f"before that worker wrote it, and {why}: the state loaded is on no disk. "
-                "Load again (load_latest) before training on."
-            )
-        log.info("step %d, loaded before it was written, is committed", step)
+        return why
 
     def _offered_as_committed(self, path: Path) -> bool:
         """The committed step at ``path`` is the one offered before it was written, with the

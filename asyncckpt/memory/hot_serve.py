@@ -11,8 +11,13 @@ are written, the memory is checksummed again (``EarlyOffer.unchanged``): if it c
 the offer the save fails (the files hold what the memory held when written); else the commit
 records the offered checksums in the manifest (``offered``). The new engine's ``start()``
 (which waits for this worker's lock, held until the commit ends) checks that the step
-committed recording the very same checksums: a failed commit reaches it as an error (hot.py
-``check_committed``). A failed commit withdraws the offer here.
+committed recording the very same checksums, and reads the disk instead when it did not
+(hot_resume.py ``HotResume.settle``). A failed commit withdraws the offer here.
+
+By default (``MemoryTier()``: no ``hold_seconds``) a worker holds for ``DEFAULT_HOLD_S``, and
+only when it persisted a memory save after the death (the step the disk did not have) and the
+node has room for a new trainer's staging beside the memory it keeps (``HotServe.hold_seconds``;
+else it says why and exits once written, as with ``hold_seconds=0``).
 
 Several ranks: every rank's worker offers its own part so, and the new ranks agree over the
 old run's side store (``Offer.vote``) to take the step from memory on every rank or on none.
@@ -49,6 +54,7 @@ from asyncckpt import faults
 from asyncckpt.core.savejob import SaveJob, TensorSpec
 from asyncckpt.memory.hot_offer import HEADER, MAGIC, Offer, encode_offer
 from asyncckpt.memory.service import WorkerService, WorkerView, Written
+from asyncckpt.staging.arenas import check_memory
 from asyncckpt.storage.manifest import checksum
 
 log = logging.getLogger("asyncckpt")
@@ -61,6 +67,14 @@ CLIENT_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 600.0
 #: The client's last byte: mapped (``TAKEN``), then done reading (``DONE``).
 TAKEN, DONE = b"T", b"D"
+#: ``MemoryTier()``'s hold (no ``hold_seconds`` given): a restarted trainer (torchrun, a
+#: job's retry) reaches its ``load_latest`` within this on one node; held only with room.
+DEFAULT_HOLD_S = 30.0
+
+
+def hold_for(hold_seconds: float | None) -> float:
+    """The worker's ``hot_hold_s`` for ``MemoryTier(hold_seconds=)`` (None: the default)."""
+    return DEFAULT_HOLD_S if hold_seconds is None else float(hold_seconds)
 
 
 def socket_name(root: str | os.PathLike, rank: int) -> str:
@@ -85,6 +99,32 @@ class HotServe(WorkerService):
     def __init__(self, worker: WorkerView) -> None:
         self.worker = worker
         self.early: EarlyOffer | None = None  # a step offered before it was written
+        self.memory_written = False  # a memory save persisted after the trainer's death
+        self._room: bool | None = None  # the default hold's check, once
+
+    def hold_seconds(self) -> float:
+        """How long to keep the memory for a new engine once the trainer is gone (0: not).
+        The default hold (``hot_hold_auto``) only where the node has room for a new trainer
+        to stage as much again beside it; said in the log when it has not."""
+        cfg = self.worker.config
+        if cfg.hot_hold_s <= 0 or not cfg.hot_hold_auto:
+            return max(cfg.hot_hold_s, 0.0)
+        if self._room is None:
+            held = sum(int(t.nbytes) for t in self.worker.arenas.values())
+            try:
+                check_memory(held)
+                self._room = True
+            except MemoryError as e:  # (StagingMemoryError)
+                self._room = False
+                log.warning(
+                    "the trainer is gone: not keeping its memory for a new engine (rank %d; "
+                    "the node has no room for a new trainer's staging beside the %.2f GiB it "
+                    "holds: %s); a new engine reads the step from disk",
+                    cfg.rank,
+                    held / 2**30,
+                    e,
+                )
+        return cfg.hot_hold_s if self._room else 0.0
 
     def before_write(self, job: SaveJob) -> None:
         """Offer a step persisted after the trainer's death before writing it
@@ -92,7 +132,10 @@ class HotServe(WorkerService):
         nor a recovery)."""
         cfg = self.worker.config
         one_root = cfg.dist is None or not (cfg.dist.ranks_per_node or cfg.dist.recovery_store)
-        if not self.worker.trainer_gone or cfg.hot_hold_s <= 0 or not one_root:
+        if not self.worker.trainer_gone:
+            return
+        self.memory_written = self.memory_written or job.tier == "memory"
+        if not one_root or not self._holds():
             return
         plain = cfg.fmt == "dcp" and job.chunks is None and not (job.extra or {}).get("shards")
         if self.early is None and plain:
@@ -114,8 +157,13 @@ class HotServe(WorkerService):
 
     def close(self, release_lock: Callable[[], None]) -> None:
         """The trainer is gone: what it wrote stays in memory a while for a new engine."""
-        if self.worker.trainer_gone and self.worker.config.hot_hold_s > 0:
-            self.serve(self.worker.config.hot_hold_s, release_lock)
+        if self.worker.trainer_gone and self._holds():
+            self.serve(self.hold_seconds(), release_lock)
+
+    def _holds(self) -> bool:
+        # The default hold: only for a step the disk did not have at the death (memory).
+        auto = self.worker.config.hot_hold_auto
+        return (self.memory_written or not auto) and self.hold_seconds() > 0
 
     def offered(self, job: SaveJob) -> EarlyOffer | None:
         """The early offer of ``job``'s step, or None."""

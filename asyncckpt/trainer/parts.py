@@ -30,6 +30,7 @@ from asyncckpt.formats import check_format, default_format, staged
 from asyncckpt.formats.components import COMPONENTS, Component, check_spec
 from asyncckpt.formats.differential import KeepRule
 from asyncckpt.io.throttle import ThrottleConfig, WritePause
+from asyncckpt.memory import hot_serve
 from asyncckpt.memory import tier as memory_tier
 from asyncckpt.options import EngineOptions
 from asyncckpt.retention import RetentionPolicy, should_prune
@@ -204,7 +205,8 @@ class EngineParts:
             spool=self.spooled,
             store_socket=self.rendezvous.listener,
             replication=self.replication,
-            hot_hold_s=float(self.opts.memory.hold_seconds),
+            hot_hold_s=hot_serve.hold_for(self.opts.memory.hold_seconds),
+            hot_hold_auto=self.opts.memory.hold_seconds is None,  # (room checked at the death)
             differential=self.opts.staging.differential,
             keep=KeepRule(self.local_keep, self.opts.retention.scope, self.run_id),
         )

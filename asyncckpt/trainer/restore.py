@@ -30,6 +30,7 @@ from asyncckpt.errors import (
     NotACheckpointRoot,
     NoValidCheckpoint,
     StateMismatch,
+    UncommittedResume,
 )
 from asyncckpt.formats import dcp, loadcheck, records, staged
 from asyncckpt.formats.base import Verify
@@ -379,7 +380,8 @@ class Restorer:
             if only is not None
             else self.hot.before_commit(self.load_dir, state, strict, self.committed)
         )
-        if taken is not None:
+        # Taken before it was written: it stands once committed as loaded (else the disk).
+        if taken is not None and self.hot.settle(self.layout, started=self.root_locked):
             self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
             return taken[0]
         errors: list[str] = []
@@ -430,6 +432,10 @@ class Restorer:
             check_not_lost(self.root, self.layout, errors)
         if not errors:
             return None
+        if self.hot.uncommitted:  # the target holds a step on no disk, and none restores it
+            raise UncommittedResume(
+                f"{self.hot.uncommitted}; nothing on disk restores the target: " + "; ".join(errors)
+            )
         raise NoValidCheckpoint(
             f"no committed checkpoint in {self.root} could be loaded: " + "; ".join(errors)
         )

@@ -41,6 +41,9 @@ class WorkerConfig:
     # MemoryTier(hold_seconds=): how long to offer the newest step written to a new engine
     # once the trainer is gone (hot_serve.py); 0: exit at once.
     hot_hold_s: float = 0.0
+    # MemoryTier() (no hold_seconds): hold only for a memory save persisted after the death,
+    # where the node has room (hot_serve.HotServe.hold_seconds).
+    hot_hold_auto: bool = False
     # Staging(differential=): link files unchanged since the last checkpoint (differential.py)
     differential: bool = False
     # What the prune after each commit keeps (every rank: only one prunes): a save links only
