@@ -33,6 +33,18 @@ step from the surviving worker's shared memory, ``last_load_report.source == "me
 ``dcp.async_save`` (torch's, every ``--disk-every`` steps, thread executor, the next waits for
 the previous; the restart loads with ``dcp.load``: the baseline).
 
+Auto rows (``--auto``, all of ``AUTO`` by default, none with ``--quick``): the engine is told
+the MTBF, ``Schedule(mtbf=60 M)``, one row per ``M``, and chooses its intervals itself from
+``--disk-every`` (``auto``; ``auto+memory+hot``: and the memory tier every ``--memory-every``
+with hot resume) once it has measured its saves. The trainer reports the intervals in effect
+after each save; the launcher kills it at the same place in the chosen interval as a fixed
+row's kill in its own (``KillAt``), counted from the first save made on intervals chosen from
+measurements. Such a row is worth its goodput at its own ``M`` only: its step time is the
+one on the chosen intervals (``step_s_run``: the whole first run's), and the warm-up on the
+starting intervals (``warmup_s``: those steps' time over the chosen intervals' step time) is
+charged at every failure, added to ``restart_s`` (``model_restart_s``): a restarted engine
+measures anew. ``auto_vs_fixed``: per ``M``, the best auto row against every fixed row.
+
 Measured per run: ``restart_s`` = kill -> first step after resume done, split into
 ``start_s`` (process start + engine start: kill -> interpreter up, torch imported, state
 built, engine built and entered, the wait for the old worker included; ``process_s``: its
