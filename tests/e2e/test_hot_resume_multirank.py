@@ -2,8 +2,9 @@
 each worker offers its part of the step it persists from memory before writing it
 (``MemoryTier(hold_seconds=)``), and the new trainers agree over the old run's side store to
 take it from memory on every rank or on none (hot_agree.py): before its commit is over too,
-each rank's ``start()`` then checking that its part committed as loaded. One rank's bad byte
-sends every rank to the disk, bit for bit all the same.
+each rank's ``load_latest`` then waiting for that commit and checking that its part committed
+as loaded (else reading the disk). One rank's bad byte sends every rank to the disk, bit for
+bit all the same.
 
 Each rank is a subprocess (gloo over a FileStore), as in test_memory_tier_multirank.py.
 """
@@ -121,12 +122,13 @@ def test_both_ranks_resume_from_memory(tmp_path):
 def test_both_ranks_take_the_step_before_it_is_committed(tmp_path):
     """Loaded before start() while the old workers still commit step 3: both ranks from
     memory (before, several ranks waited for the commit, then read the step it wrote back),
-    and each rank's start() finds its part committed with the checksums it checked."""
+    and each rank's load_latest returns once it found its part committed with the checksums it
+    checked."""
     slow = {"HOT_LATER": later(before_metadata=f"delay:{SLOW_COMMIT_S}")}
     results, _ = resume(tmp_path, {0: slow, 1: slow}, early=True)
     for r, res in enumerate(results):
         assert (res["step"], res["source"], res["same"]) == (3, "memory", True), (r, res)
-        assert res["committed"] == [1], (r, res)  # returned while step 3's commit still ran
+        assert res["committed"] == [1, 3], (r, res)  # returned once step 3 committed as loaded
         assert res["started"] == "ok", (r, res)
     root = tmp_path / "r"
     assert verify(root).ok and [c.step for c in verify(root).checkpoints] == [1, 3]
@@ -136,14 +138,16 @@ def test_both_ranks_take_the_step_before_it_is_committed(tmp_path):
 
 
 def test_a_commit_that_fails_after_both_ranks_took_the_memory_reaches_every_rank(tmp_path):
+    """Every rank's load_latest waits for the commit of the step it took from memory; it
+    failed: each rank reads the newest committed step from disk itself (before, each rank's
+    start() raised UncommittedResume for the user's code to load again)."""
     slow = {"HOT_LATER": later(before_metadata=f"delay:{SLOW_COMMIT_S}", before_rename="eio")}
     results, _ = resume(tmp_path, {0: slow, 1: slow}, early=True)
     for r, res in enumerate(results):
-        assert (res["step"], res["source"], res["same"]) == (3, "memory", True), (r, res)
-        # Rank 0's start() raises it; the others hear it from rank 0, as the same class.
-        assert res["started"].startswith("UncommittedResume: "), (r, res)
-        assert "step 3 was loaded from the memory" in res["started"], (r, res)
-        assert "its commit failed" in res["started"], (r, res)
+        assert (res["step"], res["source"], res["same"]) == (1, "disk", True), (r, res)
+        assert "step 3 was loaded from the memory" in res["reason"], (r, res)
+        assert "its commit failed" in res["reason"], (r, res)
+        assert res["started"] == "ok", (r, res)
     assert [c.step for c in verify(tmp_path / "r").checkpoints] == [1]
 
 
