@@ -20,8 +20,10 @@ The resume after a death (issue 34 item 1), in rounds of its own: a trainer proc
 memory save of the same state and is SIGKILLed right after ``save()`` returned; its worker
 writes it to disk. A new process then times ``SyncCheckpointEngine(root)`` to ``load_latest``
 returned (imports and the target's allocation before the clock starts; ``load_latest`` before
-the engine's ``start()``, which is timed after as ``start_seconds``: it waits for the worker's
-commit and checks it), and checks the target bit for bit, with
+the engine's ``start()``, which is timed after as ``start_seconds``; a step taken from memory
+while the worker commits it is kept once ``load_latest`` found that commit done and checked,
+so the wait for the commit is in ``load_latest``'s time), and checks the target bit for bit,
+with
 ``MemoryTier(hold_seconds=60)`` in the dead trainer (``hot``: the worker offers the step from
 its memory, while it commits it) and with ``hold_seconds=0`` (``disk``: the worker exits, the
 step is read back from disk); each against a cold ``dcp.load`` of that step in the same round.
