@@ -243,7 +243,8 @@ class Saver:
             raise
         if pending.tier == "disk":
             self.schedule.mark_saved(pending.step)
-        self.after_save(pending.step, pending.tier, time.perf_counter() - t0)  # (ledger.py)
+        if not handle.skipped:  # (a memory save not taken costs nothing a schedule learns from)
+            self.after_save(pending.step, pending.tier, time.perf_counter() - t0)  # (ledger.py)
         return handle
 
     def check_can_save(self, step: Any) -> int:
