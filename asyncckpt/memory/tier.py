@@ -251,8 +251,7 @@ class MemoryTier:
     unshared: int = 0  # disk saves that could not be, with the memory tier on
     unshared_why: set[str] = field(default_factory=set)  # the reasons logged already
     skipped: int = 0  # memory saves not taken: no slot free but behind a disk write
-    # Memory job id -> the disk save's job id written from its slot (the worker pins the slot
-    # until that write is done, not a pipe's round trip).
+    # Memory job id -> the id of the disk save written from its slot (pinned for that write).
     written_by: dict[int, int] = field(default_factory=dict)
 
     def active(self) -> bool:
@@ -497,6 +496,9 @@ class MemoryStager:
             step,
             kept,
         )
+        if mem.replicas:  # replicated_sync() says why there is no replica
+            pending.handle._replica = threading.Event()
+            pending.handle._replica_done("it was skipped: no memory slot was free")
         pending.handle._skip()
 
     def _say_if_budget_is_moot(self, pending: PendingSave, budget: HostBudget) -> bool:
