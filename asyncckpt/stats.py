@@ -144,8 +144,10 @@ class EngineStats:
     intervals_measured: bool = False
     #: the goodput ledger (docs/how-to/goodput.md): this run's seconds per category, and
     #: every run's on this root added up (the file ``<root>/.asyncckpt-goodput.json``)
-    goodput_run: RunRecord | None = None
-    goodput: Goodput | None = None
+    #: (measurements of time, left out of ``==``: two snapshots of one engine's state compare
+    #: equal however long apart they were taken)
+    goodput_run: RunRecord | None = field(default=None, compare=False)
+    goodput: Goodput | None = field(default=None, compare=False)
     #: memory saves not taken (``handle.skipped``) because a disk write held the memory tier's
     #: other slot: training does not wait for a write; the first is logged at INFO
     memory_saves_skipped: int = 0
