@@ -156,6 +156,7 @@ def node_child(args: argparse.Namespace) -> None:
     times: list[float] = []
     stalls: list[float] = []  # memory saves: the time inside save()
     handle = None
+    skipped: list[int] = []  # memory saves skipped for want of a free slot
     w = state["model"][f"r{rank}.w0"]
     for step in range(1, args.kill + 1):
         t0 = time.perf_counter()
@@ -166,7 +167,10 @@ def node_child(args: argparse.Namespace) -> None:
             h = engine.save(step, state, tier=tier)
             if tier == "memory":
                 stalls.append(time.perf_counter() - s0)
-                handle = h
+                if h.skipped:  # no free slot: it holds nothing (the previous one stands)
+                    skipped.append(step)
+                else:
+                    handle = h
         times.append(time.perf_counter() - t0)
     time.sleep(args.settle)  # --quick: steps of a millisecond; let the saves land first
     replicated = handle.is_replicated() if handle is not None else None
@@ -175,6 +179,8 @@ def node_child(args: argparse.Namespace) -> None:
         "stalls": stalls,
         "worker_pid": engine.worker_pid,
         "replicated_at_kill": replicated,
+        "memory_step_at_kill": handle.step if handle is not None else None,
+        "memory_skipped": skipped,
     }
     print(json.dumps(report), flush=True)
     time.sleep(3600)
@@ -240,6 +246,10 @@ def run_node_loss(config: str, args: argparse.Namespace, scratch: Path) -> dict:
         "step_seconds_mean": statistics.fmean(times),
         "memory_stall_s_mean": statistics.fmean(stalls) if stalls else None,
         "replicated_at_kill": [rep["replicated_at_kill"] for rep in reports],
+        # The newest memory save each rank holds at the kill, and the ones it skipped (no free
+        # slot while a disk write ran): with replicas, what a resume can reach.
+        "memory_step_at_kill": [rep["memory_step_at_kill"] for rep in reports],
+        "memory_skipped": [rep["memory_skipped"] for rep in reports],
     }
 
 
@@ -255,7 +265,7 @@ def node_loss_rows(args: argparse.Namespace, scratch: Path) -> dict:
             f"node loss {c:22s} steps lost {r['steps_lost']:4d}  step "
             f"{r['step_seconds_mean'] * 1e3:7.2f} ms  memory stall "
             f"{(r['memory_stall_s_mean'] or 0) * 1e3:6.2f} ms  replicated at the kill "
-            f"{r['replicated_at_kill']}"
+            f"{r['replicated_at_kill']}  memory saves skipped {r['memory_skipped']}"
         )
     print(
         f"replication cost (replicas=1 / 0, this run): step time x{cost['step_time_ratio']:.3f}"

@@ -35,6 +35,17 @@ def test_setup_commands_are_what_ci_runs():
     ci = (REPO / ".ci" / "run").read_text()
     for cmd in setup:
         assert cmd in ci, f".ci/run must run the README's command verbatim: {cmd}"
+    # A failure anywhere in a chain fails CI: under `set -e`, a command of an `a && b` list
+    # that fails, other than the last, does not stop the script (the quick suite's failures
+    # once hid behind a passing integration run). So a chain is the last command of its
+    # subshell, or it is guarded by `|| failed+=(...)`, which the end of the script turns into
+    # its exit code.
+    lines = [ln for ln in ci.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    for i, line in enumerate(lines):
+        if "&&" in re.sub(r"'[^']*'", "", line.split("  #")[0]):  # (not inside awk's quotes)
+            guarded = "|| failed+=(" in line
+            assert guarded or lines[i + 1].strip() == ")", f"a failure here is lost: {line}"
+    assert "if ((${#failed[@]})); then" in ci and ci.rstrip().endswith("fi")
     # The heavier integration tests, kept out of the quick suite, still run in CI.
     integration = next(
         line.split("#")[0].strip()

@@ -25,7 +25,9 @@ It prints one JSON object per line on stdout:
   whether the loaded state equals ``make_state(resumed)`` bit for bit; ``leftovers`` lists
   temporaries or trash still in the root.
 * ``{"event": "saving", "step"}`` before ``save`` (``node_main`` only);
-  ``{"event": "staged", "step", "tier"}`` when ``save`` returned; ``{"event": "committed", "step"}``
+  ``{"event": "staged", "step", "tier"}`` when ``save`` returned (``{"event": "skipped", ...}``
+  when it returned a skipped memory save, which holds nothing and does not count as a save);
+  ``{"event": "committed", "step"}``
   when a checkpoint committed (from the engine's ``on_commit``).
 * ``{"event": "save_failed", "type", "error"}`` when a save failed (the worker died, a fault
   raised), then it exits with code 3.
@@ -220,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                 tier = engine.due(step) if args.memory_every else "disk"
                 if tier is None:
                     continue
-                engine.save(step, state, tier=tier)
+                handle = engine.save(step, state, tier=tier)
+                if handle.skipped:  # a memory save with no free slot holds nothing: no promise
+                    emit(event="skipped", step=step, tier=tier)
+                    continue
                 emit(event="staged", step=step, tier=tier)
                 saves += 1
                 die = args.die_after_saves is not None and saves >= args.die_after_saves

@@ -30,12 +30,12 @@ def test_a_worker_failure_is_one_info_line_and_the_traceback_is_kept_not_printed
     assert "fault injected at before_rename" in lines[0].getMessage()
     # The worker's traceback: on the chained cause and at debug level ...
     tb = err.__cause__.worker_traceback
-    assert "Traceback" in tb and "worker.py" in tb and "before_rename" in tb
+    assert "Traceback" in tb and "worker/loop.py" in tb and "before_rename" in tb
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any(tb in m for m in debug), debug
     # ... but not in what Python prints for the exception left uncaught.
     printed = "".join(traceback.format_exception(err))
-    assert "worker.py" not in printed, printed
+    assert "worker/loop.py" not in printed, printed
     assert "worker_traceback" in printed  # where to find it is said
 
 

@@ -103,6 +103,14 @@ def test_a_state_grown_over_the_budget_drops_its_whole_buffers_before_the_chunks
     assert 0 < peak <= 40 * MiB, peak / MiB
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (neither gone nor a zombie); it may go between two reads."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def test_a_relayout_just_after_the_worker_died_fails_as_a_worker_death(tmp_path, monkeypatch):
     """Under a budget the old arenas' Drop is sent before the new ones are allocated, before
     the save waits for a worker: with the worker just killed and its death not yet handled,
@@ -124,10 +132,7 @@ def test_a_relayout_just_after_the_worker_died_fails_as_a_worker_death(tmp_path,
         e.save(1, _state(MiB // 4, 1)).committed_sync(60)
         pid = e.worker_pid
         os.kill(pid, signal.SIGKILL)
-        while (
-            Path(f"/proc/{pid}").exists()
-            and Path(f"/proc/{pid}/stat").read_text().split()[2] not in "ZX"
-        ):
+        while _alive(pid):
             time.sleep(0.001)
         try:
             e.save(2, _state(MiB // 4 + 1, 2)).committed_sync(120)  # another layout
