@@ -5,8 +5,8 @@ seconds on average, the training time between two saves that loses the least is 
 ``sqrt(2 Ts Tf)``; with a restart cost ``Tr`` (start-up and load), NVIDIA's refinement gives the
 period ``Tc = Ts + sqrt(2 (Tf + Tr) Ts + Ts^2)``, of which ``Tc - Ts`` is training
 (``work_between_saves``). ``choose`` turns that into step intervals for the memory tier (its
-save's blocking) and the disk (its save's blocking; never fewer steps than the disk write
-takes); ``AutoSchedule`` re-decides every few saves from moving measurements, changes an
+save's blocking; none when fewer than two memory saves would fit between disk saves) and the
+disk (its save's blocking; never fewer steps than the disk write takes); ``AutoSchedule`` re-decides every few saves from moving measurements, changes an
 interval only when the new one differs by more than ``HYSTERESIS``, and logs each change.
 Until it has measurements it keeps the user's intervals, and says so.
 """
@@ -26,6 +26,8 @@ RETUNE_EVERY = 4
 HYSTERESIS = 0.2
 #: The disk interval to measure from when the user gave none (``Schedule(mtbf=)`` alone).
 FIRST_DISK_EVERY = 20
+#: Memory saves are chosen only when at least this many fit between two disk saves.
+MEMORY_PER_DISK = 2
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,11 @@ def _steps(seconds: float, step_seconds: float) -> int:
 def choose(mtbf: float, m: Measured, fallback: Intervals) -> Intervals | None:
     """The intervals for ``m`` and ``mtbf``, or None while a measurement they need is missing.
 
-    The memory tier is scheduled only where the user scheduled it (``fallback.memory_every``);
-    the disk always. A disk interval is never shorter than the disk write (``disk_durable``
-    over the step time, rounded up): a save every step of a write that takes ten would only
-    queue."""
+    The memory tier is scheduled only where the user scheduled it (``fallback.memory_every``),
+    and only while at least ``MEMORY_PER_DISK`` memory saves fit between two disk saves (else
+    None: the disk alone); the disk always. A disk interval is never shorter than the disk
+    write (``disk_durable`` over the step time, rounded up): a save every step of a write that
+    takes ten would only queue."""
     step = m.step_seconds
     if step is None or step <= 0 or m.disk_cost is None:
         return None
@@ -79,6 +82,11 @@ def choose(mtbf: float, m: Measured, fallback: Intervals) -> Intervals | None:
     disk = _steps(work_between_saves(m.disk_cost, mtbf, m.restart), step)
     if m.disk_durable is not None:
         disk = max(disk, math.ceil(m.disk_durable / step))
+    if memory is not None and memory * MEMORY_PER_DISK > disk:
+        # A memory save blocks about as long as a disk save (both are the staging copy), so
+        # the formula puts them about as far apart: fewer than two memory saves between two
+        # disk saves cost their copies and host memory for next to no work saved.
+        memory = None
     return Intervals(disk, memory)
 
 

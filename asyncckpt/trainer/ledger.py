@@ -199,10 +199,11 @@ def auto_schedule(
     ``schedule`` (disk) and ``memory`` tier (their ``every_steps``)."""
     assert options.mtbf is not None
 
+    fallback = Intervals(options.every_steps, options.memory_every_steps)
+
     def apply(chosen: Intervals) -> None:
         schedule.every_steps = chosen.disk_every
-        if memory.every_steps is not None:
+        if fallback.memory_every is not None:  # (None for a while: the disk alone, chosen)
             memory.every_steps = chosen.memory_every
 
-    fallback = Intervals(options.every_steps, options.memory_every_steps)
     return AutoSchedule(options.mtbf, fallback, meter.measured, apply)

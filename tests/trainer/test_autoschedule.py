@@ -16,7 +16,7 @@ from asyncckpt.trainer.ledger import GoodputMeter
 FALLBACK = A.Intervals(50, 5)
 
 
-def measured(step=0.1, memory=0.05, disk=0.07, durable=2.0, restart=0.0) -> A.Measured:
+def measured(step=0.1, memory=0.01, disk=0.07, durable=2.0, restart=0.0) -> A.Measured:
     return A.Measured(step, memory, disk, durable, restart)
 
 
@@ -31,10 +31,32 @@ def test_the_intervals_in_steps():
     got = A.choose(1800.0, measured(), FALLBACK)
     assert got == A.Intervals(
         round(math.sqrt(2 * 1800 * 0.07 + 0.07**2) / 0.1),
-        round(math.sqrt(2 * 1800 * 0.05 + 0.05**2) / 0.1),
+        round(math.sqrt(2 * 1800 * 0.01 + 0.01**2) / 0.1),
     )
     # No memory tier scheduled by the user: none chosen.
     assert A.choose(1800.0, measured(), A.Intervals(50, None)).memory_every is None
+
+
+def test_no_memory_saves_where_fewer_than_two_fit_between_disk_saves(caplog):
+    # A memory save blocking 0.05 s against a disk save's 0.07 s: the formula puts them 134
+    # and 159 steps apart, one memory save per disk save at most: the disk alone.
+    got = A.choose(1800.0, measured(memory=0.05), FALLBACK)
+    assert got == A.Intervals(159, None)
+    # Where the disk write is long, the disk interval grows and memory saves fit again.
+    got = A.choose(1800.0, measured(memory=0.05, durable=30.0), FALLBACK)
+    assert got == A.Intervals(300, 134)
+    # The engine's side: memory saves stop, then start again when the costs move apart.
+    f = Fake(measured(memory=0.05))
+    auto = A.AutoSchedule(1800.0, FALLBACK, lambda: f.m, f.applied.append)
+    with caplog.at_level(logging.INFO, logger="asyncckpt"):
+        for _ in range(A.RETUNE_EVERY):
+            auto.saved()
+    assert f.applied[-1] == A.Intervals(159, None)
+    assert "to memory" not in caplog.records[-1].getMessage()
+    f.m = measured()
+    for _ in range(A.RETUNE_EVERY):
+        auto.saved()
+    assert f.applied[-1] == A.Intervals(159, 60)
 
 
 def test_no_choice_until_measured():
@@ -65,14 +87,16 @@ seconds = st.floats(min_value=1e-3, max_value=50.0)
 def test_properties(step, memory, disk, durable, restart, mtbf, factor):
     m = measured(step, memory, disk, durable, restart)
     got = A.choose(mtbf, m, FALLBACK)
-    assert got is not None and got.disk_every is not None and got.memory_every is not None
+    assert got is not None and got.disk_every is not None
     assert got.disk_every * step >= durable - 1e-9  # never a save before the last is written
-    assert got.disk_every >= 1 and got.memory_every >= 1
+    assert got.disk_every >= 1
+    # Memory saves only where two fit between disk saves.
+    assert got.memory_every is None or 1 <= got.memory_every * 2 <= got.disk_every
     longer = A.choose(mtbf * factor, m, FALLBACK)
     assert longer is not None and longer.disk_every is not None
-    assert longer.memory_every is not None
     assert longer.disk_every >= got.disk_every  # rarer failures: never more frequent saves
-    assert longer.memory_every >= got.memory_every
+    if got.memory_every is not None and longer.memory_every is not None:
+        assert longer.memory_every >= got.memory_every
 
 
 class Fake:
@@ -97,7 +121,7 @@ def test_it_keeps_the_users_intervals_until_measured_then_retunes_with_hysteresi
     assert auto.chosen and f.applied[-1] == first == auto.current
     assert "saving every" in caplog.records[-1].getMessage()
     # A 10% move of the cost is within the hysteresis: no change, no log line.
-    f.m = measured(disk=0.07 * 1.1, memory=0.05 * 1.1)
+    f.m = measured(disk=0.07 * 1.1, memory=0.01 * 1.1)
     n = len(caplog.records)
     for _ in range(A.RETUNE_EVERY):
         auto.saved()
@@ -159,3 +183,26 @@ def test_the_meter_counts_a_restarts_repeated_steps_from_the_ledger(tmp_path):
     assert abs(run.wasted_seconds - 3.7) < 1e-9
     _, total = meter.totals()
     assert total.runs == 2 and total.wasted_steps == 37
+
+
+def test_the_engine_takes_memory_saves_up_again_after_the_disk_alone():
+    """The engine's apply sets the memory tier's interval back once the choice has memory
+    saves again (it once skipped a tier whose interval was None, for good)."""
+    from types import SimpleNamespace
+
+    from asyncckpt import Schedule
+    from asyncckpt.trainer.ledger import auto_schedule
+
+    meter = SimpleNamespace(m=measured(memory=0.05))
+    meter.measured = lambda: meter.m
+    disk, memory = SimpleNamespace(every_steps=None), SimpleNamespace(every_steps=None)
+    options = Schedule(every_steps=50, memory_every_steps=5, mtbf=1800.0)
+    auto = auto_schedule(options, meter, disk, memory)
+    assert (disk.every_steps, memory.every_steps) == (50, 5)
+    for _ in range(A.RETUNE_EVERY):
+        auto.saved()
+    assert (disk.every_steps, memory.every_steps) == (159, None)
+    meter.m = measured()
+    for _ in range(A.RETUNE_EVERY):
+        auto.saved()
+    assert (disk.every_steps, memory.every_steps) == (159, 60)
