@@ -66,7 +66,9 @@ def log_unraised(err: SaveFailed, why: str) -> None:
 
 def _rebuild_error(info: dict[str, Any]) -> BaseException:
     if info.get("errno") is not None:
-        err: BaseException = OSError(info["errno"], info["message"])
+        # str() of the worker's OSError already starts with "[Errno N] ": said once.
+        message = str(info["message"]).removeprefix(f"[Errno {info['errno']}] ")
+        err: BaseException = OSError(info["errno"], message)
     else:
         err = RuntimeError(f"{info['type']}: {info['message']}")
     # Kept, not printed: as a note it filled the user's stderr with the worker's frames

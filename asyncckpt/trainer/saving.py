@@ -21,6 +21,7 @@ may block, which the async facade runs in a thread and the sync facade runs in p
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 import time
@@ -75,8 +76,7 @@ def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
     unknown = set(options) - set(SaveOptions.__annotations__)
     if unknown:
         raise TypeError(
-            f"save() got unexpected keyword argument(s) {sorted(unknown)}; it takes "
-            f"{sorted(SaveOptions.__annotations__)}"
+            f"save() got unexpected keyword argument(s) {sorted(unknown)}; {_hint(unknown)}"
         )
     overlap = options.get("overlap", False)
     if not isinstance(overlap, bool):
@@ -85,6 +85,21 @@ def check_save_options(options: Mapping[str, Any]) -> SaveOptions:
     if tier == "memory" and overlap:
         raise ValueError("a memory save copies while save() blocks: overlap=True is for disk")
     return SaveOptions(overlap=overlap, tier=tier)
+
+
+#: Every keyword ``save()`` takes, in its signature's order (the did-you-mean's choices).
+SAVE_KEYWORDS = ("step", "state", "metrics", "metadata", *SaveOptions.__annotations__)
+
+
+def _hint(unknown: Iterable[str]) -> str:
+    """The closest keyword to each of ``unknown`` (``metric``: ``metrics``), then all of them."""
+    close = {
+        name: match[0]
+        for name in sorted(unknown)
+        if (match := difflib.get_close_matches(name, SAVE_KEYWORDS, n=1))
+    }
+    said = "; ".join(f"did you mean {m!r} (not {n!r})?" for n, m in close.items())
+    return (said + " " if said else "") + f"save() takes {', '.join(SAVE_KEYWORDS)}"
 
 
 class WorkerPort(Protocol):
