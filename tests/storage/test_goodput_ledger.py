@@ -84,3 +84,18 @@ def test_the_file_round_trips_and_a_damaged_one_reads_as_none(tmp_path):
     (tmp_path / G.LEDGER_NAME).write_text("{not json")
     assert G.read_ledger(tmp_path) is None
     assert [p.name for p in tmp_path.iterdir()] == [G.LEDGER_NAME]  # no temporary left
+
+
+def test_the_on_disk_format_page_names_every_key_the_ledger_writes(tmp_path):
+    """The reference page's ledger section lists every key of the file as written."""
+    import re
+    from pathlib import Path
+
+    G.write_ledger(tmp_path, G.Ledger([run("a", 0.0, 10.0, step_seconds=0.1, resumed_step=3)]))
+    written = json.loads((tmp_path / G.LEDGER_NAME).read_text())
+    keys = set(written) | set(written["total"]) | set(written["runs"][0])
+    page = Path(__file__).parents[2] / "docs" / "reference" / "on-disk-format.md"
+    section = page.read_text().split("## The goodput ledger", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    assert keys <= named, sorted(keys - named)
+    assert G.LEDGER_NAME in page.read_text()
