@@ -10,11 +10,14 @@ imports the rest of the package (the manifest, the formats and ``LocalStore`` al
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import fcntl
 import os
 import shutil
+import socket
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -217,10 +220,27 @@ def lock_file(path: str | os.PathLike, *, wait: bool, note_pid: bool = False) ->
     except BaseException:
         os.close(fd)
         raise
-    if note_pid:
+    if note_pid:  # the pid first, on a line of its own (pinfile reads it), then host, since
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()}\n{socket.gethostname()}\n{time.time():.0f}\n".encode())
     return fd
+
+
+def lock_holder(path: str | os.PathLike) -> str:
+    """Who holds the lock file ``path`` as its note says: "pid 123 on host h since <time>",
+    or "a process that left no note" (it took it without ``note_pid``, or an older version)."""
+    try:
+        lines = Path(path).read_text().split()
+        pid = int(lines[0])
+    except (OSError, ValueError, IndexError):
+        return "a process that left no note"
+    said = f"pid {pid}"
+    if len(lines) > 1:
+        said += f" on host {lines[1]}"
+    if len(lines) > 2 and lines[2].isdigit():
+        when = datetime.datetime.fromtimestamp(int(lines[2])).isoformat(sep=" ")
+        said += f" since {when}"
+    return said
 
 
 def lock_dir(path: str | os.PathLike) -> int:
@@ -295,6 +315,7 @@ __all__ = [
     "link_tree",
     "held_locks",
     "lock_held",
+    "lock_holder",
     "lock_path",
     "locked_elsewhere",
     "makedirs",

@@ -79,8 +79,8 @@ def withdraw(root: str | os.PathLike, rank: int) -> None:
 def _holder_pid(root: Path, rank: int) -> int | None:
     """The pid ``rank<r>``'s lock file notes (its holder, when held); None if unreadable."""
     try:
-        return int(localfs.lock_path(root, f"rank{rank}").read_text().strip())
-    except (OSError, ValueError):
+        return int(localfs.lock_path(root, f"rank{rank}").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
         return None  # (being noted this instant, or never)
 
 

@@ -26,7 +26,7 @@ from asyncckpt.core import messages as M
 from asyncckpt.errors import CheckpointError, RootLocked, SaveFailed, WorkerDied, WriteTimeout
 from asyncckpt.io.throttle import AppliedThrottle
 from asyncckpt.storage.local import LocalStore
-from asyncckpt.storage.localfs import lock_path, unlock
+from asyncckpt.storage.localfs import lock_holder, lock_path, unlock
 from asyncckpt.worker.config import WorkerConfig
 from asyncckpt.worker.main import worker_main
 
@@ -317,9 +317,10 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
         time.sleep(0.02)
         fd = store.lock(f"rank{rank}", wait=False, note_pid=True)
     if fd is None:
+        holder = lock_holder(lock_path(root, f"rank{rank}"))
         raise RootLocked(
-            f"another CheckpointEngine (rank {rank}) is using {root}; "
-            "two engines must not write one root"
+            f"another CheckpointEngine (rank {rank}, {holder}) is using {root}; "
+            "two engines must not write one root: stop that one or pick another root"
         )
     # A worker orphaned by a killed trainer finishes the saves it had staged, bounded by
     # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
@@ -341,7 +342,8 @@ def _wait_for_orphan(
     told = False
     while (wfd := store.lock(holder, wait=False)) is None:
         if time.monotonic() > deadline:
-            raise RootLocked(f"a worker process still holds {lock_path(root, holder)}")
+            path = lock_path(root, holder)
+            raise RootLocked(f"a worker process ({lock_holder(path)}) still holds {path}")
         if not told:
             log.warning(
                 "waiting for the worker of an earlier trainer on %s: it is finishing "

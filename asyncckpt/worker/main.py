@@ -88,7 +88,7 @@ def worker_main(
         target=_watch_parent, args=(config.parent_pid, config.orphan_deadline_s), daemon=True
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
-    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True)
+    lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True, note_pid=True)
     if config.dist is not None and not config.dist.ranks_per_node:  # one shared root
         note_worker(config.root, config.rank, config.dist.token)
     skip_torch_save_crc()
