@@ -41,11 +41,13 @@ class StateModifiedWhileStaging(CheckpointError):
         self, keys: list[str], storage: list[str] | None = None, unseen: list[str] | None = None
     ) -> None:
         self.keys = list(keys)
+        """The tensors modified or moved, by their flattened keys (as in the checkpoint)."""
         self.storage = list(storage or [])
-        #: of ``keys``, those found by comparing bytes after an overlapped save's copy or a
-        #: chunked save's last chunk (no version counter moved: a write through ``.data``,
-        #: NumPy; bytecheck.py)
+        """Of ``keys``, those whose storage was freed, resized or replaced."""
         self.unseen = list(unseen or [])
+        """Of ``keys``, those found by comparing bytes after an overlapped save's copy or a
+        chunked save's last chunk (no version counter moved: a write through ``.data`` or
+        NumPy)."""
         moved = set(self.storage) | set(self.unseen)
         written = [k for k in self.keys if k not in moved]
         parts = []
@@ -68,6 +70,23 @@ class StateModifiedWhileStaging(CheckpointError):
 
 def _few(keys: list[str]) -> str:
     return ", ".join(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+
+
+class NotSerializable(CheckpointError, TypeError):
+    """An entry of the state cannot be saved: it is neither a tensor nor a value that pickles
+    (a lambda, a lock, an open file, a generator). Raised by ``save`` before anything is
+    written. ``key`` is the entry's path in the state (dotted, as in the checkpoint),
+    ``type_name`` its type. A ``TypeError`` too, for callers that caught that before."""
+
+    def __init__(self, message: str, key: str | None = None, type_name: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        """The entry's path in the state, dotted as in the checkpoint (``"extra.fn"``)."""
+        self.type_name = type_name
+        """The entry's type (``"function"``, ``"_thread.lock"``)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.key, self.type_name))
 
 
 class StagingMemoryError(CheckpointError, MemoryError):
@@ -94,13 +113,14 @@ class NoValidCheckpoint(CheckpointError):
 class AllCheckpointsQuarantined(NoValidCheckpoint):
     """Every checkpoint of the root was found damaged and moved into its quarantine: nothing
     is left to resume from, and ``load_latest`` will not start from scratch in silence.
-    ``quarantined`` lists them (``prune.Quarantined``: where each is, why). Repair one and move
+    ``quarantined`` lists them (where each is, why). Repair one and move
     it back to its old name to resume from it, or ``asyncckpt.start_fresh(root)`` to start
     from scratch on purpose."""
 
     def __init__(self, message: str, quarantined: list[Any] | None = None) -> None:
         super().__init__(message)
         self.quarantined = list(quarantined or [])
+        """The quarantined checkpoints: where each one is now, and why it was moved."""
 
 
 class UploadFailed(SaveFailed):

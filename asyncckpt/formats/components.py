@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncckpt.core import layout as _layout
-from asyncckpt.errors import StateMismatch
+from asyncckpt.errors import NotSerializable, StateMismatch
 from asyncckpt.formats import check_format, format_names, format_of, get_format, prepare_part
 from asyncckpt.formats.base import LegacyRanks, Prepared, SaveOptions
 from asyncckpt.storage.commit import write_synced
@@ -260,6 +260,9 @@ def prepare(spec: Mapping[str, Component], state: Any, *, rank: int, legacy: Any
         )
         try:
             part = prepare_part(get_format(c.format), state[name], options)
+        except NotSerializable as e:
+            key = f"{name}.{e.key}" if e.key else name
+            raise NotSerializable(f"component {name!r}: {e}", key, e.type_name) from e
         except (TypeError, ValueError) as e:
             raise type(e)(f"component {name!r}: {e}") from e
         p = prefix(name)

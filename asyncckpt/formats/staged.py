@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from asyncckpt.core.tree import is_stateful
+from asyncckpt.errors import NotSerializable
 from asyncckpt.formats import (  # noqa: F401 - format_of, prepare_part and FORMAT_KEY are names of this module too
     _UNIMPORTABLE_IN_WORKER,
     FORMAT_KEY,
@@ -44,6 +45,7 @@ from asyncckpt.formats.base import (
     Verify,
     WriteOptions,
 )
+from asyncckpt.staging.arenas import type_name
 
 
 def legacy_ranks(rank: int, world_size: int, given: Any = None) -> LegacyRanks:
@@ -132,12 +134,13 @@ def state_dicts(x: Any) -> Any:
     return x
 
 
-def _main_reference_entry(state: Any) -> str:
-    """The dotted path of the first entry of ``state`` whose pickle refers to ``__main__``."""
+def _failing_entry(state: Any, *, main_only: bool) -> tuple[str, Any]:
+    """The dotted path and value of the first entry of ``state`` whose pickle fails (or, with
+    ``main_only``, refers to ``__main__``); ``("<root>", state)`` where no single one does."""
 
-    def visit(x: Any, path: str) -> str | None:
+    def visit(x: Any, path: str) -> tuple[str, Any] | None:
         if type(x).__module__ in _UNIMPORTABLE_IN_WORKER:
-            return path
+            return path, x
         if isinstance(x, dict):
             items: Any = x.items()
         elif isinstance(x, (list, tuple)):
@@ -146,9 +149,9 @@ def _main_reference_entry(state: Any) -> str:
             try:
                 _TensorRefPickler(io.BytesIO(), {}).dump(x)
             except _MainReference:
-                return path
-            except Exception:  # noqa: BLE001 - only looking for the __main__ reference
-                return None
+                return path, x
+            except Exception:  # noqa: BLE001 - pickle raises many types
+                return None if main_only else (path, x)
             return None
         for k, v in items:
             found = visit(v, f"{path}.{k}" if path else str(k))
@@ -156,7 +159,8 @@ def _main_reference_entry(state: Any) -> str:
                 return found
         return None
 
-    return visit(state, "") or "<root>"
+    found = visit(state, "")
+    return found if found is not None and found[0] else ("<root>", state)
 
 
 def pickle_with_refs(state: Any, what: str) -> tuple[bytes, dict[str, torch.Tensor]]:
@@ -167,15 +171,27 @@ def pickle_with_refs(state: Any, what: str) -> tuple[bytes, dict[str, torch.Tens
     try:
         _TensorRefPickler(buf, tensors).dump(state)
     except _MainReference as e:
-        entry = _main_reference_entry(state)
-        raise TypeError(
-            f"state entry {entry!r} refers to {e.name}, defined in the trainer's __main__: "
+        entry, leaf = _failing_entry(state, main_only=True)
+        kind = type_name(leaf)
+        raise NotSerializable(
+            f"state entry {entry!r} ({kind}) refers to {e.name}, defined in the trainer's "
+            "__main__: "
             f"the worker writing {what} (a spawned process that does not run the "
             "trainer's script) could not unpickle it; define it in an importable module "
-            "or save plain values"
+            "or save plain values; nothing was written",
+            key=entry,
+            type_name=kind,
         ) from None
-    except Exception as e:
-        raise TypeError(f"the state cannot be pickled for {what}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - pickle raises many types
+        entry, leaf = _failing_entry(state, main_only=False)
+        kind = type_name(leaf)
+        raise NotSerializable(
+            f"state entry {entry!r} ({kind}) cannot be pickled for {what}: {e}; save plain "
+            "values (tensors, numbers, strings, containers of them) or leave it out of the "
+            "state; nothing was written",
+            key=entry,
+            type_name=kind,
+        ) from e
     return buf.getvalue(), tensors
 
 

@@ -25,7 +25,7 @@ from asyncckpt import faults
 from asyncckpt._torch import foreach_copy_, host_register, host_unregister, version_counters
 from asyncckpt.core.cachekeys import arena_key, same_key
 from asyncckpt.core.savejob import TensorSpec
-from asyncckpt.errors import StagingMemoryError, StateModifiedWhileStaging
+from asyncckpt.errors import NotSerializable, StagingMemoryError, StateModifiedWhileStaging
 from asyncckpt.staging.copyruns import SmallCopyPlan, empty_plan
 
 #: Alignment of every tensor inside an arena (cache line; keeps vectorised copies fast).
@@ -48,12 +48,24 @@ def serialize_objects(objects: dict[str, Any]) -> dict[str, bytes]:
         buf = io.BytesIO()
         try:
             torch.save(obj, buf)
-        except Exception as e:
-            raise TypeError(
-                f"state entry {fqn!r} ({type(obj).__name__}) cannot be saved: {e}"
+        except Exception as e:  # noqa: BLE001 - pickle raises many types
+            kind = type_name(obj)
+            raise NotSerializable(
+                f"state entry {fqn!r} ({kind}) cannot be saved: {e}; save plain values "
+                "(tensors, numbers, strings, containers of them) or leave it out of the "
+                "state; nothing was written",
+                key=fqn,
+                type_name=kind,
             ) from e
         out[fqn] = buf.getvalue()
     return out
+
+
+def type_name(obj: Any) -> str:
+    """``obj``'s type as a user would write it: ``function``, ``_thread.lock``, ``mod.Cls``."""
+    cls = type(obj)
+    module = getattr(cls, "__module__", "builtins")
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
 
 
 #: Two states with the same key share staging arenas (``cachekeys`` says what each cache covers).
