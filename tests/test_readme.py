@@ -51,7 +51,7 @@ def test_setup_commands_are_what_ci_runs():
         line.split("#")[0].strip()
         for b in blocks("bash")
         for line in b.splitlines()
-        if "-m integration" in line
+        if '-m "integration' in line
     )
     assert integration in ci and "not integration" in tests
     # The example's command runs in a fresh venv with no extras: an undeclared import fails it.
