@@ -46,18 +46,21 @@ def _optional_int(name: str, value: Any, minimum: int) -> None:
 @dataclass(frozen=True)
 class Schedule:
     """When ``should_save`` answers yes: every ``every_steps`` steps, every ``every_seconds``
-    seconds, or whichever comes first (``retention.SaveSchedule`` has the exact rules).
-
-    ``mtbf``: the mean time between failures, in seconds: the engine then chooses
-    ``every_steps`` and ``memory_every_steps`` itself (Young/Daly, from the step time and the
-    saves' cost it measures: trainer/autoschedule.py), starting from the ones given here until
-    it has measured them (docs/how-to/goodput.md)."""
+    seconds, or whichever comes first; with ``mtbf``, at the intervals the engine chooses
+    from what it measures."""
 
     every_steps: int | None = None
+    """Save every this many steps (None: not by steps)."""
     every_seconds: float | None = None
-    #: ``engine.due(step)`` answers "memory" every this many steps (memory_tier.py)
+    """Save every this many seconds of wall time (None: not by time)."""
     memory_every_steps: int | None = None
+    """``engine.due(step)`` answers ``"memory"`` every this many steps: a save to the
+    memory tier (None: never)."""
     mtbf: float | None = None
+    """The mean time between failures, in seconds: the engine then chooses ``every_steps``
+    and ``memory_every_steps`` itself (Young/Daly, from the step time and the saves' cost it
+    measures), starting from the ones given here until it has measured them (None: it
+    does not)."""
 
     def __post_init__(self) -> None:
         self.make()  # SaveSchedule checks the fields (types and ranges)
@@ -79,10 +82,14 @@ class Retention:
     below the newest one anyway (resuming an older run beside a newer one's checkpoints)."""
 
     scope: str = "all"
+    """Which checkpoints ``keep=`` may delete: ``"all"`` committed ones, or only those this
+    ``"run"`` wrote."""
     keep_resumed: str = "until_newer"
-    #: accept a step lower than the newest committed or in-flight one (the tracker keeps
-    #: naming the newest); by default such a step is refused before anything is written
+    """How long the checkpoint this engine resumed from is protected from pruning:
+    ``"until_newer"`` checkpoints commit, or the whole ``"run"``."""
     allow_older_steps: bool = False
+    """Accept a step lower than the newest committed or in-flight one (the tracker keeps
+    naming the newest); by default such a step is refused before anything is written."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.allow_older_steps, bool):
@@ -99,28 +106,32 @@ class Retention:
 
 @dataclass(frozen=True)
 class Distributed:
-    """Several ranks on one root. Every field defaults to what torch.distributed says.
-
-    ``rank``/``world_size`` (None: torch.distributed's, else 0 and 1), ``local_rank`` (None:
-    ``$LOCAL_RANK``, else the rank). ``node_rank``/``ranks_per_node``: which node this rank is on
-    and how many ranks each node runs (None: torchrun's ``$GROUP_RANK``/``$LOCAL_WORLD_SIZE``,
-    else one node holding every rank); several nodes may be simulated on one machine.
-    ``store=(host, port)``: where rank 0 hosts the side store
-    when no process group is initialised, ``timeout``: how long workers wait for each other per
-    save, ``storage``: ``"shared"`` root (rank 0 prunes) or ``"local"`` node disks (each node's
-    local rank 0 prunes), ``legacy_ranks``: megatron_legacy's tp/pp ranks
-    (``formats.staged.LegacyRanks`` or a dict of its fields).
-    """
+    """Several ranks on one root. Every field defaults to what torch.distributed (or
+    torchrun's environment) says; several nodes may be simulated on one machine."""
 
     rank: int | None = None
+    """This rank (None: torch.distributed's, else 0)."""
     world_size: int | None = None
+    """How many ranks save together (None: torch.distributed's, else 1)."""
     local_rank: int | None = None
+    """This rank's index on its node (None: ``$LOCAL_RANK``, else the rank)."""
     node_rank: int | None = None
+    """Which node this rank is on (None: torchrun's ``$GROUP_RANK``, else 0)."""
     ranks_per_node: int | None = None
+    """How many ranks each node runs (None: torchrun's ``$LOCAL_WORLD_SIZE``, else every
+    rank on one node)."""
     store: tuple[str, int] | None = None
+    """``(host, port)`` where rank 0 hosts the workers' side store when no process group is
+    initialised (None: found through the process group)."""
     timeout: float = 600.0
+    """How long, in seconds, the workers wait for each other in each save."""
     storage: str = "shared"
+    """``"shared"``: one root every rank sees (rank 0 prunes); ``"local"``: each node's own
+    disk (each node's local rank 0 prunes)."""
     legacy_ranks: Any = None
+    """The ``megatron_legacy`` format's tensor- and pipeline-parallel ranks (a
+    ``LegacyRanks`` or a dict of its fields; None: Megatron's ``parallel_state`` if
+    initialised, else one directory per rank)."""
 
     def __post_init__(self) -> None:
         _optional_int("rank", self.rank, 0)
@@ -145,7 +156,10 @@ class Preemption:
     (``engine.preempted``) instead of terminating as SIGTERM would."""
 
     handle_sigterm: bool = True
+    """On SIGTERM, drain the staged saves and ask the schedule for one last save."""
     final_save: bool = False
+    """Then let the loop make that save (``engine.preempted`` says when) instead of
+    terminating as SIGTERM would."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -160,7 +174,11 @@ class ObjectStore:
     committed before upload (default: ``$ASYNCCKPT_SPOOL`` or the temp dir)."""
 
     storage_options: Mapping[str, Any] | None = None
+    """Passed to fsspec for the URL's filesystem: the endpoint, credentials, region (None:
+    fsspec's defaults and the environment's credentials)."""
     spool: str | os.PathLike | None = None
+    """The local directory where steps are written and committed before their upload (None:
+    ``$ASYNCCKPT_SPOOL``, else the temporary directory)."""
 
     def __post_init__(self) -> None:
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
@@ -171,25 +189,26 @@ class ObjectStore:
 
 @dataclass(frozen=True)
 class MemoryTier:
-    """The memory tier (``save(step, state, tier="memory")``; its schedule is
-    ``Schedule(memory_every_steps=)``). ``persist_on_close``: leaving the engine writes the
-    newest memory save to disk as well (by default only a trainer's death or SIGTERM does).
-    ``replicas``: 0, or 1 to have each memory save sent by the worker to the worker of the same
-    local rank on the next node, which holds it (a whole node's loss then keeps the newest
-    memory step: replication.py); several nodes needed (a shared root, or node-local roots
-    with ``Distributed(storage="local")``, where a replacement node fetches its replica at
-    load: local_load.py).
-    ``hold_seconds``: when the trainer dies, its worker (once it has committed what it was
-    writing) keeps the newest step it wrote in its shared memory this long, so that a new
-    engine on the same root, node and rank loads it from there (a hot resume: checked against
-    the manifest's checksums, else read from disk; ``last_load_report.source`` says which);
-    freed as soon as a new engine took it. None (the default): 30 s, only for a memory save
-    the worker persisted after the death and only where the node has room for a new trainer's
-    staging beside it (said in the log when not; hot_serve.py). 0: the worker exits at once."""
+    """The memory tier: ``save(step, state, tier="memory")`` keeps the step in the worker's
+    memory; its schedule is ``Schedule(memory_every_steps=)``."""
 
     persist_on_close: bool = False
+    """Leaving the engine writes the newest memory save to disk as well (by default only a
+    trainer's death or SIGTERM does)."""
     replicas: int = 0
+    """0, or 1 to have each memory save sent by the worker to the worker of the same local
+    rank on the next node, which holds it (a whole node's loss then keeps the newest memory
+    step). Needs several nodes: a shared root, or node-local roots with
+    ``Distributed(storage="local")``, where a replacement node fetches its replica at
+    load."""
     hold_seconds: float | None = None
+    """When the trainer dies, its worker (once it has committed what it was writing) keeps
+    the newest step it wrote in its shared memory this long, so that a new engine on the same
+    root, node and rank loads it from there (a hot resume: checked against the manifest's
+    checksums, else read from disk; ``last_load_report.source`` says which); freed as soon as
+    a new engine took it. None: 30 s, only for a memory save the worker persisted after the
+    death and only where the node has room for a new trainer's staging beside it (said in the
+    log when not). 0: the worker exits at once."""
 
     def __post_init__(self) -> None:
         if type(self.replicas) is not int or self.replicas not in (0, 1):
@@ -211,37 +230,36 @@ MIN_HOST_BYTES = 4096
 
 @dataclass(frozen=True)
 class Staging:
-    """The host memory ``save`` stages into (staging.py), and how many saves it holds.
+    """The host memory ``save`` stages into, and how many saves it holds."""
 
-    ``max_in_flight``: saves written at once; each holds one copy of the state in shared
-    (pinned, on a GPU machine) host memory until its shards are written, and a save beyond
-    them waits for the oldest to be written (back-pressure, reported as ``wait_seconds``).
-    ``max_host_bytes``: the most host memory the disk saves' staging buffers may take,
-    together (all ``max_in_flight`` copies); None: no cap beyond what the machine has. A state
-    whose staging would exceed it is staged in chunks through the budget (chunked.py): two
+    max_host_bytes: int | None = None
+    """The most host memory the disk saves' staging buffers may take, together (all
+    ``max_in_flight`` copies); None: no cap beyond what the machine has. At least 4096 bytes
+    (a page).
+
+    A state whose staging would exceed it is staged in chunks through the budget: two
     buffers of about half of it, the worker writing one chunk while ``save`` copies the next;
     ``save`` returns once the last chunk is copied (one snapshot: its stall grows with state /
     budget), and nothing is committed unless every chunk was written. Where chunks cannot be
     used (``overlap=True``, ``max_in_flight`` > 1, a memory-tier save, the megatron format,
     DTensors, a row of a tensor larger than a chunk) such a state is refused with
-    ``StagingMemoryError`` before anything is written, never left to the OOM killer. At least
-    ``MIN_HOST_BYTES`` (a page). The memory tier's own copies (``MemoryTier``) are not counted
-    here, and once it is on a disk save is written from one of them (two copies serve both
-    tiers: memory_tier.py), so this budget bounds nothing then.
-    ``differential``: a shard file whose bytes would be the previous checkpoint's
-    (fingerprinted with xxh3-128 from the staged bytes, never from version counters) is a hard
-    link to that file instead of written again; every checkpoint stays whole (pruning the older
-    one unlinks a name, not the bytes). DCP and megatron's ``torch_dist`` (its shards are DCP
-    files); the one-file formats (``megatron_legacy``, ``pt``) write every file (a log line
-    says so). A file is read and checked against its checksum before it is linked. It also
-    spares the copy: a tensor of 1 MiB or more whose bytes the staging slot already holds
-    (fingerprinted where the tensor lives; counters only pick what is worth fingerprinting) is
-    not copied again (unchanged.py).
-    """
-
-    max_host_bytes: int | None = None
+    ``StagingMemoryError`` before anything is written, never left to the OOM killer. The
+    memory tier's own copies (``MemoryTier``) are not counted here, and once it is on a disk
+    save is written from one of them (two copies serve both tiers), so this budget bounds
+    nothing then."""
     max_in_flight: int = 1
+    """Saves written at once; each holds one copy of the state in shared (pinned, on a GPU
+    machine) host memory until its shards are written, and a save beyond them waits for the
+    oldest to be written (back-pressure, reported as ``SaveStats.wait_seconds``)."""
     differential: bool = True
+    """A shard file whose bytes would be the previous checkpoint's (fingerprinted with
+    xxh3-128 from the staged bytes, never from version counters) is a hard link to that file
+    instead of written again; every checkpoint stays whole (pruning the older one unlinks a
+    name, not the bytes). DCP and megatron's ``torch_dist`` (its shards are DCP files); the
+    one-file formats (``megatron_legacy``, ``pt``) write every file (a log line says so). A
+    file is read and checked against its checksum before it is linked. It also spares the
+    copy: a tensor of 1 MiB or more whose bytes the staging buffer already holds
+    (fingerprinted where the tensor lives) is not copied again."""
 
     def __post_init__(self) -> None:
         # Below a page there is no room for chunked staging's two buffers and header.

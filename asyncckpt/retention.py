@@ -55,16 +55,24 @@ class CheckpointInfo:
     """What a policy may look at: one committed checkpoint, as its manifest describes it."""
 
     step: int
+    """The checkpoint's step."""
     committed_at: float
+    """Unix time at which it committed."""
     metrics: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """The metrics its ``save(..., metrics={...})`` reported (what ``KeepBest`` ranks by)."""
     size_bytes: int = 0
+    """Its size on disk, in bytes."""
     run_id: str | None = None
+    """The run (engine) that wrote it (what ``Retention(scope="run")`` looks at)."""
     path: Path | None = None
-    #: the user's ``save(..., metadata={...})``: a small JSON object, {} if none
+    """Its directory."""
     metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: "memory" for a memory-tier checkpoint written by its worker (memory_tier.py), and why
+    """The user's ``save(..., metadata={...})``: a small JSON object, {} if none."""
     tier: str = "disk"
+    """``"disk"``, or ``"memory"`` for a memory-tier save its worker wrote to disk."""
     persisted_because: str | None = None
+    """For a memory-tier save written to disk by its worker: why (the trainer's death,
+    SIGTERM, ``persist_on_close``)."""
 
     @classmethod
     def from_manifest(cls, data: Mapping[str, Any], path: Path | None = None) -> CheckpointInfo:
@@ -153,6 +161,7 @@ class Union(RetentionPolicy):
     """Keeps what any of its policies keeps (built by ``a | b``)."""
 
     policies: tuple[RetentionPolicy, ...]
+    """The policies joined, in order."""
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         for p in policies:
@@ -189,6 +198,7 @@ class KeepLast(RetentionPolicy):
     """The ``n`` highest steps. ``KeepLast(0)`` keeps nothing beyond what is always protected."""
 
     n: int
+    """How many of the highest steps to keep (0 or more)."""
 
     def __post_init__(self) -> None:
         _check_count("KeepLast n", self.n)
@@ -215,10 +225,17 @@ class KeepBest(RetentionPolicy):
     """
 
     n: int
+    """How many of the best checkpoints to keep (0 or more)."""
     metric: str
+    """The name of the metric to rank by, as passed in ``save(..., metrics={...})``."""
     mode: str = "min"
+    """``"min"``: the lowest values are best (a loss); ``"max"``: the highest (an
+    accuracy)."""
     missing: str = "drop"
+    """What this policy does with checkpoints that lack the metric: ``"drop"`` (does not
+    keep them) or ``"keep"`` (keeps all of them, beside the ``n`` best)."""
     ties: str = "newer"
+    """Which of equally good checkpoints wins a last place: ``"newer"`` or ``"older"``."""
 
     def __post_init__(self) -> None:
         _check_count("KeepBest n", self.n)
@@ -279,7 +296,10 @@ class KeepEvery(RetentionPolicy):
     """
 
     steps: int
+    """The spacing of the milestones, in steps (1 or more)."""
     exact: bool = True
+    """True: every step divisible by ``steps``; False: each checkpoint at least ``steps``
+    steps after the last one kept."""
 
     def __post_init__(self) -> None:
         _check_count("KeepEvery steps", self.steps, minimum=1)
@@ -317,6 +337,7 @@ class KeepInterval(RetentionPolicy):
     """
 
     seconds: float
+    """The least commit time between two checkpoints kept, in seconds (finite, > 0)."""
 
     def __post_init__(self) -> None:
         s = self.seconds
@@ -343,6 +364,7 @@ class KeepSteps(RetentionPolicy):
     """Exactly the listed steps, when they exist (hand-picked checkpoints to keep)."""
 
     steps: frozenset[int]
+    """The steps to keep, given as any iterable of ints."""
 
     def __init__(self, steps: Iterable[int]) -> None:
         if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):

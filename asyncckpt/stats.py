@@ -24,83 +24,110 @@ from asyncckpt.storage.prune import detect_layout
 
 @dataclass
 class SaveStats:
+    """The figures of one save: what ``handle.stats`` holds once it committed, what
+    ``on_commit`` is called with, and what its manifest records (``read_stats`` reads them
+    back). Times are seconds, sizes bytes; a figure of a feature the save did not use is 0
+    (or None)."""
+
     step: int
-    #: seconds ``save`` blocked copying the state into the staging arenas
+    """The training step saved (the ``N`` of its directory's name, ``global_step_N``)."""
     stage_seconds: float = 0.0
-    #: seconds ``save`` waited for a free staging buffer (back-pressure; for a state staged in
-    #: chunks, also for the worker to write a chunk and free its buffer)
+    """Seconds ``save`` blocked copying the state into the staging buffers."""
     wait_seconds: float = 0.0
-    #: chunks the state was staged in: 0 where it fit ``Staging(max_host_bytes=)`` whole
+    """Seconds ``save`` waited for a free staging buffer (back-pressure; for a state staged
+    in chunks, also for the worker to write a chunk and free its buffer)."""
     chunks: int = 0
-    #: an overlapped save (``overlap=True``): ``stage_seconds`` ran behind the training loop
+    """Chunks the state was staged in: 0 where it fit ``Staging(max_host_bytes=)`` whole."""
     overlapped: bool = False
-    #: overlapped: seconds the loop waited in ``handle.staged()`` / the optimizer hook
+    """An overlapped save (``overlap=True``): ``stage_seconds`` ran behind the training
+    loop."""
     staged_wait_seconds: float = 0.0
-    #: seconds allocating arenas (first save of a layout; 0 once ``prepare`` ran)
+    """Overlapped saves: seconds the loop waited in ``handle.staged()`` or the optimizer
+    hook."""
     alloc_seconds: float = 0.0
-    #: seconds the worker spent writing and fsyncing the shards
+    """Seconds allocating the staging buffers (the first save of a state's layout; 0 once
+    ``prepare`` ran)."""
     write_seconds: float = 0.0
-    #: seconds for manifest, rename and tracker
+    """Seconds the worker spent writing and fsyncing the shards."""
     commit_seconds: float = 0.0
-    #: seconds of ``write_seconds`` the worker held its writes for ``pause_writes`` regions
+    """Seconds for the manifest, the rename and the tracker file."""
     paused_seconds: float = 0.0
-    #: seconds from the ``save`` call to the commit (durable: renamed, fsynced, tracker)
+    """Seconds of ``write_seconds`` the worker held its writes for ``pause_writes``
+    regions."""
     durable_seconds: float | None = None
-    #: wall time the worker held this save's writes: the rate cap and ``pause_writes`` regions
-    #: (in a multi-rank save, the committing worker's: rank 0's, or a node leader's)
+    """Seconds from the ``save`` call to the commit (durable: renamed, fsynced, tracker
+    written)."""
     throttled_seconds: float = 0.0
-    #: shard files the worker wrote at once (``ThrottleConfig(io_threads=)``): what its
-    #: writers ran, which may be fewer than set or chosen under ``"auto"`` (fewer shard files,
-    #: a one-file format); in a multi-rank save the committing worker's; 0 where none reported
+    """Wall time the worker held this save's writes: the rate cap and ``pause_writes``
+    regions (in a multi-rank save, the committing worker's: rank 0's, or a node leader's)."""
     io_threads: int = 0
-    #: with ``durable_within``: seconds into the save at which the worker escalated (None:
-    #: it did not need to), and the levers it released
+    """Shard files the worker wrote at once (``ThrottleConfig(io_threads=)``): what its
+    writers ran, which may be fewer than set, or chosen under ``"auto"`` (fewer shard files,
+    a one-file format); in a multi-rank save the committing worker's; 0 where none
+    reported."""
     escalated_after_seconds: float | None = None
+    """With ``durable_within``: seconds into the save at which the worker escalated (None:
+    it did not need to)."""
     escalations: list[str] = field(default_factory=list)
-    #: bytes written (all files of the checkpoint)
+    """With ``durable_within``: the levers the worker released when it escalated."""
     bytes: int = 0
-    #: bytes staged (tensor data)
+    """Bytes written: all files of the checkpoint."""
     staged_bytes: int = 0
-    #: unix time at which the checkpoint committed
+    """Bytes staged: the tensors' data."""
     committed_at: float | None = None
+    """Unix time at which the checkpoint committed."""
     path: str | None = None
-    #: unix time of the ``save`` call
+    """The committed checkpoint's directory."""
     saved_at: float | None = None
-    #: with a remote tier: seconds publishing to the object store, bytes sent, and where
+    """Unix time of the ``save`` call."""
     upload_seconds: float = 0.0
+    """With a remote tier: seconds publishing the checkpoint to the object store."""
     uploaded_bytes: int = 0
+    """With a remote tier: bytes sent to the object store."""
     remote_path: str | None = None
-    #: with an ``HFExport`` due at this step: seconds writing it, and where
+    """With a remote tier: where the checkpoint was published (its URL)."""
     export_seconds: float = 0.0
+    """With an ``HFExport`` due at this step: seconds writing it."""
     export_path: str | None = None
-    #: records of small tensors written by ``torch.save`` because no template could be proven
-    #: for their layout on this torch (correct, slower; logged once); rank 0's own
+    """With an ``HFExport`` due at this step: where it was written."""
     records_fallbacks: int = 0
-    #: differential saves (``Staging(differential=True)``), over every rank of the step: shard
-    #: bytes not written because their file is a hard link to the previous checkpoint's, shard
-    #: bytes written, files linked, seconds fingerprinting the staged bytes (the slowest rank's), and links tried
-    #: and not made (the previous checkpoint gone, its fingerprints failing their checksum,
-    #: another filesystem: written instead, each with an INFO line from the worker)
+    """Small tensors written one by one with ``torch.save`` because no faster layout could
+    be proven for them on this torch (correct, slower; logged once); rank 0's own."""
     bytes_skipped: int = 0
+    """Differential saves (``Staging(differential=True)``), over every rank of the step:
+    shard bytes not written because their file is a hard link to the previous
+    checkpoint's."""
     bytes_written: int = 0
+    """Differential saves, over every rank of the step: shard bytes written (the files not
+    linked)."""
     files_linked: int = 0
+    """Differential saves, over every rank of the step: shard files hard-linked to the
+    previous checkpoint's instead of written."""
     fingerprint_seconds: float = 0.0
+    """Differential saves: seconds the worker spent fingerprinting the staged bytes (the
+    slowest rank's)."""
     link_fallbacks: int = 0
-    #: of the bytes the worker fingerprinted, those whose digest it took from the trainer's
-    #: copy-skipping (large CPU tensors, hashed once per save, not twice)
+    """Differential saves: links tried and not made, the file written instead (the previous
+    checkpoint gone, its fingerprints failing their checksum, another filesystem), each with
+    an INFO line from the worker."""
     fingerprint_reused_bytes: int = 0
-    #: differential saves, the copy (this rank's, ``save``'s own time): tensor bytes not copied
-    #: into the staging slot because it held them already (fingerprinted where they live),
-    #: seconds of ``stage_seconds`` spent fingerprinting, and large tensors that could not be
-    #: fingerprinted (strided: copied, never skipped)
+    """Of the bytes the worker fingerprinted, those whose digest it took from the copy's own
+    fingerprints (large CPU tensors, hashed once per save, not twice)."""
     copy_skipped_bytes: int = 0
+    """Differential saves, the copy (this rank's, in ``save``'s own time): tensor bytes not
+    copied into the staging buffer because it held them already (fingerprinted where they
+    live)."""
     copy_fingerprint_seconds: float = 0.0
+    """Differential saves: seconds of ``stage_seconds`` spent fingerprinting tensors to skip
+    their copy."""
     copy_skip_fallbacks: int = 0
-    #: overlapped saves: seconds spent comparing the CPU tensors' bytes with the staged ones
-    #: after the copy (the torn-state check from the bytes, bytecheck.py), in the background;
-    #: saves staged in chunks: the compare of the sources with the staged bytes' fingerprints
-    #: once the last chunk is copied (part of the stall)
+    """Differential saves: large tensors that could not be fingerprinted (strided), copied
+    and never skipped."""
     copy_check_seconds: float = 0.0
+    """Overlapped saves: seconds spent in the background comparing the CPU tensors' bytes
+    with the staged ones after the copy (the check that no tensor changed while it was
+    copied); saves staged in chunks: the compare of the sources with the staged bytes'
+    fingerprints once the last chunk is copied (part of the stall)."""
 
     @property
     def blocked_seconds(self) -> float:
@@ -111,6 +138,8 @@ class SaveStats:
 
     @property
     def throughput_bytes_per_s(self) -> float:
+        """``bytes`` over ``write_seconds``: the worker's write rate (0 where nothing was
+        timed)."""
         return self.bytes / self.write_seconds if self.write_seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
