@@ -174,3 +174,16 @@ def test_examples_render_as_code_not_quotes(site, name):
     assert not any(re.search(r"\b(?:await|async with|engine\.)", q) for q in built.quoted), name
     if name == "api":  # the engine's own example, as a Python console session
         assert any(">>> engine = CheckpointEngine(" in c for c in built.code_blocks())
+
+
+def test_doctest_runs_are_fenced_and_fences_left_alone():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("griffe_doctest", REPO / "scripts" / "griffe_doctest.py")  # fmt: skip
+    assert spec is not None and spec.loader is not None
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    text = "Intro.\n>>> x = 1\n... y = 2\n3\n\nAfter.\n```python\n>>> kept\n```"
+    assert ext.fence_doctests(text) == (
+        "Intro.\n\n```pycon\n>>> x = 1\n... y = 2\n3\n```\n\nAfter.\n```python\n>>> kept\n```"
+    )
