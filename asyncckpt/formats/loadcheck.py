@@ -53,8 +53,8 @@ class LoadReport:
     tool; ``asyncckpt.formats.records.fallbacks`` has the reasons);
     ``source``: ``"disk"``, or ``"memory"`` for a hot resume from the shared memory of a worker
     that outlived its trainer (``MemoryTier(hold_seconds=)``), or ``"replica"`` on node-local
-    roots where this rank's node fetched the step from a peer's replica at this load
-    (local_load.py); ``source_reason``: why a hot resume was not taken, when one was offered
+    roots where this rank's node fetched the step from a peer's replica at this load;
+    ``source_reason``: why a hot resume was not taken, when one was offered
     or could have been, or on node-local roots which step every rank loads and where from.
     """
 
