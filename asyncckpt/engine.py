@@ -452,8 +452,9 @@ class CheckpointEngine(EngineBase):
         optimizer's state) take whatever the checkpoint has under them.
 
         A damaged checkpoint falls back to the next older one, loudly; one pruned by another
-        process while it is read is skipped quietly. A root that does not exist warns and
-        returns None (a fresh job's first start); a path that is a checkpoint directory, or a
+        process while it is read is skipped quietly. A root that does not exist or holds no
+        checkpoint returns None (a fresh job's first start) and logs one warning naming its
+        absolute path (a mistyped root shows there); a path that is a checkpoint directory, or a
         root of the other layout, raises ``NotACheckpointRoot``.
         """
         return await load_in_thread(lambda: self._engine.restorer.load_latest(state, strict))

@@ -51,7 +51,12 @@ from asyncckpt.storage.commit import (
 from asyncckpt.storage.fresh_start import check_not_lost
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.manifest import check_dir, read_manifest
-from asyncckpt.storage.prune import list_checkpoints, quarantine, trash_and_delete
+from asyncckpt.storage.prune import (
+    list_checkpoints,
+    list_quarantined,
+    quarantine,
+    trash_and_delete,
+)
 from asyncckpt.trainer.local_load import Agreed, StepAgreement
 from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
 
@@ -370,7 +375,7 @@ class Restorer:
             _settle_orphans(self.root, self.root_locked)
         only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
-        if not remote and not _check_root(self.root, self.layout):
+        if not remote and not _check_root(self.root, self.layout, _also_in(self.remote)):
             return None
         # A step a surviving worker offers while committing it: from memory now (hot.py).
         # Never on node-local roots (``only``): the step every rank loads is agreed, and a
@@ -431,6 +436,8 @@ class Restorer:
         elif not remote:  # nothing committed left but quarantined ones: raise, never None
             check_not_lost(self.root, self.layout, errors)
         if not errors:
+            if remote or not list_quarantined(self.root, self.layout):  # (else said: start_fresh)
+                log.warning(_FRESH, self.root.absolute(), _also_in(self.remote), "")
             return None
         if self.hot.uncommitted:  # the target holds a step on no disk, and none restores it
             raise UncommittedResume(
@@ -604,15 +611,21 @@ def _settle_orphans(root: Path, started: bool) -> None:
         wait_for_orphaned_workers(root)
 
 
-def _check_root(root: Path, layout: str) -> bool:
-    """False when the root does not exist (a fresh run: said at INFO, no warning); raise
-    when it is not a root at all."""
+#: What load_latest logs when it finds nothing to load: a fresh run's first start, or a
+#: mistyped root (the absolute path shows which).
+_FRESH = "no checkpoint in %s%s%s: starting fresh (check the path if a checkpoint was expected)"
+
+
+def _also_in(remote: RemoteTier | None) -> str:
+    """Where else a checkpoint was looked for, for the line that says none was found."""
+    return f" nor in {remote.url}" if remote is not None else ""
+
+
+def _check_root(root: Path, layout: str, also_in: str = "") -> bool:
+    """False when the root does not exist (a fresh run, or a mistyped root: said in one
+    warning naming the absolute path); raise when it is not a root at all."""
     if not root.exists():
-        log.info(
-            "checkpoint root %s does not exist: nothing to load, starting from scratch "
-            "(check the path if a checkpoint was expected)",
-            root.absolute(),
-        )
+        log.warning(_FRESH, root.absolute(), also_in, " (the directory does not exist)")
         return False
     if not root.is_dir():
         raise NotACheckpointRoot(f"checkpoint root {root} is not a directory")

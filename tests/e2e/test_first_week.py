@@ -41,7 +41,9 @@ def test_a_worker_failure_is_one_info_line_and_the_traceback_is_kept_not_printed
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_a_fresh_async_run_is_one_info_line_not_a_warning(tmp_path, anyio_backend, caplog):
+async def test_a_fresh_async_run_is_one_log_warning_not_a_python_warning(
+    tmp_path, anyio_backend, caplog
+):
     import warnings
 
     from asyncckpt import CheckpointEngine
@@ -53,10 +55,10 @@ async def test_a_fresh_async_run_is_one_info_line_not_a_warning(tmp_path, anyio_
         assert await engine.load_latest({"w": torch.zeros(2)}) is None
     assert not [str(w.message) for w in caught if "does not exist" in str(w.message)]
     said = [r for r in caplog.records if "does not exist" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
 
 
-def test_a_fresh_sync_run_is_one_info_line_not_a_warning(tmp_path, caplog):
+def test_a_fresh_sync_run_is_one_log_warning_not_a_python_warning(tmp_path, caplog):
     import warnings
 
     caplog.set_level(logging.DEBUG, logger="asyncckpt")
@@ -66,7 +68,7 @@ def test_a_fresh_sync_run_is_one_info_line_not_a_warning(tmp_path, caplog):
         assert engine.load_latest({"w": torch.zeros(2)}) is None
     assert not [str(w.message) for w in caught if "does not exist" in str(w.message)]
     said = [r for r in caplog.records if "does not exist" in r.getMessage()]
-    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
 
 
 def test_the_read_bar_of_a_large_load_has_a_total_and_completes(tmp_path, monkeypatch):

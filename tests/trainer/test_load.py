@@ -321,12 +321,12 @@ async def test_a_failed_load_is_an_exception_of_ours_async(root):
 # ------------------------------------------------------------------ path mistakes
 
 
-def test_a_missing_root_is_a_fresh_start_said_at_info(tmp_path, caplog, recwarn):
+def test_a_missing_root_is_a_fresh_start_said_in_one_log_warning(tmp_path, caplog, recwarn):
     missing = tmp_path / "nope" / "ckpts"
     with caplog.at_level(logging.INFO, logger="asyncckpt"):
         assert SyncCheckpointEngine(missing).load_latest(blank()) is None
     (said,) = [r for r in caplog.records if "does not exist" in r.getMessage()]
-    assert said.levelno == logging.INFO and str(missing.absolute()) in said.getMessage()
+    assert said.levelno == logging.WARNING and str(missing.absolute()) in said.getMessage()
     assert not [w for w in recwarn if "does not exist" in str(w.message)]
 
 
