@@ -9,6 +9,7 @@ import argparse
 import datetime as _dt
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -80,6 +81,7 @@ def open_root(args: argparse.Namespace) -> tuple[Store, str]:
             raise Failure(f"no such directory: {args.root}")
         if not root.is_dir():
             raise Failure(f"not a directory: {args.root}")
+        refuse_step_dir(Path(args.root))
     try:
         store = open_store(args.root, options)
         if isinstance(store, FsspecStore):
@@ -92,6 +94,19 @@ def open_root(args: argparse.Namespace) -> tuple[Store, str]:
     except (OSError, ValueError) as e:
         raise Failure(f"cannot read {args.root}: {e}") from e
     return store, layout
+
+
+def refuse_step_dir(root: Path) -> None:
+    """A ``Failure`` saying to pass the parent when ``root`` is one checkpoint's directory
+    (``ckpts/global_step_1000``) rather than a root, as the engine's load says."""
+    named_like_one = any(L.parse_dir_name(lay, root.name) is not None for lay in L.LAYOUTS)
+    if not named_like_one or any(L.scan(root, lay) for lay in L.LAYOUTS):
+        return  # a root (an odd name for one, maybe): its checkpoints are there
+    if (root / L.DCP_METADATA).exists() or (root / L.MANIFEST).exists() or any(root.iterdir()):
+        raise Failure(
+            f"{root} is a checkpoint directory, not a checkpoint root; pass its parent "
+            f"({root.parent}) as the root"
+        )
 
 
 def no_checkpoints(store: Store, root: str, layout: str) -> str:

@@ -25,6 +25,7 @@ from asyncckpt.cli.common import (
     quarantined_entries,
     step_label,
 )
+from asyncckpt.core import layout as L
 from asyncckpt.retention import (
     CheckpointInfo,
     plan_prune,
@@ -33,7 +34,7 @@ from asyncckpt.stats import RecordedStats, plot_stats, read_stats, record_from_m
 from asyncckpt.storage import pinfile
 from asyncckpt.storage.base import Store
 from asyncckpt.storage.goodput import Ledger, read_ledger
-from asyncckpt.storage.local import LocalStore
+from asyncckpt.storage.local import LocalStore, tree_size
 from asyncckpt.storage.prune import disk_usage
 from asyncckpt.storage.remote import pending_uploads
 
@@ -99,9 +100,17 @@ def _ls_rows(entries: list[dict]) -> list[tuple[str, ...]]:
 
 
 def _usage(store: Store, layout: str, infos: list[CheckpointInfo]) -> dict[str, int]:
+    """The root's measured bytes; ``linked_bytes``: what hard links between checkpoints (a
+    differential save's unchanged files) share, counted in each row but once in the total."""
     if isinstance(store, LocalStore):
-        return disk_usage(store.root, layout)
-    return {"committed_bytes": sum(c.size_bytes for c in infos), "checkpoints": len(infos)}
+        usage = disk_usage(store.root, layout)
+        every = sum(tree_size(c.path) for c in L.scan(store.root, layout))
+        return {**usage, "linked_bytes": max(0, every - usage["committed_bytes"])}
+    return {
+        "committed_bytes": sum(c.size_bytes for c in infos),
+        "checkpoints": len(infos),
+        "linked_bytes": 0,  # an object store has no hard links
+    }
 
 
 def run_ls(args: argparse.Namespace, console: Console) -> int:
@@ -137,6 +146,11 @@ def run_ls(args: argparse.Namespace, console: Console) -> int:
     if not infos:
         console.print(no_checkpoints(store, args.root, layout))
     line = f"tracker: {tracker}  committed: {human(usage['committed_bytes'])}"
+    if usage["linked_bytes"]:
+        line += (
+            f" ({human(usage['linked_bytes'])} shared by hard links between checkpoints: "
+            "in the size of each row, once in this total)"
+        )
     if "free_bytes" in usage:
         line += f"  leftovers: {human(usage['leftover_bytes'])}  free: {human(usage['free_bytes'])}"
     console.print(line)

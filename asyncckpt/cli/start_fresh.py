@@ -10,9 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from asyncckpt.cli.common import (
-    Failure,
-)
+from asyncckpt.cli.common import Failure, refuse_step_dir
 from asyncckpt.storage.fresh_start import start_fresh
 from asyncckpt.storage.localfs import held_locks
 
@@ -37,6 +35,7 @@ def run_start_fresh(args: argparse.Namespace, console: Console) -> int:
     root = Path(args.root)
     if not root.is_dir():
         raise Failure(f"{root}: no such directory")
+    refuse_step_dir(root)
     live = held_locks(root)
     if live:  # its own load decides; a note written under it would race its quarantine
         raise Failure(
