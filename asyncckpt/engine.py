@@ -51,8 +51,8 @@ __all__ = ["CheckpointEngine", "EngineBase", "EngineParts", "PauseHooks", "Ranks
 class EngineBase:
     """What both facades share: construction, and every method that does not wait.
 
-    ``CheckpointEngine`` (async) and ``SyncCheckpointEngine`` (sync.py) add the methods that
-    wait (``save``, ``wait``, ``load``...), each in its own style, over the same ``EngineParts``.
+    ``CheckpointEngine`` (async) and ``SyncCheckpointEngine`` add the methods that wait
+    (``save``, ``wait``, ``load``...), each in its own style, over the same engine.
     """
 
     def __init__(
@@ -304,7 +304,7 @@ class CheckpointEngine(EngineBase):
     ``distrib_optim.pt`` for a ``"distrib_optim"`` entry; ``Distributed(legacy_ranks=)`` gives
     tp/pp ranks, else megatron's parallel_state or one directory per rank).
 
-    Options with several knobs are one object each (options.py): ``schedule=Schedule(
+    Options with several knobs are one object each (see the options reference): ``schedule=Schedule(
     every_steps=, every_seconds=)`` (what ``should_save`` answers), ``retention=Retention(
     scope=, keep_resumed=)`` (how ``keep=`` applies), ``distributed=Distributed(...)``,
     ``preemption=Preemption(handle_sigterm=, final_save=)``, ``throttle=ThrottleConfig...``

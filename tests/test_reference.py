@@ -187,3 +187,14 @@ def test_doctest_runs_are_fenced_and_fences_left_alone():
     assert ext.fence_doctests(text) == (
         "Intro.\n\n```pycon\n>>> x = 1\n... y = 2\n3\n```\n\nAfter.\n```python\n>>> kept\n```"
     )
+
+
+@pytest.mark.parametrize("name", ["api", "options", "errors", "cli", "on-disk-format"])
+def test_the_reference_speaks_the_users_language(site, name):
+    """Docstrings rendered on the reference name no internal module file (``sync.py``,
+    ``options.py``...) and no internal class: what a user reads is what they can import."""
+    raw = (site / "reference" / name / "index.html").read_text()
+    text = html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<pre.*?</pre>", "", raw, flags=re.S)))
+    files = sorted(set(re.findall(r"\b[a-z_]+\.py\b", text)) - {"setup.py", "snippet.py"})
+    assert not files, f"internal file names on the {name} page: {files}"
+    assert "EngineParts" not in text
