@@ -171,7 +171,10 @@ class Preemption:
 class ObjectStore:
     """How a URL root (``s3://bucket/run``) is reached: ``storage_options`` for fsspec
     (endpoint, credentials), ``spool``: the local directory where steps are written and
-    committed before upload (default: ``$ASYNCCKPT_SPOOL`` or the temp dir)."""
+    committed before upload (default: ``$ASYNCCKPT_SPOOL`` or the temp dir).
+    ``max_queued_uploads``: committed steps that may wait in the spool for their upload (the
+    one uploading included) while the next saves are written; at that many, the next save
+    waits for room (said in the log). They cost local disk (one checkpoint each), no memory."""
 
     storage_options: Mapping[str, Any] | None = None
     """Passed to fsspec for the URL's filesystem: the endpoint, credentials, region (None:
@@ -179,12 +182,20 @@ class ObjectStore:
     spool: str | os.PathLike | None = None
     """The local directory where steps are written and committed before their upload (None:
     ``$ASYNCCKPT_SPOOL``, else the temporary directory)."""
+    max_queued_uploads: int = 2
+    """Committed steps that may wait in the spool for their upload (the one uploading
+    included) while the next saves are written; at that many, the next save waits for room
+    (said in the log). They cost local disk (one checkpoint each), no memory."""
 
     def __post_init__(self) -> None:
         if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
             raise TypeError(f"storage_options must be a dict, got {self.storage_options!r}")
         if self.spool is not None and not isinstance(self.spool, (str, os.PathLike)):
             raise TypeError(f"spool must be a path, got {self.spool!r}")
+        if type(self.max_queued_uploads) is not int or self.max_queued_uploads < 1:
+            raise ValueError(
+                f"max_queued_uploads must be an int >= 1, got {self.max_queued_uploads!r}"
+            )
 
 
 @dataclass(frozen=True)

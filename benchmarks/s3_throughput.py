@@ -10,7 +10,14 @@ in the same run and alternating order, the same directory goes to the store two 
   the tracker objects);
 - s3fs put: ``fs.put(local_dir, prefix, recursive=True)`` of the same files, nothing else.
 
-The ratio is asyncckpt's throughput over the plain put's (target >= 0.8). Without --endpoint,
+The ratio is asyncckpt's throughput over the plain put's (target >= 0.8).
+
+Back-to-back saves (``back_to_back`` in the JSON): an engine with a remote tier saves a
+--b2b-kib KiB model --b2b-saves times with nothing in between, once per queue bound
+(``RemoteTier(max_queued_uploads=)``, 1 and the default 2): each save's wait (the ``save()``
+call's seconds) beside its staging copy and the upload's seconds. A save waits only once the
+bound's worth of committed steps wait to upload: with no training between saves, the uploads
+fall behind and the queue fills. Without --endpoint,
 a moto S3 server runs in a separate process on loopback (its own GIL), so both sides are
 measured against the same local server; give --endpoint for a real store.
 """
@@ -63,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: a local moto)")
     p.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
+    p.add_argument("--b2b-kib", type=int, default=261, help="model of the back-to-back saves")
+    p.add_argument("--b2b-saves", type=int, default=6, help="back-to-back saves per bound")
+    p.add_argument("--only-b2b", action="store_true", help="skip the throughput comparison")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mb, args.tensor_mb, args.repeats = 16, 4, 1
@@ -88,6 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         bucket = args.bucket or f"asyncckpt-bench-{uuid.uuid4().hex[:8]}"
         if args.bucket is None:
             fs.mkdir(bucket)
+        back_to_back = {str(bound): _back_to_back(args, bucket, options, bound) for bound in (1, 2)}
+        if args.only_b2b:
+            return _report_b2b(args, back_to_back)
         scratch = args.dir / f"s3bench-{uuid.uuid4().hex[:8]}"
         state = C.make_state(args.size_mb * C.MiB)
         with SyncCheckpointEngine(scratch) as eng:
@@ -129,7 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
             "s3fs.put": nbytes / plain["median"] / 1e6,
         },
         "targets": {"throughput_vs_s3fs_put": ratio, "target": 0.8, "met": ratio >= 0.8},
+        "back_to_back": back_to_back,
     }
+    _print_b2b(back_to_back)
     C.print_table(
         f"S3 upload of {nbytes / C.MiB:.0f} MiB in {nfiles} files ({rep['endpoint']})",
         ["method", "median s", "min s", "max s", "MB/s"],
@@ -160,6 +175,77 @@ def main(argv: list[str] | None = None) -> dict:
             [("MB/s (higher is better)", ["asyncckpt", "s3fs.put"],
               [rep["throughput_mb_s"]["asyncckpt"], rep["throughput_mb_s"]["s3fs.put"]], None)],
         )  # fmt: skip
+    return rep
+
+
+def _back_to_back(args: Any, bucket: str, options: dict[str, Any], bound: int) -> dict[str, Any]:
+    """--b2b-saves saves of a --b2b-kib KiB model, nothing in between: each save's wait."""
+    from asyncckpt import SyncCheckpointEngine
+    from asyncckpt.storage import RemoteTier
+
+    state = {"model": {"w": torch.randn(args.b2b_kib * 1024 // 4)}}
+    scratch = args.dir / f"s3b2b-{uuid.uuid4().hex[:8]}"
+    url = f"s3://{bucket}/b2b-{bound}-{uuid.uuid4().hex[:6]}"
+    tier = RemoteTier(url, storage_options=options, max_queued_uploads=bound)
+    waits, staging, slot_waits, uploads = [], [], [], []
+    with SyncCheckpointEngine(scratch, remote=tier) as eng:
+        handles = []
+        for step in range(1, args.b2b_saves + 1):
+            t0 = time.perf_counter()
+            handles.append(eng.save(step, state))
+            waits.append(time.perf_counter() - t0)
+        for h in handles:
+            st = h.committed_sync(600)
+            staging.append(st.stage_seconds)
+            slot_waits.append(st.wait_seconds)
+            uploads.append(st.upload_seconds)
+    C.rmtree(scratch)
+    return {
+        "model_bytes": args.b2b_kib * 1024,
+        "max_queued_uploads": bound,
+        "save_wait_seconds": waits,
+        "staging_seconds": staging,
+        "staging_slot_wait_seconds": slot_waits,
+        "upload_seconds": uploads,
+        # Save 1 waits for the worker's start, not for an upload.
+        "first_save_wait_seconds": waits[0],
+        "first_save_waiting_for_room": next(
+            (i + 1 for i, w in enumerate(waits) if i > 0 and w > 2 * max(staging[i], 0.01)), None
+        ),
+        "max_wait_before_the_queue_filled_seconds": max(waits[1 : bound + 1]),
+        "max_wait_once_full_seconds": max(waits[bound + 1 :], default=0.0),
+        "median_upload_seconds": C.summary(uploads)["median"],
+    }
+
+
+def _print_b2b(back_to_back: dict[str, Any]) -> None:
+    for bound, r in back_to_back.items():
+        C.print_table(
+            f"back-to-back saves of {r['model_bytes'] / 1024:.0f} KiB, max_queued_uploads={bound}",
+            ["save", "wait s", "staging s", "upload s"],
+            [
+                [i + 1, w, s, u]
+                for i, (w, s, u) in enumerate(
+                    zip(
+                        r["save_wait_seconds"],
+                        r["staging_seconds"],
+                        r["upload_seconds"],
+                        strict=True,
+                    )
+                )
+            ],
+        )
+
+
+def _report_b2b(args: Any, back_to_back: dict[str, Any]) -> dict:
+    rep = {
+        "environment": C.environment("cpu"),
+        "package": C.package_source(),
+        "endpoint": "moto (local, separate process)" if args.endpoint is None else args.endpoint,
+        "back_to_back": back_to_back,
+    }
+    _print_b2b(back_to_back)
+    C.write_json(args.out, "s3_back_to_back" + (f"_{args.tag}" if args.tag else ""), rep)
     return rep
 
 

@@ -12,8 +12,10 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +54,14 @@ class RemoteTier:
     ``retries`` the attempts per file. A save's handle resolves once the checkpoint is committed
     in the store (marker written); an upload that fails fails the save with ``UploadFailed``
     while the local commit stays, and is retried with the next save.
+
+    ``max_queued_uploads``: committed steps that may wait for their upload (the one uploading
+    included) while the worker goes on writing the next saves. They wait as files on the local
+    disk, never in memory: the local root holds up to this many checkpoints beyond its own
+    retention (pruning keeps a step until it is uploaded). Only when that many are waiting
+    does the worker wait for room before its next save (said in the log), and the trainer's
+    next save waits for its staging slot behind it. With several ranks the upload stays part
+    of rank 0's commit.
     """
 
     url: str
@@ -60,6 +70,7 @@ class RemoteTier:
     timeout: float = 600.0
     retries: int = 3
     threads: int = 8
+    max_queued_uploads: int = 2
 
     def __post_init__(self) -> None:
 
@@ -77,6 +88,7 @@ class RemoteTier:
             raise ValueError(f"retries must be an int >= 1, got {self.retries!r}")
         if not isinstance(self.storage_options, dict):
             raise TypeError("storage_options must be a dict")
+        check_queue_bound(self.max_queued_uploads)
 
     def identity(self) -> dict[str, Any]:
         """What tells this store from another one with the same bucket and prefix: the
@@ -158,7 +170,9 @@ def publish_after_commit(
     todo = [
         c
         for c in _layout.scan(local_root, layout)
-        if c.step not in remote and (c.step > newest_remote or c.step == step)
+        if c.step not in remote
+        and (c.step > newest_remote or c.step == step)
+        and c.step <= step  # (a newer one waits in the upload queue for its own turn)
     ]
     nbytes = 0
     published = []
@@ -309,3 +323,95 @@ def reconcile_spool(spool: Path, tier: RemoteTier, store: Any, layout: str) -> l
         )
     _write_record(spool, identity, kept & remote, tier.url)  # what is pending stays unpublished
     return moved
+
+
+# ---------------------------------------------------------------------- the upload queue
+# Committed steps waiting for their upload to an object store, uploaded in order by one thread.
+#
+# The worker commits a step on the local disk, hands its upload here and goes on with the next
+# save: an upload never holds a save while fewer than ``bound`` steps wait (the one uploading
+# included). At the bound, ``put`` waits for room and says so in the log: the back-pressure that
+# keeps the local disk from filling with steps the store has not taken. What waits is a step
+# number and the work that uploads it (the files stay on the local disk), never the state's
+# bytes. ``steps()`` are what a local prune must keep.
+
+
+def check_queue_bound(bound: object) -> None:
+    """``ValueError`` unless ``bound`` is an int >= 1 (``max_queued_uploads``)."""
+    if type(bound) is not int or bound < 1:
+        raise ValueError(f"max_queued_uploads must be an int >= 1, got {bound!r}")
+
+
+class UploadQueue:
+    """Up to ``bound`` committed steps waiting to upload to ``url``; ``work`` runs each in
+    order on one thread (it reports its own outcome and must not raise)."""
+
+    def __init__(self, bound: int, url: str) -> None:
+        check_queue_bound(bound)
+        self.bound = bound
+        self.url = url
+        self._cond = threading.Condition()
+        self._todo: deque[tuple[int, Callable[[], None]]] = deque()
+        self._pending: list[int] = []  # queued or uploading, oldest first
+        self._thread: threading.Thread | None = None
+
+    def put(self, step: int, work: Callable[[], None]) -> float:
+        """Queue ``step``'s upload; returns the seconds waited for room (0.0 below the bound)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            if len(self._pending) >= self.bound:
+                log.warning(
+                    "asyncckpt: %d committed step(s) %s wait to upload to %s "
+                    "(max_queued_uploads=%d): the worker waits for room before step %d, and "
+                    "the next save waits for its staging slot behind it",
+                    len(self._pending),
+                    self._pending,
+                    self.url,
+                    self.bound,
+                    step,
+                )
+            while len(self._pending) >= self.bound:
+                self._cond.wait()
+            self._pending.append(step)
+            self._todo.append((step, work))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="asyncckpt-upload", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+        waited = time.perf_counter() - t0
+        if waited > 0.01:
+            log.info("asyncckpt: step %d waited %.2f s for room to upload", step, waited)
+        return waited
+
+    def steps(self) -> set[int]:
+        """The steps queued or uploading: committed locally, not yet in the store."""
+        with self._cond:
+            return set(self._pending)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload is done; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._todo:
+                    self._cond.wait()
+                step, work = self._todo.popleft()
+            try:
+                work()
+            except BaseException:  # noqa: BLE001 - work reports its own; never lose the thread
+                log.exception("asyncckpt: the upload of step %d failed unreported", step)
+            finally:
+                with self._cond:
+                    self._pending.remove(step)
+                    self._cond.notify_all()

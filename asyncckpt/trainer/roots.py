@@ -29,7 +29,12 @@ def resolve_root(
             raise ValueError(
                 f"{root} is already the remote tier; pass remote= only with a local root"
             )
-        tier = RemoteTier(root, keep=opts.keep, storage_options=dict(store.storage_options or {}))
+        tier = RemoteTier(
+            root,
+            keep=opts.keep,
+            storage_options=dict(store.storage_options or {}),
+            max_queued_uploads=store.max_queued_uploads,
+        )
         spool = Path(store.spool) if store.spool is not None else default_spool(tier)
         return check_local_root(spool), tier, KeepLast(1)
     if store.storage_options is not None or store.spool is not None:

@@ -54,7 +54,12 @@ from asyncckpt.storage.commit import commit_step, every_rank_wrote, write_tracke
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.manifest import build_manifest, fsync_file
 from asyncckpt.storage.prune import trash_and_delete
-from asyncckpt.storage.remote import mark_published, publish_after_commit
+from asyncckpt.storage.remote import (
+    UploadQueue,
+    mark_published,
+    pending_uploads,
+    publish_after_commit,
+)
 from asyncckpt.worker.chunked_write import trainer_alive, write_chunked
 from asyncckpt.worker.config import PruneRequest, WorkerConfig
 from asyncckpt.worker.pins import WorkerPins
@@ -141,7 +146,8 @@ class Worker:
         self.pins = WorkerPins()  # engine.protect() since the start: kept by every prune
         self.specs: dict[tuple[int, ...], list[TensorSpec]] = {}  # by the arenas they lay out
         self.last_paths: dict[str, list] | None = None
-        self.store: Any = None  # storage.FsspecStore of config.remote, opened at first use
+        self.publisher = Publisher(self)  # with a remote tier: each commit to the store
+        self.uploads = self.publisher.queue  # one rank's steps waiting to upload, or None
         self.io_threads = IoThreads(1)  # files written at once (throttle: io_threads.py)
         self.direct_io = False
         self.pacer: Pacer | None = None  # rate cap + pause hint, before every piece
@@ -163,6 +169,7 @@ class Worker:
                 # written; now the memory checkpoint it held, if newer (offered before it is
                 # written: hot_serve.HotServe.before_write).
                 self._trainer_died()
+                self.publisher.drain()
                 raise msg
             if isinstance(msg, BaseException):
                 if _trainer_gone(self.config.parent_pid):  # (its memory could not be mapped)
@@ -182,6 +189,7 @@ class Worker:
                     service.on_job(msg.job)
                 self.save(msg.job)
             elif isinstance(msg, M.Stop):
+                self.publisher.drain()
                 return
             else:
                 raise TypeError(f"unknown message from the trainer: {msg!r}")
@@ -252,7 +260,7 @@ class Worker:
         upload) and tell the others. Any failure anywhere fails the save on every rank and
         commits nothing. One rank is the same path with a group of one and no messages.
         """
-        faults.install(job.faults)
+        faults.install(self.publisher.faults_for(job))
         if job.paths is None:  # the same as the last job's (engine: WorkerLink.paths)
             if self.last_paths is None:
                 raise RuntimeError("a job without paths reached a worker that has none")
@@ -334,10 +342,13 @@ class Worker:
                 self.events.send(M.Failed(job.job_id, after))
                 return
         self.links.committed(final)  # what the next save links unchanged files from
-        self.events.send(M.Committed(job.job_id, outcome[1]))
+        if self.uploads is None:
+            self.events.send(M.Committed(job.job_id, outcome[1]))
+        else:  # committed here; the handle resolves once it is in the store too
+            self.publisher.queued(job, outcome[1])
         self.last_written = Written(job, tuple(crcs))  # its arenas still hold it, checked or not
         faults.point("after_commit")
-        if job.prune is not None:
+        if job.prune is not None and self.uploads is None:  # (else after the upload)
             self._prune(job.job_id, job.prune, job.step)
 
     def _released(self, job: SaveJob) -> None:
@@ -440,47 +451,11 @@ class Worker:
             info = error_info(e)
             info["message"] = where.format("commit") + info["message"]
             return ("failed", info)
-        failed = self._publish(job, stats)
+        failed = self.publisher.publish(job, stats) if self.uploads is None else None
         if failed is not None:
             failed["message"] = where.format("upload") + failed["message"]
             return ("failed", failed)
         return ("committed", stats)
-
-    def _publish(self, job: SaveJob, stats: dict[str, Any]) -> dict[str, Any] | None:
-        """With a remote tier: publish the step just committed here, then prune the store.
-
-        Returns None (and adds the upload's figures to ``stats``) or the failure's info, marked
-        as an upload failure: the step stays committed locally, and the next save retries it.
-        """
-        tier = self.config.remote
-        if tier is None:
-            return None
-        try:
-            if self.store is None:
-                self.store = tier.open()
-            figures = publish_after_commit(
-                self.store,
-                tier,
-                self.root,
-                self.config.layout,
-                job.step,
-                pinned=(*(job.prune.pinned if job.prune is not None else ()), *self.pins.kept()),
-                resumed_from=job.prune.resumed_from if job.prune is not None else None,
-            )
-        except BaseException as e:  # noqa: BLE001 - reported on the save's handle
-            info = error_info(e)
-            info["upload"] = True
-            return info
-        # A spool's record (and any root's: `ls` shows the steps not in it as pending uploads).
-        try:
-            mark_published(
-                self.root, tier, self.config.layout, [job.step, *figures["uploaded_steps"]]
-            )
-        except OSError:
-            pass  # in the store all the same; a restart finds it there and records it
-        stats.update(figures)
-        stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.config.layout, job.step)}"
-        return None
 
     def _commit(
         self,
@@ -553,10 +528,112 @@ class Worker:
     def _prune(self, job_id: int | None, request: PruneRequest, step: int) -> None:
         try:
             with self.pins.pruning() as pinned:  # (protect() since the request was made)
+                pinned = (*pinned, *self.publisher.waiting())  # (kept until uploaded)
                 report = request.run(self.root, self.config, step, pinned)
             self.events.send(M.Pruned(job_id, report, None))
         except BaseException as e:  # noqa: BLE001
             self.events.send(M.Pruned(job_id, None, error_info(e)))
+
+
+class Publisher:
+    """With a remote tier, each step committed here published to the store and its store
+    pruned. One rank: through ``queue`` (committed steps waiting to upload, uploaded in order
+    on its thread, the save's ``Committed`` or ``Failed`` sent after), so that the next save is
+    written while the upload runs. Several ranks: in rank 0's commit, as before."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.store: Any = None  # storage.FsspecStore of the tier, opened at first use
+        self.armed: dict[int, dict[str, Any]] = {}  # queued uploads' object-store fault points
+        tier = worker.config.remote
+        self.queue = (
+            UploadQueue(tier.max_queued_uploads, tier.url)
+            if tier is not None and worker.config.dist is None
+            else None
+        )
+
+    def queued(self, job: SaveJob, stats: dict[str, Any]) -> None:
+        """``job`` is committed here: its upload joins the queue (waits for room at the bound)."""
+        assert self.queue is not None
+        self.armed[job.job_id] = {p: f for p, f in job.faults.items() if p in faults.REMOTE_POINTS}
+        self.queue.put(job.step, lambda: self.upload(job, stats))
+
+    def waiting(self) -> set[int]:
+        """The steps committed here and not yet in the store (queued, or left by a failed or
+        cut upload for the next one to publish): a local prune keeps them."""
+        if self.queue is None:
+            return set()
+        pending = pending_uploads(self.worker.root, self.worker.config.layout)
+        return self.queue.steps() | set(pending["steps"] if pending is not None else ())
+
+    def faults_for(self, job: SaveJob) -> dict[str, Any]:
+        """``job``'s armed fault points, and the object-store points armed for the saves whose
+        upload runs beside its write (a test's point reaches the upload it was armed for)."""
+        snap = dict(job.faults)
+        for armed in list(self.armed.values()):
+            for p, f in armed.items():
+                snap.setdefault(p, f)
+        return snap
+
+    def upload(self, job: SaveJob, stats: dict[str, Any]) -> None:
+        """The upload queue's work for ``job`` (committed here): publish, then report."""
+        try:
+            failed = self.publish(job, stats)
+        finally:
+            self.armed.pop(job.job_id, None)
+        if failed is not None:
+            self.worker.events.send(M.Failed(job.job_id, failed))
+        else:  # then the local prune, as after a commit without a store (a failed one: none)
+            self.worker.events.send(M.Committed(job.job_id, stats))
+            if job.prune is not None:
+                self.worker._prune(job.job_id, job.prune, job.step)
+
+    def drain(self) -> None:
+        """Every queued upload done (the trainer stops the worker, or is gone)."""
+        if self.queue is not None:
+            self.queue.drain()
+
+    def publish(self, job: SaveJob, stats: dict[str, Any]) -> dict[str, Any] | None:
+        """With a remote tier: publish the step just committed here, then prune the store.
+
+        Returns None (and adds the upload's figures to ``stats``) or the failure's info, marked
+        as an upload failure: the step stays committed locally, and the next save retries it.
+        """
+        tier = self.worker.config.remote
+        if tier is None:
+            return None
+        try:
+            if self.store is None:
+                self.store = tier.open()
+            figures = publish_after_commit(
+                self.store,
+                tier,
+                self.worker.root,
+                self.worker.config.layout,
+                job.step,
+                pinned=(
+                    *(job.prune.pinned if job.prune is not None else ()),
+                    *self.worker.pins.kept(),
+                ),
+                resumed_from=job.prune.resumed_from if job.prune is not None else None,
+            )
+        except BaseException as e:  # noqa: BLE001 - reported on the save's handle
+            info = error_info(e)
+            info["upload"] = True
+            return info
+        # A spool's record (and any root's: `ls` shows the steps not in it as pending uploads).
+        try:
+            mark_published(
+                self.worker.root,
+                tier,
+                self.worker.config.layout,
+                [job.step, *figures["uploaded_steps"]],
+            )
+        except OSError:
+            pass  # in the store all the same; a restart finds it there and records it
+        stats.update(figures)
+        stats["remote_path"] = f"{tier.url}/{_layout.dir_name(self.worker.config.layout, job.step)}"
+        return None
 
 
 def _link_from(

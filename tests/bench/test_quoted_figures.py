@@ -351,6 +351,22 @@ DOCS_QUOTES += [
     ),
 ]
 
+B2B = "s3_back_to_back.json"
+DOCS_QUOTES += [
+    Quote(
+        "docs/how-to/object-storage.md",
+        "the saves before the queue filled waited at most {} s, a save once it was full waited up "
+        "to {} s (uploads took {} s each, median); the first save of a run also waits for the "
+        "worker's start ({} s there)",
+        (
+            Fig(B2B, "back_to_back/2/max_wait_before_the_queue_filled_seconds"),
+            Fig(B2B, "back_to_back/2/max_wait_once_full_seconds", ".1f"),
+            Fig(B2B, "back_to_back/2/median_upload_seconds"),
+            Fig(B2B, "back_to_back/2/first_save_wait_seconds", ".1f"),
+        ),
+    ),
+]
+
 #: A number with a unit, as the headline writes its figures.
 FIGURE = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:x|%| s\b| MB/s| GB/s)")
 
