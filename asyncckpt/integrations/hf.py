@@ -34,7 +34,7 @@ from asyncckpt.errors import CheckpointError, StateMismatch
 from asyncckpt.retention import KeepBest, KeepLast, RetentionPolicy
 from asyncckpt.sync import SyncCheckpointEngine
 
-__all__ = ["AsyncCheckpointCallback", "load_checkpoint", "policy_from_args"]
+__all__ = ["AsyncCheckpointCallback", "load_checkpoint", "policy_from_args", "trainer_param_groups"]
 
 log = logging.getLogger("asyncckpt")
 
@@ -105,6 +105,22 @@ class _HoldStrictWarning(logging.Filter):
         return not str(record.msg).startswith("loaded %s with strict=False")
 
 
+def trainer_param_groups(model: torch.nn.Module, weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """The parameter groups ``Trainer`` builds its optimizer with: the parameters weight decay
+    applies to (``weight_decay``), then the others (biases and norms, no decay), each group
+    only the parameters that require a gradient. An optimizer made of them loads the Trainer's
+    optimizer state: ``AdamW(trainer_param_groups(model, args.weight_decay), lr=...)``."""
+    from transformers import Trainer
+
+    # (It reads only the model: Trainer's own rule, whatever this transformers version says.)
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
 def load_checkpoint(
     root: str | os.PathLike,
     model: torch.nn.Module,
@@ -117,6 +133,10 @@ def load_checkpoint(
     :class:`AsyncCheckpointCallback` wrote: the newest good one, or ``step``. Returns the step, or
     ``None`` when ``root`` has no checkpoint (and ``step`` is not given). For use outside
     ``Trainer.train()`` (evaluation, export); inside it, pass ``resume=True`` to the callback.
+
+    The Trainer's optimizer has two parameter groups (decay / no decay): build ``optimizer``
+    from :func:`trainer_param_groups` (``AdamW(model.parameters())`` has one group and is
+    refused, saying so).
     """
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
@@ -137,6 +157,15 @@ def load_checkpoint(
                 return None
         else:
             loaded = engine.load(state, step=step, strict=False)
+    except StateMismatch as e:
+        if optimizer is not None and "parameter group" in str(e):
+            raise StateMismatch(
+                f"the optimizer's {len(optimizer.param_groups)} parameter group(s) do not match "
+                f"the checkpoint's under {os.fspath(root)!r} (the Trainer builds two: decay / no "
+                "decay); build it as the Trainer does: "
+                "AdamW(hf.trainer_param_groups(model, args.weight_decay), lr=args.learning_rate)"
+            ) from e
+        raise
     finally:
         logging.getLogger("asyncckpt").removeFilter(skipping)
     report = engine.last_load_report
