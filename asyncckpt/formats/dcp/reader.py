@@ -10,7 +10,7 @@ import io
 import math
 import operator
 import os
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from asyncckpt._torch import inner_dcp_load
+from asyncckpt.core.entries import walk
 from asyncckpt.core.tree import flatten_state, is_stateful, merge_into, target_tensors, unflatten
 from asyncckpt.formats import hotread, wholefiles
 from asyncckpt.formats.base import Verify
@@ -294,7 +295,7 @@ def read_flat(
     *,
     process_group: Any = None,
     verify: Verify | None = None,
-    only: Collection[str] | None = None,
+    only: Container[str] | None = None,
 ) -> dict[str, Any]:
     """Read every entry of a DCP checkpoint (``only``: those named) into a flat dict.
 
@@ -377,6 +378,19 @@ def _damage_of(reader: CachedMetadataReader) -> Iterator[None]:
         raise
 
 
+class Wanted:
+    """The checkpoint keys a target asks for: the ones it names, and every key under one of
+    its empty containers (a fresh optimizer's ``state`` is ``{}``: its moments are wanted
+    all the same, as a load of the whole checkpoint would give them)."""
+
+    def __init__(self, names: set[str], open_containers: set[str]) -> None:
+        self.names = names
+        self.prefixes = tuple(f"{p}." for p in open_containers)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names or (isinstance(key, str) and key.startswith(self.prefixes))
+
+
 def load_into(
     state: Any,
     directory: str | os.PathLike,
@@ -390,7 +404,7 @@ def load_into(
     if target_only:
         with contextlib.suppress(TypeError, ValueError):  # (not a mapping: read everything)
             named = flatten_state(state)
-            only = {*named.tensors, *named.objects}
+            only = Wanted({*named.tensors, *named.objects}, walk(state).open)
     flat = read_flat(directory, target_tensors(state), verify=verify, only=only)
     if paths is None:
         paths = paths_from_dcp(read_dcp_metadata(directory))
