@@ -44,3 +44,11 @@ def test_load_checkpoint_takes_the_trainers_param_groups(tmp_path: Path) -> None
     optimizer = torch.optim.AdamW(mine, lr=1e-2)
     assert load_checkpoint(ckpts, model, optimizer=optimizer) == 2
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    # ... with the Trainer's Adam moments, bit for bit (a fresh optimizer's state is {}: they
+    # were once dropped without a word).
+    want = trainer.optimizer.state_dict()["state"]
+    got = optimizer.state_dict()["state"]
+    assert want and got.keys() == want.keys()
+    for k in want:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[k][name], want[k][name]), (k, name)
