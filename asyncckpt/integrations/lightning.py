@@ -25,6 +25,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import threading
 import warnings
 from datetime import timedelta
@@ -256,6 +257,11 @@ class AsyncCheckpointIO(CheckpointIO):
         if directory.is_dir() and _layout.scan(directory, "global_step"):
             self._drain(p)
             return _map_location(self._read_latest(directory), map_location)
+        named = _named_step(directory)
+        if named is not None:  # a name Lightning made for a save: its global_step_N, found here
+            log.info("%s: Lightning's name for %s", path, named)
+            self._drain(str(named.parent))
+            return _map_location(self._read(named), map_location)
         raise FileNotFoundError(
             f"{path}: no asyncckpt checkpoint there; pass a checkpoint directory "
             "(<dir>/global_step_N), a checkpoint root (<dir>), or a path this process saved"
@@ -372,6 +378,19 @@ def load_from_checkpoint(
     buffer.seek(0)
     # weights_only=False: the dict holds what was saved (hparams objects included), as read.
     return cls.load_from_checkpoint(buffer, map_location=map_location, weights_only=False, **kwargs)
+
+
+def _named_step(path: Path) -> Path | None:
+    """The checkpoint a Lightning ``.ckpt`` name stands for, from any process: the plugin
+    writes ``<dir>/epoch=0-step=10.ckpt`` (``ModelCheckpoint``'s default ``filename`` holds
+    ``step=``) as ``<dir>/global_step_10``, so the name alone finds it when that exists."""
+    if path.suffix != ".ckpt" or path.exists():
+        return None
+    found = re.findall(r"(?:^|[-_])step=(\d+)", path.stem)
+    if len(found) != 1:
+        return None
+    directory = path.parent / _layout.dir_name("global_step", int(found[0]))
+    return directory if directory.is_dir() else None
 
 
 def _step_of(path: str) -> int:

@@ -200,6 +200,33 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
     # Lightning's .ckpt name, through the plugin that saved it.
     loaded = load_from_checkpoint(lt.TinyModel, cb.best_model_path, checkpoint_io=io)
     assert_same(loaded.state_dict(), model.state_dict())
+    # ... and from any process: the name is never written (the checkpoint is global_step_15),
+    # but its step= part finds it; a name whose step has no checkpoint is still refused.
+    assert not os.path.exists(cb.best_model_path)
+    loaded = load_from_checkpoint(lt.TinyModel, cb.best_model_path)
+    assert_same(loaded.state_dict(), model.state_dict())
+    with pytest.raises(FileNotFoundError, match="no asyncckpt checkpoint"):
+        AsyncCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=10.ckpt")
+    # A new Trainer with the plugin alone resumes from the root given as ckpt_path.
+    again = L.Trainer(
+        max_steps=20,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=5, save_top_k=1)],
+        plugins=[AsyncCheckpointIO()],
+    )
+    steps_run: list[int] = []
+
+    class Counting(lt.TinyModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            steps_run.append(self.global_step)
+            return super().training_step(batch, batch_idx)
+
+    again.fit(Counting(), lt.data(), ckpt_path=str(tmp_path))
+    assert steps_run == [15, 16, 17, 18, 19] and _steps(tmp_path)[-1] == 20
 
 
 def test_load_from_checkpoint_of_best_model_path(tmp_path: Path) -> None:
