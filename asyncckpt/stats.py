@@ -221,7 +221,7 @@ class RecordedStats:
     paused_seconds: float | None = None
     manifest_seconds: float | None = None
     throughput_bytes_per_s: float | None = None
-    #: "memory" for a memory-tier checkpoint written by its worker, and why (memory_tier.py)
+    #: "memory" for a memory-tier checkpoint written by its worker, and why (memory/tier.py)
     tier: str = "disk"
     persisted_because: str | None = None
     #: why the manifest could not be read (the checkpoint is listed all the same)

@@ -21,7 +21,7 @@ Training ranks never run a collective for asyncckpt after ``start``. What happen
 - **Who serves the side store.** Rank 0's *worker*, on the socket its trainer bound and hands
   to every worker it spawns (``serve``). A save whose ``save()`` returned must commit even if
   rank 0's trainer is then killed, so the store must not live in the trainer; the worker
-  finishes its staged jobs after its trainer dies (worker.py), and rank 0's worker is the one
+  finishes its staged jobs after its trainer dies (worker/loop.py), and rank 0's worker is the one
   that commits, so nothing is gained by the store outliving it. The socket (not a port number)
   is what the trainer keeps: a restarted rank-0 worker serves a fresh store on the same
   address, so no rank has to learn a new one and no other process can take the port meanwhile

@@ -4,7 +4,7 @@ node's local rank 0 (its *leader*) commits its node's directory, and the step is
 only when every node did.
 
 The protocol, after every rank wrote its files into its node's temporary and rank 0 gathered
-that none failed (worker.py; all over the job's group on the workers' side store, never the
+that none failed (worker/loop.py; all over the job's group on the workers' side store, never the
 trainers' collectives):
 
 1. Rank 0 broadcasts every rank's result (its files and checksums) and the files it wrote

@@ -74,7 +74,7 @@ class Save:
 @dataclass(frozen=True)
 class Hold:
     """A memory-tier save, completely staged: the newest memory checkpoint the worker keeps
-    (and writes if the trainer dies). Sent on the memory tier's own pipe (memory_tier.py).
+    (and writes if the trainer dies). Sent on the memory tier's own pipe (memory/tier.py).
     ``keep``: the id of the one held job not to release (several ranks: their common step).
     ``writing``: a disk save is written from this job's slot too (``SaveJob.held_as``): its
     ``Released`` waits for that write, even once a newer ``Hold`` replaced it."""

@@ -1,5 +1,5 @@
 """What the trainer hands its worker for one save (``SaveJob``), in a module of its own: the
-worker (worker.py) runs it, and the replicas' wire codec (jobwire.py) builds one from what a
+worker (worker/loop.py) runs it, and the replicas' wire codec (jobwire.py) builds one from what a
 peer sent, below the worker that imports replication.py. ``TensorSpec`` says where each staged
 tensor sits in the arenas (``staging.arenas`` lays them out)."""
 
@@ -41,7 +41,7 @@ class SaveJob:
     # bytes), recorded in the manifest with the worker's own (manifest.build_manifest).
     figures: dict = field(default_factory=dict)
     saved_at: float | None = None  # unix time of the trainer's save() call (durable_within)
-    # The memory tier (memory_tier.py): "memory" for a memory checkpoint being written, why,
+    # The memory tier (memory/tier.py): "memory" for a memory checkpoint being written, why,
     # and the memory save it writes (a persist the trainer asked for).
     tier: str = "disk"
     persisted_because: str | None = None

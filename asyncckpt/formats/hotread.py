@@ -1,4 +1,4 @@
-"""A DCP read whose tensor bytes come from a surviving worker's memory (a hot resume: hot.py).
+"""A DCP read whose tensor bytes come from a surviving worker's memory (hot resume).
 
 The reader (``dcp.CachedMetadataReader``) reads as it always does, but where a tensor record
 of a file this rank wrote has its bytes in the worker's arena, the arena's bytes take the place

@@ -1,4 +1,4 @@
-"""The worker's side of the memory tier (memory_tier.py is the trainer's): ``Holder``, a
+"""The worker's side of the memory tier (memory/tier.py is the trainer's): ``Holder``, a
 thread that keeps the newest complete memory checkpoint for the worker to write when it must.
 
 Several ranks: a memory checkpoint is worth writing only if every rank's worker holds its part
@@ -8,7 +8,7 @@ side store which of the two goes when a third arrives (memory_tier.Agreement); w
 trainers are gone the workers exchange what they hold and write the newest common step
 (``newest_common``), or nothing: never a mix of steps.
 
-A disk save made with the memory tier on is staged into a memory slot as well (memory_tier.py):
+A disk save made with the memory tier on is staged into a memory slot as well (memory/tier.py):
 its ``Hold`` says ``writing`` and the main loop writes the same slot (``SaveJob.held_as``).
 The slot is the hold's; the write only pins it: a job the Holder lets go of (a newer ``Hold``,
 a ``LetGo``) while its slot is being written is released (``Released``, the trainer's cue to
@@ -86,7 +86,7 @@ class Holder:
         self.ever = False  # a Hold came: this rank takes part in the ranks' exchange
         self.last_paths: Any = None
         self.closed = threading.Event()
-        # Slots a disk save is being written from (memory_tier.py): held job ids pinned by
+        # Slots a disk save is being written from (memory/tier.py): held job ids pinned by
         # their Hold, those let go of meanwhile (released once written), and the writes that
         # ended before their Hold was read (ids above ``last_hold``: Holds come in id order).
         self.writing: set[int] = set()

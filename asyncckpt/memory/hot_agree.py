@@ -9,7 +9,7 @@ took the same step and the tensors and objects several ranks hold under one key 
 bytes on each (DCP writes such a key once, from one rank: the disk's copy is then every
 rank's, and so is the memory's). Otherwise every rank reads the step from disk once its
 worker is done; a rank that copied its memory already then restores the whole target from
-there (hot.py ``spoiled``).
+there (hot_resume.py ``spoiled``).
 
 A rank that never says (no offer reached it, a crash) makes the others wait the side store's
 timeout, then read the disk; a rank whose worker died with its trainer is told to the old run

@@ -1,5 +1,5 @@
-"""A load straight from a surviving worker's memory, no file read (hot.py's step offered before
-it was written: hot_serve.offer_staged).
+"""A load straight from a surviving worker's memory, no file read (hot_resume.py's step offered
+before it was written: hot_serve.offer_staged).
 
 The offer says what the step holds: each tensor's dtype, shape and CRC-32C (computed by the
 worker from the staged memory), the objects (``torch.save`` bytes, as DCP stores them) and the
@@ -96,7 +96,7 @@ def _declined(want: Mapping[str, int], found: Mapping[str, int]) -> None:
 
 class HotSpoiled(HotDeclined):
     """Declined after part of the memory went into host targets: only a load from disk that
-    restores the whole target may follow (hot.py ``spoiled``)."""
+    restores the whole target may follow (hot_resume.py ``spoiled``)."""
 
 
 #: The copy and its checksum go this many bytes at a time (in the cache between the two) ...

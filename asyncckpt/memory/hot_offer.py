@@ -1,4 +1,4 @@
-"""A hot resume's offer (hot_serve.py makes it, hot.py takes it) and its form on the socket.
+"""A hot resume's offer (hot_serve.py makes it, hot_resume.py takes it) and its form on the socket.
 
 On the socket an offer is a fixed header (``HEADER``: the magic ``MAGIC``, which names this
 format and its version, and the length of what follows), then the offer as JSON
@@ -65,11 +65,11 @@ class Offer:
     paths: dict[str, list] | None = None
     # Several ranks: the old run's side store (``dist.DistConfig``, served by its rank 0's
     # worker until its offer is read), where the new ranks agree on taking a step offered
-    # before it was written (hot.py ``EarlyVote``); set on every offer made once the trainer
+    # before it was written (hot_resume.py ``EarlyVote``); set on every offer made once the trainer
     # died, so that a rank whose early offer was withdrawn says no there.
     vote: Any = None
     # The ranks of the run that made it: its memory is one rank's part of a step of that
-    # many, which a run of another size cannot take as its own rank's (hot.py).
+    # many, which a run of another size cannot take as its own rank's (hot_resume.py).
     world_size: int = 1
 
 

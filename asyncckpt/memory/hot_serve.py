@@ -1,7 +1,7 @@
-"""The worker's side of a hot resume (``MemoryTier(hold_seconds=)``; hot.py is the trainer's).
+"""The worker's side of a hot resume (``MemoryTier(hold_seconds=)``; hot_resume.py: the trainer's).
 
 When its trainer dies, a worker finishes what it was writing (staged saves, the memory
-checkpoint it held: worker.py, memory_hold.py). The step it persists after the death (the
+checkpoint it held: worker/loop.py, memory/hold.py). The step it persists after the death (the
 memory checkpoint) is offered *before a byte of it is written* (``offer_staged``): with each
 tensor's dtype, shape and CRC-32C, computed here from the staged memory, and the objects and
 paths a load needs, so a new engine reads no file (hot_load.py) and waits for no write. It
@@ -147,7 +147,7 @@ class HotServe(WorkerService):
 
     def manifest(self, job: SaveJob) -> dict[str, Any]:
         """One rank: ``offered``, the checksums of a step offered before it was written (the
-        new engine checks them at its start; several ranks: ``offered_ranks``, worker.py)."""
+        new engine checks them at its start; several ranks: ``offered_ranks``, worker/loop.py)."""
         early = self.offered(job) if self.worker.config.dist is None else None
         return {"offered": early.checksums()} if early is not None else {}
 

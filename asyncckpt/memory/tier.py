@@ -5,7 +5,7 @@
 checkpoint and writes it to disk, committed like any other save (manifest, tracker, prune,
 marked ``"tier": "memory"`` and ``"persisted_because"`` in the manifest), when
 
-* its trainer dies without closing the engine (the jobs pipe's end of file: ``worker.py``),
+* its trainer dies without closing the engine (the jobs pipe's end of file: ``worker/loop.py``),
 * SIGTERM arrives (the engine's preemption path asks for it before draining),
 * the engine closes, with ``persist_memory_on_close=True``.
 

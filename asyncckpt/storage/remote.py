@@ -111,7 +111,7 @@ class RemoteTier:
         }
 
     def spool_key(self) -> str:
-        """A short hash of ``identity()``: the default spool's name (engine._default_spool)."""
+        """A short hash of ``identity()``: the default spool's name (trainer/roots.py)."""
         text = json.dumps(self.identity(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -254,7 +254,7 @@ class EngineParts:
                 c = self.dist_cfg
                 peer_gone.record_run(self.root, c.host, c.port, c.token)
             self.saver.memory.dist = self.dist_cfg  # the ranks agree on common memory steps
-            self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot.py)
+            self.restorer.hot.vote_cfg = self.dist_cfg  # ... and on a hot resume (hot_resume.py)
             if rank != 0:
                 self._after_node_leader(self._open_and_clean)
         else:
@@ -307,7 +307,7 @@ class EngineParts:
         self.restorer.root_locked = True  # lock_root waited for an orphaned worker
         if self.saver.pinned:  # protect() before the start: other processes see it now
             self.saver.pins.publish()
-        try:  # a step loaded while the earlier worker committed it: committed? (hot.py)
+        try:  # a step loaded while the earlier worker committed it: committed? (hot_resume.py)
             self.restorer.hot.check_committed(self.layout)
         except BaseException:
             os.close(self.lock_fd)  # not started: the root is not ours

@@ -181,7 +181,7 @@ class Restorer:
         # Steps this engine found failing their manifest: they stop counting (the forward
         # check of steps ignores them) also where they could not be moved aside.
         self.known_corrupt: set[int] = set()
-        # A hot resume: load_latest from a surviving worker's memory (hot.py).
+        # A hot resume: load_latest from a surviving worker's memory (hot_resume.py).
         self.hot = HotResume(root, rank, world_size, wait_for_worker=wait_for_worker)
         self.agreement: StepAgreement | None = None  # node-local roots, set at start
         self.agreed: Agreed | None = None  # its outcome for the load in progress
@@ -209,9 +209,9 @@ class Restorer:
         directory that went away while read (pruned) a ``loadcheck.Vanished``; torch's own
         errors (DCP's ``CheckpointException`` is a BaseException) are chained as the cause.
         A checkpoint of components is read as one part per component the target names, all
-        checked before any is read. ``hot``: tensor bytes from memory (hot.py: ``HotDeclined``);
+        checked before any is read. ``hot``: tensor bytes from memory (``HotDeclined``);
         ``given_manifest``: the checksums to check against, for a step not committed yet
-        (hot.py ``load_committing``: the worker committing it offered them).
+        (hot_resume.py ``load_committing``: the worker committing it offered them).
         """
         manifest: dict[str, Any] | None = None
         files: dict[str, Any] = {}
@@ -377,7 +377,7 @@ class Restorer:
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout, _also_in(self.remote)):
             return None
-        # A step a surviving worker offers while committing it: from memory now (hot.py).
+        # A step a surviving worker offers while committing it: from memory now (hot_resume.py).
         # Never on node-local roots (``only``): the step every rank loads is agreed, and a
         # step offered before its write is newer than any agreed (workers there offer none).
         taken = (

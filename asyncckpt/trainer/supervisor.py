@@ -49,7 +49,7 @@ class WorkerLink:
     so nothing is assumed of it that was sent to the one before."""
 
     conn: Any = None
-    memory: Any = None  # the memory tier's pipe (memory_tier.py: Hold messages)
+    memory: Any = None  # the memory tier's pipe (memory/tier.py: Hold messages)
     memory_paths: Any = None  # the paths the last Hold carried
     arenas: set[int] = field(default_factory=set)
     unmapped: set[int] = field(default_factory=set)  # sent, and no Mapped back yet
