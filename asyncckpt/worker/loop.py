@@ -347,9 +347,10 @@ class Worker:
         else:  # committed here; the handle resolves once it is in the store too
             self.publisher.queued(job, outcome[1])
         self.last_written = Written(job, tuple(crcs))  # its arenas still hold it, checked or not
-        faults.point("after_commit")
-        if job.prune is not None and self.uploads is None:  # (else after the upload)
-            self._prune(job.job_id, job.prune, job.step)
+        if self.uploads is None:  # (else after the upload: committed means in the store)
+            faults.point("after_commit")
+            if job.prune is not None:
+                self._prune(job.job_id, job.prune, job.step)
 
     def _released(self, job: SaveJob) -> None:
         """``job``'s arenas are free (the trainer was told; may come twice for one save)."""
@@ -585,6 +586,7 @@ class Publisher:
             self.worker.events.send(M.Failed(job.job_id, failed))
         else:  # then the local prune, as after a commit without a store (a failed one: none)
             self.worker.events.send(M.Committed(job.job_id, stats))
+            faults.point("after_commit")  # a URL root's step is committed once in the store
             if job.prune is not None:
                 self.worker._prune(job.job_id, job.prune, job.step)
 
