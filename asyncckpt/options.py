@@ -4,7 +4,7 @@
 knob is one object: ``schedule=Schedule(every_steps=100)``, ``retention=Retention(...)``,
 ``distributed=Distributed(...)``, ``preemption=Preemption(...)``, ``object_store=ObjectStore(...)``,
 ``memory=MemoryTier(...)``, ``staging=Staging(...)`` and ``throttle=ThrottleConfig...``
-(throttle.py). The flat keywords these replaced still work for
+(the throttle). The flat keywords these replaced still work for
 one release, with a ``DeprecationWarning`` naming the replacement (``resolve_options``).
 
 Each object checks its own fields when made (a wrong type is refused there, not at the first

@@ -111,7 +111,7 @@ class RemoteTier:
         }
 
     def spool_key(self) -> str:
-        """A short hash of ``identity()``: the default spool's name (trainer/roots.py)."""
+        """A short hash of ``identity()``: the name of the default spool directory."""
         text = json.dumps(self.identity(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
