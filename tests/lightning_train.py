@@ -78,7 +78,7 @@ def checkpoint_callback(root: str | os.PathLike, **engine_options: Any) -> Async
     )
 
 
-def trainer(max_steps: int, callbacks: list) -> L.Trainer:
+def trainer(max_steps: int, callbacks: list, plugins: list | None = None) -> L.Trainer:
     return L.Trainer(
         max_steps=max_steps,
         accelerator="cpu",
@@ -87,6 +87,7 @@ def trainer(max_steps: int, callbacks: list) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        plugins=plugins,
     )
 
 

@@ -163,16 +163,7 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
 
     io = Recording()
     cb = ModelCheckpoint(tmp_path, every_n_train_steps=5, save_top_k=1, save_last=True)
-    t = L.Trainer(
-        max_steps=15,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[cb],
-        plugins=[io],
-    )
+    t = lt.trainer(15, [cb], plugins=[io])
     model = lt.TinyModel()
     t.fit(model, lt.data())
     # save_top_k=1 removed steps 5 and 10 as 10 and 15 were saved; 15 is top-1 and last.
@@ -208,15 +199,8 @@ def test_plugin_with_lightning_model_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no asyncckpt checkpoint"):
         AsyncCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=10.ckpt")
     # A new Trainer with the plugin alone resumes from the root given as ckpt_path.
-    again = L.Trainer(
-        max_steps=20,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=5, save_top_k=1)],
-        plugins=[AsyncCheckpointIO()],
+    again = lt.trainer(
+        20, [ModelCheckpoint(tmp_path, every_n_train_steps=5, save_top_k=1)], [AsyncCheckpointIO()]
     )
     steps_run: list[int] = []
 
