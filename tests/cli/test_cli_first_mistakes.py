@@ -6,32 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from test_cli import make_ckpt  # a committed checkpoint as the engine leaves it
 
 from asyncckpt import KeepAll, SyncCheckpointEngine
 from asyncckpt.cli import main
 from asyncckpt.core import layout as L
-
-
-def make_ckpt(root: Path, step: int, layout: str = "global_step") -> Path:
-    """A committed checkpoint as the engine leaves it: one shard and a manifest."""
-    d = root / L.dir_name(layout, step)
-    d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(b"x" * 2048)
-    manifest = {
-        "step": step,
-        "committed_at": 1_700_000_000.0 + step,
-        "metrics": {},
-        "bytes": 2048,
-        "files": {"__0_0.distcp": {"size": 2048, "crc32": zlib.crc32(b"x" * 2048)}},
-        "run_id": "run-a",
-    }
-    (d / L.MANIFEST).write_text(json.dumps(manifest))
-    return d
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
