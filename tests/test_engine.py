@@ -596,7 +596,7 @@ def test_a_closed_engine_frees_its_file_descriptors(tmp_path):
     assert counts == [counts[0]] * len(counts), counts
 
 
-@pytest.mark.integration
+@pytest.mark.torture  # a soak: 9 minutes (three cycles run in the quick suite)
 def test_a_hundred_open_close_cycles_leave_the_fd_count_flat(tmp_path):
     counts = _fd_counts(tmp_path, 100)
     assert counts == [counts[0]] * len(counts), counts
