@@ -118,16 +118,20 @@ def _unmap(views: list[memoryview], maps: list[mmap.mmap]) -> None:
             m.close()
 
 
-def ask(root: Path, rank: int) -> tuple[HotSource | None, str]:
+def ask(
+    root: Path, rank: int, at_work: Callable[[], bool] | None = None
+) -> tuple[HotSource | None, str]:
     """The offer of a surviving worker of ``rank`` on ``root`` (this node), or None and why.
     An offer that is not what hot_serve.py sends (another user's process, a pickle, a header
-    or a field out of place) is refused, logged, and the load reads the disk."""
+    or a field out of place) is refused, logged, and the load reads the disk. ``at_work``:
+    whether that worker is still at work (``_connect``), where the engine knows better than
+    the locks say."""
     sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     assert sock is not None
     fds: list[int] = []
     try:
         sock.settimeout(ASK_TIMEOUT_S)
-        if not _connect(sock, root, rank):
+        if not _connect(sock, root, rank, at_work):
             return None, NO_WORKER
         if peer_uid(sock) != os.getuid():
             return None, "the process offering memory is another user's: not used"
@@ -176,18 +180,22 @@ def _check_memory(fds: list[int], sizes: tuple[int, ...]) -> None:
             )
 
 
-def _connect(sock: socket.socket, root: Path, rank: int) -> bool:
+def _connect(
+    sock: socket.socket, root: Path, rank: int, at_work: Callable[[], bool] | None = None
+) -> bool:
     """Connect to the surviving worker's offer; while a worker of an earlier trainer is still
-    at work (its lock held, no engine holding the rank's), wait for it to offer or to end: it
-    may be about to offer a step newer than any committed (hot_serve.offer_early), and a load
-    meanwhile would restore an older one."""
+    at work (its lock held, no engine holding the rank's; or ``at_work()``: an engine that
+    started without waiting for it), wait for it to offer or to end: it may be about to offer
+    a step newer than any committed (hot_serve.offer_early), and a load meanwhile would
+    restore an older one."""
     deadline = time.monotonic() + ORPHAN_WAIT_S
+    busy = at_work if at_work is not None else lambda: _orphan_at_work(root, rank)
     while True:
         try:
             sock.connect(socket_name(root, rank))
             return True
         except (ConnectionRefusedError, FileNotFoundError):
-            if not _orphan_at_work(root, rank) or time.monotonic() > deadline:
+            if not busy() or time.monotonic() > deadline:
                 return False
         time.sleep(0.01)
 
@@ -244,14 +252,19 @@ class HotResume:
         # A memory that failed its checksums as it was copied into the target (hot_load
         # ``HotSpoiled``): the load must restore the whole target from disk, or fail.
         self.spoiled = False
+        # settle_later's check of a step taken before it was written, and what it found
+        # (None: committed as loaded; unset until it is done).
+        self.later: threading.Thread | None = None
+        self.later_why: str | None = None
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[HotResume]:
-        """Around one ``load_latest``: ask for the offer, and let it go after."""
+    def session(self, at_work: Callable[[], bool] | None = None) -> Iterator[HotResume]:
+        """Around one ``load_latest``: ask for the offer, and let it go after (``at_work``:
+        ``ask``'s)."""
         self.loads += 1
         self.voted = self.tried = self.spoiled = False
         self.pending, self.uncommitted = None, ""  # (each load settles what it took)
-        self.source, self.reason = ask(self.root, self.rank)
+        self.source, self.reason = ask(self.root, self.rank, at_work)
         if self.source is None and self.world_size > 1:
             # The other workers of its old run may wait for this rank's (peer_gone.py).
             peer_gone.announce_if_gone(self.root, self.rank)
@@ -430,6 +443,42 @@ class HotResume:
             self.source.close()
             self.source = None
         return False
+
+    def settle_later(self, layout: str, wait: Callable[[], None]) -> None:
+        """``settle``, for an engine that started without waiting for the worker writing the
+        step this load took (trainer/earlier_worker.py): the load stands now, and a thread
+        (``later``) waits for that worker and checks the commit. The target holds that step's
+        bytes whatever the outcome (every tensor matched the checksums the worker computed
+        from its memory); if the step did not commit as loaded, the log says so: until this
+        engine's next save commits, the newest step on disk is an older one."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        self.later = threading.Thread(
+            target=self._check_later, args=(pending, layout, wait), daemon=True,
+            name="asyncckpt-hot-commit-check",
+        )  # fmt: skip
+        self.later.start()
+
+    def _check_later(
+        self, pending: tuple[int, dict[str, int]], layout: str, wait: Callable[[], None]
+    ) -> None:
+        try:
+            wait()
+            why = self._not_committed(pending, layout)
+        except Exception as e:  # noqa: BLE001 - said in the log, on a thread of its own
+            why = f"its commit could not be checked: {e}"
+        self.later_why = why
+        if why is None:
+            log.info("step %d, loaded before it was written, is committed", pending[0])
+            return
+        log.warning(
+            "step %d was loaded from the memory of the worker of an earlier trainer before "
+            "that worker wrote it, and %s: training goes on from it (its bytes were checked), "
+            "but until this engine's next save commits, the newest step on disk is older",
+            pending[0],
+            why,
+        )
 
     def check_committed(self, layout: str) -> None:
         """At ``start()``: a step taken before it was written and not settled by its load (none

@@ -341,13 +341,18 @@ class LocalStore:
     def lock(self, holder: str, *, wait: bool, note_pid: bool = False) -> int | None:
         return localfs.lock_file(localfs.lock_path(self.root, holder), wait=wait, note_pid=note_pid)
 
-    def clean_leftovers(self, layout: str | None = None) -> list[str]:
-        """Remove temporaries and trash left by a crash; returns the names removed.
+    def clean_leftovers(
+        self, layout: str | None = None, *, keep: Callable[[str], bool] | None = None
+    ) -> list[str]:
+        """Remove temporaries and trash left by a crash; returns the names removed (``keep``:
+        names to leave alone).
 
         Only at start, while holding the root's lock: a temporary of a save in flight looks
         exactly like a leftover. Failures are logged and skipped (retried next start)."""
         removed = []
         for name in self.leftovers():
+            if keep is not None and keep(name):
+                continue
             try:
                 localfs.remove_tree(localfs.direct_child(self.root, self.root / name))
             except FileNotFoundError:

@@ -38,6 +38,7 @@ from asyncckpt.staging.arenas import check_memory
 from asyncckpt.storage.prune import clean_leftovers
 from asyncckpt.storage.remote import mark_published, reconcile_spool
 from asyncckpt.trainer.checks import check_export, check_picklable
+from asyncckpt.trainer.earlier_worker import EarlierWorker, holds_root
 from asyncckpt.trainer.jobs import CommitContext, JobTable, log_unraised
 from asyncckpt.trainer.ledger import GoodputMeter, auto_schedule
 from asyncckpt.trainer.local_load import StepAgreement
@@ -186,6 +187,7 @@ class EngineParts:
         self.restorer.kept_while_read = self.saver.pins.kept_while_read
         self.started = False
         self.lock_fd: int | None = None
+        self.clean_in_worker = False  # the next worker cleans the root (earlier_worker.py)
         self.goodput.built()
 
     def _worker_config(self) -> WorkerConfig:
@@ -209,7 +211,15 @@ class EngineParts:
             hot_hold_auto=self.opts.memory.hold_seconds is None,  # (room checked at the death)
             differential=self.opts.staging.differential,
             keep=KeepRule(self.local_keep, self.opts.retention.scope, self.run_id),
+            clean_root=self._clean_once(),
         )
+
+    def _clean_once(self) -> bool:
+        """Whether the worker about to start cleans the root (the first one after a start
+        that did not wait for an earlier trainer's worker; a replacement finds only what its
+        predecessor left, which the next start removes)."""
+        clean, self.clean_in_worker = self.clean_in_worker, False
+        return clean
 
     def _on_loaded(self, step: int) -> None:
         self.jobs.resumed_from = step
@@ -303,8 +313,18 @@ class EngineParts:
             # A missing or read-only bucket: refused now, as a local root is, not at the
             # first upload after steps have committed locally.
             self.remote.open().probe()
-        self.lock_fd = lock_root(self.root, rank, self.opts.write_timeout)
-        self.restorer.root_locked = True  # lock_root waited for an orphaned worker
+        # One rank on a local root: the start does not wait for a worker an earlier trainer
+        # left finishing its saves; the loads that must read what it commits wait for it, and
+        # this engine's worker cleans the root once it follows it (earlier_worker.py).
+        alone = self.ranks.world_size == 1 and self.remote is None
+        self.lock_fd = lock_root(
+            self.root, rank, self.opts.write_timeout, wait_for_orphan=not alone
+        )
+        self.restorer.root_locked = True  # ours; lock_root waited for an orphaned worker, or:
+        if alone and holds_root(self.root, rank):
+            bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
+            self.restorer.earlier = EarlierWorker(self.root, rank, bound, self.supervisor.was_ready)
+            self.clean_in_worker = True
         if self.saver.pinned:  # protect() before the start: other processes see it now
             self.saver.pins.publish()
         try:  # a step loaded while the earlier worker committed it: committed? (hot_resume.py)
@@ -316,6 +336,8 @@ class EngineParts:
         # One cleaner per root: rank 0, and on node-local roots each node's local rank 0
         # (its node's other ranks touch the root only in a save, which waits for it).
         if rank != 0 and not (node_local(self.ranks, self.opts) and self.ranks.local_rank == 0):
+            return
+        if self.clean_in_worker:  # (after the earlier worker: it may still write temporaries)
             return
         removed = clean_leftovers(self.root)
         # A stand-in's write cut short, a dropped replica not yet removed (local_recovery.py).

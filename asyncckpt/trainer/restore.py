@@ -57,6 +57,7 @@ from asyncckpt.storage.prune import (
     quarantine,
     trash_and_delete,
 )
+from asyncckpt.trainer.earlier_worker import EarlierWorker
 from asyncckpt.trainer.local_load import Agreed, StepAgreement
 from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
 
@@ -182,10 +183,13 @@ class Restorer:
         # check of steps ignores them) also where they could not be moved aside.
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot_resume.py).
-        self.hot = HotResume(root, rank, world_size, wait_for_worker=wait_for_worker)
+        self.hot = HotResume(root, rank, world_size, wait_for_worker=self._wait_for_worker)
         self.agreement: StepAgreement | None = None  # node-local roots, set at start
         self.agreed: Agreed | None = None  # its outcome for the load in progress
-        self.root_locked = False  # the engine started: lock_root waited for an orphan
+        self.root_locked = False  # the engine started: lock_root waited for an orphan, or:
+        # The start did not wait for an earlier trainer's worker still at work (one rank, a
+        # local root): loads wait for it where they read what it commits (earlier_worker.py).
+        self.earlier: EarlierWorker | None = None
         # The running worker prunes nothing a load reads (engine: pins.kept_while_read).
         self.kept_while_read: Callable[[int], Any] = lambda step: contextlib.nullcontext()
 
@@ -367,12 +371,39 @@ class Restorer:
         # (Before the start, the hot session waits for this rank's earlier worker to offer or
         # end, hot._connect; with no offer, or by step or path, _settle_orphans waits for every
         # one still committing, or ranks of a run that changed size resume different steps.)
-        with self.hot.session():  # a surviving worker's offer, asked for and let go
+        earlier = self.earlier
+        at_work = None if earlier is None else earlier.at_work
+        with self.hot.session(at_work):  # a surviving worker's offer, asked for and let go
             return self._load_latest(state, strict)
+
+    def _wait_for_worker(self, root: Path, rank: int) -> None:
+        """The hot resume's wait for this rank's earlier worker (``WaitForWorker``)."""
+        if self.earlier is not None:
+            self.earlier.wait()  # (our own worker takes the same lock after it)
+        else:
+            wait_for_worker(root, rank)
+
+    def _settle_orphans(self) -> None:
+        if self.earlier is not None:
+            self.earlier.wait()
+        else:
+            _settle_orphans(self.root, self.root_locked)
+
+    def _stands(self, report: LoadReport) -> bool:
+        """Whether a step taken from memory before it was written stands (``HotResume``).
+        Where the start did not wait for the worker writing it, the load stands now and the
+        commit is checked in the background; else it is checked now."""
+        if self.earlier is not None and not self.earlier.done:
+            self.hot.settle_later(self.layout, self.earlier.wait)
+            report.source_reason = (
+                "taken before it was written (its commit checked in the background)"
+            )
+            return True
+        return self.hot.settle(self.layout, started=self.root_locked)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
         if self.hot.source is None:
-            _settle_orphans(self.root, self.root_locked)
+            self._settle_orphans()
         only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout, _also_in(self.remote)):
@@ -386,7 +417,7 @@ class Restorer:
             else self.hot.before_commit(self.load_dir, state, strict, self.committed)
         )
         # Taken before it was written: it stands once committed as loaded (else the disk).
-        if taken is not None and self.hot.settle(self.layout, started=self.root_locked):
+        if taken is not None and self._stands(taken[1]):
             self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
             return taken[0]
         errors: list[str] = []
@@ -546,7 +577,7 @@ class Restorer:
     ) -> int:
         if (step is None) == (path is None):
             raise ValueError("pass exactly one of step= or path=")
-        _settle_orphans(self.root, self.root_locked)
+        self._settle_orphans()
         if path is not None:
             directory = Path(path)
             if not directory.is_dir():

@@ -106,6 +106,9 @@ class WorkerSupervisor:
         self.last_pid: int | None = None  # once stop() closed the process object
         self.events_conn: Any = None
         self.ready = threading.Event()
+        # Set at the first worker's Ready and never cleared: a worker of this engine took the
+        # worker lock, so an earlier trainer's worker let go of it (earlier_worker.py).
+        self.was_ready = threading.Event()
         self.report: AppliedThrottle | None = None  # what the worker applied (its Ready)
         self.start_error: str | None = None
         self.start_kills = 0  # workers killed while starting since the last one became ready
@@ -237,6 +240,7 @@ class WorkerSupervisor:
         if isinstance(msg, M.Ready):
             self.report = msg.throttle_report
             self.start_kills = 0
+            self.was_ready.set()
             self.ready.set()
         elif isinstance(msg, M.FaultFired):  # a fault point fired in the worker: disarm it here
             faults.consume(msg.fault_id)
@@ -297,9 +301,12 @@ class WorkerSupervisor:
             self._on_death(proc, err)
 
 
-def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
+def lock_root(
+    root: Path, rank: int, write_timeout: float | None, *, wait_for_orphan: bool = True
+) -> int:
     """Create and check ``root``, take this rank's lock on it (returned: close it to let go),
-    and wait for a worker an earlier trainer left behind."""
+    and wait for a worker an earlier trainer left behind (unless ``wait_for_orphan=False``:
+    the caller deals with it, earlier_worker.py)."""
     store = LocalStore(root)
     try:
         store.create_root()
@@ -326,6 +333,8 @@ def lock_root(root: Path, rank: int, write_timeout: float | None) -> int:
     # its write_timeout (default WorkerConfig.orphan_deadline_s); wait for it (it holds
     # the worker lock) before cleaning the temporaries it may still touch, and resume
     # from what it committed.
+    if not wait_for_orphan:
+        return fd
     try:
         _wait_for_orphan(store, f"worker{rank}", root, write_timeout)
     except BaseException:

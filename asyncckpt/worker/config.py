@@ -49,6 +49,10 @@ class WorkerConfig:
     # What the prune after each commit keeps (every rank: only one prunes): a save links only
     # from a checkpoint that a kept step shares no file with (differential.link_source).
     keep: KeepRule | None = None
+    # The trainer started without waiting for an earlier trainer's worker (one rank, a local
+    # root: trainer/earlier_worker.py): this worker cleans the root's leftovers once it holds
+    # the worker lock, before its first write.
+    clean_root: bool = False
 
 
 @dataclass(frozen=True)

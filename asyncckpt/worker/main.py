@@ -15,8 +15,10 @@ import torch
 
 from asyncckpt import faults
 from asyncckpt.cluster import dist as _dist
+from asyncckpt.cluster.local_recovery import clean_replica_leftovers
 from asyncckpt.cluster.peer_gone import note_worker
 from asyncckpt.core import messages as M
+from asyncckpt.core.layout import TMP_PREFIX
 from asyncckpt.core.savejob import SaveJob
 from asyncckpt.formats.dcp import _PassThroughPlanner
 from asyncckpt.memory.hold import FixedHolder, Holder, MemoryHold
@@ -60,6 +62,18 @@ def _watch_parent(parent_pid: int, deadline_s: float) -> None:
     os._exit(3)
 
 
+def clean_after_earlier_worker(root: str) -> None:
+    """The root's leftovers removed by the worker, which now holds the worker lock after the
+    earlier trainer's worker the trainer did not wait for (trainer/earlier_worker.py): what that
+    one or a crash before it left. The trainer's own small notes being replaced at this moment
+    (``.tmp-.asyncckpt-*``: the goodput ledger, the pins) stay; the next start removes any left."""
+    trainer_notes = TMP_PREFIX + ".asyncckpt-"
+    removed = LocalStore(root).clean_leftovers(keep=lambda name: name.startswith(trainer_notes))
+    removed += clean_replica_leftovers(root)
+    if removed:
+        log.warning("removed leftovers of an interrupted run in %s: %s", root, removed)
+
+
 def compose(
     worker: Worker, holder: Holder | None, replication: Replication | None, events: Any
 ) -> list[WorkerService]:
@@ -89,6 +103,8 @@ def worker_main(
     ).start()
     # Held until this process exits: a new engine on the root waits for it before cleaning.
     lock_fd = LocalStore(config.root).lock(f"worker{config.rank}", wait=True, note_pid=True)
+    if config.clean_root:
+        clean_after_earlier_worker(config.root)
     if config.dist is not None and not config.dist.ranks_per_node:  # one shared root
         note_worker(config.root, config.rank, config.dist.token)
     skip_torch_save_crc()

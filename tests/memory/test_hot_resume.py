@@ -411,7 +411,7 @@ def test_on_node_local_roots_an_offer_never_outruns_the_agreed_step(tmp_path, mo
 
     def load_with(offer: Offer) -> tuple[int | None, dict]:
         source = SimpleNamespace(offer=offer, step=offer.step, tensors={}, close=lambda: None)
-        monkeypatch.setattr(hot, "ask", lambda root, rank: (source, ""))
+        monkeypatch.setattr(hot, "ask", lambda root, rank, at_work=None: (source, ""))
         restorer = Restorer(
             root, "global_step", "dcp", None, verify_on_load=True, legacy=None, rank=0,
             world_size=2, remote=None, on_loaded=lambda step: None,
