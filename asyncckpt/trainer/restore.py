@@ -614,7 +614,15 @@ class Restorer:
         return found if found is not None else -1
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
+        self.wait_for_earlier_worker()
         return list_checkpoints(self.root, self.layout)
+
+    def wait_for_earlier_worker(self) -> None:
+        """Before a look at the root that must show what an earlier trainer's worker commits
+        (the engine's ``latest_step``, ``list_checkpoints``): wait for it, where the start did
+        not (earlier_worker.py). A step loaded from its memory is then listed."""
+        if self.earlier is not None:
+            self.earlier.wait()
 
 
 def _tracker_past(root: Path, layout: str, step: int) -> None:

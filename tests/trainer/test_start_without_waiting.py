@@ -38,6 +38,9 @@ def test_the_start_does_not_wait_and_a_step_taken_from_memory_is_checked_after(t
         assert "checked in the background" in report.source_reason
         assert steps(root) == [1]  # loaded before the commit, not after it
         assert_same(target, state_at(3))
+        # A look at the root through the engine shows what the earlier worker commits.
+        assert engine.latest_step() == 3
+        assert [c.step for c in engine.list_checkpoints()] == [1, 3]
         check = engine._engine.restorer.hot.later  # (the engine's parts: the thread that checks)
         assert check is not None
         check.join(WAIT_S)
