@@ -89,6 +89,7 @@ def child(args: argparse.Namespace) -> None:
     root = Path(args.root)
     times: list[float] = []
     saved: list[int] = []  # the steps that saved (their stall is in their step time)
+    skipped: list[int] = []  # of them, memory saves skipped (handle.skipped)
     engine = fut = None
     if args.config in ("disk", "memory+disk"):
         from asyncckpt import KeepLast, Schedule, SyncCheckpointEngine
@@ -109,15 +110,22 @@ def child(args: argparse.Namespace) -> None:
         if engine is not None:
             tier = engine.due(step)
             if tier:
-                engine.save(step, state, tier=tier)
+                handle = engine.save(step, state, tier=tier)
                 saved.append(step)
+                if handle.skipped:  # a memory save that found both slots busy: holds nothing
+                    skipped.append(step)
         elif args.config == "dcp.async_save" and step % args.disk_every == 0:
             if fut is not None:
                 fut.result()
             fut = dcp.async_save(state, checkpoint_id=str(root / f"step_{step}"))
             saved.append(step)
         times.append(time.perf_counter() - t0)
-    report = {"step_seconds": times, "saved_steps": saved, "killed_at": time.time()}
+    report = {
+        "step_seconds": times,
+        "saved_steps": saved,
+        "skipped_steps": skipped,
+        "killed_at": time.time(),
+    }
     print(json.dumps(report), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -334,6 +342,10 @@ def run_one(config: str, kill: int, args: argparse.Namespace, scratch: Path) -> 
         "paired_overhead_pct": (statistics.fmean(times) / quiet - 1) * 100,
         "saves": len(saved),
         "steps": len(times),
+        # The newest step a save returned holding (what a resume must reach, since a skipped
+        # memory save holds nothing), and the memory saves skipped.
+        "newest_saved_step": max(saved - set(report["skipped_steps"]), default=None),
+        "skipped_steps": report["skipped_steps"],
     }
 
 

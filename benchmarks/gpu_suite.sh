@@ -192,7 +192,7 @@ XDIST=
 "$PY" -c 'import xdist' 2>/dev/null && XDIST="-n 4"
 cuda_tests() {
   local rc=0 alone=$WORK/junit_alone.xml
-  local args=(-v -rA -p no:cacheprovider -p no:asyncio -o addopts="" tests/test_cuda.py)
+  local args=(-v -rA -p no:cacheprovider -p no:asyncio -o addopts="" tests/e2e/test_cuda.py)
   # shellcheck disable=SC2086
   "$PY" -m pytest "${args[@]}" $XDIST -m "not serial" --junitxml="$RES/junit_cuda.xml" || rc=$?
   "$PY" -m pytest "${args[@]}" -m serial --junitxml="$alone"

@@ -18,8 +18,8 @@ fi
 python=${PYTHON:-python3}
 logs=${MATRIX_LOGS:-$(mktemp -d)}
 mkdir -p "$logs"
-tests=(tests/test_engine.py tests/test_load.py tests/test_records.py tests/test_flatplan.py
-  tests/test_staging_copy.py tests/test_roundtrip.py)
+tests=(tests/test_engine.py tests/trainer/test_load.py tests/formats/test_records.py tests/staging/test_flatplan.py
+  tests/staging/test_staging_copy.py tests/test_roundtrip.py)
 
 failed=0
 summary=()

@@ -287,3 +287,25 @@ def test_user_pages_speak_the_users_words():
     texts["README.md"] = (REPO / "README.md").read_text()
     bad = {page: found for page, text in texts.items() if (found := internal_words(text, modules))}
     assert not bad, bad
+
+
+def test_every_test_file_named_in_the_docs_and_scripts_exists():
+    """The GPU suite ran `tests/test_cuda.py` for days after the tests moved into wings
+    (tests/e2e/): its test step found no file and the dry run failed, unseen."""
+    named = [
+        REPO / "README.md",
+        REPO / ".ci" / "run",
+        *REPO.glob("docs/**/*.md"),
+        *REPO.glob("benchmarks/*.md"),
+        *REPO.glob("benchmarks/*.sh"),
+        *REPO.glob("benchmarks/*.py"),
+        *REPO.glob("scripts/*"),
+    ]
+    missing = [
+        f"{f.relative_to(REPO)}: {m.group(0)}"
+        for f in named
+        if f.is_file()
+        for m in re.finditer(r"tests/[\w/]+\.py", f.read_text())
+        if not (REPO / m.group(0)).exists()
+    ]
+    assert missing == []

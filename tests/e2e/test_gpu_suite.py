@@ -62,7 +62,7 @@ def test_gpu_suite_dry_run(tmp_path):
     for tc in cases:
         sk = tc.find("skipped")
         assert sk is not None and sk.get("message"), tc.get("name")
-        assert f"| tests.test_cuda::{tc.get('name')} | skipped |" in summary
+        assert f"| tests.e2e.test_cuda::{tc.get('name')} | skipped |" in summary
         assert sk.get("message").split(": ", 1)[-1] in summary
 
     over = json.loads((res / "overhead.json").read_text())
