@@ -269,7 +269,7 @@ class EngineBase:
         return self._engine.restorer.last_load_report
 
     def latest_step(self) -> int | None:
-        self._engine.restorer.wait_for_earlier_worker()
+        self._engine.restorer.orphans.before_listing()
         dirs = self._engine.restorer.committed()
         return dirs[-1].step if dirs else None
 

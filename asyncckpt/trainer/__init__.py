@@ -12,6 +12,8 @@ worker.
 - ``pins``: ``engine.protect(step)`` reaching a prune on its way, the trainer's side.
 - ``pause``: ``PauseHooks``: the background write held while an optimizer steps.
 - ``supervisor``: the worker's process: the root's locks, its start, its events, its death.
+- ``earlier_worker``: a restart that does not wait for the worker a killed trainer left: where
+  loads wait for it instead.
 - ``preemption``: SIGTERM turned into "drain the staged saves, then one last save".
 - ``restore``: ``Restorer``: the newest good checkpoint found, checked, read.
 - ``local_load``: the load on node-local roots of several nodes.

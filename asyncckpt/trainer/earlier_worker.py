@@ -21,11 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncckpt.errors import RootLocked
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.localfs import lock_holder, lock_path, unlock
+from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
+
+if TYPE_CHECKING:
+    from asyncckpt.formats.loadcheck import LoadReport
+    from asyncckpt.memory.hot_resume import HotResume
 
 log = logging.getLogger("asyncckpt")
 
@@ -89,3 +96,55 @@ class EarlierWorker:
                 path = lock_path(self.root, f"worker{self.rank}")
                 raise RootLocked(f"a worker process ({lock_holder(path)}) still holds {path}")
             time.sleep(0.02)
+
+
+class OrphanWaits:
+    """Where one engine's loads wait for the workers earlier trainers left (``Restorer.orphans``).
+    Before the start (``started()`` false): every worker still committing on the root, and this
+    rank's by its lock (supervisor.py). After a start that did not wait: this rank's
+    ``earlier`` worker. After one that did: none."""
+
+    def __init__(self, root: Path, started: Callable[[], bool]) -> None:
+        self.root = root
+        self.started = started
+        self.earlier: EarlierWorker | None = None  # set by the start (trainer/parts.py)
+
+    def for_worker(self, root: Path, rank: int) -> None:
+        """The hot resume's wait for this rank's earlier worker (``WaitForWorker``)."""
+        if self.earlier is not None:
+            self.earlier.wait()  # (the lock alone: this engine's own worker takes it after)
+        else:
+            wait_for_worker(root, rank)
+
+    def settle(self) -> None:
+        """Before a load reads the disk: what an earlier worker commits is there."""
+        if self.earlier is not None:
+            self.earlier.wait()
+        elif not self.started() and self.root.is_dir():
+            wait_for_orphaned_workers(self.root)
+
+    def at_work(self) -> Callable[[], bool] | None:
+        """``hot_resume.ask``'s ``at_work``, where the engine knows better than the locks."""
+        return None if self.earlier is None else self.earlier.at_work
+
+    def still_writing(self) -> EarlierWorker | None:
+        """The earlier worker the start did not wait for, while it is at work."""
+        return self.earlier if self.earlier is not None and not self.earlier.done else None
+
+    def taken_stands(self, hot: HotResume, layout: str, report: LoadReport) -> bool:
+        """Whether a step ``hot`` took from memory before it was written stands. Where the
+        start did not wait for the worker writing it: now, its commit checked in the
+        background (``settle_later``); else once checked (``settle``)."""
+        earlier = self.still_writing()
+        if earlier is None:
+            return hot.settle(layout, started=self.started())
+        hot.settle_later(layout, earlier.wait)
+        report.source_reason = "taken before it was written (its commit checked in the background)"
+        return True
+
+    def before_listing(self) -> None:
+        """Before a look at the root that must show what the earlier worker commits (the
+        engine's ``latest_step``, ``list_checkpoints``): a step loaded from its memory is
+        then listed."""
+        if self.earlier is not None:
+            self.earlier.wait()

@@ -323,7 +323,9 @@ class EngineParts:
         self.restorer.root_locked = True  # ours; lock_root waited for an orphaned worker, or:
         if alone and holds_root(self.root, rank):
             bound = self.opts.write_timeout or WorkerConfig.orphan_deadline_s
-            self.restorer.earlier = EarlierWorker(self.root, rank, bound, self.supervisor.was_ready)
+            self.restorer.orphans.earlier = EarlierWorker(
+                self.root, rank, bound, self.supervisor.was_ready
+            )
             self.clean_in_worker = True
         if self.saver.pinned:  # protect() before the start: other processes see it now
             self.saver.pins.publish()

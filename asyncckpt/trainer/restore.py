@@ -57,9 +57,8 @@ from asyncckpt.storage.prune import (
     quarantine,
     trash_and_delete,
 )
-from asyncckpt.trainer.earlier_worker import EarlierWorker
+from asyncckpt.trainer.earlier_worker import OrphanWaits
 from asyncckpt.trainer.local_load import Agreed, StepAgreement
-from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
 
 _deferred = threading.local()
 
@@ -183,13 +182,12 @@ class Restorer:
         # check of steps ignores them) also where they could not be moved aside.
         self.known_corrupt: set[int] = set()
         # A hot resume: load_latest from a surviving worker's memory (hot_resume.py).
-        self.hot = HotResume(root, rank, world_size, wait_for_worker=self._wait_for_worker)
+        # Where loads wait for the workers earlier trainers left (earlier_worker.py).
+        self.orphans = OrphanWaits(root, lambda: self.root_locked)
+        self.hot = HotResume(root, rank, world_size, wait_for_worker=self.orphans.for_worker)
         self.agreement: StepAgreement | None = None  # node-local roots, set at start
         self.agreed: Agreed | None = None  # its outcome for the load in progress
-        self.root_locked = False  # the engine started: lock_root waited for an orphan, or:
-        # The start did not wait for an earlier trainer's worker still at work (one rank, a
-        # local root): loads wait for it where they read what it commits (earlier_worker.py).
-        self.earlier: EarlierWorker | None = None
+        self.root_locked = False  # the engine started: lock_root waited for an orphan
         # The running worker prunes nothing a load reads (engine: pins.kept_while_read).
         self.kept_while_read: Callable[[int], Any] = lambda step: contextlib.nullcontext()
 
@@ -371,39 +369,14 @@ class Restorer:
         # (Before the start, the hot session waits for this rank's earlier worker to offer or
         # end, hot._connect; with no offer, or by step or path, _settle_orphans waits for every
         # one still committing, or ranks of a run that changed size resume different steps.)
-        earlier = self.earlier
-        at_work = None if earlier is None else earlier.at_work
-        with self.hot.session(at_work):  # a surviving worker's offer, asked for and let go
+        with self.hot.session(
+            self.orphans.at_work()
+        ):  # a surviving worker's offer, asked for and let go
             return self._load_latest(state, strict)
-
-    def _wait_for_worker(self, root: Path, rank: int) -> None:
-        """The hot resume's wait for this rank's earlier worker (``WaitForWorker``)."""
-        if self.earlier is not None:
-            self.earlier.wait()  # (our own worker takes the same lock after it)
-        else:
-            wait_for_worker(root, rank)
-
-    def _settle_orphans(self) -> None:
-        if self.earlier is not None:
-            self.earlier.wait()
-        else:
-            _settle_orphans(self.root, self.root_locked)
-
-    def _stands(self, report: LoadReport) -> bool:
-        """Whether a step taken from memory before it was written stands (``HotResume``).
-        Where the start did not wait for the worker writing it, the load stands now and the
-        commit is checked in the background; else it is checked now."""
-        if self.earlier is not None and not self.earlier.done:
-            self.hot.settle_later(self.layout, self.earlier.wait)
-            report.source_reason = (
-                "taken before it was written (its commit checked in the background)"
-            )
-            return True
-        return self.hot.settle(self.layout, started=self.root_locked)
 
     def _load_latest(self, state: Any, strict: bool) -> int | None:
         if self.hot.source is None:
-            self._settle_orphans()
+            self.orphans.settle()
         only = self._agreed_step()  # first: every rank publishes its steps, an empty root too
         remote = self._remote_only() if self.remote is not None else {}
         if not remote and not _check_root(self.root, self.layout, _also_in(self.remote)):
@@ -417,7 +390,7 @@ class Restorer:
             else self.hot.before_commit(self.load_dir, state, strict, self.committed)
         )
         # Taken before it was written: it stands once committed as loaded (else the disk).
-        if taken is not None and self._stands(taken[1]):
+        if taken is not None and self.orphans.taken_stands(self.hot, self.layout, taken[1]):
             self._loaded(taken[1], taken[0], self.root / _layout.dir_name(self.layout, taken[0]))
             return taken[0]
         errors: list[str] = []
@@ -577,7 +550,7 @@ class Restorer:
     ) -> int:
         if (step is None) == (path is None):
             raise ValueError("pass exactly one of step= or path=")
-        self._settle_orphans()
+        self.orphans.settle()
         if path is not None:
             directory = Path(path)
             if not directory.is_dir():
@@ -614,15 +587,8 @@ class Restorer:
         return found if found is not None else -1
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
-        self.wait_for_earlier_worker()
+        self.orphans.before_listing()
         return list_checkpoints(self.root, self.layout)
-
-    def wait_for_earlier_worker(self) -> None:
-        """Before a look at the root that must show what an earlier trainer's worker commits
-        (the engine's ``latest_step``, ``list_checkpoints``): wait for it, where the start did
-        not (earlier_worker.py). A step loaded from its memory is then listed."""
-        if self.earlier is not None:
-            self.earlier.wait()
 
 
 def _tracker_past(root: Path, layout: str, step: int) -> None:
@@ -639,15 +605,6 @@ def _tracker_past(root: Path, layout: str, step: int) -> None:
             remove_tracker(root, layout)
     except OSError as err:
         log.warning("could not update the tracker of %s: %s", root, err)
-
-
-def _settle_orphans(root: Path, started: bool) -> None:
-    """A read before the engine started (the README's order: ``load_latest``, then enter the
-    engine) waits, as the start would (``supervisor.lock_root``), for a worker a killed
-    trainer left committing the saves it staged; else it resumes an older step than the one
-    that commits."""
-    if not started and root.is_dir():
-        wait_for_orphaned_workers(root)
 
 
 #: What load_latest logs when it finds nothing to load: a fresh run's first start, or a

@@ -13,6 +13,7 @@ takes SLOW_COMMIT_S to commit step 3.
 from __future__ import annotations
 
 import logging
+import time
 
 from statecmp import assert_same
 from test_hot_resume import SLOW_COMMIT_S, blank, run_trainer, slow_commit, state_at, steps
@@ -26,8 +27,17 @@ from asyncckpt.trainer.earlier_worker import holds_root
 WAIT_S = 180
 
 
-def test_the_start_does_not_wait_and_a_step_taken_from_memory_is_checked_after(tmp_path):
+def said(caplog, text: str) -> None:
+    """Wait until the log says ``text``: the background check of a step taken from memory."""
+    deadline = time.monotonic() + WAIT_S
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert text in caplog.text
+
+
+def test_the_start_does_not_wait_and_a_step_taken_from_memory_is_checked_after(tmp_path, caplog):
     root, engine, target = slow_commit(tmp_path)
+    caplog.set_level(logging.INFO, logger="asyncckpt")
     with engine:
         # Started while the earlier worker still writes step 3 (it takes SLOW_COMMIT_S):
         # before, the start waited for it.
@@ -41,10 +51,7 @@ def test_the_start_does_not_wait_and_a_step_taken_from_memory_is_checked_after(t
         # A look at the root through the engine shows what the earlier worker commits.
         assert engine.latest_step() == 3
         assert [c.step for c in engine.list_checkpoints()] == [1, 3]
-        check = engine._engine.restorer.hot.later  # (the engine's parts: the thread that checks)
-        assert check is not None
-        check.join(WAIT_S)
-        assert not check.is_alive() and engine._engine.restorer.hot.later_why is None
+        said(caplog, "step 3, loaded before it was written, is committed")
         assert steps(root) == [1, 3]  # the earlier worker's temporary was not cleaned away
         engine.save(4, state_at(4)).committed_sync(WAIT_S)
     assert verify(root).ok and steps(root) == [1, 3, 4]
@@ -57,11 +64,7 @@ def test_a_failed_commit_of_the_step_taken_is_said_and_training_goes_on(tmp_path
     with engine:
         assert engine.load_latest(target) == 3
         assert_same(target, state_at(3))  # the bytes the worker staged, checked
-        check = engine._engine.restorer.hot.later
-        assert check is not None
-        check.join(WAIT_S)
-        why = engine._engine.restorer.hot.later_why
-        assert why is not None and "its commit failed" in why
+        said(caplog, "its commit failed")
         assert "until this engine's next save commits" in caplog.text
         assert steps(root) == [1]
         engine.save(4, state_at(4)).committed_sync(WAIT_S)  # the next save: on disk again
