@@ -252,10 +252,6 @@ class HotResume:
         # A memory that failed its checksums as it was copied into the target (hot_load
         # ``HotSpoiled``): the load must restore the whole target from disk, or fail.
         self.spoiled = False
-        # settle_later's check of a step taken before it was written, and what it found
-        # (None: committed as loaded; unset until it is done).
-        self.later: threading.Thread | None = None
-        self.later_why: str | None = None
 
     @contextlib.contextmanager
     def session(self, at_work: Callable[[], bool] | None = None) -> Iterator[HotResume]:
@@ -447,18 +443,17 @@ class HotResume:
     def settle_later(self, layout: str, wait: Callable[[], None]) -> None:
         """``settle``, for an engine that started without waiting for the worker writing the
         step this load took (trainer/earlier_worker.py): the load stands now, and a thread
-        (``later``) waits for that worker and checks the commit. The target holds that step's
+        waits for that worker and checks the commit. The target holds that step's
         bytes whatever the outcome (every tensor matched the checksums the worker computed
         from its memory); if the step did not commit as loaded, the log says so: until this
         engine's next save commits, the newest step on disk is an older one."""
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        self.later = threading.Thread(
+        threading.Thread(
             target=self._check_later, args=(pending, layout, wait), daemon=True,
             name="asyncckpt-hot-commit-check",
-        )  # fmt: skip
-        self.later.start()
+        ).start()  # fmt: skip
 
     def _check_later(
         self, pending: tuple[int, dict[str, int]], layout: str, wait: Callable[[], None]
@@ -468,7 +463,6 @@ class HotResume:
             why = self._not_committed(pending, layout)
         except Exception as e:  # noqa: BLE001 - said in the log, on a thread of its own
             why = f"its commit could not be checked: {e}"
-        self.later_why = why
         if why is None:
             log.info("step %d, loaded before it was written, is committed", pending[0])
             return

@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncckpt.errors import RootLocked
-from asyncckpt.storage.local import LocalStore
-from asyncckpt.storage.localfs import lock_holder, lock_path, unlock
+from asyncckpt.storage.localfs import lock_held, lock_holder, lock_path
 from asyncckpt.trainer.supervisor import wait_for_orphaned_workers, wait_for_worker
 
 if TYPE_CHECKING:
@@ -38,14 +37,10 @@ log = logging.getLogger("asyncckpt")
 
 
 def holds_root(root: Path, rank: int) -> bool:
-    """Whether a worker holds ``rank``'s worker lock on ``root`` (taken and let go at once).
+    """Whether a worker holds ``rank``'s worker lock on ``root`` (``localfs.lock_held``).
     Asked right after this engine took the rank's lock: no worker of its own runs yet, so one
     that holds it is an earlier trainer's."""
-    fd = LocalStore(root).lock(f"worker{rank}", wait=False)
-    if fd is None:
-        return True
-    unlock(fd)
-    return False
+    return lock_held(lock_path(root, f"worker{rank}"))
 
 
 class EarlierWorker:
