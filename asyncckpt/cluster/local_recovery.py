@@ -48,7 +48,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +255,16 @@ def _reclaim(retired: list[tuple[Any, Path]]) -> None:
             store.reclaim(trash)
         except Exception as e:  # noqa: BLE001 - a leftover the next start removes
             log.warning("could not remove %s (the next start does): %s", trash, e)
+
+
+def clean_local_root(root: str | os.PathLike, keep: Callable[[str], bool] | None = None) -> None:
+    """Remove what a crash left in a local root (temporaries, trash) and in its replicas, said
+    in one warning (``keep``: names to leave alone). Only while holding the root's lock."""
+    removed = LocalStore(root).clean_leftovers(keep=keep)
+    # A stand-in's write cut short, a dropped replica not yet removed.
+    removed += clean_replica_leftovers(root)
+    if removed:
+        log.warning("removed leftovers of an interrupted run in %s: %s", root, removed)
 
 
 def clean_replica_leftovers(root: str | os.PathLike) -> list[str]:

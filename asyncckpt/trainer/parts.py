@@ -23,7 +23,7 @@ import torch.multiprocessing as tmp
 
 from asyncckpt.cluster import dist as _dist
 from asyncckpt.cluster import peer_gone
-from asyncckpt.cluster.local_recovery import clean_replica_leftovers
+from asyncckpt.cluster.local_recovery import clean_local_root
 from asyncckpt.core import layout as _layout
 from asyncckpt.errors import CheckpointError
 from asyncckpt.formats import check_format, default_format, staged
@@ -35,7 +35,6 @@ from asyncckpt.memory import tier as memory_tier
 from asyncckpt.options import EngineOptions
 from asyncckpt.retention import RetentionPolicy, should_prune
 from asyncckpt.staging.arenas import check_memory
-from asyncckpt.storage.prune import clean_leftovers
 from asyncckpt.storage.remote import mark_published, reconcile_spool
 from asyncckpt.trainer.checks import check_export, check_picklable
 from asyncckpt.trainer.earlier_worker import EarlierWorker, holds_root
@@ -341,11 +340,7 @@ class EngineParts:
             return
         if self.clean_in_worker:  # (after the earlier worker: it may still write temporaries)
             return
-        removed = clean_leftovers(self.root)
-        # A stand-in's write cut short, a dropped replica not yet removed (local_recovery.py).
-        removed += clean_replica_leftovers(self.root)
-        if removed:
-            log.warning("removed leftovers of an interrupted run in %s: %s", self.root, removed)
+        clean_local_root(self.root)
         if self.remote is not None:  # uploads cut by a crash: prefixes with no marker
             store = self.remote.open()
             removed = store.clean_leftovers(self.layout)

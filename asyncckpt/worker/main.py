@@ -15,7 +15,7 @@ import torch
 
 from asyncckpt import faults
 from asyncckpt.cluster import dist as _dist
-from asyncckpt.cluster.local_recovery import clean_replica_leftovers
+from asyncckpt.cluster.local_recovery import clean_local_root
 from asyncckpt.cluster.peer_gone import note_worker
 from asyncckpt.core import messages as M
 from asyncckpt.core.layout import TMP_PREFIX
@@ -68,10 +68,7 @@ def clean_after_earlier_worker(root: str) -> None:
     one or a crash before it left. The trainer's own small notes being replaced at this moment
     (``.tmp-.asyncckpt-*``: the goodput ledger, the pins) stay; the next start removes any left."""
     trainer_notes = TMP_PREFIX + ".asyncckpt-"
-    removed = LocalStore(root).clean_leftovers(keep=lambda name: name.startswith(trainer_notes))
-    removed += clean_replica_leftovers(root)
-    if removed:
-        log.warning("removed leftovers of an interrupted run in %s: %s", root, removed)
+    clean_local_root(root, keep=lambda name: name.startswith(trainer_notes))
 
 
 def compose(
