@@ -7,7 +7,8 @@ instead: correct, maybe slower, and never silent. Every such fallback is counted
 paths) and logged once per process on the ``asyncckpt`` logger.
 
 What has no public way (DCP's ``_StorageInfo``, which ``.metadata`` pickles by its path) is
-imported here too, so a torch without it fails at ``import asyncckpt.formats.dcp`` naming it.
+looked up here too (``storage_info_class``), so a torch without it fails at ``import
+asyncckpt.formats.dcp.writer`` naming it.
 The ``torch.save`` record reader and writer (``formats/records.py``) use public API only; their
 fallbacks to ``torch.save``/``torch.load`` have counters of their own (``SaveStats`` and
 ``LoadReport.records_fallbacks``).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -108,14 +110,31 @@ def make_wrapper_subclass(cls: type, shape: torch.Size, dtype: torch.dtype) -> A
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype)
 
 
-try:  # pickled into every ``.metadata`` by its path: there is no public stand-in.
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: F401
-except ImportError as e:  # pragma: no cover - a torch release that renamed it
-    raise ImportError(
-        f"torch {torch.__version__} has no torch.distributed.checkpoint.filesystem."
-        "_StorageInfo, which asyncckpt's DCP writer records in .metadata; use torch >= 2.9 "
-        "as pyproject.toml says, or report this torch version"
-    ) from e
+def or_dcp_error(*errors: type[BaseException]) -> tuple[type[BaseException], ...]:
+    """``errors`` and DCP's ``CheckpointException``, for an ``except`` clause (it derives from
+    BaseException, past ``except Exception``). DCP's is left out while
+    ``torch.distributed.checkpoint`` is not imported: nothing can have raised it then, and
+    importing it costs a trainer about a second."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    dcp = getattr(api, "CheckpointException", None)
+    if isinstance(dcp, type) and issubclass(dcp, BaseException):
+        return (*errors, dcp)
+    return errors
+
+
+def storage_info_class() -> type:
+    """DCP's ``_StorageInfo``, pickled into every ``.metadata`` by its path: there is no public
+    stand-in. Looked up when the DCP writer is imported (in the worker), not with asyncckpt:
+    ``torch.distributed.checkpoint`` costs a trainer about a second to import."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    except ImportError as e:  # pragma: no cover - a torch release that renamed it
+        raise ImportError(
+            f"torch {torch.__version__} has no torch.distributed.checkpoint.filesystem."
+            "_StorageInfo, which asyncckpt's DCP writer records in .metadata; use torch >= 2.9 "
+            "as pyproject.toml says, or report this torch version"
+        ) from e
+    return _StorageInfo
 
 
 @contextmanager

@@ -229,7 +229,12 @@ def resume(args: argparse.Namespace) -> None:
         for k, v in initial_state(args.state_mb)["model"].items():
             state["model"][k].copy_(v)
         source = "none"
-    say("loaded", step=step, source=source)
+    say(
+        "loaded",
+        step=step,
+        source=source,
+        dcp_imported="torch.distributed.checkpoint" in sys.modules,
+    )
     if engine is not None and args.load_before_start:
         engine.__enter__()
     say("started")
@@ -364,6 +369,8 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
         "resumed_step": resumed,
         "steps_lost": done - (resumed or 0),
         "source": ev["loaded"]["source"],
+        # whether the restarted trainer had imported torch.distributed.checkpoint (~1 s)
+        "dcp_imported": ev["loaded"].get("dcp_imported"),
         "bit_for_bit": ev["checked"]["bit_for_bit"],
         "step_s": statistics.fmean(s["wall"] for s in steps),
         # kill -> trainer up (imports, state), engine built and entered (entered after the

@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from torch.distributed.checkpoint.api import CheckpointException
-
+from asyncckpt._torch import or_dcp_error
 from asyncckpt.core import layout as _layout
 from asyncckpt.errors import (
     CheckpointError,
@@ -310,7 +309,7 @@ class Restorer:
                     part.fmt, part.state, part.location, part.paths, legacy=self.legacy,
                     weights_only=part.weights_only, verify=verify,
                 )  # fmt: skip
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, as ours
+        except or_dcp_error(Exception) as e:  # noqa: BLE001 - re-raised, as ours
             if isinstance(e, (CheckpointError, HotDeclined)):
                 raise
             if not directory.is_dir():
@@ -418,7 +417,7 @@ class Restorer:
                 except StateMismatch:
                     raise  # the caller's mistake: an older checkpoint would not fit either
                 # DCP's CheckpointException derives from BaseException, not Exception.
-                except (Exception, CheckpointException) as e:  # noqa: BLE001 - fall back
+                except or_dcp_error(Exception) as e:  # noqa: BLE001 - fall back
                     if isinstance(e, Vanished) or not c.path.is_dir():
                         log.debug("checkpoint step %d at %s was pruned while read", c.step, c.path)
                         vanished = True

@@ -35,6 +35,7 @@ from typing_extensions import Unpack
 from asyncckpt import faults
 from asyncckpt.core import layout as _layout
 from asyncckpt.core import messages as M
+from asyncckpt.core.savejob import SaveJob
 from asyncckpt.errors import CheckpointError, SaveFailed, WorkerDied
 from asyncckpt.formats import components, staged
 from asyncckpt.memory.tier import MemoryStager, MemoryTier, check_tier
@@ -53,8 +54,8 @@ from asyncckpt.trainer.restore import Restorer
 from asyncckpt.trainer.restore import check_step as _check_step
 from asyncckpt.trainer.stagers import DiskSlots
 from asyncckpt.trainer.supervisor import WorkerLink
+from asyncckpt.worker.config import PruneRequest
 from asyncckpt.worker.export import check_source
-from asyncckpt.worker.loop import PruneRequest, SaveJob
 
 __all__ = ["PendingSave", "SaveOptions", "SaveRules", "Saver", "WorkerPort"]
 

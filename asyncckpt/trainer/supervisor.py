@@ -28,7 +28,7 @@ from asyncckpt.io.throttle import AppliedThrottle
 from asyncckpt.storage.local import LocalStore
 from asyncckpt.storage.localfs import lock_holder, lock_path, unlock
 from asyncckpt.worker.config import WorkerConfig
-from asyncckpt.worker.main import worker_main
+from asyncckpt.worker.entry import run_worker
 
 log = logging.getLogger("asyncckpt")
 
@@ -173,7 +173,7 @@ class WorkerSupervisor:
         memory_r, memory_w = ctx.Pipe(duplex=False)
         config = self.make_config()
         proc = ctx.Process(
-            target=worker_main,
+            target=run_worker,
             args=(config, jobs_r, events_w, self.write_pause, memory_r),
             name=f"asyncckpt-worker-{config.rank}",
             daemon=True,

@@ -2,6 +2,7 @@
 
 - loop.py: ``Worker``, its loop over the trainer's messages and each save's write and commit.
 - main.py: ``worker_main``, the process's start, its services composed; a stand-in's work.
+- entry.py: ``run_worker``, what the trainer spawns: it imports ``main`` in the worker.
 - config.py: ``WorkerConfig`` (what a worker starts with) and ``PruneRequest``.
 - report.py: what a worker tells its trainer (a failure's info, the events pipe).
 - pins.py: the worker's side of ``engine.protect`` (``WorkerPins``, the ``Pins`` service).

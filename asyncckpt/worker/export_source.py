@@ -14,7 +14,6 @@ import torch
 
 from asyncckpt.errors import CorruptCheckpoint
 from asyncckpt.formats.components import COMPONENTS, saved_spec
-from asyncckpt.formats.dcp import load_flat, read_dcp_metadata
 from asyncckpt.formats.loadcheck import read_error
 from asyncckpt.formats.pt import read
 from asyncckpt.storage.manifest import (
@@ -106,6 +105,8 @@ class _DCPSource(_Source):
         from torch.distributed.checkpoint import DefaultLoadPlanner
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from asyncckpt.formats.dcp.reader import load_flat
+
         request = {
             self.fqn[n]: torch.empty(self.entries[n].shape, dtype=self.entries[n].dtype)
             for n in names
@@ -170,6 +171,7 @@ def _dcp_source(
     step_dir: Path, manifest: Mapping[str, Any], directory: Path, sub: str, component: str,
     within: str,
 ) -> _DCPSource:  # fmt: skip
+    from asyncckpt.formats.dcp.metadata import read_dcp_metadata
 
     rel = directory.relative_to(step_dir).as_posix()
     prefix = "" if rel == "." else f"{rel}/"

@@ -125,6 +125,36 @@ def test_hot_resume_after_a_memory_save(tmp_path):
     assert verify(tmp_path / "r").ok  # and the step it persisted is on disk, whole
 
 
+#: A restarted trainer, alone in its process: what it imported is its own.
+RESUMER = """
+import json, sys
+import torch
+from asyncckpt import SyncCheckpointEngine
+target = {"w": torch.zeros(int(sys.argv[2])), "b": torch.zeros(10, dtype=torch.int64), "meta": {}}
+with SyncCheckpointEngine(sys.argv[1], keep=None) as engine:
+    step = engine.load_latest(target)
+    dcp = "torch.distributed.checkpoint" in sys.modules
+    print(json.dumps({"step": step, "source": engine.last_load_report.source, "dcp": dcp}))
+"""
+
+
+def test_a_restart_that_resumes_from_memory_never_imports_dcp(tmp_path):
+    """``torch.distributed.checkpoint`` takes about a second to import (DTensor's op tables),
+    a third of a small trainer's way back. Only the worker writes DCP and a resume from memory
+    reads no file, so the restarted trainer must not wait for it (it did: asyncckpt imported
+    it with itself)."""
+    run_trainer(tmp_path, "memory", hold=120)
+    out = subprocess.run(
+        [sys.executable, "-c", RESUMER, str(tmp_path / "r"), str(N)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"step": 3, "source": "memory", "dcp": False}, (got, out.stderr[-3000:])
+
+
 #: The worker's commit of the step it persists after the death waits this long (a fault).
 SLOW_COMMIT_S = 20
 

@@ -17,12 +17,12 @@ This module is the format (``DCPFormat``); its parts, one job each:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from asyncckpt.core import layout as L
 from asyncckpt.core.entries import Entries, has_sharded_base
@@ -43,11 +43,39 @@ from asyncckpt.formats.base import (
     SaveOptions,
     WriteOptions,
 )
-from asyncckpt.formats.dcp.metadata import _METADATA_CACHE, paths_from_dcp, read_dcp_metadata
-from asyncckpt.formats.dcp.planner import Serialized, _PassThroughPlanner, dcp_object_paths
-from asyncckpt.formats.dcp.reader import CachedMetadataReader, load_flat, load_into, read_flat
-from asyncckpt.formats.dcp.writer import PIECE_BYTES, ChecksumWriter, _result, write_flat
 from asyncckpt.staging.arenas import serialize_objects
+
+if TYPE_CHECKING:
+    from asyncckpt.formats.dcp.metadata import _METADATA_CACHE, read_dcp_metadata
+    from asyncckpt.formats.dcp.planner import Serialized, _PassThroughPlanner, dcp_object_paths
+    from asyncckpt.formats.dcp.reader import (
+        CachedMetadataReader,
+        load_flat,
+        load_into,
+        read_flat,
+    )
+    from asyncckpt.formats.dcp.writer import PIECE_BYTES, ChecksumWriter, _result, write_flat
+
+#: The parts that import ``torch.distributed.checkpoint`` (about a second: it brings DTensor's
+#: op tables), imported when first asked for. A trainer that resumes from memory and leaves
+#: every write to its worker never pays for them.
+_LAZY = {
+    "metadata": ("_METADATA_CACHE", "read_dcp_metadata"),
+    "planner": ("Serialized", "_PassThroughPlanner", "dcp_object_paths"),
+    "reader": ("CachedMetadataReader", "load_flat", "load_into", "read_flat"),
+    "writer": ("PIECE_BYTES", "ChecksumWriter", "_result", "write_flat"),
+}
+_LAZY_FROM = {name: part for part, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    part = _LAZY_FROM.get(name)
+    if part is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{part}"), name)
+    globals()[name] = value  # asked once
+    return value
+
 
 #: What the package's other modules, the tests and the benchmarks import from here.
 __all__ = [
@@ -99,6 +127,8 @@ def assemble(views: Mapping[str, torch.Tensor], shards: Mapping[str, Any]) -> di
 
 def dcp_entries(metadata: Any, *, objects_known: bool = True) -> Entries:
     """What a DCP checkpoint holds, from its ``Metadata`` (``FileSystemReader.read_metadata``)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     out = Entries(objects_known=objects_known)
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -135,6 +165,9 @@ class DCPFormat(Format):
         return Prepared(tensors, objects, flat.paths, {"shards": shards}, key=key)
 
     def write(self, part: Prepared, location: Path, options: WriteOptions) -> Crcs:
+        from asyncckpt.formats.dcp.planner import Serialized, dcp_object_paths
+        from asyncckpt.formats.dcp.writer import write_flat
+
         flat: dict[str, Any] = {k: Serialized(v) for k, v in part.objects.items()}
         flat.update(assemble(part.tensors, part.extra.get("shards", {})))
         return write_flat(
@@ -152,11 +185,15 @@ class DCPFormat(Format):
         )
 
     def load_into(self, state: Any, location: Path, paths: Paths, options: LoadOptions) -> None:
+        from asyncckpt.formats.dcp.reader import load_into
+
         load_into(state, location, paths, options.verify, options.target_only)
 
     def entries(self, state: Any, location: Path, options: LoadOptions) -> Entries | None:
         if not (location / L.DCP_METADATA).exists() or has_sharded_base(state):
             return None  # megatron's loader validates a sharded state dict itself
+        from asyncckpt.formats.dcp.metadata import read_dcp_metadata
+
         return dcp_entries(read_dcp_metadata(location), objects_known=self.objects_known(location))
 
     def objects_known(self, location: Path) -> bool:
@@ -167,6 +204,9 @@ class DCPFormat(Format):
         return path.name in self.metadata_files and path.parent == location
 
     def read(self, location: Path, paths: Paths) -> dict[str, Any]:
+        from asyncckpt.formats.dcp.metadata import paths_from_dcp, read_dcp_metadata
+        from asyncckpt.formats.dcp.reader import read_flat
+
         flat = read_flat(location)
         if paths is None:
             paths = paths_from_dcp(read_dcp_metadata(location))

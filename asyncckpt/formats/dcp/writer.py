@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from asyncckpt import faults
-from asyncckpt._torch import StorageInfo, stateful_entries_as_is
+from asyncckpt._torch import stateful_entries_as_is, storage_info_class
 from asyncckpt.formats.dcp.metadata import quiet_single_process
 from asyncckpt.formats.dcp.planner import _PassThroughPlanner, cache_plans
 from asyncckpt.formats.differential import Linker, Previous, group_items
@@ -34,6 +34,8 @@ from asyncckpt.io.directio import DirectFile, open_for_write
 from asyncckpt.io.throttle import write_all
 from asyncckpt.storage.localfs import fsync_fd
 from asyncckpt.storage.manifest import checksum
+
+StorageInfo = storage_info_class()
 
 #: Largest piece a shard stream hands to the file (and to the throttle) at once.
 PIECE_BYTES = 1 << 20
