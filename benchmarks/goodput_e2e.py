@@ -299,8 +299,12 @@ class KillAt:
             return
         if self.measured_at is None:
             self.measured_at = ev["step"]
-        elif ev["tier"] == self.tier:
-            every = ev["memory_every" if self.tier == "memory" else "disk_every"]
+            return
+        # The engine may drop the memory tier (its saves cost about what disk saves do, see
+        # docs/how-to/goodput.md): then the disk saves protect the run.
+        tier = self.tier if ev.get("memory_every") else "disk"
+        if ev["tier"] == tier:
+            every = ev["memory_every" if tier == "memory" else "disk_every"]
             self.target = ev["step"] + max(1, round(self.fraction * every))
 
     def due(self, step: int) -> bool:
@@ -320,8 +324,14 @@ def run_one(strategy: str, kill: int, args: argparse.Namespace, scratch: Path) -
         while not killer.due(seen):  # its steps as they come; the kill right after the target
             chunk = f.read()
             if not chunk:
-                if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is not None:
                     raise RuntimeError(f"{strategy}: the trainer stopped\n{err.read_text()}")
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(
+                        f"{strategy}: no kill point after 600 s (at step {seen}; killed)\n"
+                        f"{err.read_text()}"
+                    )
                 time.sleep(0.002)
                 continue
             *lines, buf = (buf + chunk).split(b"\n")

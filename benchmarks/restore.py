@@ -140,6 +140,9 @@ LOADER = """
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 import restore as R
+# Imports before the clock. A load from disk imports DCP when it reads (the trainer does not
+# import it with asyncckpt); a hot resume never does: goodput.py --e2e times the whole way.
+import torch.distributed.checkpoint
 from asyncckpt import SyncCheckpointEngine
 root, size, tensors, device = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 target = R.blank_like(R.make_state(size, tensors, device))

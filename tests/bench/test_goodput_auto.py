@@ -37,3 +37,28 @@ def test_auto_rows_choose_their_intervals_and_stand_beside_the_fixed_ones(tmp_pa
     for v in verdict.values():
         assert v["best_auto"].startswith("auto M=") and set(v["fixed"]) == {"disk"}
         assert v["met"] == (v["best_auto_goodput"] >= v["fixed"]["disk"] - 0.005)
+
+
+def _step(step: int, tier: str, disk: int, memory: int | None) -> dict:
+    return dict(step=step, tier=tier, disk_every=disk, memory_every=memory, measured=True)
+
+
+def test_the_kill_of_a_memory_row_whose_engine_dropped_the_memory_tier_follows_the_disk():
+    """``auto+memory+hot`` is killed at its place in the memory interval the engine chose. An
+    engine that finds memory saves cost what disk saves do schedules none (memory_every None):
+    the kill then follows the disk saves. It waited for a memory save that never came, and
+    the benchmark ran out of its 600 s."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from goodput_e2e import KillAt
+
+    kill = KillAt("auto+memory+hot", 62, 50)  # 24% of the way to the next save
+    kill.see(_step(40, "disk", 100, None))  # the first save on measured intervals
+    kill.see(_step(140, "disk", 100, None))
+    assert kill.measured_at == 40 and kill.target == 140 + 24
+    assert not kill.due(163) and kill.due(164)
+    # With the memory tier kept, the memory saves set it, as before.
+    kept = KillAt("auto+memory+hot", 62, 50)
+    kept.see(_step(40, "memory", 100, 10))
+    kept.see(_step(100, "disk", 100, 10))  # a disk save does not set it
+    kept.see(_step(110, "memory", 100, 10))
+    assert kept.target == 110 + 2
