@@ -16,7 +16,8 @@ Per strategy and kill step ``K`` (``--kills``), one run:
    Steps done = the last step it reported; the kill can land a step or two after ``K``.
 3. At once a new trainer process on the same root starts (a launcher's restart, without the
    scheduler's delay): imports, its state (zeros of the same shapes), the engine built and
-   entered (which waits for the old worker to finish what it had staged), ``load_latest``
+   entered (one rank on a local root: it does not wait for the old worker; a load that
+   reads what that worker still writes waits for it), ``load_latest``
    (or ``dcp.load`` of the newest directory with its ``.metadata``), one training step (no
    ``prepare``: it would wait for the new worker's start; the first save allocates). It
    reports each stage's end (wall clock), and afterwards checks the state it resumed bit for
@@ -213,7 +214,7 @@ def resume(args: argparse.Namespace) -> None:
     else:
         engine = make_engine(args)
         if not args.load_before_start:
-            engine.__enter__()  # waits for the old worker to finish what it had staged
+            engine.__enter__()  # (a load that needs the old worker's writes waits for them)
     say("engine")
     source = "disk"
     if engine is None:
