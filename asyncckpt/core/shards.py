@@ -9,6 +9,7 @@ worker builds the ``LocalShard`` from its staged views, the cache keys tell one 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,21 +33,24 @@ def dtensor_shard_info(t: Any) -> ShardInfo:
     return ShardInfo(tuple(t.shape), ((tuple(chunk.offsets), tuple(chunk.sizes)),))
 
 
+def _dtensor_class() -> type | None:
+    """DTensor's class, or None while ``torch.distributed.tensor`` is not imported: no tensor
+    can be a DTensor then, and importing it costs about a second and 40 MiB (its operator
+    tables), which a trainer that holds no DTensor would pay at its first save."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls if isinstance(cls, type) else None
+
+
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def is_dtensor_type(cls: type) -> bool:
     """``is_dtensor`` for a type: one check for all the tensors of a type in a state."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return issubclass(cls, DTensor)
+    dtensor = _dtensor_class()
+    return dtensor is not None and issubclass(cls, dtensor)
 
 
 class LocalShard(torch.Tensor):
