@@ -346,6 +346,9 @@ def test_goodput_e2e_kills_a_real_trainer_and_restarts_it(tmp_path):
         "disk",
         "memory",
     ]
+    # A resume from memory never imports DCP (only the worker writes it); a disk load does.
+    assert runs["memory+hot"]["dcp_imported"] is False
+    assert runs["disk"]["dcp_imported"] is True
     assert (out / "goodput_e2e.png").stat().st_size > 0
     assert not list((tmp_path / "s").rglob("*.distcp"))  # the checkpoints are removed
 
