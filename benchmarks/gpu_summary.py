@@ -128,9 +128,12 @@ def restore_lines(rep: dict[str, Any]) -> list[str]:
             )
     res = rep.get("resume", {})
     if "hot_vs_cold_dcp_load" in res:
+        # (results written before the median-of-loads figure: the per-round one)
+        hot = res.get("hot_vs_median_dcp_load", res["hot_vs_cold_dcp_load"]["median"])
         lines.append(
-            f"- resume in a new process after SIGKILL: hot {fmt(res['hot_vs_cold_dcp_load']['median'])}x"
-            f" a cold dcp.load, from disk {fmt(res['disk_vs_cold_dcp_load']['median'])}x; "
+            f"- resume in a new process after SIGKILL: hot {fmt(hot)}x the median cold dcp.load"
+            f" ({fmt(res['hot_vs_cold_dcp_load']['median'])}x its round's), from disk "
+            f"{fmt(res['disk_vs_cold_dcp_load']['median'])}x; "
             f"bit for bit: {res['bit_for_bit']}; sources: "
             + ", ".join(sorted({f"{r['name']}={r['source']}" for r in res.get("runs", [])}))
         )

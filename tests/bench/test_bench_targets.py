@@ -39,3 +39,26 @@ def test_a_quick_run_says_its_verdicts_are_not_judged(capsys):
     common().print_targets(TARGETS, quick=True)
     out = capsys.readouterr().out
     assert "not judged" in out and "a 'no' here is expected" in out
+
+
+def restore():
+    sys.path.insert(0, str(BENCH))  # restore.py imports common as a sibling
+    spec = importlib.util.spec_from_file_location("bench_restore", BENCH / "restore.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_hot_resume_target_is_taken_against_the_median_cold_load_not_one_rounds():
+    # Two rounds each; the first hot round's own dcp.load was a fast one (0.5 s), so its
+    # per-round ratio is 0.6x though the hot resume took what the other did.
+    seconds = {"hot": [0.30, 0.30], "disk": [1.0, 1.1], "dcp.load": [0.5, 1.2, 1.2, 1.3]}
+    ratios = {"hot": [0.6, 0.25], "disk": [1.0 / 1.2, 1.1 / 1.3]}
+    runs = [{"bit_for_bit": True}] * 4
+    got = restore().resume_figures(seconds, ratios, runs)
+    assert got["hot_vs_median_dcp_load"] == 0.30 / 1.2
+    assert got["disk_vs_median_dcp_load"] == 1.05 / 1.2
+    assert got["hot_vs_cold_dcp_load"]["median"] == (0.6 + 0.25) / 2  # kept beside it
+    assert got["bit_for_bit"] is True
+    assert restore().resume_figures(seconds, ratios, [])["bit_for_bit"] is False  # no round ran

@@ -358,6 +358,8 @@ def test_restore_runs_and_reports_every_field(tmp_path):
     has(rep, "environment", "bytes", "tensors", "repeats", "cold", "warm", "resume", "targets")
     resume = rep["resume"]
     has(resume, "seconds", "hot_vs_cold_dcp_load", "disk_vs_cold_dcp_load", "bit_for_bit", "runs")
+    has(resume, "hot_vs_median_dcp_load", "disk_vs_median_dcp_load")
+    assert resume["seconds"]["dcp.load"]["n"] == 2 * rep["repeats"]  # the median's loads
     has(resume["seconds"], "hot", "disk", "dcp.load")
     assert resume["bit_for_bit"]
     # Which path each resume took is fixed by hold_seconds, not a timing.
