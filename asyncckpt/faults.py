@@ -23,13 +23,14 @@ again. The training process is the source of truth: ``clear()`` there disarms th
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 ENV_VAR = "ASYNCCKPT_FAULTS"
@@ -107,6 +108,8 @@ class Fault:
 
 
 _lock = threading.Lock()
+#: ``armed_for``'s fault ids, per thread (none: every armed fault).
+_scope = threading.local()
 _faults: dict[str, Fault] = {}
 #: Ids of faults that fired in this process; a snapshot never re-arms them.
 _fired: set[str] = set()
@@ -219,6 +222,20 @@ def set_reporter(report: Callable[[str], None] | None) -> None:
     _reporter = report
 
 
+@contextlib.contextmanager
+def armed_for(snap: dict[str, tuple[str, int, float, str]]) -> Iterator[None]:
+    """Within it, this thread's points fire only the faults armed in ``snap`` (a job's
+    snapshot). For a thread that works for one save beside the main loop (an upload): the main
+    loop installs the points of the next save when it starts writing it, and a point armed
+    after this save was made is not this save's."""
+    before = getattr(_scope, "ids", None)
+    _scope.ids = frozenset(entry[3] for entry in snap.values())
+    try:
+        yield
+    finally:
+        _scope.ids = before
+
+
 def point(name: str, data: memoryview | None = None) -> None:
     """Announce that the pipeline reached ``name``; perform the armed action, if any
     (``data``: the bytes a ``corrupt`` action flips a bit of)."""
@@ -228,6 +245,9 @@ def point(name: str, data: memoryview | None = None) -> None:
         fault = _faults.get(name)
         if fault is None:
             return
+        scope = getattr(_scope, "ids", None)
+        if scope is not None and fault.id not in scope:
+            return  # armed for a later save than the one this thread works for (not a hit)
         fault.hits += 1
         if fault.hits <= fault.after:
             return

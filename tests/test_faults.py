@@ -119,6 +119,26 @@ def test_parse_spec_and_env_syntax():
             faults.parse_spec(bad)
 
 
+def test_a_thread_armed_for_one_job_fires_only_that_jobs_faults():
+    """``armed_for``: an upload thread works for one save; a point armed for a later save
+    neither fires there nor counts a hit, and fires where it was armed."""
+    faults.inject("after_commit", "raise", after=1)
+    snap = faults.snapshot()
+    try:
+        with faults.armed_for({}):  # a save made before the fault was armed
+            for _ in range(3):
+                faults.point("after_commit")  # not a hit: after=1 still holds below
+        with faults.armed_for(snap):
+            faults.point("after_commit")  # the first hit
+            with pytest.raises(RuntimeError, match="after_commit"):
+                faults.point("after_commit")
+        faults.inject("mid_prune", "raise")
+        with pytest.raises(RuntimeError, match="mid_prune"):
+            faults.point("mid_prune")  # no scope (the main loop): every armed fault
+    finally:
+        faults.clear()
+
+
 def test_inject_validates():
     with pytest.raises(ValueError, match="unknown fault point"):
         faults.inject("before_lunch", "kill")

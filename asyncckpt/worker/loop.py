@@ -577,18 +577,20 @@ class Publisher:
         return snap
 
     def upload(self, job: SaveJob, stats: dict[str, Any]) -> None:
-        """The upload queue's work for ``job`` (committed here): publish, then report."""
-        try:
-            failed = self.publish(job, stats)
-        finally:
-            self.armed.pop(job.job_id, None)
-        if failed is not None:
-            self.worker.events.send(M.Failed(job.job_id, failed))
-        else:  # then the local prune, as after a commit without a store (a failed one: none)
-            self.worker.events.send(M.Committed(job.job_id, stats))
-            faults.point("after_commit")  # a URL root's step is committed once in the store
-            if job.prune is not None:
-                self.worker._prune(job.job_id, job.prune, job.step)
+        """The upload queue's work for ``job`` (committed here): publish, then report. Its
+        fault points fire as armed for ``job`` (the main loop arms the next save's meanwhile)."""
+        with faults.armed_for(job.faults):
+            try:
+                failed = self.publish(job, stats)
+            finally:
+                self.armed.pop(job.job_id, None)
+            if failed is not None:
+                self.worker.events.send(M.Failed(job.job_id, failed))
+            else:  # then the local prune, as after a commit without a store (a failed one: none)
+                self.worker.events.send(M.Committed(job.job_id, stats))
+                faults.point("after_commit")  # a URL root's step is committed once in the store
+                if job.prune is not None:
+                    self.worker._prune(job.job_id, job.prune, job.step)
 
     def drain(self) -> None:
         """Every queued upload done (the trainer stops the worker, or is gone)."""

@@ -413,6 +413,33 @@ def test_every_fault_point_is_covered_on_a_url_root():
     assert set(LOCAL_POINTS) == set(faults.LOCAL_POINTS) - {"after_stage"}  # (the trainer's)
 
 
+def test_a_point_armed_after_a_save_is_not_fired_by_that_saves_upload(s3, tmp_path):
+    """A fault armed after ``save(1)`` is armed for the saves after it. Step 1's upload runs
+    beside step 2's write, and the worker arms step 2's points when it starts that write: the
+    upload must not fire them. (It did: ``after_commit=kill`` went off after step 1's upload,
+    the worker died writing step 2, and the store kept step 1 only. Seen in the integration
+    run under load; the slow upload here makes the order certain.)"""
+    with SyncCheckpointEngine(
+        s3.url,
+        object_store=ObjectStore(storage_options=s3.options, spool=tmp_path / "spool"),
+        keep=KeepLast(1),
+    ) as eng:
+        faults.inject("mid_upload", "delay", seconds=1.0)  # step 1's upload outlasts 2's start
+        first = eng.save(1, make_state(1))
+        faults.inject("after_commit", "kill")
+        second = eng.save(2, make_state(2))
+        first.committed_sync(COMMIT_WAIT)
+        second.committed_sync(COMMIT_WAIT)  # the kill comes after step 2 is in the store
+        deadline = time.monotonic() + COMMIT_WAIT
+        while eng.worker_restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.worker_restarts == 1  # it did fire, once, for the save it was armed for
+        faults.clear()
+    store = FsspecStore(s3.url, s3.options)
+    assert [c.step for c in store.committed("global_step")] == [2]
+    assert store.read_tracker() == 2
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("point", sorted(LOCAL_POINTS))
 def test_a_kill_at_every_local_point_of_a_url_root_leaves_the_store_whole(s3, tmp_path, point):
