@@ -236,15 +236,12 @@ def resume_figures(
     cold ``dcp.load`` (``*_vs_median_dcp_load``), the hot and the disk rounds' alike (the same
     state): one cold ``dcp.load`` ranged 0.86-1.28 s within an hour on a quiet VM, so a ratio
     over one round's load moved with its denominator. The per-round ratios stay beside it."""
-    loads = C.med(seconds["dcp.load"]) if seconds["dcp.load"] else float("nan")
-
-    def over_loads(name: str) -> float:
-        return C.ratio(C.med(seconds[name]), loads) if seconds[name] else float("nan")
-
+    medians = {k: C.summary(v) for k, v in seconds.items()}  # (nan where no round ran)
+    loads = medians["dcp.load"]["median"]
     return {
-        "seconds": {k: C.summary(v) for k, v in seconds.items()},
-        "hot_vs_median_dcp_load": over_loads("hot"),
-        "disk_vs_median_dcp_load": over_loads("disk"),
+        "seconds": medians,
+        "hot_vs_median_dcp_load": C.ratio(medians["hot"]["median"], loads),
+        "disk_vs_median_dcp_load": C.ratio(medians["disk"]["median"], loads),
         "hot_vs_cold_dcp_load": C.summary(ratios["hot"]),
         "disk_vs_cold_dcp_load": C.summary(ratios["disk"]),
         "bit_for_bit": bool(runs) and all(r["bit_for_bit"] for r in runs),
